@@ -1,0 +1,1 @@
+"""Thin Ray actor shells, each owning one pure core object."""

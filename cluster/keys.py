@@ -1,0 +1,95 @@
+"""Page keys: one chained hash over full pages of tokens.
+
+    ns      = H("raykv-ns-v1" | model geometry | namespace | page_tokens)
+    key_0   = H(ns     | tokens[0:T])
+    key_i   = H(key_i-1 | tokens[i*T:(i+1)*T])
+
+H is blake3 truncated to 16 bytes over canonical bytes (tokens as little-endian uint32), so
+every process and node computes the same keys regardless of PYTHONHASHSEED. Only full pages
+are keyed; a trailing partial page has no key. This is the only hashing function in raykv.
+"""
+
+from __future__ import annotations
+
+from typing import NewType
+
+import blake3
+import numpy as np
+
+from cluster.spec import ModelSpec
+
+PageKey = NewType("PageKey", bytes)
+KEY_BYTES = 16
+MAX_TOKEN_ID = 2**32 - 1
+
+
+def page_hash(*parts: bytes) -> PageKey:
+    """The one hash: blake3 over the concatenated parts, 16-byte digest."""
+    hasher = blake3.blake3()
+    for part in parts:
+        hasher.update(part)
+    return PageKey(hasher.digest(KEY_BYTES))
+
+
+def namespace_key(spec: ModelSpec, namespace: str, page_tokens: int) -> PageKey:
+    """The chain's root: model geometry, tenant namespace and page size."""
+    return page_hash(
+        b"raykv-ns-v1|",
+        spec.canonical_bytes(),
+        b"|",
+        namespace.encode(),
+        b"|",
+        str(page_tokens).encode(),
+    )
+
+
+def canonical_tokens(tokens: object) -> np.ndarray:
+    """Validate token ids and return them as a contiguous little-endian uint32 array.
+
+    Raises TypeError for non-integer tokens and ValueError for bad shapes or ranges.
+    """
+    array = _as_array(tokens)
+    if array.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tuple(array.shape)}")
+    if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"tokens must be integers, got dtype {array.dtype}")
+    if array.size and (int(array.min()) < 0 or int(array.max()) > MAX_TOKEN_ID):
+        raise ValueError(f"token ids must lie in [0, {MAX_TOKEN_ID}]")
+    return np.ascontiguousarray(array, dtype="<u4")
+
+
+def _as_array(tokens: object) -> np.ndarray:
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor
+        return tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        return tokens
+    if isinstance(tokens, (list, tuple, range)):
+        for token in tokens:
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+                raise TypeError(f"tokens must be integers, got {type(token).__name__}")
+        return np.asarray(tokens, dtype=np.int64) if len(tokens) else np.zeros(0, np.int64)
+    raise TypeError(f"tokens must be a list, numpy array or torch tensor, not {type(tokens)}")
+
+
+def chain_keys(tokens: np.ndarray, root: PageKey, page_tokens: int) -> list[PageKey]:
+    """Keys of the full pages of `tokens` (already canonical), chained from `root`."""
+    num_pages = len(tokens) // page_tokens
+    data = tokens[: num_pages * page_tokens].tobytes()
+    stride = page_tokens * 4
+    keys: list[PageKey] = []
+    previous = root
+    for page in range(num_pages):
+        previous = page_hash(previous, data[page * stride : (page + 1) * stride])
+        keys.append(previous)
+    return keys
+
+
+def page_keys(spec: ModelSpec, namespace: str, page_tokens: int, tokens: object) -> list[PageKey]:
+    """Validate `tokens` and return the keys of their full pages."""
+    return chain_keys(canonical_tokens(tokens), namespace_key(spec, namespace, page_tokens),
+                      page_tokens)
+
+
+def shard_of(key: PageKey, num_shards: int) -> int:
+    """Directory shard that owns `key` (keys are uniform hash bytes already)."""
+    return int.from_bytes(key[:8], "little") % num_shards

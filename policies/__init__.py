@@ -1,0 +1,1 @@
+"""Policies: pure functions and small state machines. No Ray, no I/O."""
