@@ -1,0 +1,147 @@
+"""NodeCacheActor: a thin async Ray shell around one node's NodeStore.
+
+It owns the node's tiers, serves same-node clients through shared memory (reserve/commit,
+acquire/release) and remote clients through Ray objects (put_pages/read_pages), and ships its
+`stored`/`removed` events to the directory shards in batches with an epoch and sequence numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+
+from actors.handles import DirectoryHandle
+from cluster.config import CacheConfig
+from cluster.geometry import PageGeometry
+from cluster.keys import PageKey, shard_of
+from cluster.pool import PoolLimits
+from cluster.store import NodeStore, StoreConfig
+from cluster.tiers.memory import cuda_available
+
+log = logging.getLogger("raykv.node")
+
+
+def store_config(config: CacheConfig, node_id: str) -> StoreConfig:
+    limits = PoolLimits(config.device_bytes, config.host_bytes, config.disk_bytes,
+                        config.eviction, config.disk_codec, cuda_available(),
+                        f"raykv-{node_id[:12]}")
+    disk_dir = f"{config.disk_dir}/{node_id[:16]}"
+    return StoreConfig(limits, disk_dir, config.pin_lease_s, config.disk_threads)
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+class NodeCacheActor:
+    """One per node: the node's tiers, index and event stream."""
+
+    def __init__(self, config_json: str, node_id: str):
+        self.config = CacheConfig.model_validate_json(config_json)
+        self.node_id = node_id
+        self.epoch = time.time_ns()  # grows across restarts: the directory fences older ones
+        self.store = NodeStore(store_config(self.config, node_id))
+        self.directory = DirectoryHandle.lookup(self.config)
+        self._seq = [0] * self.config.num_directory_shards
+        self._flush_lock = asyncio.Lock()
+        self._loop_task: asyncio.Task | None = None
+        self.recovered_pages = 0
+
+    async def ready(self) -> dict:
+        """Recover disk pages, register with the directory, start the event loop."""
+        if self._loop_task is None:
+            self.recovered_pages = await asyncio.to_thread(self.store.recover_disk)
+            await self.sync_inventory()
+            self._loop_task = asyncio.create_task(self._flush_loop())
+        return {"node_id": self.node_id, "epoch": self.epoch,
+                "recovered_pages": self.recovered_pages}
+
+    async def _flush_loop(self) -> None:
+        last_beat_s = 0.0
+        while True:
+            await asyncio.sleep(self.config.event_flush_s)
+            try:
+                beat = time.monotonic() - last_beat_s >= self.config.heartbeat_s
+                if await self.flush(heartbeat=beat):
+                    last_beat_s = time.monotonic()
+            except Exception:  # a dead directory is a status: keep serving, retry next tick
+                log.exception("event flush failed")
+
+    async def flush(self, heartbeat: bool = False) -> bool:
+        """Ship pending events (and a heartbeat) to every shard; True when sent."""
+        async with self._flush_lock:
+            changes = self.store.events.drain()
+            if not changes and not heartbeat:
+                return False
+            per_shard = [[] for _ in self._seq]
+            for key, tier in changes.items():
+                per_shard[shard_of(key, len(self._seq))].append((key, tier))
+            calls = []
+            for shard, batch in enumerate(per_shard):
+                if batch or heartbeat:
+                    self._seq[shard] += 1
+                    calls.append(self.directory.apply(shard, self.node_id, self.epoch,
+                                                      self._seq[shard], batch))
+            await asyncio.gather(*calls)
+            return True
+
+    async def sync_inventory(self) -> None:
+        """Send the full inventory to every shard (start-up, or a directory that restarted)."""
+        async with self._flush_lock:
+            self.store.events.drain()
+            inventory = self.store.inventory()
+            per_shard = [[] for _ in self._seq]
+            for key, tier in inventory:
+                per_shard[shard_of(key, len(self._seq))].append((key, tier))
+            calls = []
+            for shard, batch in enumerate(per_shard):
+                self._seq[shard] += 1
+                calls.append(self.directory.replace_node(shard, self.node_id, self.epoch,
+                                                         batch, self._seq[shard]))
+            await asyncio.gather(*calls)
+
+    # ---- same-node clients (shared memory) -----------------------------------------------
+
+    async def descriptors(self, geometry: PageGeometry):
+        return self.store.descriptors(geometry)
+
+    async def reserve(self, geometry: PageGeometry, keys: list[PageKey]):
+        return await self.store.reserve(geometry, keys)
+
+    async def commit(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+        committed = self.store.commit(geometry, keys)
+        await self.flush()  # read-your-writes: the directory knows before put() returns
+        return committed
+
+    async def abort(self, geometry: PageGeometry, keys: list[PageKey]) -> None:
+        self.store.pool(geometry).abort(keys)
+
+    async def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
+        return await self.store.acquire(geometry, keys)
+
+    async def release(self, lease_id: int) -> None:
+        self.store.release(lease_id)
+
+    # ---- remote clients (Ray objects) ----------------------------------------------------
+
+    async def put_pages(self, geometry: PageGeometry, keys: list[PageKey], pages: list) -> int:
+        stored = await self.store.put_pages(geometry, keys, pages)
+        await self.flush()
+        return stored
+
+    async def read_pages(self, geometry: PageGeometry, keys: list[PageKey]) -> list:
+        return await self.store.read_pages(geometry, keys)
+
+    async def prefetch(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+        return await self.store.prefetch(geometry, keys)
+
+    # ---- introspection -------------------------------------------------------------------
+
+    async def inventory(self) -> list[tuple[PageKey, int]]:
+        return self.store.inventory()
+
+    async def stats(self) -> dict:
+        return {"node_id": self.node_id, "epoch": self.epoch, **self.store.stats()}
+
+    async def ping(self) -> str:
+        return self.node_id

@@ -1,0 +1,137 @@
+"""DirectoryIndex: where every page lives, as a pure object owned by one directory shard.
+
+    index:  key -> {node_id: (tier, seq)}
+
+Node actors send batches of events `(node, epoch, seq, changes)`. A batch is applied at most
+once, in any order:
+
+    per node:  epoch, watermark W (every seq <= W applied), applied seqs above W,
+               tombstones key -> seq of removals, so an older `stored` cannot resurrect a page
+
+A batch from an older epoch (a node that restarted) is fenced off; a newer epoch purges the
+node's old locations first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.keys import PageKey
+
+Location = tuple[str, int]  # (node_id, tier)
+
+
+@dataclass(slots=True)
+class NodeLog:
+    epoch: int
+    watermark: int = 0
+    applied: set[int] = field(default_factory=set)
+    tombstones: dict[PageKey, int] = field(default_factory=dict)
+    keys: set[PageKey] = field(default_factory=set)
+    last_seen_s: float = 0.0
+
+
+class DirectoryIndex:
+    """Page locations, longest-prefix match, and per-node event fencing."""
+
+    def __init__(self) -> None:
+        self.index: dict[PageKey, dict[str, tuple[int, int]]] = {}
+        self.nodes: dict[str, NodeLog] = {}
+
+    # ---- events --------------------------------------------------------------------------
+
+    def apply(self, node_id: str, epoch: int, seq: int,
+              changes: list[tuple[PageKey, int | None]]) -> bool:
+        """Apply one batch; False when it is a duplicate or from a fenced (older) epoch."""
+        log = self._log_for(node_id, epoch)
+        if log is None or seq <= log.watermark or seq in log.applied:
+            return False
+        for key, tier in changes:
+            if tier is None:
+                self._remove(node_id, log, key, seq)
+            else:
+                self._store(node_id, log, key, tier, seq)
+        log.applied.add(seq)
+        self._advance(log)
+        return True
+
+    def _log_for(self, node_id: str, epoch: int) -> NodeLog | None:
+        log = self.nodes.get(node_id)
+        if log is not None and epoch < log.epoch:
+            return None
+        if log is None or epoch > log.epoch:
+            self.drop_node(node_id)
+            log = self.nodes[node_id] = NodeLog(epoch)
+        return log
+
+    def _store(self, node_id: str, log: NodeLog, key: PageKey, tier: int, seq: int) -> None:
+        if log.tombstones.get(key, -1) > seq:
+            return
+        places = self.index.setdefault(key, {})
+        current = places.get(node_id)
+        if current is None or current[1] < seq:
+            places[node_id] = (tier, seq)
+            log.keys.add(key)
+            log.tombstones.pop(key, None)
+
+    def _remove(self, node_id: str, log: NodeLog, key: PageKey, seq: int) -> None:
+        places = self.index.get(key)
+        current = places.get(node_id) if places else None
+        if current is not None and current[1] > seq:
+            return
+        log.tombstones[key] = max(seq, log.tombstones.get(key, -1))
+        if current is not None:
+            self._forget(node_id, key)
+            log.keys.discard(key)
+
+    def _forget(self, node_id: str, key: PageKey) -> None:
+        places = self.index.get(key)
+        if places is not None:
+            places.pop(node_id, None)
+            if not places:
+                del self.index[key]
+
+    @staticmethod
+    def _advance(log: NodeLog) -> None:
+        while log.watermark + 1 in log.applied:
+            log.watermark += 1
+            log.applied.discard(log.watermark)
+        if log.tombstones and len(log.tombstones) > 4096:
+            # A removal at seq <= W can no longer be overtaken by an older batch.
+            log.tombstones = {k: s for k, s in log.tombstones.items() if s > log.watermark}
+
+    # ---- membership ----------------------------------------------------------------------
+
+    def drop_node(self, node_id: str) -> int:
+        """Purge every location of a node (dead or restarted); returns how many."""
+        log = self.nodes.pop(node_id, None)
+        if log is None:
+            return 0
+        for key in log.keys:
+            self._forget(node_id, key)
+        return len(log.keys)
+
+    def replace_node(self, node_id: str, epoch: int,
+                     inventory: list[tuple[PageKey, int]], seq: int) -> None:
+        """Install a node's full inventory (directory rebuild, or a node rejoining)."""
+        self.drop_node(node_id)
+        log = self.nodes[node_id] = NodeLog(epoch, watermark=seq)
+        for key, tier in inventory:
+            self.index.setdefault(key, {})[node_id] = (tier, seq)
+            log.keys.add(key)
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def match(self, keys: list[PageKey]) -> list[list[Location]]:
+        """Locations of the longest prefix of `keys` held anywhere, best tier first."""
+        found: list[list[Location]] = []
+        for key in keys:
+            places = self.index.get(key)
+            if not places:
+                break
+            found.append(sorted(((n, t) for n, (t, _) in places.items()), key=lambda p: p[1]))
+        return found
+
+    def stats(self) -> dict:
+        return {"num_keys": len(self.index), "num_nodes": len(self.nodes),
+                "nodes": {n: len(log.keys) for n, log in self.nodes.items()}}

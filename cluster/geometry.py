@@ -1,0 +1,40 @@
+"""Page geometry: the shape and dtype of one page, which fixes its size in bytes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cluster.spec import DTYPE_BYTES, ModelSpec
+from cluster.tiers.memory import round_up
+
+TIER_NAMES = ("device", "host", "disk")
+DEVICE, HOST, DISK = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class PageGeometry:
+    """One page: [num_layers, 2, num_kv_heads, page_tokens, head_dim] of `dtype`."""
+
+    shape: tuple[int, int, int, int, int]
+    dtype: str
+
+    @staticmethod
+    def of(spec: ModelSpec, page_tokens: int) -> PageGeometry:
+        return PageGeometry(spec.page_shape(page_tokens), spec.dtype)
+
+    @property
+    def page_bytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Page bytes rounded up to 4096, so slots suit O_DIRECT and huge pages."""
+        return round_up(self.page_bytes)
+
+    @property
+    def name(self) -> str:
+        return "x".join(map(str, self.shape)) + "-" + self.dtype
+
+    def torch_dtype(self):
+        return ModelSpec("g", 1, 1, 1, self.dtype).torch_dtype()

@@ -1,0 +1,44 @@
+"""Validation of KV tensors at the client boundary: a bad input is refused before anything is
+stored, with an error that names the problem."""
+
+from __future__ import annotations
+
+import torch
+
+from cluster.spec import ModelSpec
+
+
+def page_slices(page: int, page_tokens: int) -> slice:
+    return slice(page * page_tokens, (page + 1) * page_tokens)
+
+
+def _check_layout(kv: object, spec: ModelSpec, what: str) -> None:
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dtype != spec.torch_dtype():
+        raise TypeError(f"{what} dtype {kv.dtype} does not match model {spec.name!r} "
+                        f"dtype {spec.torch_dtype()}")
+    expected = (spec.num_layers, 2, spec.num_kv_heads, None, spec.head_dim)
+    shape = tuple(kv.shape)
+    wrong = len(shape) != 5 or any(
+        e is not None and e != s for e, s in zip(expected, shape, strict=True))
+    if wrong:
+        raise ValueError(f"{what} shape {shape} is not [num_layers={spec.num_layers}, 2, "
+                         f"num_kv_heads={spec.num_kv_heads}, num_tokens, "
+                         f"head_dim={spec.head_dim}]")
+
+
+def check_kv(kv: object, spec: ModelSpec, num_tokens: int) -> None:
+    """kv must be [num_layers, 2, num_kv_heads, num_tokens, head_dim] in the model's dtype."""
+    _check_layout(kv, spec, "kv")
+    if kv.shape[3] != num_tokens:
+        raise ValueError(f"kv holds {kv.shape[3]} tokens but tokens has {num_tokens}")
+
+
+def check_out(out: object, spec: ModelSpec, num_tokens: int, page_tokens: int) -> None:
+    """out must have the KV layout and room for every full page of the tokens."""
+    _check_layout(out, spec, "out")
+    needed = num_tokens // page_tokens * page_tokens
+    if out.shape[3] < needed:
+        raise ValueError(f"out has room for {out.shape[3]} tokens; the full pages of tokens "
+                         f"need {needed}")

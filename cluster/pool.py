@@ -1,0 +1,371 @@
+"""One page size class on one node: three tiers, the local index, eviction and pins.
+
+    device (VRAM)  --demote-->  host (/dev/shm)  --demote-->  disk (O_DIRECT)  --> dropped
+          ^------------promote on access--------------------------'
+
+Each page lives in exactly one tier. Memory copies happen inline on the owner's event loop;
+disk I/O runs in the disk arena's threads and is awaited. A page that is pinned (being read)
+or moving between tiers is never chosen as a victim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cluster import quant
+from cluster.geometry import DEVICE, DISK, HOST, PageGeometry
+from cluster.keys import PageKey
+from cluster.tiers.disk import DiskArena
+from cluster.tiers.memory import MappedArena
+from policies.eviction import make_policy
+
+EventSink = Callable[[PageKey, int | None], None]
+
+
+class State(enum.IntEnum):
+    PENDING = 0  # reserved by a put; invisible until committed
+    READY = 1
+    MOVING = 2  # between tiers; treated as pinned
+
+
+@dataclass(slots=True)
+class Entry:
+    tier: int
+    slot: int
+    state: State
+    codec: int = 0
+    pins: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLimits:
+    """Per-tier byte budgets and the knobs of one pool."""
+
+    device_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    eviction: str = "s3fifo"
+    disk_codec: str = "none"
+    use_cuda: bool = False
+    shm_prefix: str = "raykv"
+
+
+class Pool:
+    """Pages of one geometry on one node."""
+
+    def __init__(self, geometry: PageGeometry, limits: PoolLimits, disk: DiskArena | None,
+                 on_event: EventSink):
+        self.geometry = geometry
+        self.codec_id = quant.codec_id(limits.disk_codec)
+        slot_bytes = geometry.slot_bytes
+        self.memory = [
+            MappedArena("device", limits.device_bytes, slot_bytes, limits.use_cuda,
+                        limits.shm_prefix),
+            MappedArena("host", limits.host_bytes, slot_bytes, False, limits.shm_prefix),
+        ]
+        self.disk = disk
+        self.index: dict[PageKey, Entry] = {}
+        self.policies = [make_policy(limits.eviction, self._num_slots(t)) for t in range(3)]
+        self._on_event = on_event
+        self._inflight: dict[PageKey, asyncio.Future] = {}
+        self.top_tier = DEVICE if self.memory[DEVICE].num_slots else HOST
+
+    def _num_slots(self, tier: int) -> int:
+        if tier == DISK:
+            return self.disk.num_slots if self.disk else 0
+        return self.memory[tier].num_slots
+
+    def _free_slots(self, tier: int) -> int:
+        if tier == DISK:
+            return self.disk.num_free if self.disk else 0
+        return self.memory[tier].slots.num_free
+
+    def is_pinned(self, key: PageKey) -> bool:
+        entry = self.index.get(key)
+        return entry is None or entry.pins > 0 or entry.state != State.READY
+
+    def view(self, entry: Entry) -> torch.Tensor:
+        return self.memory[entry.tier].view(entry.slot)
+
+    # ---- reserve / commit (puts) -------------------------------------------------------
+
+    async def reserve(self, keys: list[PageKey]) -> list[tuple[int, int] | None]:
+        """Slots for the keys not yet stored, as (tier, slot); None where the key exists.
+
+        Returns [] when there is no room even after demotion (an expected shortage).
+        """
+        fresh = [k for k in dict.fromkeys(keys) if k not in self.index]
+        tier = self.top_tier
+        if not await self.make_room(tier, len(fresh)):
+            return []
+        for key in fresh:
+            slot = self.memory[tier].alloc()
+            assert slot is not None, "make_room promised a free slot"
+            self.index[key] = Entry(tier, slot, State.PENDING)
+        wanted = set(fresh)
+        return [(tier, self.index[k].slot) if k in wanted else None for k in keys]
+
+    def commit(self, keys: list[PageKey]) -> int:
+        """Make reserved pages visible; returns how many were committed."""
+        committed = 0
+        for key in keys:
+            entry = self.index.get(key)
+            if entry is None or entry.state != State.PENDING:
+                continue
+            entry.state = State.READY
+            self.policies[entry.tier].on_insert(key)
+            self._on_event(key, entry.tier)
+            committed += 1
+        return committed
+
+    def abort(self, keys: list[PageKey]) -> None:
+        """Drop reserved-but-uncommitted pages (a failed or abandoned put)."""
+        for key in keys:
+            entry = self.index.get(key)
+            if entry is not None and entry.state == State.PENDING:
+                self.memory[entry.tier].free(entry.slot)
+                del self.index[key]
+
+    def write_page(self, key: PageKey, page: np.ndarray) -> None:
+        """Copy bytes of a reserved page in (puts that arrive through Ray, not shm)."""
+        entry = self.index[key]
+        assert entry.state == State.PENDING, "write_page needs a reserved page"
+        self.view(entry)[: page.size].copy_(torch.from_numpy(page))
+
+    # ---- acquire / release (gets) ------------------------------------------------------
+
+    def local_prefix(self, keys: list[PageKey]) -> int:
+        """How many leading keys this pool holds (ready, any tier)."""
+        for position, key in enumerate(keys):
+            entry = self.index.get(key)
+            if entry is None or entry.state == State.PENDING:
+                return position
+        return len(keys)
+
+    async def acquire(self, keys: list[PageKey]) -> list[tuple[int, int]]:
+        """Pin the longest local prefix of keys in a mapped tier; returns (tier, slot) each.
+
+        Disk pages are read up into host first; a page lost on the way ends the prefix.
+        """
+        count = self.local_prefix(keys)
+        for key in keys[:count]:
+            self.index[key].pins += 1
+        await self.load_from_disk(keys[:count])
+        located: list[tuple[int, int]] = []
+        for position, key in enumerate(keys[:count]):
+            await self.promote(key, own_pins=1)
+            entry = self.index.get(key)
+            if entry is None or entry.tier == DISK:
+                self.release(keys[position:count])
+                break
+            self.policies[entry.tier].on_access(key)
+            located.append((entry.tier, entry.slot))
+        return located
+
+    def release(self, keys: list[PageKey]) -> None:
+        for key in keys:
+            entry = self.index.get(key)
+            if entry is not None and entry.pins > 0:
+                entry.pins -= 1
+
+    # ---- moving pages between tiers ----------------------------------------------------
+
+    async def make_room(self, tier: int, num_pages: int) -> bool:
+        """Free `num_pages` slots in `tier` by demoting its victims; False if impossible."""
+        shortfall = num_pages - self._free_slots(tier)
+        if shortfall <= 0:
+            return True
+        if num_pages > self._num_slots(tier):
+            return False
+        victims = self.policies[tier].victims(shortfall, self.is_pinned)
+        if len(victims) < shortfall:
+            return False
+        await self.demote(victims, tier)
+        return self._free_slots(tier) >= num_pages
+
+    async def demote(self, keys: list[PageKey], tier: int) -> None:
+        """Move pages one tier down (the last tier drops them)."""
+        if tier == DISK or (tier == HOST and not self._num_slots(DISK)):
+            for key in keys:
+                self.drop(key)
+            return
+        below = tier + 1
+        for key in keys:
+            self.index[key].state = State.MOVING
+        try:
+            await self.make_room(below, len(keys))
+            if below == HOST:
+                moved = [key for key in keys if self._move_memory(key, HOST)]
+            else:
+                moved = await self._write_disk(keys)
+        finally:
+            for key in keys:
+                if key in self.index:
+                    self.index[key].state = State.READY
+        for key in set(keys) - set(moved):
+            self.drop(key)
+
+    def _move_memory(self, key: PageKey, tier: int) -> bool:
+        entry = self.index[key]
+        slot = self.memory[tier].alloc()
+        if slot is None:
+            return False
+        self.memory[tier].view(slot).copy_(self.view(entry))
+        self._relocate(key, entry, tier, slot)
+        return True
+
+    def _relocate(self, key: PageKey, entry: Entry, tier: int, slot: int) -> None:
+        self.policies[entry.tier].on_remove(key)
+        self._free_slot(entry)
+        entry.tier, entry.slot = tier, slot
+        self.policies[tier].on_insert(key)
+        self._on_event(key, tier)
+
+    def _free_slot(self, entry: Entry) -> None:
+        if entry.tier == DISK:
+            self.disk.free(entry.slot)
+        else:
+            self.memory[entry.tier].free(entry.slot)
+
+    async def _write_disk(self, keys: list[PageKey]) -> list[PageKey]:
+        items, moved = [], []
+        for key in keys:
+            slot = self.disk.alloc()
+            if slot is None:
+                break
+            payload = self._encode(self.index[key])
+            items.append((slot, bytes(key), self.codec_id, payload))
+            moved.append(key)
+        await asyncio.to_thread(self.disk.write_pages, items)
+        for (slot, _, codec, _), key in zip(items, moved, strict=True):
+            entry = self.index[key]
+            self._relocate(key, entry, DISK, slot)
+            entry.codec = codec
+        return moved
+
+    def _encode(self, entry: Entry) -> np.ndarray:
+        page_bytes = self.geometry.page_bytes
+        raw = self.view(entry)[:page_bytes].cpu()
+        if self.codec_id == 0:
+            return raw.numpy()  # the slot stays MOVING until the write lands
+        page = raw.view(self.geometry.torch_dtype()).view(self.geometry.shape)
+        return quant.encode_page(page, quant.codec_name(self.codec_id))
+
+    async def promote(self, key: PageKey, own_pins: int = 0) -> None:
+        """Move a page up to the top tier (reading it up from disk first if needed).
+
+        A memory page pinned by someone else is left where it is: moving it would free the
+        slot under that reader. `own_pins` are the caller's pins, which it can account for.
+        """
+        await self.load_from_disk([key])
+        entry = self.index.get(key)
+        if entry is None or entry.tier in (self.top_tier, DISK) or entry.state != State.READY:
+            return
+        if entry.pins > own_pins:
+            return
+        entry.state = State.MOVING
+        try:
+            if await self.make_room(self.top_tier, 1):
+                self._move_memory(key, self.top_tier)
+        finally:
+            entry.state = State.READY
+
+    async def load_from_disk(self, keys: list[PageKey]) -> None:
+        """Read the disk-resident pages among `keys` up into host, in one batched read.
+
+        A page another request is already loading is awaited, not read twice (no convoy).
+        """
+        waits = [self._inflight[k] for k in keys if k in self._inflight]
+        todo = [k for k in dict.fromkeys(keys) if self._on_disk_ready(k)]
+        if todo:
+            done = asyncio.get_running_loop().create_future()
+            for key in todo:
+                self.index[key].state = State.MOVING
+                self._inflight[key] = done
+            try:
+                await self._read_disk_batch(todo)
+            finally:
+                for key in todo:
+                    self._inflight.pop(key, None)
+                    if key in self.index:
+                        self.index[key].state = State.READY
+                done.set_result(None)
+        for wait in waits:
+            await asyncio.shield(wait)
+
+    def _on_disk_ready(self, key: PageKey) -> bool:
+        entry = self.index.get(key)
+        return entry is not None and entry.tier == DISK and entry.state == State.READY
+
+    async def _read_disk_batch(self, keys: list[PageKey]) -> None:
+        if not await self.make_room(HOST, len(keys)):
+            keys = keys[: self._free_slots(HOST)]
+        slots = [self.memory[HOST].alloc() for _ in keys]
+        outs = [self._read_target(self.index[k], s) for k, s in zip(keys, slots, strict=True)]
+        disk_slots = [self.index[k].slot for k in keys]
+        metas = await asyncio.to_thread(self.disk.read_pages, disk_slots, outs)
+        for key, slot, out, meta in zip(keys, slots, outs, metas, strict=True):
+            entry = self.index[key]
+            if meta is None or meta.key != bytes(key):
+                self.memory[HOST].free(slot)
+                self.drop(key)  # corrupt or overwritten page: a miss from now on
+                continue
+            if entry.codec != 0:
+                self._decode_into(self.memory[HOST].view(slot), out[: meta.payload_bytes],
+                                  entry.codec)
+            self._relocate(key, entry, HOST, slot)
+            entry.codec = 0
+
+    def _read_target(self, entry: Entry, host_slot: int) -> np.ndarray:
+        # Raw pages land straight in the (4096-aligned) host slot; quantized ones need staging.
+        if entry.codec == 0:
+            return self.memory[HOST].view(host_slot).numpy()
+        return np.empty(self.geometry.slot_bytes, dtype=np.uint8)
+
+    def _decode_into(self, view: torch.Tensor, payload: np.ndarray, codec: int) -> None:
+        dtype = self.geometry.torch_dtype()
+        out = view[: self.geometry.page_bytes].view(dtype).view(self.geometry.shape)
+        quant.decode_page(payload, quant.codec_name(codec), self.geometry.shape, dtype, out)
+
+    def drop(self, key: PageKey) -> None:
+        """Forget a page entirely (evicted from the last tier, or corrupt)."""
+        entry = self.index.pop(key, None)
+        if entry is None:
+            return
+        self.policies[entry.tier].on_remove(key)
+        self._free_slot(entry)
+        if entry.state != State.PENDING:
+            self._on_event(key, None)
+
+    # ---- restart and stats -------------------------------------------------------------
+
+    def adopt_disk_pages(self, found: list[tuple[int, object]]) -> int:
+        """Index pages found on the disk slabs after a restart (already checksum-verified)."""
+        for slot, meta in found:
+            key = PageKey(meta.key)
+            if key in self.index:
+                self.disk.free(slot)
+                continue
+            self.index[key] = Entry(DISK, slot, State.READY, codec=meta.codec)
+            self.policies[DISK].on_insert(key)
+            self._on_event(key, DISK)
+        return len(found)
+
+    def tier_counts(self) -> dict[str, int]:
+        counts = [0, 0, 0]
+        for entry in self.index.values():
+            if entry.state != State.PENDING:
+                counts[entry.tier] += 1
+        return {"device": counts[0], "host": counts[1], "disk": counts[2]}
+
+    def close(self) -> None:
+        for arena in self.memory:
+            arena.close()
+        if self.disk is not None:
+            self.disk.close()

@@ -1,0 +1,109 @@
+"""4096-aligned host buffers and the file helpers of O_DIRECT I/O.
+
+An anonymous mmap starts on a page boundary, so a numpy view of one satisfies O_DIRECT's rule
+for buffer addresses; lengths are the caller's to round (`round_up`). Buffers are zero-filled
+when mapped and are meant to be reused, not reallocated per page:
+
+    pool: [buf, buf, buf]   acquire() pops one (or maps a new one when empty);
+                            release() pushes it back, keeping at most max_buffers;
+                            any extra is dropped and unmapped by the GC.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+ALIGN_BYTES = 4096
+_NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+
+
+def round_up(value: int, multiple: int = ALIGN_BYTES) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A zeroed 1-D uint8 array of `nbytes`, starting on a 4096 boundary (anonymous mmap)."""
+    assert nbytes >= 0, f"nbytes must be >= 0, got {nbytes}"
+    region = mmap.mmap(-1, max(round_up(nbytes), ALIGN_BYTES))
+    return np.frombuffer(region, dtype=np.uint8)[:nbytes]  # the array keeps the mmap alive
+
+
+def is_aligned(array: np.ndarray) -> bool:
+    """True when `array` is C-contiguous and starts on a 4096 boundary (lengths not checked)."""
+    return bool(array.flags.c_contiguous) and array.ctypes.data % ALIGN_BYTES == 0
+
+
+class AlignedBufferPool:
+    """A thread-safe free list of equal-size aligned buffers."""
+
+    def __init__(self, buffer_bytes: int, max_buffers: int) -> None:
+        assert buffer_bytes > 0, f"buffer_bytes must be > 0, got {buffer_bytes}"
+        assert max_buffers >= 0, f"max_buffers must be >= 0, got {max_buffers}"
+        self.buffer_bytes = buffer_bytes
+        self.max_buffers = max_buffers
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> np.ndarray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return aligned_empty(self.buffer_bytes)
+
+    def release(self, buffer: np.ndarray) -> None:
+        assert buffer.nbytes == self.buffer_bytes, "buffer does not belong to this pool"
+        with self._lock:
+            if len(self._free) < self.max_buffers:
+                self._free.append(buffer)
+
+    @contextmanager
+    def borrow(self) -> Iterator[np.ndarray]:
+        buffer = self.acquire()
+        try:
+            yield buffer
+        finally:
+            self.release(buffer)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._free)
+
+
+def preallocate(fd: int, size_bytes: int) -> None:
+    """Grow the file to `size_bytes` with real blocks (posix_fallocate), else ftruncate."""
+    if os.fstat(fd).st_size >= size_bytes:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as error:
+        if error.errno not in _NO_FALLOCATE:
+            raise  # ENOSPC and friends are real failures
+        os.ftruncate(fd, size_bytes)
+
+
+def direct_reads_work(fd: int) -> bool:
+    """False when an O_DIRECT fd refuses aligned reads (some filesystems accept the flag at
+    open() and refuse it at read time). The file must hold at least ALIGN_BYTES."""
+    try:
+        os.preadv(fd, [aligned_empty(ALIGN_BYTES)], 0)
+    except OSError as error:
+        if error.errno == errno.EINVAL:
+            return False
+        raise
+    return True
+
+
+def pwritev_all(fd: int, iovecs: list[np.ndarray], offset: int) -> int:
+    """os.pwritev that treats a short write as an OSError; returns the bytes written."""
+    total_bytes = sum(iovec.nbytes for iovec in iovecs)
+    written_bytes = os.pwritev(fd, iovecs, offset)
+    if written_bytes != total_bytes:
+        raise OSError(errno.EIO, f"short write: {written_bytes} of {total_bytes} bytes")
+    return written_bytes

@@ -1,0 +1,429 @@
+"""Disk tier: fixed-size slots in preallocated slab files, read and written with O_DIRECT.
+
+    slab-00000.bin: | slot 0 | slot 1 | ... | slot k-1 |   k = slots_per_file (files <= ~1 GiB)
+    slab-00001.bin: | slot k | slot k+1 | ...          |
+    slot:           | header block 4096 | payload, rounded up to 4096 |
+    header:         magic | version | codec | key[16] | payload_bytes | xxh3(payload) | xxh3(header)
+
+A batch of pages goes out (or comes back) in parallel: os.pwritev/os.preadv in a small thread
+pool, which release the GIL, through pooled 4096-aligned buffers. A page whose header or payload
+fails its checksum reads as None, a miss. free() writes nothing, so a freed page whose slot was
+not reused comes back from scan() after a restart: still a valid page, which the owner may keep
+or free. manifest.json pins the geometry; reopening with another one raises ValueError.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import struct
+import threading
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from cluster.tiers.aligned import (
+    ALIGN_BYTES,
+    AlignedBufferPool,
+    direct_reads_work,
+    is_aligned,
+    preallocate,
+    pwritev_all,
+    round_up,
+)
+from cluster.tiers.slots import SlotAllocator
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"RKVP"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+KEY_BYTES = 16
+MAX_CODEC = 0xFFFF
+MAX_SLAB_FILE_BYTES = 1 << 30
+MANIFEST_NAME = "manifest.json"
+SCAN_CHUNK_SLOTS = 64
+_HEADER = struct.Struct("<4sHH16sQQ")  # magic, version, codec, key, payload_bytes, checksum
+_HEADER_SUM = struct.Struct("<Q")  # xxh3 of the _HEADER bytes, stored right after them
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class DiskPageMeta:
+    key: bytes
+    payload_bytes: int
+    codec: int
+    checksum: int  # xxh3_64 of the payload bytes
+
+
+def _checksum(data: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _open_file(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o644)
+
+
+def _pack_header(header: np.ndarray, meta: DiskPageMeta) -> None:
+    _HEADER.pack_into(header, 0, MAGIC, FORMAT_VERSION, meta.codec, meta.key,
+                      meta.payload_bytes, meta.checksum)
+    _HEADER_SUM.pack_into(header, _HEADER.size, _checksum(header[: _HEADER.size]))
+
+
+def _ensure_manifest(dir_path: str, geometry: dict[str, int | str]) -> None:
+    """Check the manifest against `geometry` (ValueError naming each mismatch), or write one."""
+    path = os.path.join(dir_path, MANIFEST_NAME)
+    if os.path.exists(path):
+        try:
+            with open(path) as file:
+                found = json.load(file)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"unreadable disk arena manifest {path}: {error}") from error
+        mismatches = [f"{name}: on disk {found.get(name)!r}, asked for {wanted!r}"
+                      for name, wanted in geometry.items() if found.get(name) != wanted]
+        if mismatches:
+            raise ValueError(f"disk arena geometry mismatch in {dir_path}: {'; '.join(mismatches)}")
+        return
+    stray = sorted(name for name in os.listdir(dir_path) if name.startswith("slab-"))
+    if stray:
+        raise ValueError(f"{dir_path} holds slab files {stray[:3]} but no {MANIFEST_NAME}")
+    with open(path + ".tmp", "w") as file:
+        json.dump(geometry, file, indent=2)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _check_bytes(name: str, array: np.ndarray) -> None:
+    if not isinstance(array, np.ndarray) or array.dtype != np.uint8:
+        raise TypeError(f"{name} must be a uint8 numpy array, got {type(array).__name__}")
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
+
+
+class DiskArena:
+    """Fixed-size page slots in slab files under `dir_path`, addressed by slot id.
+
+    Thread-safe: alloc/free and the counters take a lock, and batches may run concurrently
+    as long as no two of them touch the same slot.
+    """
+
+    def __init__(self, dir_path: str | os.PathLike, capacity_bytes: int,
+                 slot_payload_bytes: int, num_threads: int = 4) -> None:
+        if slot_payload_bytes <= 0 or num_threads <= 0:
+            raise ValueError(f"slot_payload_bytes ({slot_payload_bytes}) and num_threads "
+                             f"({num_threads}) must be > 0")
+        self.dir_path = os.fspath(dir_path)
+        self.slot_payload_bytes = slot_payload_bytes
+        self._span_bytes = round_up(slot_payload_bytes)  # the payload region of a slot
+        self.slot_bytes = HEADER_BYTES + self._span_bytes
+        self.num_slots = capacity_bytes // self.slot_bytes
+        if self.num_slots == 0:
+            raise ValueError(f"capacity_bytes={capacity_bytes} holds no slot of "
+                             f"{self.slot_bytes} bytes")
+        self.slots_per_file = max(1, MAX_SLAB_FILE_BYTES // self.slot_bytes)
+        self.num_files = -(-self.num_slots // self.slots_per_file)
+        self.direct_io = True
+        self._lock = threading.Lock()
+        self._slots = SlotAllocator(self.num_slots)
+        self.bytes_read = 0  # bytes moved from disk, headers and 4096 padding included
+        self.bytes_written = 0  # bytes moved to disk, likewise
+        os.makedirs(self.dir_path, exist_ok=True)
+        _ensure_manifest(self.dir_path, self._geometry())
+        self._fds = self._open_slabs()
+        self._small = AlignedBufferPool(2 * HEADER_BYTES, max_buffers=2 * num_threads)
+        self._staging = AlignedBufferPool(self._span_bytes, max_buffers=2 * num_threads)
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="raykv-disk")
+        self._closed = False
+
+    def _geometry(self) -> dict[str, int | str]:
+        return {"format": "raykv-disk-slabs", "version": FORMAT_VERSION,
+                "header_bytes": HEADER_BYTES, "slot_payload_bytes": self.slot_payload_bytes,
+                "slot_bytes": self.slot_bytes, "num_slots": self.num_slots,
+                "slots_per_file": self.slots_per_file, "num_files": self.num_files}
+
+    def _slab_size_bytes(self, index: int) -> int:
+        first_slot = index * self.slots_per_file
+        return min(self.slots_per_file, self.num_slots - first_slot) * self.slot_bytes
+
+    def _open_slabs(self) -> list[int]:
+        if not _O_DIRECT:
+            self._fall_back("this platform has no O_DIRECT")
+        fds: list[int] = []
+        try:
+            for index in range(self.num_files):
+                fds.append(self._open_slab(index))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    def _open_slab(self, index: int) -> int:
+        path = os.path.join(self.dir_path, f"slab-{index:05d}.bin")
+        fd = self._open_fd(path)
+        preallocate(fd, self._slab_size_bytes(index))
+        if self.direct_io and not direct_reads_work(fd):
+            os.close(fd)
+            self._fall_back(f"O_DIRECT reads fail on {path}")
+            fd = self._open_fd(path)
+        return fd
+
+    def _open_fd(self, path: str) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        if self.direct_io:
+            try:
+                return _open_file(path, flags | _O_DIRECT)
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+                self._fall_back(f"O_DIRECT refused in {self.dir_path} ({error.strerror})")
+        return _open_file(path, flags)
+
+    def _fall_back(self, reason: str) -> None:
+        if self.direct_io:
+            self.direct_io = False
+            warnings.warn(f"{reason}; the disk tier uses buffered I/O", RuntimeWarning,
+                          stacklevel=2)
+
+    def _locate(self, slot: int) -> tuple[int, int]:
+        file_index, index_in_file = divmod(slot, self.slots_per_file)
+        return self._fds[file_index], index_in_file * self.slot_bytes
+
+    def alloc(self) -> int | None:
+        with self._lock:
+            return self._slots.alloc()
+
+    def free(self, slot: int) -> None:
+        with self._lock:
+            self._slots.free(slot)
+
+    @property
+    def num_used(self) -> int:
+        return self._slots.num_used
+
+    @property
+    def num_free(self) -> int:
+        return self._slots.num_free
+
+    def _count(self, read_bytes: int = 0, written_bytes: int = 0) -> None:
+        with self._lock:
+            self.bytes_read += read_bytes
+            self.bytes_written += written_bytes
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot!r} is not in [0, {self.num_slots})")
+
+    def _run(self, func: Callable, args_list: list[tuple]) -> list:
+        """func(*args) for each args: inline for one, across the thread pool for more."""
+        assert not self._closed, "disk arena is closed"
+        if len(args_list) <= 1:
+            return [func(*args) for args in args_list]
+        return list(self._executor.map(lambda args: func(*args), args_list))
+
+    def write_pages(self, items: list[tuple[int, bytes, int, np.ndarray]]) -> list[DiskPageMeta]:
+        """Write (slot, key, codec, payload) pages; all are validated before any is written.
+
+        Raises TypeError/ValueError for a bad item (nothing written) and OSError on I/O failure.
+        """
+        seen: set[int] = set()
+        for slot, key, codec, payload in items:
+            self._check_write_item(slot, key, codec, payload)
+            if slot in seen:
+                raise ValueError(f"slot {slot} appears twice in one write batch")
+            seen.add(slot)
+        results = self._run(self._write_one, list(items))
+        self._count(written_bytes=sum(written for _, written in results))
+        return [meta for meta, _ in results]
+
+    def _check_write_item(self, slot: int, key: bytes, codec: int, payload: np.ndarray) -> None:
+        self._check_slot(slot)
+        if not isinstance(key, bytes):
+            raise TypeError(f"key must be bytes, got {type(key).__name__}")
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
+        if not isinstance(codec, (int, np.integer)) or not 0 <= codec <= MAX_CODEC:
+            raise ValueError(f"codec must be an int in [0, {MAX_CODEC}], got {codec!r}")
+        _check_bytes("payload", payload)
+        if payload.nbytes > self.slot_payload_bytes:
+            raise ValueError(f"payload of {payload.nbytes} bytes exceeds the slot payload of "
+                             f"{self.slot_payload_bytes} bytes")
+
+    def _write_one(self, slot: int, key: bytes, codec: int,
+                   payload: np.ndarray) -> tuple[DiskPageMeta, int]:
+        fd, offset = self._locate(slot)
+        if is_aligned(payload):
+            return self._write_in_place(fd, offset, DiskPageMeta(
+                key, payload.nbytes, int(codec), _checksum(payload)), payload)
+        num_bytes = payload.nbytes
+        with self._staging.borrow() as staging:
+            body = staging[: round_up(num_bytes)]
+            body[:num_bytes] = payload
+            body[num_bytes:] = 0
+            meta = DiskPageMeta(key, num_bytes, int(codec), _checksum(body[:num_bytes]))
+            return self._write_in_place(fd, offset, meta, body)
+
+    def _write_in_place(self, fd: int, offset: int, meta: DiskPageMeta,
+                        payload: np.ndarray) -> tuple[DiskPageMeta, int]:
+        """Header block, then `payload` (`meta` describes its first meta.payload_bytes): whole
+        blocks straight from it, then its last partial block padded in a pooled buffer."""
+        head_bytes = payload.nbytes // ALIGN_BYTES * ALIGN_BYTES
+        tail_bytes = payload.nbytes - head_bytes
+        with self._small.borrow() as buffer:
+            header, tail = buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]
+            _pack_header(header, meta)
+            iovecs = [header, payload[:head_bytes]] if head_bytes else [header]
+            if tail_bytes:
+                tail[:tail_bytes] = payload[head_bytes:]
+                tail[tail_bytes:] = 0
+                iovecs.append(tail)
+            return meta, pwritev_all(fd, iovecs, offset)
+
+    def read_pages(self, slots: list[int], outs: list[np.ndarray]) -> list[DiskPageMeta | None]:
+        """Fill outs[i][:payload_bytes] with slot i's payload; None for a bad or corrupt page.
+
+        Reads round_up(len(out)) payload bytes at most, so an out sized to the stored payload
+        reads no more than needed. An out that starts 4096-aligned is read into directly (its
+        contents are then undefined on a miss); any other out is untouched on a miss. An out
+        shorter than the stored payload is a miss. Callers should compare meta.key.
+        """
+        if len(slots) != len(outs):
+            raise ValueError(f"{len(slots)} slots but {len(outs)} outs")
+        for slot, out in zip(slots, outs, strict=True):
+            self._check_slot(slot)
+            _check_bytes("out", out)
+            if not out.flags.writeable:
+                raise ValueError("out must be writeable")
+        results = self._run(self._read_one, list(zip(slots, outs, strict=True)))
+        self._count(read_bytes=sum(read for _, read in results))
+        return [meta for meta, _ in results]
+
+    def _read_one(self, slot: int, out: np.ndarray) -> tuple[DiskPageMeta | None, int]:
+        fd, offset = self._locate(slot)
+        span_bytes = min(round_up(out.nbytes), self._span_bytes)
+        try:
+            if is_aligned(out):
+                return self._read_in_place(fd, offset, out, span_bytes)
+            return self._read_copy(fd, offset, out, span_bytes)
+        except OSError as error:
+            logger.warning("disk tier: reading slot %d failed: %s", slot, error)
+            return None, 0
+
+    def _read_in_place(self, fd: int, offset: int, out: np.ndarray,
+                       span_bytes: int) -> tuple[DiskPageMeta | None, int]:
+        """preadv into [header block, out's whole blocks, a tail block]; copy the tail only."""
+        head_bytes = min(out.nbytes, span_bytes) // ALIGN_BYTES * ALIGN_BYTES
+        tail_bytes = span_bytes - head_bytes
+        with self._small.borrow() as buffer:
+            header, tail = buffer[:HEADER_BYTES], buffer[HEADER_BYTES : HEADER_BYTES + tail_bytes]
+            iovecs = [iovec for iovec in (header, out[:head_bytes], tail) if iovec.nbytes]
+            read_bytes = os.preadv(fd, iovecs, offset)
+            meta = self._parse_header(header) if read_bytes == HEADER_BYTES + span_bytes else None
+            if meta is None or meta.payload_bytes > out.nbytes:
+                return None, read_bytes
+            if meta.payload_bytes > head_bytes:
+                out[head_bytes : meta.payload_bytes] = tail[: meta.payload_bytes - head_bytes]
+        if _checksum(out[: meta.payload_bytes]) != meta.checksum:
+            return None, read_bytes
+        return meta, read_bytes
+
+    def _read_copy(self, fd: int, offset: int, out: np.ndarray,
+                   span_bytes: int) -> tuple[DiskPageMeta | None, int]:
+        """Read into a pooled aligned buffer, verify, then copy: `out` is untouched on a miss."""
+        with self._staging.borrow() as staging:
+            meta, read_bytes = self._read_in_place(fd, offset, staging[:span_bytes], span_bytes)
+            if meta is not None and meta.payload_bytes <= out.nbytes:
+                out[: meta.payload_bytes] = staging[: meta.payload_bytes]
+                return meta, read_bytes
+        return None, read_bytes
+
+    def _parse_header(self, header: np.ndarray) -> DiskPageMeta | None:
+        magic, version, codec, key, payload_bytes, checksum = _HEADER.unpack_from(header, 0)
+        (header_sum,) = _HEADER_SUM.unpack_from(header, _HEADER.size)
+        if magic != MAGIC or version != FORMAT_VERSION:
+            return None
+        if header_sum != _checksum(header[: _HEADER.size]):
+            return None
+        if payload_bytes > self.slot_payload_bytes:
+            return None
+        return DiskPageMeta(key, payload_bytes, codec, checksum)
+
+    def scan(self, progress: Callable[[int, int], None] | None = None
+             ) -> list[tuple[int, DiskPageMeta]]:
+        """Re-index the slabs after a restart: claim and return every slot that verifies.
+
+        Call once, on a fresh arena, before any alloc(). progress(done_slots, num_slots) is
+        called on the calling thread as chunks finish. Corrupt or empty slots stay free.
+        """
+        assert not self._closed, "disk arena is closed"
+        assert self.num_used == 0, "scan() re-indexes a fresh arena; call it before alloc()"
+        futures = [self._executor.submit(self._scan_range, start,
+                                         min(start + SCAN_CHUNK_SLOTS, self.num_slots))
+                   for start in range(0, self.num_slots, SCAN_CHUNK_SLOTS)]
+        found: list[tuple[int, DiskPageMeta]] = []
+        done_slots = 0
+        for future in as_completed(futures):
+            pages, num_range_slots, read_bytes = future.result()
+            found.extend(pages)
+            done_slots += num_range_slots
+            self._count(read_bytes=read_bytes)
+            if progress is not None:
+                progress(done_slots, self.num_slots)
+        found.sort(key=lambda page: page[0])
+        with self._lock:
+            self._slots.claim_many([slot for slot, _ in found])
+        return found
+
+    def _scan_range(self, start: int, stop: int
+                    ) -> tuple[list[tuple[int, DiskPageMeta]], int, int]:
+        found: list[tuple[int, DiskPageMeta]] = []
+        total_read_bytes = 0
+        with self._small.borrow() as buffer, self._staging.borrow() as staging:
+            for slot in range(start, stop):
+                meta, read_bytes = self._scan_one(slot, buffer[:HEADER_BYTES], staging)
+                total_read_bytes += read_bytes
+                if meta is not None:
+                    found.append((slot, meta))
+        return found, stop - start, total_read_bytes
+
+    def _scan_one(self, slot: int, header: np.ndarray,
+                  staging: np.ndarray) -> tuple[DiskPageMeta | None, int]:
+        """A header probe first, so that an empty slot costs one 4096-byte read."""
+        fd, offset = self._locate(slot)
+        try:
+            probe_bytes = os.preadv(fd, [header], offset)
+        except OSError as error:
+            logger.warning("disk tier: scanning slot %d failed: %s", slot, error)
+            return None, 0
+        meta = self._parse_header(header) if probe_bytes == HEADER_BYTES else None
+        if meta is None:
+            return None, probe_bytes
+        page, read_bytes = self._read_one(slot, staging[: round_up(meta.payload_bytes)])
+        return page, probe_bytes + read_bytes
+
+    def close(self) -> None:
+        """Wait for in-flight I/O, fsync and close the slab files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=True)
+        fds, self._fds = self._fds, []
+        try:
+            for fd in fds:
+                os.fsync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def __enter__(self) -> DiskArena:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
