@@ -1,0 +1,66 @@
+"""The `raykv` command: sizing, benchmarks and the demo."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cluster.sizing_cli import size_command
+
+app = typer.Typer(help="raykv: a Ray-distributed, tiered KV-cache service for LLM serving.",
+                  no_args_is_help=True, add_completion=False)
+bench_app = typer.Typer(help="Benchmarks: raykv side by side with the machine's limits and "
+                             "peers, written as JSON with a top-level \"ratios\" object.",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+app.command("size", help="KV bytes per token and sequence, and how many sequences fit.")(
+    size_command)
+
+# name -> module with `run(json_path: str | None, quick: bool) -> dict`
+BENCHMARKS = {
+    "tiers": "cluster.bench.tiers",
+    "hashing": "cluster.bench.hashing",
+    "directory": "cluster.bench.directory",
+    "remote": "cluster.bench.remote",
+}
+
+JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
+Quick = Annotated[bool, typer.Option("--quick", help="smaller sizes, for a smoke run")]
+
+
+def _bench(name: str, json_path: Path | None, quick: bool) -> None:
+    module = importlib.import_module(BENCHMARKS[name])
+    result = module.run(str(json_path) if json_path else None, quick)
+    typer.echo(json.dumps(result["ratios"], indent=2))
+
+
+def _register(name: str, help_text: str) -> None:
+    def command(json_path: JsonPath = None, quick: Quick = False) -> None:
+        _bench(name, json_path, quick)
+
+    bench_app.command(name, help=help_text)(command)
+
+
+_register("tiers", "Host/disk get and put vs memcpy, fio, Redis and Ray's object store.")
+_register("hashing", "Page-key hashing cost in ns per token.")
+_register("directory", "Longest-prefix lookup latency vs a no-op RPC and Redis EXISTS.")
+_register("remote", "Cross-node get throughput vs a raw Ray object transfer.")
+
+
+@app.command("demo")
+def demo_command(
+    png: Annotated[Path, typer.Option(help="where to write the chart")] = Path("out/demo.png"),
+    num_nodes: Annotated[int, typer.Option(help="simulated Ray nodes")] = 3,
+) -> None:
+    """Store and reuse a tiny real Llama's KV through raykv; print a table, write a PNG."""
+    from cluster.demo import run_demo
+
+    run_demo(png, num_nodes)
+
+
+if __name__ == "__main__":
+    app()
