@@ -44,17 +44,26 @@ class NodeCacheActor:
         self.directory = DirectoryHandle.lookup(self.config)
         self._seq = [0] * self.config.num_directory_shards
         self._flush_lock = asyncio.Lock()
+        self._started: asyncio.Task | None = None
         self._loop_task: asyncio.Task | None = None
         self.recovered_pages = 0
 
     async def ready(self) -> dict:
-        """Recover disk pages, register with the directory, start the event loop."""
-        if self._loop_task is None:
-            self.recovered_pages = await asyncio.to_thread(self.store.recover_disk)
-            await self.sync_inventory()
-            self._loop_task = asyncio.create_task(self._flush_loop())
+        """Recover disk pages, register with the directory, start the event loop.
+
+        Every public method awaits this first, so an actor that Ray restarted on its own
+        (max_restarts) recovers before it serves anything.
+        """
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._started)
         return {"node_id": self.node_id, "epoch": self.epoch,
                 "recovered_pages": self.recovered_pages}
+
+    async def _start(self) -> None:
+        self.recovered_pages = await asyncio.to_thread(self.store.recover_disk)
+        await self.sync_inventory()
+        self._loop_task = asyncio.create_task(self._flush_loop())
 
     async def _flush_loop(self) -> None:
         last_beat_s = 0.0
@@ -102,46 +111,61 @@ class NodeCacheActor:
 
     # ---- same-node clients (shared memory) -----------------------------------------------
 
+    # Replies carry the epoch: a client whose mapping is from an earlier incarnation of this
+    # actor (whose slabs are gone) must map the new slabs before touching any slot.
+
     async def descriptors(self, geometry: PageGeometry):
-        return self.store.descriptors(geometry)
+        await self.ready()
+        return self.epoch, self.store.descriptors(geometry)
 
     async def reserve(self, geometry: PageGeometry, keys: list[PageKey]):
-        return await self.store.reserve(geometry, keys)
+        await self.ready()
+        return self.epoch, await self.store.reserve(geometry, keys)
 
     async def commit(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+        await self.ready()
         committed = self.store.commit(geometry, keys)
         await self.flush()  # read-your-writes: the directory knows before put() returns
         return committed
 
     async def abort(self, geometry: PageGeometry, keys: list[PageKey]) -> None:
+        await self.ready()
         self.store.pool(geometry).abort(keys)
 
     async def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
-        return await self.store.acquire(geometry, keys)
+        await self.ready()
+        return self.epoch, *await self.store.acquire(geometry, keys)
 
     async def release(self, lease_id: int) -> None:
+        await self.ready()
         self.store.release(lease_id)
 
     # ---- remote clients (Ray objects) ----------------------------------------------------
 
     async def put_pages(self, geometry: PageGeometry, keys: list[PageKey], pages: list) -> int:
+        await self.ready()
         stored = await self.store.put_pages(geometry, keys, pages)
         await self.flush()
         return stored
 
     async def read_pages(self, geometry: PageGeometry, keys: list[PageKey]) -> list:
+        await self.ready()
         return await self.store.read_pages(geometry, keys)
 
     async def prefetch(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+        await self.ready()
         return await self.store.prefetch(geometry, keys)
 
     # ---- introspection -------------------------------------------------------------------
 
     async def inventory(self) -> list[tuple[PageKey, int]]:
+        await self.ready()
         return self.store.inventory()
 
     async def stats(self) -> dict:
+        await self.ready()
         return {"node_id": self.node_id, "epoch": self.epoch, **self.store.stats()}
 
     async def ping(self) -> str:
+        await self.ready()
         return self.node_id

@@ -35,7 +35,8 @@ class KVClient:
         # (shared memory), else a remote one (pages then travel as Ray objects).
         self.home = home
         self.local = home if home.is_local else None
-        self._mappings: list[ArenaMapping] | None = None
+        self._mappings: list[ArenaMapping] = []
+        self._mapped_epoch: int | None = None
         self._lock = threading.Lock()
         self.counters = {"put_tokens": 0, "get_tokens": 0, "lookups": 0,
                          "local_pages": 0, "remote_pages": 0}
@@ -45,15 +46,16 @@ class KVClient:
     def keys(self, tokens: object) -> list[PageKey]:
         return page_keys(self.spec, self.namespace, self.page_tokens, tokens)
 
-    def _maps(self) -> list[ArenaMapping]:
+    def map_epoch(self, epoch: int) -> None:
+        """Map the local node's slabs, again if the actor restarted since (new epoch)."""
         with self._lock:
-            if self._mappings is None:
-                descriptors = ray.get(self.local.descriptors(self.geometry))
+            if self._mapped_epoch != epoch:
+                current, descriptors = ray.get(self.local.descriptors(self.geometry))
                 self._mappings = [ArenaMapping(d) for d in descriptors]
-            return self._mappings
+                self._mapped_epoch = current
 
     def _page_view(self, tier: int, slot: int) -> torch.Tensor:
-        raw = self._maps()[tier].view(slot)[: self.geometry.page_bytes]
+        raw = self._mappings[tier].view(slot)[: self.geometry.page_bytes]
         return raw.view(self.spec.torch_dtype()).view(self.geometry.shape)
 
     # ---- put -----------------------------------------------------------------------------
@@ -66,7 +68,8 @@ class KVClient:
             return 0
         if self.local is None:
             return self._put_remote(keys, kv)
-        slots = ray.get(self.local.reserve(self.geometry, keys))
+        epoch, slots = ray.get(self.local.reserve(self.geometry, keys))
+        self.map_epoch(epoch)
         if not slots:
             return 0  # no room even after demotion: nothing stored
         try:

@@ -58,7 +58,9 @@ def _start_remote(client, keys: list, groups: dict, local_id: str | None) -> dic
 
 
 def _copy_local(client, keys: list, positions: list[int], out: torch.Tensor, arrived) -> None:
-    lease_id, slots = ray.get(client.local.acquire(client.geometry, [keys[p] for p in positions]))
+    epoch, lease_id, slots = ray.get(
+        client.local.acquire(client.geometry, [keys[p] for p in positions]))
+    client.map_epoch(epoch)
     try:
         for position, (tier, slot) in zip(positions, slots, strict=False):
             out[:, :, :, page_slices(position, client.page_tokens)].copy_(

@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -144,3 +145,20 @@ class RedisServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def main(argv: list[str]) -> int:
+    """`python -m cluster.redis_server -- CMD ...`: run CMD with a private Redis on loopback,
+    its URL in RAYKV_TEST_REDIS_URL, and stop the server afterwards (whatever CMD returns)."""
+    command = argv[argv.index("--") + 1:] if "--" in argv else argv
+    if not command:
+        print("usage: python -m cluster.redis_server -- CMD [ARGS...]", file=sys.stderr)
+        return 2
+    with RedisServer() as server:
+        print(f"redis-server pid {server.pid} on {server.url}", file=sys.stderr)
+        env = dict(os.environ, RAYKV_TEST_REDIS_URL=server.url)
+        return subprocess.call(command, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
