@@ -95,7 +95,8 @@ class NodeStore:
             if geometry is None:
                 continue
             pool = self.pool(geometry)
-            found += pool.adopt_disk_pages(pool.disk.scan())
+            if pool.disk is not None:
+                found += pool.adopt_disk_pages(pool.disk.scan())
         return found
 
     def descriptors(self, geometry: PageGeometry) -> list[ArenaDescriptor]:

@@ -1,0 +1,47 @@
+"""Actor tier: one local Ray per module (start-up costs seconds); GPUs are only labels."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+import ray
+
+from cluster import CacheConfig, start, stop
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(address="local", num_cpus=2, num_gpus=2, resources={"kv_node": 1},
+             include_dashboard=False,
+             object_store_memory=200 * 1024 * 1024, logging_level="WARNING")
+    yield
+    stop()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def disk_root():
+    # /tmp is the real disk here; O_DIRECT needs one (tmpfs is not).
+    path = tempfile.mkdtemp(prefix="raykv-test-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def service(ray_local, disk_root):
+    """Start raykv with a config; a different config restarts it."""
+
+    def _start(**overrides) -> CacheConfig:
+        # A fresh disk dir per service: a restarted service would otherwise (rightly)
+        # recover the previous one's disk pages.
+        settings = dict(page_tokens=16, device_bytes=64 * 8192, host_bytes=64 * 8192,
+                        disk_bytes=1 << 20, disk_dir=tempfile.mkdtemp(dir=disk_root))
+        settings.update(overrides)
+        config = CacheConfig(**settings)
+        stop()
+        start(config)
+        return config
+
+    return _start

@@ -1,0 +1,124 @@
+"""Tiers through the service: demotion to disk, promotion on access, prefetch, pins, and the
+disk tier surviving a restart of its node actor."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+import torch
+
+from actors.handles import NODE_NAME
+from cluster import ModelSpec, connect
+from cluster.geometry import PageGeometry
+from cluster.keys import page_keys
+
+TINY = ModelSpec.preset("tiny-llama")
+PAGE_BYTES = 8192  # tiny-llama, 16 tokens, float32
+SMALL = dict(device_bytes=0, host_bytes=4 * PAGE_BYTES, disk_bytes=64 * (PAGE_BYTES + 4096))
+
+
+def kv_for(num_tokens: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 2, 2, num_tokens, 16, generator=generator)
+
+
+def prompt(index: int) -> list[int]:
+    return [index * 100 + i for i in range(32)]  # two pages
+
+
+def fill(client, num_prompts: int) -> None:
+    for index in range(num_prompts):
+        assert client.put(prompt(index), kv_for(32, index)) == 32
+
+
+def wait_for_new_epoch(client, old_epoch: int, timeout_s: float = 30) -> dict:
+    deadline_s = time.monotonic() + timeout_s
+    while time.monotonic() < deadline_s:
+        try:
+            stats = client.stats()["node"]
+            if stats["epoch"] != old_epoch:
+                return stats
+        except ray.exceptions.RayActorError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the node actor did not come back within the timeout")
+
+
+def tiers(client) -> dict:
+    return client.stats()["node"]["pages"]
+
+
+def test_pressure_demotes_to_disk_and_get_promotes(service):
+    service(**SMALL)
+    client = connect(TINY)
+    fill(client, 6)  # 12 pages, host holds 4
+    assert tiers(client) == {"device": 0, "host": 4, "disk": 8}
+    num_tokens, got = client.get(prompt(0))  # on disk: read up, byte-exact
+    assert num_tokens == 32 and torch.equal(got, kv_for(32, 0))
+    after = tiers(client)
+    assert after["host"] == 4 and after["disk"] == 8  # promoted two, demoted two
+
+
+def test_device_tier_is_top_and_demotes_to_host(service):
+    service(device_bytes=2 * PAGE_BYTES, host_bytes=2 * PAGE_BYTES, disk_bytes=0)
+    client = connect(TINY)
+    fill(client, 2)
+    assert tiers(client) == {"device": 2, "host": 2, "disk": 0}
+    fill_more = [9000 + i for i in range(32)]
+    client.put(fill_more, kv_for(32, 99))  # no disk: the coldest pages are dropped
+    assert tiers(client) == {"device": 2, "host": 2, "disk": 0}
+    assert client.lookup(fill_more) == 32
+    assert client.lookup(prompt(0)) == 0  # dropped, and the directory knows
+
+
+def test_prefetch_promotes_disk_pages(service):
+    service(**SMALL)
+    client = connect(TINY)
+    fill(client, 6)
+    assert client.prefetch(prompt(0)) == 32
+    deadline_s = time.monotonic() + 5
+    while tiers(client)["disk"] != 8 or _tier_of(client, prompt(0)) != {1}:
+        assert time.monotonic() < deadline_s, "prefetch did not promote within 5 s"
+        time.sleep(0.05)
+
+
+def _tier_of(client, tokens) -> set[int]:
+    located = client.directory.match(client.keys(tokens))
+    return {tier for locations in located for _, tier in locations}
+
+
+def test_pinned_page_survives_pressure(service):
+    service(**SMALL)
+    client = connect(TINY)
+    fill(client, 2)  # 4 pages: host is full
+    geometry = PageGeometry.of(TINY, 16)
+    keys = page_keys(TINY, "default", 16, prompt(0))
+    epoch, lease_id, slots = ray.get(client.local.acquire(geometry, keys))
+    client.map_epoch(epoch)
+    assert len(slots) == 2
+    fill_base = 50
+    for index in range(fill_base, fill_base + 4):  # 8 more pages through a 4-page host tier
+        client.put(prompt(index), kv_for(32, index))
+    for page, (tier, slot) in enumerate(slots):  # still there, untouched, in the same slot
+        expected = kv_for(32, 0)[:, :, :, page * 16:(page + 1) * 16]
+        assert torch.equal(client._page_view(tier, slot), expected)
+    ray.get(client.local.release(lease_id))
+    fill(client, 1)
+    assert client.get(prompt(0))[0] == 32
+
+
+def test_disk_pages_survive_node_actor_restart(service):
+    service(**SMALL)
+    client = connect(TINY)
+    fill(client, 6)  # prompts 0..3 on disk, 4..5 in host memory
+    node_id = client.local.node_id
+    old_epoch = client.stats()["node"]["epoch"]
+    actor = ray.get_actor(NODE_NAME.format(node_id=node_id), namespace="raykv")
+    ray.kill(actor, no_restart=False)  # Ray restarts it; memory tiers are gone, disk is not
+    stats = wait_for_new_epoch(client, old_epoch)
+    assert stats["pages"] == {"device": 0, "host": 0, "disk": 8}
+    for index in range(4):
+        num_tokens, got = client.get(prompt(index))
+        assert num_tokens == 32 and torch.equal(got, kv_for(32, index))
+    assert client.lookup(prompt(5)) == 0  # it was in host memory
