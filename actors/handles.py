@@ -14,6 +14,7 @@ from cluster.keys import PageKey, shard_of
 
 DIRECTORY_NAME = "raykv-directory-{shard}"
 NODE_NAME = "raykv-node-{node_id}"
+CONTROLLER_NAME = "raykv-controller"
 
 
 def split_by_shard(keys: list[PageKey], num_shards: int) -> list[list[int]]:

@@ -15,6 +15,7 @@ import ray
 
 from actors.handles import DirectoryHandle
 from cluster.config import CacheConfig
+from cluster.directory_index import FENCED, RESYNC
 from cluster.geometry import PageGeometry
 from cluster.keys import PageKey, shard_of
 from cluster.pool import PoolLimits
@@ -77,31 +78,42 @@ class NodeCacheActor:
                 log.exception("event flush failed")
 
     async def flush(self, heartbeat: bool = False) -> bool:
-        """Ship pending events (and a heartbeat) to every shard; True when sent."""
+        """Ship pending events (and a heartbeat) to every shard; True when sent.
+
+        A shard that answers RESYNC (it purged us, or restarted empty) gets our whole
+        inventory right after.
+        """
         async with self._flush_lock:
             changes = self.store.events.drain()
             if not changes and not heartbeat:
                 return False
-            per_shard = [[] for _ in self._seq]
-            for key, tier in changes.items():
-                per_shard[shard_of(key, len(self._seq))].append((key, tier))
-            calls = []
+            per_shard = self._split(list(changes.items()))
+            shards, calls = [], []
             for shard, batch in enumerate(per_shard):
                 if batch or heartbeat:
                     self._seq[shard] += 1
+                    shards.append(shard)
                     calls.append(self.directory.apply(shard, self.node_id, self.epoch,
                                                       self._seq[shard], batch))
-            await asyncio.gather(*calls)
-            return True
+            statuses = await asyncio.gather(*calls)
+        if RESYNC in statuses:
+            await self.sync_inventory()
+        elif FENCED in statuses:
+            log.error("node %s epoch %d is fenced off by the directory", self.node_id[:8],
+                      self.epoch)
+        return True
+
+    def _split(self, items: list[tuple[PageKey, int | None]]) -> list[list]:
+        per_shard: list[list] = [[] for _ in self._seq]
+        for key, tier in items:
+            per_shard[shard_of(key, len(self._seq))].append((key, tier))
+        return per_shard
 
     async def sync_inventory(self) -> None:
         """Send the full inventory to every shard (start-up, or a directory that restarted)."""
         async with self._flush_lock:
             self.store.events.drain()
-            inventory = self.store.inventory()
-            per_shard = [[] for _ in self._seq]
-            for key, tier in inventory:
-                per_shard[shard_of(key, len(self._seq))].append((key, tier))
+            per_shard = self._split(self.store.inventory())
             calls = []
             for shard, batch in enumerate(per_shard):
                 self._seq[shard] += 1
@@ -165,6 +177,12 @@ class NodeCacheActor:
     async def stats(self) -> dict:
         await self.ready()
         return {"node_id": self.node_id, "epoch": self.epoch, **self.store.stats()}
+
+    async def shutdown(self) -> None:
+        """Release the shared-memory slabs (disk slabs stay, for the next start)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self.store.close()
 
     async def ping(self) -> str:
         await self.ready()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.controller import Controller
 from actors.directory import DirectoryShard
-from actors.handles import DIRECTORY_NAME, NODE_NAME, DirectoryHandle, NodeHandle
-from actors.node_cache import NodeCacheActor
+from actors.handles import CONTROLLER_NAME, DIRECTORY_NAME, DirectoryHandle, NodeHandle
+from actors.placement import kv_nodes
 from cluster.config import CacheConfig
 from cluster.spec import ModelSpec
 
@@ -23,15 +23,6 @@ def _ensure_ray(config: CacheConfig) -> None:
                  logging_level=logging.WARNING)
 
 
-def kv_nodes(config: CacheConfig) -> list[str]:
-    """Alive nodes that offer the kv resource or a GPU (every node when none does)."""
-    alive = [n for n in ray.nodes() if n["Alive"]]
-    chosen = [n["NodeID"] for n in alive
-              if n["Resources"].get(config.node_resource, 0) > 0
-              or n["Resources"].get("GPU", 0) > 0]
-    return chosen or [n["NodeID"] for n in alive]
-
-
 def _start_directory(config: CacheConfig) -> DirectoryHandle:
     config_json = config.model_dump_json()
     shards = [DirectoryShard.options(name=DIRECTORY_NAME.format(shard=i),
@@ -39,31 +30,23 @@ def _start_directory(config: CacheConfig) -> DirectoryHandle:
                                      get_if_exists=True).remote(config_json, i)
               for i in range(config.num_directory_shards)]
     running = CacheConfig.model_validate_json(ray.get(shards[0].get_config.remote()))
+    ray.get([shard.ready.remote() for shard in shards])
     if running != config:
         raise ValueError("a raykv service with a different CacheConfig is already running on this "
                          f"Ray cluster: {running.model_dump()}; call stop() first")
     return DirectoryHandle(shards)
 
 
-def ensure_node_actor(config: CacheConfig, node_id: str):
-    """The node actor for `node_id`, created pinned to that node if missing."""
-    strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-    return NodeCacheActor.options(name=NODE_NAME.format(node_id=node_id),
-                                  namespace=config.ray_namespace, lifetime="detached",
-                                  get_if_exists=True, scheduling_strategy=strategy
-                                  ).remote(config.model_dump_json(), node_id)
-
-
 def start(config: CacheConfig | None = None) -> dict:
     """Ensure the directory shards and one node actor per kv node exist; idempotent."""
     config = config or CacheConfig()
     _ensure_ray(config)
-    _start_directory(config)
-    nodes = kv_nodes(config)
-    actors = [ensure_node_actor(config, node_id) for node_id in nodes]
-    ready = ray.get([actor.ready.remote() for actor in actors])
-    return {"nodes": [r["node_id"] for r in ready],
-            "recovered_pages": sum(r["recovered_pages"] for r in ready)}
+    directory = _start_directory(config)
+    controller = Controller.options(name=CONTROLLER_NAME, namespace=config.ray_namespace,
+                                    lifetime="detached", get_if_exists=True
+                                    ).remote(config.model_dump_json())
+    nodes = ray.get(controller.sync_members.remote())
+    return {"nodes": nodes, "directory": ray.get([s.ready.remote() for s in directory.shards])}
 
 
 def running_config(ray_namespace: str = "raykv") -> CacheConfig:
@@ -94,7 +77,7 @@ def _home_node(config: CacheConfig) -> NodeHandle:
     local = NodeHandle.lookup(here, config, is_local=True)
     if local is not None:
         return local
-    for node_id in kv_nodes(config):
+    for node_id in kv_nodes(config, ray.nodes()):
         remote = NodeHandle.lookup(node_id, config)
         if remote is not None:
             return remote
@@ -107,9 +90,18 @@ def stop(ray_namespace: str = "raykv") -> None:
         config = running_config(ray_namespace)
     except RuntimeError:
         return
+    try:
+        ray.kill(ray.get_actor(CONTROLLER_NAME, namespace=ray_namespace), no_restart=True)
+    except ValueError:
+        pass
     for node in ray.nodes():
         handle = NodeHandle.lookup(node["NodeID"], config)
-        if handle is not None:
-            ray.kill(handle.actor, no_restart=True)
+        if handle is None:
+            continue
+        try:
+            ray.get(handle.actor.shutdown.remote(), timeout=10)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # a dead node's slabs went with it; a restarted actor cleans up stale ones
+        ray.kill(handle.actor, no_restart=True)
     for shard in DirectoryHandle.lookup(config).shards:
         ray.kill(shard, no_restart=True)

@@ -8,8 +8,9 @@ once, in any order:
     per node:  epoch, watermark W (every seq <= W applied), applied seqs above W,
                tombstones key -> seq of removals, so an older `stored` cannot resurrect a page
 
-A batch from an older epoch (a node that restarted) is fenced off; a newer epoch purges the
-node's old locations first.
+A batch from an older epoch (a node that restarted) is fenced off. A batch from a node the
+shard does not know (purged as dead, a newer epoch, or a shard that restarted empty) is not
+applied: the answer RESYNC asks the node to send its whole inventory (replace_node).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from cluster.keys import PageKey
 
 Location = tuple[str, int]  # (node_id, tier)
+
+APPLIED, DUPLICATE, FENCED, RESYNC = "applied", "duplicate", "fenced", "resync"
 
 
 @dataclass(slots=True)
@@ -41,11 +44,17 @@ class DirectoryIndex:
     # ---- events --------------------------------------------------------------------------
 
     def apply(self, node_id: str, epoch: int, seq: int,
-              changes: list[tuple[PageKey, int | None]]) -> bool:
-        """Apply one batch; False when it is a duplicate or from a fenced (older) epoch."""
-        log = self._log_for(node_id, epoch)
-        if log is None or seq <= log.watermark or seq in log.applied:
-            return False
+              changes: list[tuple[PageKey, int | None]], now_s: float = 0.0) -> str:
+        """Apply one batch; returns APPLIED, DUPLICATE, FENCED or RESYNC."""
+        log = self.nodes.get(node_id)
+        if log is not None and epoch < log.epoch:
+            return FENCED
+        if log is None or epoch > log.epoch:
+            self.drop_node(node_id)
+            return RESYNC
+        log.last_seen_s = max(log.last_seen_s, now_s)
+        if seq <= log.watermark or seq in log.applied:
+            return DUPLICATE
         for key, tier in changes:
             if tier is None:
                 self._remove(node_id, log, key, seq)
@@ -53,16 +62,7 @@ class DirectoryIndex:
                 self._store(node_id, log, key, tier, seq)
         log.applied.add(seq)
         self._advance(log)
-        return True
-
-    def _log_for(self, node_id: str, epoch: int) -> NodeLog | None:
-        log = self.nodes.get(node_id)
-        if log is not None and epoch < log.epoch:
-            return None
-        if log is None or epoch > log.epoch:
-            self.drop_node(node_id)
-            log = self.nodes[node_id] = NodeLog(epoch)
-        return log
+        return APPLIED
 
     def _store(self, node_id: str, log: NodeLog, key: PageKey, tier: int, seq: int) -> None:
         if log.tombstones.get(key, -1) > seq:
@@ -111,14 +111,31 @@ class DirectoryIndex:
             self._forget(node_id, key)
         return len(log.keys)
 
-    def replace_node(self, node_id: str, epoch: int,
-                     inventory: list[tuple[PageKey, int]], seq: int) -> None:
-        """Install a node's full inventory (directory rebuild, or a node rejoining)."""
+    def replace_node(self, node_id: str, epoch: int, inventory: list[tuple[PageKey, int]],
+                     seq: int, now_s: float = 0.0) -> bool:
+        """Install a node's full inventory (directory rebuild, or a node rejoining).
+
+        False, changing nothing, when it comes from an older (fenced) epoch of the node.
+        """
+        log = self.nodes.get(node_id)
+        if log is not None and epoch < log.epoch:
+            return False
         self.drop_node(node_id)
-        log = self.nodes[node_id] = NodeLog(epoch, watermark=seq)
+        log = self.nodes[node_id] = NodeLog(epoch, watermark=seq, last_seen_s=now_s)
         for key, tier in inventory:
             self.index.setdefault(key, {})[node_id] = (tier, seq)
             log.keys.add(key)
+        return True
+
+    def expired_nodes(self, now_s: float, timeout_s: float) -> list[str]:
+        """Nodes not heard from (events or heartbeats) for longer than `timeout_s`."""
+        return [n for n, log in self.nodes.items() if now_s - log.last_seen_s > timeout_s]
+
+    def node_inventory(self, node_id: str) -> list[tuple[PageKey, int]]:
+        log = self.nodes.get(node_id)
+        if log is None:
+            return []
+        return [(key, self.index[key][node_id][0]) for key in log.keys]
 
     # ---- queries -------------------------------------------------------------------------
 
