@@ -65,8 +65,12 @@ def _as_array(tokens: object) -> np.ndarray:
         return tokens
     if isinstance(tokens, (list, tuple, range)):
         for token in tokens:
+            if isinstance(token, (list, tuple, range, np.ndarray)):
+                raise ValueError("tokens must be 1-D, got a nested sequence")
             if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
                 raise TypeError(f"tokens must be integers, got {type(token).__name__}")
+            if not 0 <= token <= MAX_TOKEN_ID:  # before int64 conversion can overflow
+                raise ValueError(f"token ids must lie in [0, {MAX_TOKEN_ID}], got {token}")
         return np.asarray(tokens, dtype=np.int64) if len(tokens) else np.zeros(0, np.int64)
     raise TypeError(f"tokens must be a list, numpy array or torch tensor, not {type(tokens)}")
 
@@ -86,6 +90,8 @@ def chain_keys(tokens: np.ndarray, root: PageKey, page_tokens: int) -> list[Page
 
 def page_keys(spec: ModelSpec, namespace: str, page_tokens: int, tokens: object) -> list[PageKey]:
     """Validate `tokens` and return the keys of their full pages."""
+    if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens <= 0:
+        raise ValueError(f"page_tokens must be a positive int, got {page_tokens!r}")
     return chain_keys(canonical_tokens(tokens), namespace_key(spec, namespace, page_tokens),
                       page_tokens)
 

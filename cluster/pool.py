@@ -71,7 +71,9 @@ class Pool:
         ]
         self.disk = disk
         self.index: dict[PageKey, Entry] = {}
-        self.policies = [make_policy(limits.eviction, self._num_slots(t)) for t in range(3)]
+        # A tier may be absent (no VRAM, no disk): its policy then stays empty.
+        self.policies = [make_policy(limits.eviction, max(1, self._num_slots(t)))
+                         for t in range(3)]
         self._on_event = on_event
         self._inflight: dict[PageKey, asyncio.Future] = {}
         self.top_tier = DEVICE if self.memory[DEVICE].num_slots else HOST
@@ -100,16 +102,19 @@ class Pool:
 
         Returns [] when there is no room even after demotion (an expected shortage).
         """
-        fresh = [k for k in dict.fromkeys(keys) if k not in self.index]
         tier = self.top_tier
-        if not await self.make_room(tier, len(fresh)):
+        if not await self.make_room(tier, len(self._fresh(keys))):
             return []
+        fresh = self._fresh(keys)  # a concurrent put may have reserved some while we waited
         for key in fresh:
             slot = self.memory[tier].alloc()
             assert slot is not None, "make_room promised a free slot"
             self.index[key] = Entry(tier, slot, State.PENDING)
         wanted = set(fresh)
         return [(tier, self.index[k].slot) if k in wanted else None for k in keys]
+
+    def _fresh(self, keys: list[PageKey]) -> list[PageKey]:
+        return [k for k in dict.fromkeys(keys) if k not in self.index]
 
     def commit(self, keys: list[PageKey]) -> int:
         """Make reserved pages visible; returns how many were committed."""
@@ -133,10 +138,17 @@ class Pool:
                 del self.index[key]
 
     def write_page(self, key: PageKey, page: np.ndarray) -> None:
-        """Copy bytes of a reserved page in (puts that arrive through Ray, not shm)."""
+        """Copy bytes of a reserved page in (puts that arrive through Ray, not shm).
+
+        `page` may be raw uint8 or typed; its bytes must fill exactly one page.
+        """
         entry = self.index[key]
         assert entry.state == State.PENDING, "write_page needs a reserved page"
-        self.view(entry)[: page.size].copy_(torch.from_numpy(page))
+        raw = np.ascontiguousarray(page).reshape(-1).view(np.uint8)
+        if raw.size != self.geometry.page_bytes:
+            raise ValueError(f"a page of {self.geometry.name} is {self.geometry.page_bytes} "
+                             f"bytes, got {raw.size}")
+        self.view(entry)[: raw.size].copy_(torch.from_numpy(raw))
 
     # ---- acquire / release (gets) ------------------------------------------------------
 
@@ -151,22 +163,36 @@ class Pool:
     async def acquire(self, keys: list[PageKey]) -> list[tuple[int, int]]:
         """Pin the longest local prefix of keys in a mapped tier; returns (tier, slot) each.
 
-        Disk pages are read up into host first; a page lost on the way ends the prefix.
+        No more pages are pinned than the mapped tiers hold. Disk pages are read up into host
+        first; a page that finds no room there is retried once after letting go of our pins
+        on the rest of the prefix (they may hold that room). A page lost ends the prefix.
         """
-        count = self.local_prefix(keys)
+        count = min(self.local_prefix(keys), self._num_slots(DEVICE) + self._num_slots(HOST))
         for key in keys[:count]:
             self.index[key].pins += 1
         await self.load_from_disk(keys[:count])
         located: list[tuple[int, int]] = []
         for position, key in enumerate(keys[:count]):
-            await self.promote(key, own_pins=1)
-            entry = self.index.get(key)
-            if entry is None or entry.tier == DISK:
-                self.release(keys[position:count])
+            place = await self._pinned_place(key)
+            if place is None:
+                self.release(keys[position + 1 : count])
+                place = await self._pinned_place(key) if position + 1 < count else None
+                if place is None:
+                    self.release([key])
+                else:
+                    located.append(place)
                 break
-            self.policies[entry.tier].on_access(key)
-            located.append((entry.tier, entry.slot))
+            located.append(place)
         return located
+
+    async def _pinned_place(self, key: PageKey) -> tuple[int, int] | None:
+        """Promote a page the caller pinned; its (tier, slot) once in memory, else None."""
+        await self.promote(key, own_pins=1)
+        entry = self.index.get(key)
+        if entry is None or entry.tier == DISK:
+            return None
+        self.policies[entry.tier].on_access(key)
+        return entry.tier, entry.slot
 
     def release(self, keys: list[PageKey]) -> None:
         for key in keys:
@@ -304,8 +330,10 @@ class Pool:
         return entry is not None and entry.tier == DISK and entry.state == State.READY
 
     async def _read_disk_batch(self, keys: list[PageKey]) -> None:
-        if not await self.make_room(HOST, len(keys)):
-            keys = keys[: self._free_slots(HOST)]
+        await self.make_room(HOST, min(len(keys), self._num_slots(HOST)))
+        keys = keys[: self._free_slots(HOST)]  # the rest stay on disk for now
+        if not keys:
+            return
         slots = [self.memory[HOST].alloc() for _ in keys]
         outs = [self._read_target(self.index[k], s) for k, s in zip(keys, slots, strict=True)]
         disk_slots = [self.index[k].slot for k in keys]
@@ -346,7 +374,12 @@ class Pool:
     # ---- restart and stats -------------------------------------------------------------
 
     def adopt_disk_pages(self, found: list[tuple[int, object]]) -> int:
-        """Index pages found on the disk slabs after a restart (already checksum-verified)."""
+        """Index pages found on the disk slabs after a restart (already checksum-verified).
+
+        A key found twice (a freed slot keeps its old copy) is indexed once; returns how many
+        pages were indexed.
+        """
+        adopted = 0
         for slot, meta in found:
             key = PageKey(meta.key)
             if key in self.index:
@@ -355,7 +388,8 @@ class Pool:
             self.index[key] = Entry(DISK, slot, State.READY, codec=meta.codec)
             self.policies[DISK].on_insert(key)
             self._on_event(key, DISK)
-        return len(found)
+            adopted += 1
+        return adopted
 
     def tier_counts(self) -> dict[str, int]:
         counts = [0, 0, 0]

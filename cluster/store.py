@@ -105,6 +105,7 @@ class NodeStore:
     # ---- puts ----------------------------------------------------------------------------
 
     async def reserve(self, geometry: PageGeometry, keys: list[PageKey]):
+        self._expire_leases()  # a dead reader's pins must not keep puts out
         return await self.pool(geometry).reserve(keys)
 
     def commit(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
@@ -113,15 +114,26 @@ class NodeStore:
 
     async def put_pages(self, geometry: PageGeometry, keys: list[PageKey],
                         pages: list[np.ndarray]) -> int:
-        """Store pages whose bytes arrived through Ray (remote or non-mapping clients)."""
-        pool = self.pool(geometry)
-        reserved = await pool.reserve(keys)
+        """Store pages whose bytes arrived through Ray (remote or non-mapping clients).
+
+        Only the keys this call reserved are written and committed (a key that another put
+        holds reserved is that put's to commit); a bad page aborts them all.
+        """
+        if len(pages) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(pages)} pages")
+        reserved = await self.reserve(geometry, keys)
         if not reserved:
             return 0
-        for key, slot, page in zip(keys, reserved, pages, strict=True):
-            if slot is not None:
-                pool.write_page(key, page)
-        return self.commit(geometry, keys)
+        pool = self.pool(geometry)
+        mine = [key for key, slot in zip(keys, reserved, strict=True) if slot is not None]
+        try:
+            for key, slot, page in zip(keys, reserved, pages, strict=True):
+                if slot is not None:
+                    pool.write_page(key, page)
+        except BaseException:
+            pool.abort(mine)
+            raise
+        return self.commit(geometry, mine)
 
     # ---- gets ----------------------------------------------------------------------------
 
