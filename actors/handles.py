@@ -115,8 +115,8 @@ class NodeHandle:
     def abort(self, geometry: PageGeometry, keys: list[PageKey]):
         return self.actor.abort.remote(geometry, keys)
 
-    def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
-        return self.actor.acquire.remote(geometry, keys)
+    def acquire(self, geometry: PageGeometry, keys: list[PageKey], remote: dict | None = None):
+        return self.actor.acquire.remote(geometry, keys, remote)
 
     def release(self, lease_id: int):
         return self.actor.release.remote(lease_id)
@@ -127,8 +127,8 @@ class NodeHandle:
     def read_pages(self, geometry: PageGeometry, keys: list[PageKey]):
         return self.actor.read_pages.remote(geometry, keys)
 
-    def prefetch(self, geometry: PageGeometry, keys: list[PageKey]):
-        return self.actor.prefetch.remote(geometry, keys)
+    def prefetch(self, geometry: PageGeometry, keys: list[PageKey], remote: dict | None = None):
+        return self.actor.prefetch.remote(geometry, keys, remote)
 
     def stats(self):
         return self.actor.stats.remote()

@@ -13,10 +13,10 @@ import time
 
 import ray
 
-from actors.handles import DirectoryHandle
+from actors.handles import DirectoryHandle, NodeHandle
 from cluster.config import CacheConfig
 from cluster.directory_index import FENCED, RESYNC
-from cluster.geometry import PageGeometry
+from cluster.geometry import HOST, PageGeometry
 from cluster.keys import PageKey, shard_of
 from cluster.pool import PoolLimits
 from cluster.store import NodeStore, StoreConfig
@@ -48,6 +48,9 @@ class NodeCacheActor:
         self._started: asyncio.Task | None = None
         self._loop_task: asyncio.Task | None = None
         self.recovered_pages = 0
+        self._pulls: dict[PageKey, asyncio.Future] = {}
+        self._peers: dict[str, NodeHandle | None] = {}
+        self.counters = {"pulled_pages": 0, "served_remote_pages": 0, "served_remote_calls": 0}
 
     async def ready(self) -> dict:
         """Recover disk pages, register with the directory, start the event loop.
@@ -144,8 +147,16 @@ class NodeCacheActor:
         await self.ready()
         self.store.pool(geometry).abort(keys)
 
-    async def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
+    async def acquire(self, geometry: PageGeometry, keys: list[PageKey],
+                      remote: dict[str, list[PageKey]] | None = None):
+        """Pin the longest local prefix of `keys`, first pulling `remote` pages here.
+
+        One call per get: remote pages are copied into this node's host tier (shared by
+        every request that wants them) and then served through shared memory like the rest.
+        """
         await self.ready()
+        if remote:
+            await self.pull(geometry, remote)
         return self.epoch, *await self.store.acquire(geometry, keys)
 
     async def release(self, lease_id: int) -> None:
@@ -162,11 +173,60 @@ class NodeCacheActor:
 
     async def read_pages(self, geometry: PageGeometry, keys: list[PageKey]) -> list:
         await self.ready()
-        return await self.store.read_pages(geometry, keys)
+        pages = await self.store.read_pages(geometry, keys)
+        self.counters["served_remote_pages"] += len(pages)
+        self.counters["served_remote_calls"] += 1
+        return pages
 
-    async def prefetch(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+    async def prefetch(self, geometry: PageGeometry, keys: list[PageKey],
+                       remote: dict[str, list[PageKey]] | None = None) -> int:
+        """Pull `remote` pages into the host tier and promote local ones; returns pages ready."""
         await self.ready()
+        if remote:
+            await self.pull(geometry, remote)
         return await self.store.prefetch(geometry, keys)
+
+    async def pull(self, geometry: PageGeometry, remote: dict[str, list[PageKey]]) -> int:
+        """Copy pages from other nodes into this node's host tier; returns pages pulled.
+
+        A page already being pulled for another request is awaited, not fetched twice.
+        """
+        await self.ready()
+        waits, calls = set(), []
+        for node_id, keys in remote.items():
+            waits.update(self._pulls[k] for k in keys if k in self._pulls)
+            todo = [k for k in keys if k not in self._pulls and not self.store.has(geometry, k)]
+            if todo:
+                calls.append(self._pull_from(geometry, node_id, todo))
+        pulled = await asyncio.gather(*calls)
+        await asyncio.gather(*(asyncio.shield(w) for w in waits))
+        return sum(pulled)
+
+    async def _pull_from(self, geometry: PageGeometry, node_id: str, keys: list[PageKey]) -> int:
+        done = asyncio.get_running_loop().create_future()
+        for key in keys:
+            self._pulls[key] = done
+        try:
+            peer = await self._peer(node_id)
+            pages = await peer.read_pages(geometry, keys) if peer is not None else []
+            stored = await self.store.put_pages(geometry, keys[: len(pages)], pages, HOST)
+            self.counters["pulled_pages"] += stored
+            await self.flush()
+            return stored
+        except ray.exceptions.RayError as error:  # a dead peer: its pages are misses
+            log.warning("pull from %s failed: %s", node_id[:8], error)
+            return 0
+        finally:
+            for key in keys:
+                self._pulls.pop(key, None)
+            done.set_result(None)
+
+    async def _peer(self, node_id: str) -> NodeHandle | None:
+        if node_id not in self._peers:
+            # get_actor is a blocking GCS call: keep it off the event loop.
+            self._peers[node_id] = await asyncio.to_thread(NodeHandle.lookup, node_id,
+                                                            self.config)
+        return self._peers[node_id]
 
     # ---- introspection -------------------------------------------------------------------
 
@@ -176,7 +236,8 @@ class NodeCacheActor:
 
     async def stats(self) -> dict:
         await self.ready()
-        return {"node_id": self.node_id, "epoch": self.epoch, **self.store.stats()}
+        return {"node_id": self.node_id, "epoch": self.epoch, **self.store.stats(),
+                **self.counters}
 
     async def shutdown(self) -> None:
         """Release the shared-memory slabs (disk slabs stay, for the next start)."""

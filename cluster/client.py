@@ -12,7 +12,7 @@ import torch
 
 from actors.handles import DirectoryHandle, NodeHandle
 from cluster.config import CacheConfig
-from cluster.fetch import fetch_pages
+from cluster.fetch import choose_sources, fetch_pages, remote_keys
 from cluster.geometry import PageGeometry
 from cluster.keys import PageKey, page_keys
 from cluster.kvcheck import check_kv, check_out, page_slices
@@ -70,25 +70,24 @@ class KVClient:
             return self._put_remote(keys, kv)
         epoch, slots = ray.get(self.local.reserve(self.geometry, keys))
         self.map_epoch(epoch)
-        if not slots:
-            return 0  # no room even after demotion: nothing stored
+        # Only the pages this put reserved are ours to write, commit or abort.
+        mine = [key for key, slot in zip(keys, slots, strict=False) if slot is not None]
         try:
             for page, slot in enumerate(slots):
                 if slot is not None:
                     self._page_view(*slot).copy_(kv[:, :, :, page_slices(page, self.page_tokens)])
         except BaseException:
-            ray.get(self.local.abort(self.geometry, keys))
+            ray.get(self.local.abort(self.geometry, mine))
             raise
-        ray.get(self.local.commit(self.geometry, keys))
-        stored_tokens = len(keys) * self.page_tokens
+        ray.get(self.local.commit(self.geometry, mine))
+        stored_tokens = len(slots) * self.page_tokens  # the prefix that found room
         self.counters["put_tokens"] += stored_tokens
         return stored_tokens
 
     def _put_remote(self, keys: list[PageKey], kv: torch.Tensor) -> int:
         pages = [kv[:, :, :, page_slices(p, self.page_tokens)].contiguous().view(torch.uint8)
                  .reshape(-1).cpu().numpy() for p in range(len(keys))]
-        ray.get(self.home.put_pages(self.geometry, keys, pages))
-        stored_tokens = len(keys) * self.page_tokens
+        stored_tokens = ray.get(self.home.put_pages(self.geometry, keys, pages)) * self.page_tokens
         self.counters["put_tokens"] += stored_tokens
         return stored_tokens
 
@@ -126,7 +125,9 @@ class KVClient:
         keys = self.keys(tokens)
         located = self.directory.match(keys)
         if located:
-            self.home.prefetch(self.geometry, keys[: len(located)])
+            home = self.home.node_id
+            remote = remote_keys(keys[: len(located)], choose_sources(located, home), home)
+            self.home.prefetch(self.geometry, keys[: len(located)], remote or None)
         return len(located) * self.page_tokens
 
     def stats(self) -> dict:

@@ -1,11 +1,14 @@
 """Fetching a matched prefix: pick a source per page (this node first, then the fastest tier),
-ask every source at once, copy what arrives into the caller's tensor."""
+then one call to this node's actor, which pulls the remote pages into its host tier (sharing
+pulls already under way) and pins the prefix; the client copies it out of shared memory.
+A client on a node without a node actor reads remote pages straight through Ray objects.
+"""
 
 from __future__ import annotations
 
 import logging
+import warnings
 
-import numpy as np
 import ray
 import torch
 
@@ -24,64 +27,55 @@ def choose_sources(located: list[list[tuple[str, int]]], local_node: str | None)
     return sources
 
 
-def group_positions(sources: list[str]) -> dict[str, list[int]]:
-    groups: dict[str, list[int]] = {}
-    for position, node in enumerate(sources):
-        groups.setdefault(node, []).append(position)
+def remote_keys(keys: list, sources: list[str], local_node: str | None) -> dict[str, list]:
+    """Keys to fetch from each other node, in chain order."""
+    groups: dict[str, list] = {}
+    for key, node in zip(keys, sources, strict=True):
+        if node != local_node:
+            groups.setdefault(node, []).append(key)
     return groups
 
 
 def fetch_pages(client, keys: list, located: list, out: torch.Tensor) -> int:
     """Fill `out` with the matched pages; returns how many leading pages arrived."""
     local_id = client.local.node_id if client.local is not None else None
-    groups = group_positions(choose_sources(located, local_id))
-    remote_refs = _start_remote(client, keys, groups, local_id)
-    arrived = np.zeros(len(keys), dtype=bool)
-    if local_id in groups:
-        _copy_local(client, keys, groups[local_id], out, arrived)
-    for node_id, (positions, ref) in remote_refs.items():
-        _copy_remote(client, node_id, positions, ref, out, arrived)
-    misses = np.flatnonzero(~arrived)
-    return int(misses[0]) if misses.size else len(keys)
-
-
-def _start_remote(client, keys: list, groups: dict, local_id: str | None) -> dict:
-    refs = {}
-    for node_id, positions in groups.items():
-        if node_id == local_id:
-            continue
-        handle = NodeHandle.lookup(node_id, client.config)
-        if handle is not None:
-            wanted = [keys[p] for p in positions]
-            refs[node_id] = (positions, handle.read_pages(client.geometry, wanted))
-    return refs
-
-
-def _copy_local(client, keys: list, positions: list[int], out: torch.Tensor, arrived) -> None:
-    epoch, lease_id, slots = ray.get(
-        client.local.acquire(client.geometry, [keys[p] for p in positions]))
+    remote = remote_keys(keys, choose_sources(located, local_id), local_id)
+    if client.local is None:
+        return _fetch_direct(client, keys, remote, out)
+    epoch, lease_id, slots = ray.get(client.local.acquire(client.geometry, keys, remote or None))
     client.map_epoch(epoch)
     try:
-        for position, (tier, slot) in zip(positions, slots, strict=False):
+        for position, (tier, slot) in enumerate(slots):
             out[:, :, :, page_slices(position, client.page_tokens)].copy_(
                 client._page_view(tier, slot))
-            arrived[position] = True
     finally:
         if lease_id:
             client.local.release(lease_id)  # fire and forget: the copy is done
-    client.counters["local_pages"] += len(slots)
+    client.counters["local_pages"] += len(slots) - sum(map(len, remote.values()))
+    client.counters["remote_pages"] += sum(map(len, remote.values()))
+    return len(slots)
 
 
-def _copy_remote(client, node_id: str, positions: list[int], ref, out: torch.Tensor,
-                 arrived) -> None:
-    try:
-        pages = ray.get(ref)
-    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as error:
-        log.warning("node %s unavailable, pages count as misses: %s", node_id[:8], error)
-        return
+def _fetch_direct(client, keys: list, remote: dict[str, list], out: torch.Tensor) -> int:
+    """No node actor here: ask every source node at once, copy what arrives."""
+    refs = {}
+    for node_id, wanted in remote.items():
+        handle = NodeHandle.lookup(node_id, client.config)
+        if handle is not None:
+            refs[node_id] = handle.read_pages(client.geometry, wanted)
+    arrived: dict = {}
+    for node_id, ref in refs.items():
+        try:
+            arrived.update(zip(remote[node_id], ray.get(ref), strict=False))
+        except ray.exceptions.RayError as error:
+            log.warning("node %s unavailable, its pages are misses: %s", node_id[:8], error)
     dtype = client.spec.torch_dtype()
-    for position, page in zip(positions, pages, strict=False):
-        view = torch.from_numpy(page).view(dtype).view(client.geometry.shape)
-        out[:, :, :, page_slices(position, client.page_tokens)].copy_(view)
-        arrived[position] = True
-    client.counters["remote_pages"] += len(pages)
+    for position, key in enumerate(keys):
+        if key not in arrived:
+            return position
+        with warnings.catch_warnings():  # Ray hands back read-only arrays; we only read them
+            warnings.simplefilter("ignore", UserWarning)
+            page = torch.from_numpy(arrived[key]).view(dtype).view(client.geometry.shape)
+        out[:, :, :, page_slices(position, client.page_tokens)].copy_(page)
+    client.counters["remote_pages"] += len(keys)
+    return len(keys)

@@ -97,21 +97,41 @@ class Pool:
 
     # ---- reserve / commit (puts) -------------------------------------------------------
 
-    async def reserve(self, keys: list[PageKey]) -> list[tuple[int, int] | None]:
+    async def reserve(self, keys: list[PageKey],
+                      tier: int | None = None) -> list[tuple[int, int] | None]:
         """Slots for the keys not yet stored, as (tier, slot); None where the key exists.
 
-        Returns [] when there is no room even after demotion (an expected shortage).
+        Pages fill the top tier (or `tier`) first and spill into the memory tiers below it.
+        The result covers the longest prefix of `keys` that found room: an expected shortage
+        shortens it, to [] when nothing fits.
         """
-        tier = self.top_tier
-        if not await self.make_room(tier, len(self._fresh(keys))):
-            return []
-        fresh = self._fresh(keys)  # a concurrent put may have reserved some while we waited
-        for key in fresh:
-            slot = self.memory[tier].alloc()
-            assert slot is not None, "make_room promised a free slot"
-            self.index[key] = Entry(tier, slot, State.PENDING)
-        wanted = set(fresh)
-        return [(tier, self.index[k].slot) if k in wanted else None for k in keys]
+        placed: dict[PageKey, tuple[int, int]] = {}
+        for level in range(self.top_tier if tier is None else tier, HOST + 1):
+            count = min(len(self._fresh(keys)), self._num_slots(level))
+            if count == 0:
+                continue
+            await self.make_room(level, count)
+            # Recomputed after the await: a concurrent put may have reserved some meanwhile.
+            for key in self._fresh(keys)[: self._free_slots(level)]:
+                slot = self.memory[level].alloc()
+                assert slot is not None, "a free slot was counted"
+                self.index[key] = Entry(level, slot, State.PENDING)
+                placed[key] = (level, slot)
+        return self._reserved_prefix(keys, placed)
+
+    def _reserved_prefix(self, keys: list[PageKey],
+                         placed: dict[PageKey, tuple[int, int]]) -> list[tuple[int, int] | None]:
+        result: list[tuple[int, int] | None] = []
+        for key in keys:
+            if key in placed:
+                result.append(placed[key])
+            elif key in self.index:
+                result.append(None)
+            else:
+                break
+        covered = set(keys[: len(result)])
+        self.abort([key for key in placed if key not in covered])
+        return result
 
     def _fresh(self, keys: list[PageKey]) -> list[PageKey]:
         return [k for k in dict.fromkeys(keys) if k not in self.index]

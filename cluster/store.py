@@ -104,16 +104,22 @@ class NodeStore:
 
     # ---- puts ----------------------------------------------------------------------------
 
-    async def reserve(self, geometry: PageGeometry, keys: list[PageKey]):
+    async def reserve(self, geometry: PageGeometry, keys: list[PageKey],
+                      tier: int | None = None):
         self._expire_leases()  # a dead reader's pins must not keep puts out
-        return await self.pool(geometry).reserve(keys)
+        return await self.pool(geometry).reserve(keys, tier)
+
+    def has(self, geometry: PageGeometry, key: PageKey) -> bool:
+        """Whether a ready copy of the page is here (any tier)."""
+        pool = self.pools.get(geometry)
+        return pool is not None and pool.local_prefix([key]) == 1
 
     def commit(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
         self.counters["puts"] += 1
         return self.pool(geometry).commit(keys)
 
     async def put_pages(self, geometry: PageGeometry, keys: list[PageKey],
-                        pages: list[np.ndarray]) -> int:
+                        pages: list[np.ndarray], tier: int | None = None) -> int:
         """Store pages whose bytes arrived through Ray (remote or non-mapping clients).
 
         Only the keys this call reserved are written and committed (a key that another put
@@ -121,19 +127,21 @@ class NodeStore:
         """
         if len(pages) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(pages)} pages")
-        reserved = await self.reserve(geometry, keys)
+        reserved = await self.reserve(geometry, keys, tier)
         if not reserved:
             return 0
         pool = self.pool(geometry)
+        keys = keys[: len(reserved)]
         mine = [key for key, slot in zip(keys, reserved, strict=True) if slot is not None]
         try:
-            for key, slot, page in zip(keys, reserved, pages, strict=True):
+            for key, slot, page in zip(keys, reserved, pages[: len(reserved)], strict=True):
                 if slot is not None:
                     pool.write_page(key, page)
         except BaseException:
             pool.abort(mine)
             raise
-        return self.commit(geometry, mine)
+        self.commit(geometry, mine)
+        return len(reserved)  # the prefix now stored, ours or already there
 
     # ---- gets ----------------------------------------------------------------------------
 

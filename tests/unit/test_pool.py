@@ -353,8 +353,20 @@ def test_pinned_host_page_is_not_demoted_to_disk(harness):
     assert as_page(pool.memory[HOST].view(0)).equal(page(0))
 
 
-def test_reserve_returns_empty_when_everything_is_pinned(harness):
+def test_reserve_spills_below_a_pinned_top_tier(harness):
     pool = harness.make()
+
+    async def scenario():
+        await put_each(pool, [0, 1])
+        assert len(await pool.acquire([key(0), key(1)])) == 2
+        return await pool.reserve([key(2)])
+
+    assert run(scenario()) == [(1, pool.index[key(2)].slot)]
+    assert pool.index[key(2)].tier == 1
+
+
+def test_reserve_returns_empty_when_everything_is_pinned(harness):
+    pool = harness.make(host_pages=0)
 
     async def scenario():
         await put_each(pool, [0, 1])
@@ -366,10 +378,11 @@ def test_reserve_returns_empty_when_everything_is_pinned(harness):
     assert tiers(pool) == {"device": [0, 1], "host": [], "disk": []}
 
 
-def test_reserve_more_pages_than_the_top_tier_holds_is_empty(harness):
+def test_reserve_more_pages_than_memory_holds_keeps_the_prefix_that_fits(harness):
     pool = harness.make()
-    assert run(pool.reserve([key(i) for i in range(3)])) == []
-    assert pool.index == {}
+    reserved = run(pool.reserve([key(i) for i in range(5)]))
+    assert [tier for tier, _ in reserved] == [0, 0, 1, 1]
+    assert sorted(pool.index) == sorted(key(i) for i in range(4))
 
 
 def test_a_reserved_page_is_not_evicted_by_other_puts(harness):

@@ -1,0 +1,527 @@
+"""`raykv bench tiers`: raykv's host and disk tiers next to the machine's limits and peers.
+
+For each page size (1, 4, 16 MiB), in one run, the same batch of pages (BATCH_BYTES) moves:
+
+    memcpy            np.copyto page by page, touched buffers       (limit of a host get/put)
+    raykv host get    client.get(tokens, out=out) from this process: directory RPC, node
+                      acquire RPC, one copy per page from the /dev/shm slab into `out`
+    raykv host put    client.put(tokens, kv) of fresh pages: reserve RPC, copy, commit RPC
+    fio read/write    O_DIRECT psync, block = page, numjobs = disk_threads     (disk limit)
+    disk tier         DiskArena.write_pages / read_pages, same page, batch and threads, into
+                      4096-aligned buffers: what demotion and promotion run
+    disk end to end   the service with a one-batch host tier: a put demotes a batch to disk,
+                      a get reads a batch up from disk (and demotes the resident one)
+    redis             pipelined SET / GET of the pages                   (peer, loopback TCP)
+    ray               ray.put / ray.get + copy, in-process and from another worker (peer)
+
+Host figures are taken in ROUNDS, each round timing memcpy right before raykv, and the ratio
+is the median of the per-round ratios: the machine is shared, and a noisy neighbour then
+slows both sides of a ratio alike. All figures are GB/s (1e9 B/s) of page bytes.
+
+Ray: when none is running, this starts a private local one (address="local"), so that it
+never attaches to another process's cluster; it stops the service and that Ray at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster.bench import peers
+from cluster.bench.hashing import goals_met, machine_info
+from cluster.config import CacheConfig
+from cluster.spec import ModelSpec
+
+MiB = 1 << 20
+PAGE_MIB = (1, 4, 16)
+QUICK_PAGE_MIB = (1, 4)
+RATIO_PAGE_MIB = 4
+BATCH_BYTES = 64 * MiB
+QUICK_BATCH_BYTES = 32 * MiB
+ROUNDS = 3
+QUICK_ROUNDS = 2
+GET_REPS = 5  # per round
+PUT_REPS = 2  # per round; each put needs fresh slots, so the host tier is sized for all
+DISK_REPS = 5
+DISK_ROUNDS = 2
+QUICK_DISK_ROUNDS = 1
+DISK_FILE_BYTES = 256 * MiB  # fio's file and the disk arena's capacity
+E2E_BATCHES = 8  # disk end to end: batches put through a one-batch host tier
+E2E_GETS = 4  # timed gets of batches on disk (after one untimed)
+TOKEN_STRIDE = 1 << 24  # batch b's tokens start at b * TOKEN_STRIDE
+OBJECT_STORE_BYTES = 768 * MiB
+DISK_HEADER_BYTES = 4096
+# Llama-3.1-8B's KV geometry (128 KiB per token), so pages are 8, 32 and 128 tokens.
+SPEC = ModelSpec("bench-llama-3.1-8b", 32, 8, 128, "bfloat16")
+GOALS = {
+    "host_get_vs_memcpy": {"min": 0.6},
+    "host_put_vs_memcpy": {"min": 0.5},
+    "disk_read_vs_raw": {"min": 0.85},
+    "disk_write_vs_raw": {"min": 0.85},
+    "host_get_vs_redis": {"min": 10.0},
+    "host_get_vs_ray": {"min": 1.5},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SizePlan:
+    page_bytes: int
+    page_tokens: int
+    num_pages: int  # pages in one batch (one put or get call)
+    rounds: int  # host rounds
+    disk_rounds: int
+    disk_dir: str
+
+    @property
+    def batch_tokens(self) -> int:
+        return self.num_pages * self.page_tokens
+
+    @property
+    def disk_slot_bytes(self) -> int:
+        return DISK_HEADER_BYTES + self.page_bytes
+
+
+def plan_for(page_mib: int, quick: bool, disk_dir: str) -> SizePlan:
+    page_bytes = page_mib * MiB
+    page_tokens = page_bytes // SPEC.bytes_per_token
+    assert SPEC.page_bytes(page_tokens) == page_bytes, f"{page_mib} MiB is not whole tokens"
+    batch_bytes = QUICK_BATCH_BYTES if quick else BATCH_BYTES
+    return SizePlan(page_bytes, page_tokens, max(1, batch_bytes // page_bytes),
+                    QUICK_ROUNDS if quick else ROUNDS,
+                    QUICK_DISK_ROUNDS if quick else DISK_ROUNDS, disk_dir)
+
+
+def _median_s(run: Callable[[], object], reps: int) -> float:
+    times_s = []
+    for _ in range(reps):
+        start_s = time.perf_counter()
+        run()
+        times_s.append(time.perf_counter() - start_s)
+    return statistics.median(times_s)
+
+
+# ---- the service ---------------------------------------------------------------------------
+
+
+def _ensure_ray() -> bool:
+    """Start a private local Ray unless one is initialised; True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(address="local", resources={CacheConfig().node_resource: 1},
+             include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+             logging_level=logging.WARNING, log_to_driver=False)
+    return True
+
+
+def _stop_service() -> None:
+    """stop(), wait until the named actors are gone, then unlink this node's stale slabs
+    (stop() kills the node actor, which leaves its /dev/shm files behind)."""
+    import ray
+
+    from actors import handles
+    from cluster import stop
+    from cluster.tiers.memory import remove_stale_shm
+
+    stop()
+    node_id = ray.get_runtime_context().get_node_id()
+    names = [handles.DIRECTORY_NAME.format(shard=0), handles.NODE_NAME.format(node_id=node_id),
+             getattr(handles, "CONTROLLER_NAME", handles.DIRECTORY_NAME.format(shard=0))]
+    deadline_s = time.monotonic() + 30.0
+    while time.monotonic() < deadline_s:
+        alive = []
+        for name in names:
+            try:
+                alive.append(ray.get_actor(name, namespace=CacheConfig().ray_namespace))
+            except ValueError:
+                pass
+        if not alive:
+            break
+        time.sleep(0.1)
+    remove_stale_shm(f"raykv-{node_id[:12]}")
+
+
+def _start_service(config: CacheConfig):
+    from cluster import connect, start
+
+    _stop_service()
+    start(config)
+    return connect(SPEC)
+
+
+def _service_config(plan: SizePlan, host_pages: int, disk_pages: int, name: str) -> CacheConfig:
+    """device_bytes=0: the host tier (host_pages slots) is the top tier."""
+    return CacheConfig(page_tokens=plan.page_tokens, device_bytes=0,
+                       host_bytes=host_pages * plan.page_bytes,  # pages are 4096-aligned
+                       disk_bytes=max(disk_pages, 2) * plan.disk_slot_bytes, eviction="lru",
+                       disk_dir=os.path.join(plan.disk_dir, f"{name}-{plan.page_bytes // MiB}mib"),
+                       disk_codec="none")
+
+
+def _tokens(plan: SizePlan, batch: int) -> np.ndarray:
+    return np.arange(plan.batch_tokens, dtype=np.int64) + batch * TOKEN_STRIDE
+
+
+def _batch_kv(plan: SizePlan):
+    """(kv, out): kv [L, 2, H, batch_tokens, D] whose page i holds page_pool's page i; out
+    a touched tensor of the same shape."""
+    import torch
+
+    pool = torch.from_numpy(peers.page_pool(plan.page_bytes, plan.num_pages))
+    pages = pool.view(torch.bfloat16).view(plan.num_pages, *SPEC.page_shape(plan.page_tokens))
+    kv = pages.permute(1, 2, 3, 0, 4, 5).reshape(SPEC.page_shape(plan.batch_tokens)).clone()
+    out = torch.empty_like(kv)
+    out.view(torch.uint8).fill_(0xA5)
+    return kv, out
+
+
+def _check_get(client, plan: SizePlan, batch: int, kv, out) -> None:
+    import torch
+
+    out.view(torch.uint8).fill_(0)
+    num_tokens, _ = client.get(_tokens(plan, batch), out=out)
+    if num_tokens != plan.batch_tokens:
+        raise RuntimeError(f"get returned {num_tokens} of {plan.batch_tokens} tokens")
+    if not torch.equal(out.view(torch.int16), kv.view(torch.int16)):
+        raise RuntimeError("get returned different bytes than were put")
+
+
+def _put_fresh(client, plan: SizePlan, kv, counter: list[int]) -> None:
+    counter[0] += 1
+    stored = client.put(_tokens(plan, counter[0]), kv)
+    if stored != plan.batch_tokens:
+        raise RuntimeError(f"put stored {stored} of {plan.batch_tokens} tokens (tier full?)")
+
+
+def _copy_floor_s(plan: SizePlan, kv, out) -> float:
+    """Median seconds of the get's copies alone (page buffers -> `out` slices), no Ray."""
+    pages = [kv[:, :, :, p * plan.page_tokens:(p + 1) * plan.page_tokens].contiguous()
+             for p in range(plan.num_pages)]
+
+    def copy_all() -> None:
+        for p, page in enumerate(pages):
+            out[:, :, :, p * plan.page_tokens:(p + 1) * plan.page_tokens].copy_(page)
+
+    copy_all()
+    return _median_s(copy_all, GET_REPS)
+
+
+def measure_host(plan: SizePlan) -> dict[str, list[float]]:
+    """Per round: memcpy GB/s, then raykv's median get and put GB/s, and the get's phases."""
+    kv, out = _batch_kv(plan)
+    host_pages = (2 + plan.rounds * PUT_REPS + 1) * plan.num_pages  # every batch put here
+    client = _start_service(_service_config(plan, host_pages, 2, "host"))
+    tokens = _tokens(plan, 0)
+    client.put(tokens, kv)
+    _check_get(client, plan, 0, kv, out)
+    batch_bytes = plan.num_pages * plan.page_bytes
+    counter = [0]
+    _put_fresh(client, plan, kv, counter)  # warm-up put
+    rounds: dict[str, list[float]] = {name: [] for name in (
+        "memcpy", "get", "put", "lookup_ms", "get_ms", "copy_floor_ms")}
+    for _ in range(plan.rounds):
+        rounds["memcpy"].append(peers.memcpy_gbps(plan.page_bytes, plan.num_pages))
+        get_s = _median_s(lambda: client.get(tokens, out=out), GET_REPS)
+        put_s = _median_s(lambda: _put_fresh(client, plan, kv, counter), PUT_REPS)
+        rounds["get"].append(batch_bytes / get_s / 1e9)
+        rounds["put"].append(batch_bytes / put_s / 1e9)
+        rounds["get_ms"].append(get_s * 1e3)
+        rounds["lookup_ms"].append(_median_s(lambda: client.lookup(tokens), GET_REPS) * 1e3)
+        rounds["copy_floor_ms"].append(_copy_floor_s(plan, kv, out) * 1e3)
+    _check_get(client, plan, 0, kv, out)
+    return rounds
+
+
+def measure_disk_e2e(plan: SizePlan) -> dict:
+    """Put E2E_BATCHES batches through a one-batch host tier (each put after the first
+    demotes a batch to disk), then get batches that sit on disk (each also demotes one)."""
+    kv, out = _batch_kv(plan)
+    client = _start_service(_service_config(plan, plan.num_pages,
+                                            (E2E_BATCHES + 2) * plan.num_pages, "e2e"))
+    batch_bytes = plan.num_pages * plan.page_bytes
+    put_times_s = []
+    for batch in range(E2E_BATCHES):
+        start_s = time.perf_counter()
+        client.put(_tokens(plan, batch), kv)
+        put_times_s.append(time.perf_counter() - start_s)
+    on_disk = client.stats()["node"]["pages"]["disk"]
+    _check_get(client, plan, 0, kv, out)  # untimed, and byte-exact from disk
+    get_times_s = []
+    for batch in range(1, 1 + E2E_GETS):
+        start_s = time.perf_counter()
+        num_tokens, _ = client.get(_tokens(plan, batch), out=out)
+        get_times_s.append(time.perf_counter() - start_s)
+        if num_tokens != plan.batch_tokens:
+            raise RuntimeError(f"disk get returned {num_tokens} of {plan.batch_tokens} tokens")
+    return {"put": batch_bytes / statistics.median(put_times_s[1:]) / 1e9,
+            "get": batch_bytes / statistics.median(get_times_s) / 1e9,
+            "pages_on_disk_before_gets": on_disk}
+
+
+# ---- the disk tier itself and fio ----------------------------------------------------------
+
+
+def _arena_payloads(plan: SizePlan) -> list[np.ndarray]:
+    from cluster.tiers.aligned import aligned_empty
+
+    pool = peers.page_pool(plan.page_bytes, plan.num_pages)
+    payloads = []
+    for page in pool:
+        buffer = aligned_empty(plan.page_bytes)
+        buffer[:] = page
+        payloads.append(buffer)
+    return payloads
+
+
+class ArenaBench:
+    """One batch at a time through a DiskArena: writes at random slots, reads them back."""
+
+    def __init__(self, arena, plan: SizePlan, payloads: list[np.ndarray]) -> None:
+        from cluster.tiers.aligned import aligned_empty
+
+        self.arena, self.plan, self.payloads = arena, plan, payloads
+        self.keys = [i.to_bytes(16, "little") for i in range(plan.num_pages)]
+        self.outs = [aligned_empty(plan.page_bytes) for _ in range(plan.num_pages)]
+        for out in self.outs:
+            out.fill(0xA5)
+        self.rng = np.random.default_rng(0)
+        self.written: list[list[int]] = []
+        self.batch_bytes = plan.num_pages * plan.page_bytes
+
+    def write_gbps(self) -> float:
+        """Median GB/s of DISK_REPS batches (after one untimed) at fresh random slots."""
+        self.written = [self.rng.choice(self.arena.num_slots, self.plan.num_pages,
+                                        replace=False).tolist() for _ in range(DISK_REPS + 1)]
+        times_s = []
+        for slots in self.written:
+            items = [(s, k, 0, p) for s, k, p in zip(slots, self.keys, self.payloads, strict=True)]
+            start_s = time.perf_counter()
+            self.arena.write_pages(items)
+            times_s.append(time.perf_counter() - start_s)
+        return self.batch_bytes / statistics.median(times_s[1:]) / 1e9
+
+    def read_gbps(self) -> float:
+        """Median GB/s of reading the batches write_gbps wrote; the last one is checked."""
+        times_s = []
+        for slots in self.written:
+            start_s = time.perf_counter()
+            metas = self.arena.read_pages(slots, self.outs)
+            times_s.append(time.perf_counter() - start_s)
+        if any(m is None or m.key != k for m, k in zip(metas, self.keys, strict=True)):
+            raise RuntimeError("disk tier read back a missing or foreign page")
+        peers.check_pool(np.stack(self.outs))
+        return self.batch_bytes / statistics.median(times_s[1:]) / 1e9
+
+
+def measure_disk(plan: SizePlan) -> dict[str, list[float]]:
+    """Per round: fio write, the disk arena's write, fio read, the arena's read (plan.disk_dir)."""
+    from cluster.tiers.disk import DiskArena
+
+    threads = CacheConfig().disk_threads
+    fio_bytes = DISK_FILE_BYTES // plan.page_bytes * plan.page_bytes
+    fio = lambda rw: peers.fio_gbps(plan.disk_dir, rw, plan.page_bytes, threads, fio_bytes)  # noqa: E731
+    arena_dir = os.path.join(plan.disk_dir, "arena")
+    rounds: dict[str, list[float]] = {n: [] for n in ("fio_write", "arena_write", "fio_read",
+                                                      "arena_read")}
+    with DiskArena(arena_dir, DISK_FILE_BYTES, plan.page_bytes, threads) as arena:
+        if not arena.direct_io:
+            raise RuntimeError(f"O_DIRECT does not work in {plan.disk_dir}")
+        bench = ArenaBench(arena, plan, _arena_payloads(plan))
+        for _ in range(plan.disk_rounds):
+            rounds["fio_write"].append(fio("write"))
+            rounds["arena_write"].append(bench.write_gbps())
+            rounds["fio_read"].append(fio("read"))
+            rounds["arena_read"].append(bench.read_gbps())
+    shutil.rmtree(arena_dir, ignore_errors=True)
+    return rounds
+
+
+def measure_peers(plan: SizePlan, redis_url: str) -> dict[str, float]:
+    redis_figures = peers.redis_gbps(redis_url, plan.page_bytes, plan.num_pages)
+    local = peers.ray_gbps(plan.page_bytes, plan.num_pages)
+    remote = peers.ray_gbps_remote(plan.page_bytes, plan.num_pages)
+    return {"redis_set": redis_figures["set"], "redis_get": redis_figures["get"],
+            "ray_put": local["put"], "ray_get": local["get"],
+            "ray_remote_put": remote["put"], "ray_remote_get": remote["get"]}
+
+
+# ---- one size, ratios, report --------------------------------------------------------------
+
+
+def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
+
+
+def measure_size(plan: SizePlan, redis_url: str, step: Callable[[str], None]) -> dict:
+    step("host put/get vs memcpy")
+    host = measure_host(plan)
+    step("disk end to end")
+    e2e = measure_disk_e2e(plan)
+    _stop_service()
+    step("fio and disk tier")
+    disk = measure_disk(plan)
+    step("redis and ray")
+    peer = measure_peers(plan, redis_url)
+    median = statistics.median
+    raw = {"page_tokens": plan.page_tokens, "pages_per_batch": plan.num_pages,
+           **{name: median(values) for name, values in host.items()},
+           **{name: median(values) for name, values in disk.items()},
+           "disk_threads": CacheConfig().disk_threads,
+           "disk_e2e_put": e2e["put"], "disk_e2e_get": e2e["get"],
+           "disk_e2e_pages_on_disk": e2e["pages_on_disk_before_gets"], **peer,
+           "rounds": {**host, **disk}}
+    raw["host_get"], raw["host_put"] = raw.pop("get"), raw.pop("put")
+    raw["ratios"] = {
+        "host_get_vs_memcpy": _median_ratio(host["get"], host["memcpy"]),
+        "host_put_vs_memcpy": _median_ratio(host["put"], host["memcpy"]),
+        "disk_read_vs_raw": _median_ratio(disk["arena_read"], disk["fio_read"]),
+        "disk_write_vs_raw": _median_ratio(disk["arena_write"], disk["fio_write"]),
+        "host_get_vs_redis": raw["host_get"] / peer["redis_get"],
+        "host_get_vs_ray": raw["host_get"] / peer["ray_remote_get"],
+        "host_get_vs_ray_local": raw["host_get"] / peer["ray_get"],
+        "disk_e2e_get_vs_raw_read": e2e["get"] / raw["fio_read"],
+        "disk_e2e_put_vs_raw_write": e2e["put"] / raw["fio_write"],
+    }
+    return raw
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def summarise(per_size: dict[str, dict]) -> tuple[dict, dict]:
+    """(ratios at RATIO_PAGE_MIB, or the geometric mean when it was not run; geomean ratios)."""
+    names = list(next(iter(per_size.values()))["ratios"])
+    geomean = {n: _geomean([s["ratios"][n] for s in per_size.values()]) for n in names}
+    main = per_size.get(f"{RATIO_PAGE_MIB}MiB")
+    return (dict(main["ratios"]) if main else dict(geomean)), geomean
+
+
+ROWS = [("memcpy", "memcpy (limit)"), ("host_get", "raykv host get"),
+        ("host_put", "raykv host put"), ("fio_read", "fio O_DIRECT randread"),
+        ("arena_read", "raykv disk tier read"), ("fio_write", "fio O_DIRECT randwrite"),
+        ("arena_write", "raykv disk tier write"), ("disk_e2e_get", "raykv get from disk (e2e)"),
+        ("disk_e2e_put", "raykv put + demote (e2e)"), ("redis_get", "redis GET"),
+        ("redis_set", "redis SET"), ("ray_get", "ray.get + copy (same proc)"),
+        ("ray_remote_get", "ray.get + copy (other worker)"), ("ray_put", "ray.put")]
+
+
+def print_report(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    sizes = list(result["per_size"])
+    table = Table(title="raykv tiers vs limits and peers (GB/s, 1e9 B/s; medians)")
+    table.add_column("contender")
+    for size in sizes:
+        table.add_column(f"{size} page", justify="right")
+    for key, label in ROWS:
+        table.add_row(label, *(f"{result['per_size'][s][key]:.2f}" for s in sizes))
+    for key, label in PHASE_ROWS:
+        table.add_row(label, *(f"{result['per_size'][s][key]:.2f}" for s in sizes))
+    ratios = Table(title=f"ratios ({result['ratio_basis']})")
+    for column in ("ratio", "value", "goal", "met"):
+        ratios.add_column(column)
+    for name, value in result["ratios"].items():
+        goal = result["goals"].get(name)
+        met = result["met"].get(name)
+        ratios.add_row(name, f"{value:.3f}", f">= {goal['min']}" if goal else "",
+                       "" if met is None else ("[green]yes[/]" if met else "[red]NO[/]"))
+    console = Console()
+    console.print(table)
+    console.print(ratios)
+
+
+PHASE_ROWS = [("get_ms", "host get of one batch (ms)"),
+              ("lookup_ms", "  of which keys + directory RPC (ms)"),
+              ("copy_floor_ms", "  copies alone, no Ray (ms)")]
+
+NOTES = [
+    f"ratios are taken at the {RATIO_PAGE_MIB} MiB page size (ratios_geomean: the geometric "
+    "mean over the page sizes run)",
+    "host_get/put_vs_memcpy: median over rounds of (raykv GB/s / peers.memcpy_gbps GB/s), "
+    "memcpy timed right before raykv in each round; a get is one client.get(tokens, out=out) "
+    "of a whole batch into a touched tensor, timed in this client process (keys, directory "
+    "RPC, node acquire RPC, one copy per page out of /dev/shm); a put is one client.put of "
+    "fresh pages (reserve RPC, copies, commit RPC, which flushes to the directory)",
+    "get phases: lookup_ms = client.lookup (keys + directory RPC); copy_floor_ms = the same "
+    "page copies into out from private tensors, without Ray; get_ms - lookup_ms - "
+    "copy_floor_ms ~ the node acquire RPC and copy slowdowns",
+    "disk_read/write_vs_raw: median over disk rounds of DiskArena.read_pages/write_pages "
+    "(the tier's own I/O, checksums included, one batch per call, random slots) / fio "
+    "randread/randwrite (O_DIRECT, psync, bs = page, numjobs = disk_threads) on /tmp",
+    "disk_e2e_*: through the service with a one-batch host tier, reported separately (no "
+    "goal): a put demotes the previous batch to disk; a get reads a batch from disk and "
+    "demotes the resident one, so it moves twice the bytes it returns",
+    "host_get_vs_ray: vs ray_gbps_remote's get (another worker on this node ray.gets the "
+    "driver's objects and copies them out); host_get_vs_ray_local: vs the in-process get",
+    f"kv geometry: {SPEC.name} page shape {SPEC.page_shape(1)} per token, bf16, 128 KiB "
+    "per token; the machine is shared, see machine.loadavg_*",
+]
+
+
+def _machine() -> dict:
+    import torch
+
+    return {**machine_info(), "torch_threads": torch.get_num_threads(),
+            "loadavg_start": list(os.getloadavg())}
+
+
+def run(json_path: str | None, quick: bool) -> dict:
+    import json
+
+    import ray
+    from rich.progress import Progress
+
+    from cluster.redis_server import RedisServer
+
+    page_mibs = QUICK_PAGE_MIB if quick else PAGE_MIB
+    machine = _machine()
+    per_size: dict[str, dict] = {}
+    started_ray = _ensure_ray()
+    disk_root = tempfile.mkdtemp(prefix="raykv-bench-tiers-", dir="/tmp")
+    try:
+        with RedisServer() as redis_server, Progress() as progress:
+            task = progress.add_task("tiers", total=4 * len(page_mibs))
+            for page_mib in page_mibs:
+                plan = plan_for(page_mib, quick, disk_root)
+
+                def step(what: str, size: int = page_mib) -> None:
+                    progress.update(task, description=f"{size} MiB: {what}", advance=1)
+
+                per_size[f"{page_mib}MiB"] = measure_size(plan, redis_server.url, step)
+    finally:
+        _stop_service()
+        shutil.rmtree(disk_root, ignore_errors=True)
+        if started_ray:
+            ray.shutdown()
+    machine["loadavg_end"] = list(os.getloadavg())
+    ratios, geomean = summarise(per_size)
+    basis = f"{RATIO_PAGE_MIB}MiB" in per_size
+    result = {"benchmark": "tiers", "unit": "GB/s (1e9 B/s)",
+              "ratio_basis": f"{RATIO_PAGE_MIB} MiB pages" if basis else "geometric mean",
+              "config": {"page_mib": list(page_mibs), "batch_bytes": plan.num_pages
+                         * plan.page_bytes, "rounds": plan.rounds, "disk_rounds":
+                         plan.disk_rounds, "get_reps": GET_REPS, "put_reps": PUT_REPS,
+                         "disk_reps": DISK_REPS, "disk_file_bytes": DISK_FILE_BYTES,
+                         "disk_dir": "/tmp", "top_tier": "host (device_bytes=0)",
+                         "quick": quick},
+              "machine": machine, "per_size": per_size, "ratios": ratios,
+              "ratios_geomean": geomean, "goals": GOALS, "met": goals_met(ratios, GOALS),
+              "notes": NOTES + (["quick run: fewer sizes, smaller batches, fewer rounds"]
+                                if quick else [])}
+    print_report(result)
+    if json_path:
+        with open(json_path, "w") as file:
+            json.dump(result, file, indent=2)
+    return result
