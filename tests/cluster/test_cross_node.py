@@ -1,0 +1,117 @@
+"""Pages stored on one node are served on another: put on A, get on B, byte-exact."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from actors.handles import CONTROLLER_NAME, NODE_NAME
+from cluster import CacheConfig, ModelSpec, start
+from cluster.geometry import PageGeometry
+from cluster.keys import page_keys
+from tests.cluster.conftest import node_args, node_id_of, wait_until
+from tests.cluster.replica import kv_for, replica_on
+
+TINY = ModelSpec.preset("tiny-llama")
+GEOMETRY = PageGeometry.of(TINY, 16)
+
+
+@pytest.fixture(scope="module")
+def nodes(ray_cluster, disk_root):
+    start(CacheConfig(page_tokens=16, device_bytes=0, host_bytes=256 * 8192,
+                      disk_bytes=1 << 20, disk_dir=disk_root, num_directory_shards=2))
+    a, b = node_id_of("node_a"), node_id_of("node_b")
+    return {"a": a, "b": b, "ra": replica_on(a, TINY), "rb": replica_on(b, TINY)}
+
+
+def node_actor(node_id: str):
+    return ray.get_actor(NODE_NAME.format(node_id=node_id), namespace="raykv")
+
+
+def node_stats(node_id: str) -> dict:
+    return ray.get(node_actor(node_id).stats.remote())
+
+
+def test_every_kv_node_has_an_actor(nodes):
+    controller = ray.get_actor(CONTROLLER_NAME, namespace="raykv")
+    members = ray.get(controller.stats.remote())["members"]
+    assert len(members) == 3 and {nodes["a"], nodes["b"]} <= set(members)
+    assert ray.get(nodes["ra"].node.remote()) == nodes["a"]
+
+
+def test_put_on_a_get_on_b_is_byte_exact(nodes):
+    tokens, kv = list(range(64)), kv_for(TINY, 64, seed=1)
+    assert ray.get(nodes["ra"].put.remote(tokens, kv)) == 64
+    assert ray.get(nodes["rb"].lookup.remote(tokens)) == 64
+    num_tokens, got = ray.get(nodes["rb"].get.remote(tokens))
+    assert num_tokens == 64 and torch.equal(got, kv)
+    client = ray.get(nodes["rb"].stats.remote())["client"]
+    assert client["remote_pages"] == 4
+    located = ray.get(nodes["rb"].located.remote(tokens))
+    assert all({nodes["a"], nodes["b"]} <= {n for n, _ in places} for places in located)
+
+
+def test_prefix_mixing_local_and_remote_pages(nodes):
+    tokens, kv = list(range(100, 196)), kv_for(TINY, 96, seed=2)
+    assert ray.get(nodes["ra"].put.remote(tokens, kv)) == 96
+    assert ray.get(nodes["rb"].put.remote(tokens[:32], kv[:, :, :, :32])) == 32
+    num_tokens, got = ray.get(nodes["rb"].get.remote(tokens))
+    assert num_tokens == 96 and torch.equal(got, kv)
+    assert ray.get(nodes["rb"].stats.remote())["client"]["remote_pages"] == 4 + 4
+
+
+def test_prefetch_pulls_remote_pages_into_local_host(nodes):
+    tokens, kv = list(range(300, 364)), kv_for(TINY, 64, seed=3)
+    ray.get(nodes["ra"].put.remote(tokens, kv))
+    assert ray.get(nodes["rb"].prefetch.remote(tokens)) == 64
+
+    def on_b() -> bool:
+        located = ray.get(nodes["rb"].located.remote(tokens))
+        return all((nodes["b"], 1) in places for places in located)
+
+    wait_until(on_b, 10, "prefetched pages to appear in B's host tier")
+    served_before = node_stats(nodes["a"])["served_remote_pages"]
+    num_tokens, got = ray.get(nodes["rb"].get.remote(tokens))
+    assert num_tokens == 64 and torch.equal(got, kv)
+    assert node_stats(nodes["a"])["served_remote_pages"] == served_before  # all local now
+
+
+def test_concurrent_requests_share_one_pull(nodes):
+    tokens, kv = list(range(500, 628)), kv_for(TINY, 128, seed=4)
+    ray.get(nodes["ra"].put.remote(tokens, kv))
+    keys = page_keys(TINY, "default", 16, tokens)
+    calls_before = node_stats(nodes["a"])["served_remote_calls"]
+    b_actor = node_actor(nodes["b"])
+    pulled = ray.get([b_actor.pull.remote(GEOMETRY, {nodes["a"]: keys}) for _ in range(6)])
+    assert sorted(pulled) == [0] * 5 + [8]  # one request pulled, five waited for it
+    assert node_stats(nodes["a"])["served_remote_calls"] == calls_before + 1
+    num_tokens, got = ray.get(nodes["rb"].get.remote(tokens))
+    assert num_tokens == 128 and torch.equal(got, kv)
+
+
+def test_concurrent_gets_from_replicas_read_remote_pages_once(nodes):
+    tokens, kv = list(range(700, 764)), kv_for(TINY, 64, seed=5)
+    ray.get(nodes["ra"].put.remote(tokens, kv))
+    calls_before = node_stats(nodes["a"])["served_remote_calls"]
+    replicas = [replica_on(nodes["b"], TINY) for _ in range(3)]
+    results = ray.get([r.get.remote(tokens) for r in replicas])
+    assert all(n == 64 and torch.equal(got, kv) for n, got in results)
+    assert node_stats(nodes["a"])["served_remote_calls"] == calls_before + 1
+
+
+def test_a_node_that_joins_late_gets_an_actor(ray_cluster, nodes):
+    cluster, _ = ray_cluster
+    cluster.add_node(**node_args("node_d"))
+    late = wait_until(lambda: _alive("node_d"), 30, "node_d to join")
+    controller = ray.get_actor(CONTROLLER_NAME, namespace="raykv")
+    wait_until(lambda: late in ray.get(controller.stats.remote())["members"], 30,
+               "the controller to place a node actor on node_d")
+    assert ray.get(node_actor(late).ping.remote()) == late
+
+
+def _alive(resource: str) -> str | None:
+    try:
+        return node_id_of(resource)
+    except AssertionError:
+        return None
