@@ -37,9 +37,11 @@ TURN_TOKENS = ((83, 57), (61, 0))
 VOCAB = 512
 OBJECT_STORE_BYTES = 150 * MiB
 TIMING_REPEATS = 7
-# Per-node tier budgets in pages. A put must fit the device tier whole, so it holds the
-# longest prompt; the host tier is small, so older pages spill on to disk.
-DEVICE_PAGES = 32
+# A small random-weight Llama (4 layers, hidden 512): big enough that its prefill costs more
+# than fetching its cached KV, as with real models; the tiny test model is not.
+MODEL_PRESET = "small-llama"
+# Per-node tier budgets in pages: small device and host tiers, so older pages spill to disk.
+DEVICE_PAGES = 24
 HOST_PAGES = 8
 DISK_PAGES = 256
 DISK_CODEC = "int8"
@@ -324,7 +326,7 @@ def cache_config(disk_dir: str):
     from cluster.geometry import PageGeometry
     from cluster.tiers.disk import HEADER_BYTES
 
-    geometry = PageGeometry.of(ModelSpec.preset("tiny-llama"), PAGE_TOKENS)
+    geometry = PageGeometry.of(ModelSpec.preset(MODEL_PRESET), PAGE_TOKENS)
     return CacheConfig(page_tokens=PAGE_TOKENS, device_bytes=DEVICE_PAGES * geometry.slot_bytes,
                        host_bytes=HOST_PAGES * geometry.slot_bytes,
                        disk_bytes=DISK_PAGES * (HEADER_BYTES + geometry.slot_bytes),
@@ -383,10 +385,10 @@ def _workload_run(console, num_nodes: int) -> dict:
     import ray
 
     from cluster import connect
-    from cluster.model import build_tiny_llama, prefill
+    from cluster.model import build_llama, prefill
     from cluster.quant import quant_report
 
-    model, spec = build_tiny_llama(seed=0)
+    model, spec = build_llama(MODEL_PRESET, seed=0)
     prompts = make_workload(seed=0)
     client = connect(spec)
     results = _serve_all(client, model, prompts)

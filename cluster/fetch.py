@@ -7,13 +7,13 @@ A client on a node without a node actor reads remote pages straight through Ray 
 from __future__ import annotations
 
 import logging
-import warnings
 
 import ray
 import torch
 
 from actors.handles import NodeHandle
 from cluster.kvcheck import page_slices
+from cluster.tiers.memory import readonly_tensor
 
 log = logging.getLogger("raykv.client")
 
@@ -73,9 +73,7 @@ def _fetch_direct(client, keys: list, remote: dict[str, list], out: torch.Tensor
     for position, key in enumerate(keys):
         if key not in arrived:
             return position
-        with warnings.catch_warnings():  # Ray hands back read-only arrays; we only read them
-            warnings.simplefilter("ignore", UserWarning)
-            page = torch.from_numpy(arrived[key]).view(dtype).view(client.geometry.shape)
+        page = readonly_tensor(arrived[key]).view(dtype).view(client.geometry.shape)
         out[:, :, :, page_slices(position, client.page_tokens)].copy_(page)
     client.counters["remote_pages"] += len(keys)
     return len(keys)

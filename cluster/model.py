@@ -8,6 +8,7 @@ layout [num_layers, 2, num_kv_heads, num_tokens, head_dim]. Pure: no Ray.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -15,12 +16,26 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from cluster.spec import ModelSpec
 
 TINY_VOCAB = 512
-TINY_HIDDEN = 64
-TINY_ATTENTION_HEADS = 4  # GQA: 2 query heads per kv head
-TINY_INTERMEDIATE = 128
 TINY_MAX_POSITIONS = 4096
 # Wider than Llama's 0.02 so that random logits have a clear top-1 instead of a near tie.
 TINY_INIT_STD = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What a ModelSpec does not say: the rest of a Llama's architecture."""
+
+    hidden: int
+    attention_heads: int  # GQA: attention_heads / num_kv_heads query heads per kv head
+    intermediate: int
+
+
+# Keyed by ModelSpec preset. "tiny-llama" is what tests run; "small-llama" is big enough that
+# its prefill costs more than fetching its cached KV, as a real model's does.
+SHAPES: dict[str, Shape] = {
+    "tiny-llama": Shape(hidden=64, attention_heads=4, intermediate=128),
+    "small-llama": Shape(hidden=512, attention_heads=8, intermediate=1536),
+}
 
 # transformers renamed the forward's `past_key_values` to `cache` (and the output field with it).
 CACHE_ARG = (
@@ -31,17 +46,24 @@ CACHE_ARG = (
 
 
 def build_tiny_llama(seed: int = 0) -> tuple[LlamaForCausalLM, ModelSpec]:
-    """A 2-layer GQA Llama with the "tiny-llama" geometry, float32, eval mode.
+    """A 2-layer GQA Llama with the "tiny-llama" geometry, float32, eval mode."""
+    return build_llama("tiny-llama", seed)
+
+
+def build_llama(preset: str, seed: int = 0) -> tuple[LlamaForCausalLM, ModelSpec]:
+    """A random-weight Llama of a raykv preset's geometry (see SHAPES), eval mode.
 
     The same seed gives the same weights; the global torch RNG is left as it was.
     """
-    spec = ModelSpec.preset("tiny-llama")
+    if preset not in SHAPES:
+        raise ValueError(f"no Llama shape for {preset!r}; known: {sorted(SHAPES)}")
+    spec, shape = ModelSpec.preset(preset), SHAPES[preset]
     config = LlamaConfig(
         vocab_size=TINY_VOCAB,
-        hidden_size=TINY_HIDDEN,
-        intermediate_size=TINY_INTERMEDIATE,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
         num_hidden_layers=spec.num_layers,
-        num_attention_heads=TINY_ATTENTION_HEADS,
+        num_attention_heads=shape.attention_heads,
         num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         max_position_embeddings=TINY_MAX_POSITIONS,

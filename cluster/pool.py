@@ -22,10 +22,11 @@ from cluster import quant
 from cluster.geometry import DEVICE, DISK, HOST, PageGeometry
 from cluster.keys import PageKey
 from cluster.tiers.disk import DiskArena
-from cluster.tiers.memory import MappedArena
+from cluster.tiers.memory import MappedArena, readonly_tensor
 from policies.eviction import make_policy
 
 EventSink = Callable[[PageKey, int | None], None]
+MAX_LOAD_ROUNDS = 3
 
 
 class State(enum.IntEnum):
@@ -168,7 +169,7 @@ class Pool:
         if raw.size != self.geometry.page_bytes:
             raise ValueError(f"a page of {self.geometry.name} is {self.geometry.page_bytes} "
                              f"bytes, got {raw.size}")
-        self.view(entry)[: raw.size].copy_(torch.from_numpy(raw))
+        self.view(entry)[: raw.size].copy_(readonly_tensor(raw))
 
     # ---- acquire / release (gets) ------------------------------------------------------
 
@@ -190,13 +191,19 @@ class Pool:
         count = min(self.local_prefix(keys), self._num_slots(DEVICE) + self._num_slots(HOST))
         for key in keys[:count]:
             self.index[key].pins += 1
-        await self.load_from_disk(keys[:count])
+        for _ in range(MAX_LOAD_ROUNDS):  # reading up frees disk; lifting up frees host
+            await self.load_from_disk(keys[:count])
+            await self.promote_many(keys[:count], own_pins=1)
+            if not any(self._on_disk_ready(k) for k in keys[:count]):
+                break
         located: list[tuple[int, int]] = []
         for position, key in enumerate(keys[:count]):
-            place = await self._pinned_place(key)
+            place = self._pinned_place(key)
             if place is None:
                 self.release(keys[position + 1 : count])
-                place = await self._pinned_place(key) if position + 1 < count else None
+                if position + 1 < count:  # our own pins may have held the room it needs
+                    await self.load_from_disk([key])
+                    place = self._pinned_place(key)
                 if place is None:
                     self.release([key])
                 else:
@@ -205,9 +212,8 @@ class Pool:
             located.append(place)
         return located
 
-    async def _pinned_place(self, key: PageKey) -> tuple[int, int] | None:
-        """Promote a page the caller pinned; its (tier, slot) once in memory, else None."""
-        await self.promote(key, own_pins=1)
+    def _pinned_place(self, key: PageKey) -> tuple[int, int] | None:
+        """A pinned page's (tier, slot) if it is in memory, else None."""
         entry = self.index.get(key)
         if entry is None or entry.tier == DISK:
             return None
@@ -223,39 +229,45 @@ class Pool:
     # ---- moving pages between tiers ----------------------------------------------------
 
     async def make_room(self, tier: int, num_pages: int) -> bool:
-        """Free `num_pages` slots in `tier` by demoting its victims; False if impossible."""
+        """Free up to `num_pages` slots in `tier` by demoting unpinned victims.
+
+        Frees what it can (pinned pages are never victims); True when all of it is free.
+        """
         shortfall = num_pages - self._free_slots(tier)
         if shortfall <= 0:
             return True
-        if num_pages > self._num_slots(tier):
-            return False
         victims = self.policies[tier].victims(shortfall, self.is_pinned)
-        if len(victims) < shortfall:
-            return False
-        await self.demote(victims, tier)
+        if victims:
+            await self.demote(victims, tier)
         return self._free_slots(tier) >= num_pages
 
     async def demote(self, keys: list[PageKey], tier: int) -> None:
-        """Move pages one tier down (the last tier drops them)."""
-        if tier == DISK or (tier == HOST and not self._num_slots(DISK)):
-            for key in keys:
-                self.drop(key)
-            return
-        below = tier + 1
+        """Move pages down: into the next tier with room (skipping a full or absent one),
+        dropping only what no lower tier can take."""
         for key in keys:
             self.index[key].state = State.MOVING
+        remaining = list(keys)
         try:
-            await self.make_room(below, len(keys))
-            if below == HOST:
-                moved = [key for key in keys if self._move_memory(key, HOST)]
-            else:
-                moved = await self._write_disk(keys)
+            for below in range(tier + 1, DISK + 1):
+                if remaining and self._num_slots(below):
+                    remaining = await self._move_down(remaining, below)
         finally:
             for key in keys:
                 if key in self.index:
                     self.index[key].state = State.READY
-        for key in set(keys) - set(moved):
+        for key in remaining:
             self.drop(key)
+
+    async def _move_down(self, keys: list[PageKey], below: int) -> list[PageKey]:
+        """Move what fits into `below`; returns the keys left over."""
+        await self.make_room(below, min(len(keys), self._num_slots(below)))
+        room = self._free_slots(below)
+        batch, rest = keys[:room], keys[room:]
+        if below == DISK:
+            moved = set(await self._write_disk(batch))
+        else:
+            moved = {key for key in batch if self._move_memory(key, below)}
+        return [key for key in batch if key not in moved] + rest
 
     def _move_memory(self, key: PageKey, tier: int) -> bool:
         entry = self.index[key]
@@ -304,23 +316,36 @@ class Pool:
         return quant.encode_page(page, quant.codec_name(self.codec_id))
 
     async def promote(self, key: PageKey, own_pins: int = 0) -> None:
-        """Move a page up to the top tier (reading it up from disk first if needed).
+        """Move one page up to the top tier (see promote_many)."""
+        await self.load_from_disk([key])
+        await self.promote_many([key], own_pins)
+
+    async def promote_many(self, keys: list[PageKey], own_pins: int = 0) -> None:
+        """Move host pages up to the device tier, in one batch (one demotion pass).
 
         A memory page pinned by someone else is left where it is: moving it would free the
         slot under that reader. `own_pins` are the caller's pins, which it can account for.
         """
-        await self.load_from_disk([key])
-        entry = self.index.get(key)
-        if entry is None or entry.tier in (self.top_tier, DISK) or entry.state != State.READY:
+        if self.top_tier == HOST:
             return
-        if entry.pins > own_pins:
+        movable = [k for k in dict.fromkeys(keys) if self._movable(k, own_pins)]
+        if not movable:
             return
-        entry.state = State.MOVING
+        for key in movable:
+            self.index[key].state = State.MOVING
         try:
-            if await self.make_room(self.top_tier, 1):
-                self._move_memory(key, self.top_tier)
+            await self.make_room(DEVICE, min(len(movable), self._num_slots(DEVICE)))
+            for key in movable[: self._free_slots(DEVICE)]:
+                self._move_memory(key, DEVICE)
         finally:
-            entry.state = State.READY
+            for key in movable:
+                if key in self.index:
+                    self.index[key].state = State.READY
+
+    def _movable(self, key: PageKey, own_pins: int) -> bool:
+        entry = self.index.get(key)
+        return (entry is not None and entry.tier == HOST and entry.state == State.READY
+                and entry.pins <= own_pins)
 
     async def load_from_disk(self, keys: list[PageKey]) -> None:
         """Read the disk-resident pages among `keys` up into host, in one batched read.

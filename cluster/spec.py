@@ -117,4 +117,6 @@ PRESETS: dict[str, ModelSpec] = {
     "mistral-7b": ModelSpec("mistral-7b", 32, 8, 128, "bfloat16"),
     # The tiny Llama that tests and the demo build from a config with random weights.
     "tiny-llama": ModelSpec("tiny-llama", 2, 2, 16, "float32"),
+    # A small one for the demo: prefill costs more than fetching its KV, as with real models.
+    "small-llama": ModelSpec("small-llama", 4, 2, 64, "float32"),
 }

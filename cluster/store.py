@@ -184,8 +184,7 @@ class NodeStore:
         pool = self.pool(geometry)
         count = pool.local_prefix(keys)
         await pool.load_from_disk(keys[:count])
-        for key in keys[:count]:
-            await pool.promote(key)
+        await pool.promote_many(keys[:count])
         return sum(1 for k in keys[:count] if k in pool.index and pool.index[k].tier < 2)
 
     # ---- inventory and stats -------------------------------------------------------------

@@ -31,8 +31,8 @@ from cluster.spec import ModelSpec
 NUM_TOKENS = 128 * 1024
 QUICK_TOKENS = 16 * 1024
 PAGE_TOKENS = (256, 16)
-REPS = 9
-QUICK_REPS = 5
+REPS = 15
+QUICK_REPS = 7
 VOCAB = 128_256  # Llama-3 vocabulary: ids need the full uint32 range's low 17 bits
 SPEC = ModelSpec.preset("llama-3.1-8b")
 NAMESPACE = "default"

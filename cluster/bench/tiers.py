@@ -51,9 +51,9 @@ ROUNDS = 3
 QUICK_ROUNDS = 2
 GET_REPS = 5  # per round
 PUT_REPS = 2  # per round; each put needs fresh slots, so the host tier is sized for all
-DISK_REPS = 5
-DISK_ROUNDS = 2
-QUICK_DISK_ROUNDS = 1
+DISK_REPS = 5  # at least this many batches per disk tier measurement
+ARENA_MIN_S = 0.6  # ... and at least this long
+DISK_ROUNDS = 2  # at RATIO_PAGE_MIB (fio takes FIO_RUNTIME_S a run); one at other sizes
 DISK_FILE_BYTES = 256 * MiB  # fio's file and the disk arena's capacity
 E2E_BATCHES = 8  # disk end to end: batches put through a one-batch host tier
 E2E_GETS = 4  # timed gets of batches on disk (after one untimed)
@@ -95,9 +95,9 @@ def plan_for(page_mib: int, quick: bool, disk_dir: str) -> SizePlan:
     page_tokens = page_bytes // SPEC.bytes_per_token
     assert SPEC.page_bytes(page_tokens) == page_bytes, f"{page_mib} MiB is not whole tokens"
     batch_bytes = QUICK_BATCH_BYTES if quick else BATCH_BYTES
+    disk_rounds = DISK_ROUNDS if page_mib == RATIO_PAGE_MIB and not quick else 1
     return SizePlan(page_bytes, page_tokens, max(1, batch_bytes // page_bytes),
-                    QUICK_ROUNDS if quick else ROUNDS,
-                    QUICK_DISK_ROUNDS if quick else DISK_ROUNDS, disk_dir)
+                    QUICK_ROUNDS if quick else ROUNDS, disk_rounds, disk_dir)
 
 
 def _median_s(run: Callable[[], object], reps: int) -> float:
@@ -125,18 +125,17 @@ def _ensure_ray() -> bool:
 
 
 def _stop_service() -> None:
-    """stop(), wait until the named actors are gone, then unlink this node's stale slabs
-    (stop() kills the node actor, which leaves its /dev/shm files behind)."""
+    """stop(), wait until the named actors are gone (so that the next start() creates fresh
+    ones), then unlink any /dev/shm slab this node's actor left behind."""
     import ray
 
-    from actors import handles
+    from actors.handles import CONTROLLER_NAME, DIRECTORY_NAME, NODE_NAME
     from cluster import stop
     from cluster.tiers.memory import remove_stale_shm
 
     stop()
     node_id = ray.get_runtime_context().get_node_id()
-    names = [handles.DIRECTORY_NAME.format(shard=0), handles.NODE_NAME.format(node_id=node_id),
-             getattr(handles, "CONTROLLER_NAME", handles.DIRECTORY_NAME.format(shard=0))]
+    names = [DIRECTORY_NAME.format(shard=0), NODE_NAME.format(node_id=node_id), CONTROLLER_NAME]
     deadline_s = time.monotonic() + 30.0
     while time.monotonic() < deadline_s:
         alive = []
@@ -252,8 +251,10 @@ def measure_disk_e2e(plan: SizePlan) -> dict:
     put_times_s = []
     for batch in range(E2E_BATCHES):
         start_s = time.perf_counter()
-        client.put(_tokens(plan, batch), kv)
+        stored = client.put(_tokens(plan, batch), kv)
         put_times_s.append(time.perf_counter() - start_s)
+        if stored != plan.batch_tokens:
+            raise RuntimeError(f"disk put stored {stored} of {plan.batch_tokens} tokens")
     on_disk = client.stats()["node"]["pages"]["disk"]
     _check_get(client, plan, 0, kv, out)  # untimed, and byte-exact from disk
     get_times_s = []
@@ -284,7 +285,8 @@ def _arena_payloads(plan: SizePlan) -> list[np.ndarray]:
 
 
 class ArenaBench:
-    """One batch at a time through a DiskArena: writes at random slots, reads them back."""
+    """Batches through a DiskArena for at least ARENA_MIN_S (fio runs FIO_RUNTIME_S):
+    writes at random slots, then reads of what was written; GB/s = bytes / time."""
 
     def __init__(self, arena, plan: SizePlan, payloads: list[np.ndarray]) -> None:
         from cluster.tiers.aligned import aligned_empty
@@ -298,29 +300,42 @@ class ArenaBench:
         self.written: list[list[int]] = []
         self.batch_bytes = plan.num_pages * plan.page_bytes
 
-    def write_gbps(self) -> float:
-        """Median GB/s of DISK_REPS batches (after one untimed) at fresh random slots."""
-        self.written = [self.rng.choice(self.arena.num_slots, self.plan.num_pages,
-                                        replace=False).tolist() for _ in range(DISK_REPS + 1)]
-        times_s = []
-        for slots in self.written:
-            items = [(s, k, 0, p) for s, k, p in zip(slots, self.keys, self.payloads, strict=True)]
+    def _timed_batches(self, run_batch: Callable[[int], object]) -> float:
+        """run_batch(i) for i = 0, 1, ... until ARENA_MIN_S and DISK_REPS batches have passed
+        (batch 0 is an untimed warm-up); returns GB/s."""
+        run_batch(0)
+        elapsed_s, count = 0.0, 0
+        while elapsed_s < ARENA_MIN_S or count < DISK_REPS:
+            count += 1
             start_s = time.perf_counter()
-            self.arena.write_pages(items)
-            times_s.append(time.perf_counter() - start_s)
-        return self.batch_bytes / statistics.median(times_s[1:]) / 1e9
+            run_batch(count)
+            elapsed_s += time.perf_counter() - start_s
+        return count * self.batch_bytes / elapsed_s / 1e9
+
+    def write_gbps(self) -> float:
+        def write(_: int) -> None:
+            slots = self.rng.choice(self.arena.num_slots, self.plan.num_pages,
+                                    replace=False).tolist()
+            self.arena.write_pages([(s, k, 0, p) for s, k, p in
+                                    zip(slots, self.keys, self.payloads, strict=True)])
+            self.written.append(slots)
+
+        self.written = []
+        return self._timed_batches(write)
 
     def read_gbps(self) -> float:
-        """Median GB/s of reading the batches write_gbps wrote; the last one is checked."""
-        times_s = []
-        for slots in self.written:
-            start_s = time.perf_counter()
-            metas = self.arena.read_pages(slots, self.outs)
-            times_s.append(time.perf_counter() - start_s)
-        if any(m is None or m.key != k for m, k in zip(metas, self.keys, strict=True)):
-            raise RuntimeError("disk tier read back a missing or foreign page")
-        peers.check_pool(np.stack(self.outs))
-        return self.batch_bytes / statistics.median(times_s[1:]) / 1e9
+        """Reads the written batches round robin; checks every page of the last one."""
+        metas: list = []
+
+        def read(index: int) -> None:
+            metas[:] = self.arena.read_pages(self.written[index % len(self.written)], self.outs)
+
+        gbps = self._timed_batches(read)
+        for meta, out in zip(metas, self.outs, strict=True):
+            if meta is None or not np.array_equal(
+                    out, self.payloads[int.from_bytes(meta.key, "little")]):
+                raise RuntimeError("disk tier read back a missing or different page")
+        return gbps
 
 
 def measure_disk(plan: SizePlan) -> dict[str, list[float]]:
@@ -376,7 +391,7 @@ def measure_size(plan: SizePlan, redis_url: str, step: Callable[[str], None]) ->
     raw = {"page_tokens": plan.page_tokens, "pages_per_batch": plan.num_pages,
            **{name: median(values) for name, values in host.items()},
            **{name: median(values) for name, values in disk.items()},
-           "disk_threads": CacheConfig().disk_threads,
+           "disk_threads": CacheConfig().disk_threads, "disk_rounds": plan.disk_rounds,
            "disk_e2e_put": e2e["put"], "disk_e2e_get": e2e["get"],
            "disk_e2e_pages_on_disk": e2e["pages_on_disk_before_gets"], **peer,
            "rounds": {**host, **disk}}
@@ -458,8 +473,9 @@ NOTES = [
     "page copies into out from private tensors, without Ray; get_ms - lookup_ms - "
     "copy_floor_ms ~ the node acquire RPC and copy slowdowns",
     "disk_read/write_vs_raw: median over disk rounds of DiskArena.read_pages/write_pages "
-    "(the tier's own I/O, checksums included, one batch per call, random slots) / fio "
-    "randread/randwrite (O_DIRECT, psync, bs = page, numjobs = disk_threads) on /tmp",
+    "GB/s (the tier's own I/O with checksums; one batch per call at random slots, batches "
+    "for >= ARENA_MIN_S, bytes / time) over fio randread/randwrite GB/s (O_DIRECT, psync, "
+    "bs = page, numjobs = disk_threads, FIO_RUNTIME_S), both on files in /tmp, interleaved",
     "disk_e2e_*: through the service with a one-batch host tier, reported separately (no "
     "goal): a put demotes the previous batch to disk; a get reads a batch from disk and "
     "demotes the resident one, so it moves twice the bytes it returns",
@@ -511,11 +527,11 @@ def run(json_path: str | None, quick: bool) -> dict:
     result = {"benchmark": "tiers", "unit": "GB/s (1e9 B/s)",
               "ratio_basis": f"{RATIO_PAGE_MIB} MiB pages" if basis else "geometric mean",
               "config": {"page_mib": list(page_mibs), "batch_bytes": plan.num_pages
-                         * plan.page_bytes, "rounds": plan.rounds, "disk_rounds":
-                         plan.disk_rounds, "get_reps": GET_REPS, "put_reps": PUT_REPS,
-                         "disk_reps": DISK_REPS, "disk_file_bytes": DISK_FILE_BYTES,
-                         "disk_dir": "/tmp", "top_tier": "host (device_bytes=0)",
-                         "quick": quick},
+                         * plan.page_bytes, "rounds": plan.rounds, "get_reps": GET_REPS,
+                         "put_reps": PUT_REPS, "disk_reps": DISK_REPS,
+                         "arena_min_s": ARENA_MIN_S, "fio_runtime_s": peers.FIO_RUNTIME_S,
+                         "disk_file_bytes": DISK_FILE_BYTES, "disk_dir": "/tmp",
+                         "top_tier": "host (device_bytes=0)", "quick": quick},
               "machine": machine, "per_size": per_size, "ratios": ratios,
               "ratios_geomean": geomean, "goals": GOALS, "met": goals_met(ratios, GOALS),
               "notes": NOTES + (["quick run: fewer sizes, smaller batches, fewer rounds"]

@@ -13,8 +13,10 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cluster.tiers.slots import SlotAllocator
@@ -147,3 +149,10 @@ def remove_stale_shm(shm_prefix: str) -> int:
             os.unlink(os.path.join(SHM_DIR, name))
             removed += 1
     return removed
+
+
+def readonly_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only array (Ray hands those back) for reading, without a copy."""
+    with warnings.catch_warnings():  # torch warns that writes would be undefined; we only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)

@@ -167,7 +167,7 @@ def test_reserve_is_empty_when_everything_is_pinned(stores):
     assert key(2) not in store.pool(G).index
     store.release(lease_id)
     assert run(store.reserve(G, [key(2)])) == [(DEVICE, 0)]  # 0, least recently used, went
-    assert key(0) not in store.pool(G).index  # no host tier to demote into: dropped
+    assert store.pool(G).index[key(0)].tier == DISK  # no host tier: straight to disk
 
 
 # ---- gets, leases, pins ----------------------------------------------------------------
