@@ -1,4 +1,4 @@
-"""`raykv demo`: a tiny real Llama stores and reuses its KV through raykv on a simulated cluster.
+"""`raykv demo`: a small real Llama stores and reuses its KV through raykv on a simulated cluster.
 
     Cluster (one raylet per simulated node, each offering the kv_node resource)
       head node: driver (model + KVClient) <--shm--> node actor: device | host | disk (int8)
@@ -193,7 +193,7 @@ def _table(title: str, columns: tuple[str, ...]):
 
 
 def _prompt_table(results: list[PromptResult]):
-    table = _table("Prefill with and without raykv (tiny Llama, CPU)",
+    table = _table(f"Prefill with and without raykv ({MODEL_PRESET}, random weights, CPU)",
                    ("prompt", "tokens", "cached", "hits\ndev/host/disk", "no cache\nms",
                     "fetch\nms", "rest\nms",
                     "cached\nms", "speed\nup", "max\n|dlogit|", "top-1\nsame"))
@@ -348,11 +348,11 @@ def _summary(results: list[PromptResult], round_trip_ms: float) -> str:
     full_ms = sum(r.full_ms for r in reused)
     rest_ms = sum(r.rest_ms for r in reused)
     fetch_ms = sum(r.fetch_ms for r in reused)
-    return (f"Prompts with a cached prefix skipped {skipped:.0%} of their prefill tokens: model "
-            f"time {full_ms:.1f} -> {rest_ms:.1f} ms, plus {fetch_ms:.1f} ms of fetches "
-            f"(one node-actor round trip: {round_trip_ms:.2f} ms). This 2-layer, 64-wide model "
-            "costs a few ms per forward whatever its length, so reuse pays off only for "
-            "models whose prefill costs more than the fetch." + _accuracy_note(results))
+    total_ms = rest_ms + fetch_ms
+    return (f"Prompts with a cached prefix skipped {skipped:.0%} of their prefill tokens: "
+            f"{full_ms:.1f} ms of prefill became {rest_ms:.1f} ms of model time plus "
+            f"{fetch_ms:.1f} ms of fetches, {full_ms / max(total_ms, 1e-9):.2f}x overall "
+            f"(one node-actor round trip: {round_trip_ms:.2f} ms)." + _accuracy_note(results))
 
 
 def _accuracy_note(results: list[PromptResult]) -> str:
@@ -448,7 +448,7 @@ def run_demo(png_path: Path, num_nodes: int) -> dict:
     config = cache_config(disk_dir)
     cluster = None
     num_threads = torch.get_num_threads()
-    # One thread: tiny matmuls gain nothing from more, and lose much when Ray wants the cores.
+    # One thread: small matmuls gain little from more, and lose much when Ray wants the cores.
     torch.set_num_threads(1)
     try:
         cluster = _start_cluster(num_nodes)
