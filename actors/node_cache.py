@@ -21,16 +21,15 @@ from cluster.keys import PageKey, shard_of
 from cluster.pool import PoolLimits
 from cluster.store import NodeStore, StoreConfig
 from cluster.tiers.memory import cuda_available
+from cluster.tiers.node_slot import NodeSlot, claim_node_slot
 
 log = logging.getLogger("raykv.node")
 
 
-def store_config(config: CacheConfig, node_id: str) -> StoreConfig:
+def store_config(config: CacheConfig, slot: NodeSlot) -> StoreConfig:
     limits = PoolLimits(config.device_bytes, config.host_bytes, config.disk_bytes,
-                        config.eviction, config.disk_codec, cuda_available(),
-                        f"raykv-{node_id[:12]}")
-    disk_dir = f"{config.disk_dir}/{node_id[:16]}"
-    return StoreConfig(limits, disk_dir, config.pin_lease_s, config.disk_threads)
+                        config.eviction, config.disk_codec, cuda_available(), slot.shm_prefix)
+    return StoreConfig(limits, slot.disk_dir, config.pin_lease_s, config.disk_threads)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -41,7 +40,8 @@ class NodeCacheActor:
         self.config = CacheConfig.model_validate_json(config_json)
         self.node_id = node_id
         self.epoch = time.time_ns()  # grows across restarts: the directory fences older ones
-        self.store = NodeStore(store_config(self.config, node_id))
+        self.slot = claim_node_slot(self.config.disk_dir)  # held until this process ends
+        self.store = NodeStore(store_config(self.config, self.slot))
         self.directory = DirectoryHandle.lookup(self.config)
         self._seq = [0] * self.config.num_directory_shards
         self._flush_lock = asyncio.Lock()
@@ -236,8 +236,8 @@ class NodeCacheActor:
 
     async def stats(self) -> dict:
         await self.ready()
-        return {"node_id": self.node_id, "epoch": self.epoch, **self.store.stats(),
-                **self.counters}
+        return {"node_id": self.node_id, "epoch": self.epoch, "disk_dir": self.slot.disk_dir,
+                **self.store.stats(), **self.counters}
 
     async def shutdown(self) -> None:
         """Release the shared-memory slabs (disk slabs stay, for the next start)."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +24,7 @@ from cluster.tiers.disk import DiskArena
 from cluster.tiers.memory import ArenaDescriptor, remove_stale_shm
 
 POOL_FILE = "pool.json"
+log = logging.getLogger("raykv.store")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +82,23 @@ class NodeStore:
         limits = self.config.limits
         disk = None
         if limits.disk_bytes >= geometry.slot_bytes + 4096:
-            path = os.path.join(self.config.disk_dir, geometry.name)
-            os.makedirs(path, exist_ok=True)
-            disk = DiskArena(path, limits.disk_bytes, geometry.page_bytes, self.config.disk_threads)
-            _write_pool_file(path, geometry)
+            disk = self._open_disk(os.path.join(self.config.disk_dir, geometry.name), geometry)
         return Pool(geometry, limits, disk, self.events.add)
+
+    def _open_disk(self, path: str, geometry: PageGeometry) -> DiskArena:
+        """The pool's slabs; slabs laid out for another capacity are discarded, loudly."""
+        os.makedirs(path, exist_ok=True)
+        args = (path, self.config.limits.disk_bytes, geometry.page_bytes, self.config.disk_threads)
+        try:
+            disk = DiskArena(*args)
+        except ValueError as mismatch:
+            log.warning("discarding cached pages in %s, laid out for another capacity: %s",
+                        path, mismatch)
+            shutil.rmtree(path)
+            os.makedirs(path)
+            disk = DiskArena(*args)
+        _write_pool_file(path, geometry)
+        return disk
 
     def recover_disk(self) -> int:
         """Re-open every pool found on disk and index its verified pages."""
