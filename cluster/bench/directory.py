@@ -108,11 +108,10 @@ def ensure_local_ray() -> bool:
 
 
 def stop_service(max_shards: int = 8, timeout_s: float = 30.0) -> None:
-    """stop(), wait until the service's named actors are gone (so that the next start()
-    creates fresh ones), then unlink /dev/shm slabs the node actors may have left behind."""
+    """stop() (node actors release their /dev/shm slabs), then wait until the service's named
+    actors are gone, so that the next start() creates fresh ones."""
     from actors.handles import CONTROLLER_NAME, DIRECTORY_NAME, NODE_NAME
     from cluster import stop
-    from cluster.tiers.memory import remove_stale_shm
 
     stop()
     node_ids = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
@@ -129,10 +128,9 @@ def stop_service(max_shards: int = 8, timeout_s: float = 30.0) -> None:
             except ValueError:
                 pass
         if not alive:
-            break
+            return
         time.sleep(0.1)
-    for node_id in node_ids:
-        remove_stale_shm(f"raykv-{node_id[:12]}")
+    raise RuntimeError(f"raykv actors still alive {timeout_s:.0f} s after stop()")
 
 
 def percentile_ms(times_s: list[float], q: float) -> float:

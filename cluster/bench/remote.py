@@ -30,6 +30,8 @@ Where the remote get's time goes, per prompt (medians, ms), measured on the same
     what-if export    an RPC to the actor on A, which pins the pages and ray.puts them as one
                       object straight from their slots (one copy), then ray.get of that ref on
                       B and copies into `out`: one copy on each side, like raw Ray plus a put
+    what-if pipelined the same in CHUNK_BYTES objects asked for at once: A's put of chunk i+1
+                      overlaps the move of chunk i (timed whole, keys + match included)
     copy floor        the same per-page copies into `out` from private tensors, no Ray
 """
 
@@ -59,6 +61,7 @@ MiB = 1 << 20
 PAGE_MIB = (1, 4)
 RATIO_PAGE_MIB = 4
 PROMPT_BYTES = 32 * MiB
+CHUNK_BYTES = 8 * MiB  # what-if pipelined export: pages per chunk object
 NUM_PROMPTS = 6  # timed, per page size; plus one warm-up
 QUICK_NUM_PROMPTS = 3
 OBJECT_STORE_BYTES = 500 * MiB
@@ -145,11 +148,13 @@ class BenchPeer:
     def drop_raw(self, batch: int) -> None:
         self.raw.pop(batch, None)
 
-    def export(self, prompt: int) -> list:
-        """What-if source side (not raykv's path): pin the prompt's pages through shared
-        memory, ray.put each straight from the slab (one copy into the object store), unpin."""
+    def export(self, prompt: int, first: int = 0, count: int | None = None) -> list:
+        """What-if source side (not raykv's path): pin pages [first, first + count) of the
+        prompt through shared memory, ray.put them as one object straight from their slots
+        (one copy into the object store), unpin; returns [ref]."""
         client = self.client
         keys = client.keys(_prompt_tokens(self.page_tokens, prompt))
+        keys = keys[first:] if count is None else keys[first:first + count]
         epoch, lease_id, slots = ray.get(client.local.acquire(client.geometry, keys))
         client.map_epoch(epoch)
         try:
@@ -189,15 +194,32 @@ class BenchPeer:
         figures["lookup"], _ = _timed(lambda: self.client.lookup(tokens))
         figures["read_remote"], pages = self._read(source_node, prompt)
         figures["direct_copy"], _ = _timed(lambda: self._copy_into_out(pages))
-        del pages
+        pages = None  # free the last reply before the next move
         figures["export_rpc"], refs = _timed(lambda: ray.get(writer.export.remote(prompt)))
         figures["export_fetch"], pages = _timed(lambda: ray.get(refs[0]))
         figures["export_copy"], _ = _timed(lambda: self._copy_into_out(pages))
+        pages = None  # free the last reply before the next move
+        figures["pipelined_get"] = self.get_pipelined(prompt, writer)
         return figures
 
-    def _copy_into_out(self, pages: list[np.ndarray]) -> None:
+    def get_pipelined(self, prompt: int, writer) -> float:
+        """What-if, timed whole: keys + match, then the writer exports the prompt in chunks of
+        CHUNK_BYTES, all asked at once, so that A's put of chunk i+1 overlaps the move of
+        chunk i to B; each chunk is copied into `out` as it arrives."""
+        tokens = _prompt_tokens(self.page_tokens, prompt)
+        chunk_pages = max(1, CHUNK_BYTES // self.page_bytes)
+        start_s = time.perf_counter()
+        if self.client.lookup(tokens) != len(tokens):
+            raise RuntimeError("pipelined what-if: the prompt is not all in the directory")
+        calls = [writer.export.remote(prompt, first, chunk_pages)
+                 for first in range(0, self.num_pages, chunk_pages)]
+        for index, call in enumerate(calls):
+            self._copy_into_out(ray.get(ray.get(call)[0]), index * chunk_pages)
+        return time.perf_counter() - start_s
+
+    def _copy_into_out(self, pages: list[np.ndarray], first: int = 0) -> None:
         shape, tokens = self.client.geometry.shape, self.page_tokens
-        for position, page in enumerate(pages):
+        for position, page in enumerate(pages, start=first):
             with warnings.catch_warnings():  # Ray hands back read-only arrays; we only read
                 warnings.simplefilter("ignore", UserWarning)
                 view = torch.from_numpy(page).view(torch.bfloat16).view(shape)
@@ -299,6 +321,7 @@ def measure_size(page_mib: int, num_prompts: int, disk_dir: str, peers_by_role: 
             "raw_ray_gbps": gbps("raw_get"), "raw_fetch_gbps": gbps("raw_fetch"),
             "raw_one_object_gbps": gbps("raw_one_object"),
             "direct_get_gbps": gbps("direct_get"), "export_get_gbps": gbps("export_get"),
+            "pipelined_get_gbps": gbps("pipelined_get"),
             "read_remote_gbps": gbps("read_remote"),
             "memcpy_gbps": ray.get(reader.memcpy_gbps.remote()),
             "remote_get_p90_ms": percentile_ms([f["remote_get"] for f in timed], 90),
@@ -307,7 +330,8 @@ def measure_size(page_mib: int, num_prompts: int, disk_dir: str, peers_by_role: 
             "ratios": {"remote_get_vs_ray": gbps("remote_get") / gbps("raw_get"),
                        "local_get_vs_ray": gbps("local_get") / gbps("raw_get"),
                        "whatif_direct_get_vs_ray": gbps("direct_get") / gbps("raw_get"),
-                       "whatif_export_get_vs_ray": gbps("export_get") / gbps("raw_get")}}
+                       "whatif_export_get_vs_ray": gbps("export_get") / gbps("raw_get"),
+                       "whatif_pipelined_get_vs_ray": gbps("pipelined_get") / gbps("raw_get")}}
 
 
 # ---- the cluster, ratios, report -----------------------------------------------------------
@@ -364,6 +388,7 @@ GBPS_ROWS = [("remote_get_gbps", "raykv remote get (A->B)"),
              ("read_remote_gbps", "read_pages A->B, no store"),
              ("direct_get_gbps", "what-if: direct get"),
              ("export_get_gbps", "what-if: export get"),
+             ("pipelined_get_gbps", "what-if: pipelined export"),
              ("memcpy_gbps", "memcpy (limit)")]
 MS_ROWS = [("remote_get", "raykv remote get"), ("lookup", "  keys + match"),
            ("read_remote", "  read_pages A->B"), ("read_here", "    of which on A"),
@@ -374,6 +399,7 @@ MS_ROWS = [("remote_get", "raykv remote get"), ("lookup", "  keys + match"),
            ("direct_get", "what-if: direct get"),
            ("export_get", "what-if: export get"), ("export_rpc", "  export on A (RPC)"),
            ("export_fetch", "  ray.get of its refs"), ("export_copy", "  copies into out"),
+           ("pipelined_get", "what-if: pipelined export"),
            ("raykv_put", "raykv put on A (untimed)"), ("raw_put", "ray.put on A (untimed)")]
 
 
@@ -421,6 +447,9 @@ NOTES = [
     "that pins the pages and ray.puts them (one object, a list of views of the shared-memory "
     "slots: one copy), then ray.get of that ref on B + copies into out: one copy on each "
     "side of the move",
+    "whatif_pipelined_get_vs_ray (not what raykv does): the export what-if in CHUNK_BYTES "
+    "objects, all asked for at once, so A's put of a chunk overlaps the move of the one "
+    "before; timed whole in the actor on B, keys + match included",
     "ms rows: transfer = read_pages A->B - read_pages on A; B store + RPCs = remote get - "
     "local get - read_pages A->B (B's node actor writes the pulled pages into its host tier, "
     "commits and flushes to the directory); remote_get_transfer_share = transfer / remote get",

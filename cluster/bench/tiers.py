@@ -9,8 +9,8 @@ For each page size (1, 4, 16 MiB), in one run, the same batch of pages (BATCH_BY
     fio read/write    O_DIRECT psync, block = page, numjobs = disk_threads     (disk limit)
     disk tier         DiskArena.write_pages / read_pages, same page, batch and threads, into
                       4096-aligned buffers: what demotion and promotion run
-    disk end to end   the service with a one-batch host tier: a put demotes a batch to disk,
-                      a get reads a batch up from disk (and demotes the resident one)
+    disk end to end   the same service once its host tier is full: a put demotes a batch to
+                      disk, a get reads a batch up from disk (and demotes another)
     redis             pipelined SET / GET of the pages                   (peer, loopback TCP)
     ray               ray.put / ray.get + copy, in-process and from another worker (peer)
 
@@ -55,8 +55,9 @@ DISK_REPS = 5  # at least this many batches per disk tier measurement
 ARENA_MIN_S = 0.6  # ... and at least this long
 DISK_ROUNDS = 2  # at RATIO_PAGE_MIB (fio takes FIO_RUNTIME_S a run); one at other sizes
 DISK_FILE_BYTES = 256 * MiB  # fio's file and the disk arena's capacity
-E2E_BATCHES = 8  # disk end to end: batches put through a one-batch host tier
-E2E_GETS = 4  # timed gets of batches on disk (after one untimed)
+HOST_SPARE_BATCHES = 3  # host tier: batch 0, the warm-up put, one spare, then the timed puts
+E2E_PUTS = 7  # disk end to end: puts after measure_host (all but the first demote a batch)
+E2E_GETS = 4  # timed gets of batches on disk (after one untimed, checked)
 TOKEN_STRIDE = 1 << 24  # batch b's tokens start at b * TOKEN_STRIDE
 OBJECT_STORE_BYTES = 768 * MiB
 DISK_HEADER_BYTES = 4096
@@ -171,99 +172,118 @@ def _tokens(plan: SizePlan, batch: int) -> np.ndarray:
     return np.arange(plan.batch_tokens, dtype=np.int64) + batch * TOKEN_STRIDE
 
 
-def _batch_kv(plan: SizePlan):
-    """(kv, out): kv [L, 2, H, batch_tokens, D] whose page i holds page_pool's page i; out
-    a touched tensor of the same shape."""
+@dataclass(slots=True)
+class Session:
+    """The service for one page size, a client of it, and one batch's kv and out tensors."""
+
+    plan: SizePlan
+    client: object
+    kv: object  # torch.Tensor [L, 2, H, batch_tokens, D]; page i holds page_pool's page i
+    out: object  # a touched tensor of the same shape
+    num_batches: int = 0  # batches put so far: batch b has tokens _tokens(plan, b)
+
+    def put_batch(self) -> None:
+        """Put the next fresh batch; raise unless all its pages were stored."""
+        stored = self.client.put(_tokens(self.plan, self.num_batches), self.kv)
+        self.num_batches += 1
+        if stored != self.plan.batch_tokens:
+            raise RuntimeError(f"put stored {stored} of {self.plan.batch_tokens} tokens")
+
+    def get_batch(self, batch: int) -> None:
+        num_tokens, _ = self.client.get(_tokens(self.plan, batch), out=self.out)
+        if num_tokens != self.plan.batch_tokens:
+            raise RuntimeError(f"get returned {num_tokens} of {self.plan.batch_tokens} tokens")
+
+    def check_batch(self, batch: int) -> None:
+        """Get a batch into a zeroed out and compare every byte with what was put."""
+        import torch
+
+        self.out.view(torch.uint8).fill_(0)
+        self.get_batch(batch)
+        if not torch.equal(self.out.view(torch.int16), self.kv.view(torch.int16)):
+            raise RuntimeError(f"batch {batch} came back with different bytes than were put")
+
+
+def start_session(plan: SizePlan) -> Session:
+    """The service with a host tier that holds every batch measure_host puts, plus one, and
+    a disk tier for the batches measure_disk_e2e pushes down."""
     import torch
 
+    host_pages = (HOST_SPARE_BATCHES + plan.rounds * PUT_REPS) * plan.num_pages
+    disk_pages = (E2E_PUTS + 2) * plan.num_pages
+    client = _start_service(_service_config(plan, host_pages, disk_pages, "service"))
     pool = torch.from_numpy(peers.page_pool(plan.page_bytes, plan.num_pages))
     pages = pool.view(torch.bfloat16).view(plan.num_pages, *SPEC.page_shape(plan.page_tokens))
     kv = pages.permute(1, 2, 3, 0, 4, 5).reshape(SPEC.page_shape(plan.batch_tokens)).clone()
     out = torch.empty_like(kv)
     out.view(torch.uint8).fill_(0xA5)
-    return kv, out
+    return Session(plan, client, kv, out)
 
 
-def _check_get(client, plan: SizePlan, batch: int, kv, out) -> None:
+def _copy_floors_s(session: Session) -> tuple[float, float]:
+    """Median seconds of the get's copies alone (page tensors -> `out` slices), no Ray:
+    with torch's copy_ (what the client runs) and with numpy's copyto (single-threaded)."""
     import torch
 
-    out.view(torch.uint8).fill_(0)
-    num_tokens, _ = client.get(_tokens(plan, batch), out=out)
-    if num_tokens != plan.batch_tokens:
-        raise RuntimeError(f"get returned {num_tokens} of {plan.batch_tokens} tokens")
-    if not torch.equal(out.view(torch.int16), kv.view(torch.int16)):
-        raise RuntimeError("get returned different bytes than were put")
+    plan, kv, out = session.plan, session.kv, session.out
+    slices = [slice(p * plan.page_tokens, (p + 1) * plan.page_tokens)
+              for p in range(plan.num_pages)]
+    pages = [kv[:, :, :, s].contiguous() for s in slices]
+    out_np = out.view(torch.int16).numpy()
+    pages_np = [page.view(torch.int16).numpy() for page in pages]
+
+    def torch_copies() -> None:
+        for s, page in zip(slices, pages, strict=True):
+            out[:, :, :, s].copy_(page)
+
+    def numpy_copies() -> None:
+        for s, page in zip(slices, pages_np, strict=True):
+            np.copyto(out_np[:, :, :, s], page)
+
+    torch_copies()
+    numpy_copies()
+    return _median_s(torch_copies, GET_REPS), _median_s(numpy_copies, GET_REPS)
 
 
-def _put_fresh(client, plan: SizePlan, kv, counter: list[int]) -> None:
-    counter[0] += 1
-    stored = client.put(_tokens(plan, counter[0]), kv)
-    if stored != plan.batch_tokens:
-        raise RuntimeError(f"put stored {stored} of {plan.batch_tokens} tokens (tier full?)")
-
-
-def _copy_floor_s(plan: SizePlan, kv, out) -> float:
-    """Median seconds of the get's copies alone (page buffers -> `out` slices), no Ray."""
-    pages = [kv[:, :, :, p * plan.page_tokens:(p + 1) * plan.page_tokens].contiguous()
-             for p in range(plan.num_pages)]
-
-    def copy_all() -> None:
-        for p, page in enumerate(pages):
-            out[:, :, :, p * plan.page_tokens:(p + 1) * plan.page_tokens].copy_(page)
-
-    copy_all()
-    return _median_s(copy_all, GET_REPS)
-
-
-def measure_host(plan: SizePlan) -> dict[str, list[float]]:
-    """Per round: memcpy GB/s, then raykv's median get and put GB/s, and the get's phases."""
-    kv, out = _batch_kv(plan)
-    host_pages = (2 + plan.rounds * PUT_REPS + 1) * plan.num_pages  # every batch put here
-    client = _start_service(_service_config(plan, host_pages, 2, "host"))
+def measure_host(session: Session) -> dict[str, list[float]]:
+    """Per round: memcpy GB/s, then raykv's median get and put GB/s, and the get's phases.
+    Gets read batch 0; puts put fresh batches."""
+    plan, client = session.plan, session.client
+    session.put_batch()
+    session.check_batch(0)
+    session.put_batch()  # warm-up
     tokens = _tokens(plan, 0)
-    client.put(tokens, kv)
-    _check_get(client, plan, 0, kv, out)
     batch_bytes = plan.num_pages * plan.page_bytes
-    counter = [0]
-    _put_fresh(client, plan, kv, counter)  # warm-up put
     rounds: dict[str, list[float]] = {name: [] for name in (
-        "memcpy", "get", "put", "lookup_ms", "get_ms", "copy_floor_ms")}
+        "memcpy", "get", "put", "lookup_ms", "get_ms", "copy_floor_ms", "copy_numpy_ms")}
     for _ in range(plan.rounds):
         rounds["memcpy"].append(peers.memcpy_gbps(plan.page_bytes, plan.num_pages))
-        get_s = _median_s(lambda: client.get(tokens, out=out), GET_REPS)
-        put_s = _median_s(lambda: _put_fresh(client, plan, kv, counter), PUT_REPS)
+        get_s = _median_s(lambda: session.get_batch(0), GET_REPS)
+        put_s = _median_s(session.put_batch, PUT_REPS)
         rounds["get"].append(batch_bytes / get_s / 1e9)
         rounds["put"].append(batch_bytes / put_s / 1e9)
         rounds["get_ms"].append(get_s * 1e3)
         rounds["lookup_ms"].append(_median_s(lambda: client.lookup(tokens), GET_REPS) * 1e3)
-        rounds["copy_floor_ms"].append(_copy_floor_s(plan, kv, out) * 1e3)
-    _check_get(client, plan, 0, kv, out)
+        floors_s = _copy_floors_s(session)
+        rounds["copy_floor_ms"].append(floors_s[0] * 1e3)
+        rounds["copy_numpy_ms"].append(floors_s[1] * 1e3)
+    session.check_batch(0)
     return rounds
 
 
-def measure_disk_e2e(plan: SizePlan) -> dict:
-    """Put E2E_BATCHES batches through a one-batch host tier (each put after the first
-    demotes a batch to disk), then get batches that sit on disk (each also demotes one)."""
-    kv, out = _batch_kv(plan)
-    client = _start_service(_service_config(plan, plan.num_pages,
-                                            (E2E_BATCHES + 2) * plan.num_pages, "e2e"))
+def measure_disk_e2e(session: Session) -> dict:
+    """After measure_host, E2E_PUTS more batches: the first fills the host tier's spare
+    batch, each later one demotes the least recently used batch (1, 2, ...) to disk. Then
+    gets of batches on disk: each reads one up and demotes another."""
+    plan = session.plan
     batch_bytes = plan.num_pages * plan.page_bytes
-    put_times_s = []
-    for batch in range(E2E_BATCHES):
-        start_s = time.perf_counter()
-        stored = client.put(_tokens(plan, batch), kv)
-        put_times_s.append(time.perf_counter() - start_s)
-        if stored != plan.batch_tokens:
-            raise RuntimeError(f"disk put stored {stored} of {plan.batch_tokens} tokens")
-    on_disk = client.stats()["node"]["pages"]["disk"]
-    _check_get(client, plan, 0, kv, out)  # untimed, and byte-exact from disk
-    get_times_s = []
-    for batch in range(1, 1 + E2E_GETS):
-        start_s = time.perf_counter()
-        num_tokens, _ = client.get(_tokens(plan, batch), out=out)
-        get_times_s.append(time.perf_counter() - start_s)
-        if num_tokens != plan.batch_tokens:
-            raise RuntimeError(f"disk get returned {num_tokens} of {plan.batch_tokens} tokens")
+    put_times_s = [_median_s(session.put_batch, 1) for _ in range(E2E_PUTS)]
+    on_disk = session.client.stats()["node"]["pages"]["disk"]
+    if on_disk < (E2E_PUTS - 1) * plan.num_pages:
+        raise RuntimeError(f"only {on_disk} pages went to disk; the host tier did not fill")
+    session.check_batch(1)  # untimed, and byte-exact from disk
+    get_times_s = [_median_s(lambda b=batch: session.get_batch(b), 1)
+                   for batch in range(2, 2 + E2E_GETS)]
     return {"put": batch_bytes / statistics.median(put_times_s[1:]) / 1e9,
             "get": batch_bytes / statistics.median(get_times_s) / 1e9,
             "pages_on_disk_before_gets": on_disk}
@@ -379,9 +399,11 @@ def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
 
 def measure_size(plan: SizePlan, redis_url: str, step: Callable[[str], None]) -> dict:
     step("host put/get vs memcpy")
-    host = measure_host(plan)
+    session = start_session(plan)
+    host = measure_host(session)
     step("disk end to end")
-    e2e = measure_disk_e2e(plan)
+    e2e = measure_disk_e2e(session)
+    del session
     _stop_service()
     step("fio and disk tier")
     disk = measure_disk(plan)
@@ -459,7 +481,8 @@ def print_report(result: dict) -> None:
 
 PHASE_ROWS = [("get_ms", "host get of one batch (ms)"),
               ("lookup_ms", "  of which keys + directory RPC (ms)"),
-              ("copy_floor_ms", "  copies alone, no Ray (ms)")]
+              ("copy_floor_ms", "  copies alone, torch copy_, no Ray (ms)"),
+              ("copy_numpy_ms", "  copies alone, numpy copyto (ms)")]
 
 NOTES = [
     f"ratios are taken at the {RATIO_PAGE_MIB} MiB page size (ratios_geomean: the geometric "
@@ -470,20 +493,47 @@ NOTES = [
     "RPC, node acquire RPC, one copy per page out of /dev/shm); a put is one client.put of "
     "fresh pages (reserve RPC, copies, commit RPC, which flushes to the directory)",
     "get phases: lookup_ms = client.lookup (keys + directory RPC); copy_floor_ms = the same "
-    "page copies into out from private tensors, without Ray; get_ms - lookup_ms - "
-    "copy_floor_ms ~ the node acquire RPC and copy slowdowns",
+    "page copies into out from private tensors with torch copy_ (as the client does), "
+    "without Ray; get_ms - lookup_ms - copy_floor_ms ~ the node acquire RPC and the rest; "
+    "copy_numpy_ms = those copies with numpy copyto (single-threaded), for comparison",
     "disk_read/write_vs_raw: median over disk rounds of DiskArena.read_pages/write_pages "
     "GB/s (the tier's own I/O with checksums; one batch per call at random slots, batches "
     "for >= ARENA_MIN_S, bytes / time) over fio randread/randwrite GB/s (O_DIRECT, psync, "
     "bs = page, numjobs = disk_threads, FIO_RUNTIME_S), both on files in /tmp, interleaved",
-    "disk_e2e_*: through the service with a one-batch host tier, reported separately (no "
-    "goal): a put demotes the previous batch to disk; a get reads a batch from disk and "
-    "demotes the resident one, so it moves twice the bytes it returns",
+    "disk_e2e_*: through the service once its host tier is full, reported separately (no "
+    "goal): each put demotes the least recently used batch to disk; each get reads a batch "
+    "up from disk and demotes another, so it moves twice the bytes it returns",
     "host_get_vs_ray: vs ray_gbps_remote's get (another worker on this node ray.gets the "
     "driver's objects and copies them out); host_get_vs_ray_local: vs the in-process get",
     f"kv geometry: {SPEC.name} page shape {SPEC.page_shape(1)} per token, bf16, 128 KiB "
     "per token; the machine is shared, see machine.loadavg_*",
 ]
+
+
+class Steps:
+    """Moves the progress bar on at each phase of a page size, and times the phases."""
+
+    def __init__(self, progress, task) -> None:
+        self.progress, self.task = progress, task
+        self.page_mib, self.phase, self.since_s = 0, "", 0.0
+        self.phase_s: dict[str, float] = {}
+
+    def begin(self, page_mib: int) -> None:
+        self.page_mib, self.phase, self.since_s, self.phase_s = page_mib, "", 0.0, {}
+
+    def __call__(self, phase: str) -> None:
+        self._lap()
+        self.phase, self.since_s = phase, time.perf_counter()
+        self.progress.update(self.task, description=f"{self.page_mib} MiB: {phase}", advance=1)
+
+    def _lap(self) -> None:
+        if self.phase:
+            self.phase_s[self.phase] = time.perf_counter() - self.since_s
+
+    def end(self) -> dict[str, float]:
+        self._lap()
+        self.phase = ""
+        return self.phase_s
 
 
 def _machine() -> dict:
@@ -508,14 +558,13 @@ def run(json_path: str | None, quick: bool) -> dict:
     disk_root = tempfile.mkdtemp(prefix="raykv-bench-tiers-", dir="/tmp")
     try:
         with RedisServer() as redis_server, Progress() as progress:
-            task = progress.add_task("tiers", total=4 * len(page_mibs))
+            steps = Steps(progress, progress.add_task("tiers", total=4 * len(page_mibs)))
             for page_mib in page_mibs:
                 plan = plan_for(page_mib, quick, disk_root)
 
-                def step(what: str, size: int = page_mib) -> None:
-                    progress.update(task, description=f"{size} MiB: {what}", advance=1)
-
-                per_size[f"{page_mib}MiB"] = measure_size(plan, redis_server.url, step)
+                steps.begin(page_mib)
+                per_size[f"{page_mib}MiB"] = measure_size(plan, redis_server.url, steps)
+                per_size[f"{page_mib}MiB"]["phase_s"] = steps.end()
     finally:
         _stop_service()
         shutil.rmtree(disk_root, ignore_errors=True)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from cluster.tiers.memory import ArenaMapping, MappedArena
+from cluster.tiers.memory import MappedArena
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,4 +42,3 @@ def test_another_process_maps_the_device_arena_through_cuda_ipc(tmp_path):
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.strip()) == 7 * SLOT_BYTES
-    del ArenaMapping
