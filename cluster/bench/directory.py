@@ -293,6 +293,39 @@ def measure_throughputs(client, keys: list, duration_s: float) -> dict[str, floa
     return {n: statistics.median(values) for n, values in windows.items()}
 
 
+def _pid_of(actor) -> int:
+    from ray._private.state import actors
+
+    return int(actors(actor._actor_id.hex())["Pid"])
+
+
+def _cpu_ns(pids: list[int]) -> int:
+    """CPU time used so far by every thread of the processes (from /proc, Linux)."""
+    total_ns = 0
+    for pid in pids:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/schedstat") as file:
+                    total_ns += int(file.read().split()[0])
+            except (OSError, ValueError):
+                pass  # a thread that exited meanwhile
+    return total_ns
+
+
+def measure_cpu(contenders: dict[str, Callable], pids: dict[str, list[int]],
+                calls: int) -> dict[str, dict[str, float]]:
+    """CPU microseconds per call in the called actor(s) and in this (client) process."""
+    cpu = {}
+    for name, server_pids in pids.items():
+        run = contenders[name]
+        client_ns, server_ns = time.process_time_ns(), _cpu_ns(server_pids)
+        for _ in range(calls):
+            run()
+        cpu[name] = {"server_us": (_cpu_ns(server_pids) - server_ns) / calls / 1e3,
+                     "client_us": (time.process_time_ns() - client_ns) / calls / 1e3}
+    return cpu
+
+
 def _here():
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -309,7 +342,12 @@ def measure_shards(num_shards: int, disk_dir: str, redis_url: str, reps: int,
                                                                         node_id, tier)
     redis = RedisExists(redis_url, keys)
     try:
-        times_s = measure_latency(_contenders(client, tokens, keys, redis, compact), reps)
+        contenders = _contenders(client, tokens, keys, redis, compact)
+        times_s = measure_latency(contenders, reps)
+        shard_pids = [_pid_of(shard) for shard in client.directory.shards]
+        cpu = measure_cpu(contenders, {"ping": shard_pids[:1], "match": shard_pids,
+                                       "compact_ping": [_pid_of(compact)],
+                                       "compact_match": [_pid_of(compact)]}, reps)
         throughput = measure_throughputs(client, keys, duration_s)
     finally:
         redis.close()
@@ -321,6 +359,7 @@ def measure_shards(num_shards: int, disk_dir: str, redis_url: str, reps: int,
         figures[f"{name}_mean_ms"] = statistics.fmean(values) * 1e3
     figures["match_keys_per_s_p50"] = NUM_PAGES / (figures["match_p50_ms"] / 1e3)
     figures["match_keys_per_s_per_shard_p50"] = figures["match_keys_per_s_p50"] / num_shards
+    figures["cpu_us_per_call"] = cpu
     figures["throughput_keys_per_s"] = throughput
     figures["throughput_keys_per_s_per_shard"] = {n: v / num_shards
                                                   for n, v in throughput.items()}
@@ -377,6 +416,10 @@ def ratios_of(per_shards: dict[str, dict]) -> dict[str, float]:
         "lookup_e2e_vs_redis": one["redis_exists_p50_ms"] / one["lookup_e2e_p50_ms"],
         "whatif_compact_match_p50_vs_noop_rpc": (one["compact_match_p50_ms"]
                                                  / one["compact_ping_p50_ms"]),
+        "whatif_compact_vs_redis": one["redis_exists_p50_ms"] / one["compact_match_p50_ms"],
+        "match_cpu_vs_noop_rpc_cpu": _cpu_us(one, "match") / _cpu_us(one, "ping"),
+        "whatif_compact_match_cpu_vs_noop_rpc_cpu": (_cpu_us(one, "compact_match")
+                                                     / _cpu_us(one, "compact_ping")),
     }
     if two is not None:
         threads = str(max(CLIENT_THREADS))
@@ -393,6 +436,15 @@ ROWS = [("ping", "ping (no-op RPC)"), ("ping_all", "ping all shards"),
         ("match", "match, 512 keys"), ("lookup_e2e", "lookup e2e"),
         ("redis_exists", "redis EXISTS x512"), ("compact_ping", "what-if: ping"),
         ("compact_match", "what-if: match")]
+
+
+CPU_ROWS = [("ping", "ping (one shard)"), ("match", "match (all shards)"),
+            ("compact_ping", "what-if: ping"), ("compact_match", "what-if: match")]
+
+
+def _cpu_us(figures: dict, name: str) -> float:
+    cpu = figures["cpu_us_per_call"][name]
+    return cpu["server_us"] + cpu["client_us"]
 
 
 def _ratio_table(result: dict):
@@ -438,13 +490,24 @@ def print_report(result: dict) -> None:
             cells += [f"{figures['throughput_keys_per_s'][str(threads)] / 1e6:.3f}",
                       f"{figures['throughput_keys_per_s_per_shard'][str(threads)] / 1e6:.3f}"]
         throughput.add_row(str(threads), *cells)
+    cpu = Table(title="CPU per call, us (called actor | client process)")
+    cpu.add_column("call")
+    for n in shards:
+        cpu.add_column(f"{n}sh actor", justify="right")
+        cpu.add_column(f"{n}sh client", justify="right")
+    for key, label in CPU_ROWS:
+        cells = []
+        for n in shards:
+            figures = result["per_shards"][n]["cpu_us_per_call"][key]
+            cells += [f"{figures['server_us']:.0f}", f"{figures['client_us']:.0f}"]
+        cpu.add_row(label, *cells)
     breakdown = Table(title="one 512-key match without Ray")
     breakdown.add_column("part")
     breakdown.add_column("value", justify="right")
     for name, value in result["breakdown"].items():
         breakdown.add_row(name, f"{value:.1f}")
     console = Console()
-    for table in (latency, throughput, breakdown, _ratio_table(result)):
+    for table in (latency, cpu, throughput, breakdown, _ratio_table(result)):
         console.print(table)
 
 
@@ -464,7 +527,12 @@ NOTES = [
     "this ratio shows the cost of sharding here, not the capacity a second machine adds",
     "what-if (not raykv): CompactShard, an actor defined in this benchmark, answers the same "
     "512 keys sent as one bytes blob from a dict of shared location tuples, run-length "
-    "encoded; whatif_compact_match_p50_vs_noop_rpc = its match p50 / its own ping p50",
+    "encoded; whatif_compact_match_p50_vs_noop_rpc = its match p50 / its own ping p50; "
+    "whatif_compact_vs_redis = redis EXISTS-pipeline p50 / its match p50",
+    "CPU per call: REPS sequential calls each, CPU time of every thread of the called "
+    "actor process(es) (/proc/<pid>/task/*/schedstat) and of this client process "
+    "(process_time), divided by REPS; *_cpu_vs_noop_rpc_cpu compare actor + client CPU. On "
+    "a loaded 2-core machine wall time inflates CPU time, so these say where work is",
     "breakdown: the same work without Ray, in this process: computing the keys, "
     "DirectoryIndex.match, and pickle round trips of the keys and of the answer (what the "
     "shard and the client add to the ping floor, apart from copying the bytes)",

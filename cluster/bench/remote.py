@@ -64,7 +64,7 @@ PROMPT_BYTES = 32 * MiB
 CHUNK_BYTES = 8 * MiB  # what-if pipelined export: pages per chunk object
 NUM_PROMPTS = 6  # timed, per page size; plus one warm-up
 QUICK_NUM_PROMPTS = 3
-OBJECT_STORE_BYTES = 500 * MiB
+OBJECT_STORE_BYTES = 256 * MiB
 TOKEN_STRIDE = 1 << 20  # prompt p's tokens start at p * TOKEN_STRIDE
 # Llama-3.1-8B's KV geometry (128 KiB per token): a 1 MiB page is 8 tokens, 4 MiB is 32.
 SPEC = ModelSpec("bench-remote-llama-3.1-8b", 32, 8, 128, "bfloat16")
@@ -115,18 +115,23 @@ class BenchPeer:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def setup(self, page_bytes: int) -> None:
-        """Connect to the running service (one per page size); allocate touched buffers."""
+    def setup(self, page_bytes: int, writer: bool) -> None:
+        """Connect to the running service (one per page size); allocate what the role needs:
+        the writer the prompt's kv and raw pages, the reader touched destinations and the
+        expected kv (for the check)."""
         from cluster import connect
 
+        self.client = self.kv = self.out = self.pool = self.raw_out = None  # free the last
         self.client = connect(SPEC)
         self.page_bytes = page_bytes
         self.page_tokens = self.client.page_tokens
         self.num_pages = PROMPT_BYTES // page_bytes
         self.kv = _prompt_kv(page_bytes, self.page_tokens)
-        self.out = _touched_like(self.kv)
-        self.pool = peers.page_pool(page_bytes, self.num_pages)
-        self.raw_out = peers.touched_buffer(page_bytes, self.num_pages)
+        if writer:
+            self.pool = peers.page_pool(page_bytes, self.num_pages)
+        else:
+            self.out = _touched_like(self.kv)
+            self.raw_out = peers.touched_buffer(page_bytes, self.num_pages)
 
     # ---- the writer (node A) -------------------------------------------------------------
 
@@ -273,7 +278,7 @@ def _service_config(page_bytes: int, num_prompts: int, disk_dir: str) -> CacheCo
     page_tokens = page_bytes // SPEC.bytes_per_token
     assert SPEC.page_bytes(page_tokens) == page_bytes, "a page must be whole tokens"
     return CacheConfig(page_tokens=page_tokens, device_bytes=0,
-                       host_bytes=(num_prompts + 2) * PROMPT_BYTES, disk_bytes=0,
+                       host_bytes=(num_prompts + 1) * PROMPT_BYTES, disk_bytes=0,
                        disk_dir=os.path.join(disk_dir, f"{page_bytes // MiB}mib"),
                        eviction="lru")
 
@@ -293,6 +298,16 @@ def _one_prompt(writer, reader, prompt: int, node_a: str) -> dict[str, float]:
     return figures
 
 
+def _derived(figures: dict[str, float]) -> dict[str, float]:
+    """One prompt's seconds plus the sums and differences (per prompt, before medians)."""
+    f = dict(figures)
+    f["direct_get"] = f["lookup"] + f["read_remote"] + f["direct_copy"]
+    f["export_get"] = f["lookup"] + f["export_rpc"] + f["export_fetch"] + f["export_copy"]
+    f["transfer"] = f["read_remote"] - f["read_here"]
+    f["b_store_rest"] = f["remote_get"] - f["local_get"] - f["read_remote"]
+    return f
+
+
 def measure_size(page_mib: int, num_prompts: int, disk_dir: str, peers_by_role: dict,
                  node_a: str) -> dict:
     from cluster import start
@@ -301,18 +316,14 @@ def measure_size(page_mib: int, num_prompts: int, disk_dir: str, peers_by_role: 
     writer, reader = peers_by_role["writer"], peers_by_role["reader"]
     stop_service()
     start(_service_config(page_bytes, num_prompts, disk_dir))
-    ray.get([writer.setup.remote(page_bytes), reader.setup.remote(page_bytes)])
+    ray.get([writer.setup.remote(page_bytes, True), reader.setup.remote(page_bytes, False)])
     prompts = list(range(num_prompts + 1))  # prompt 0 warms up
     put_s = ray.get([writer.put.remote(p) for p in prompts])
     per_prompt = [_one_prompt(writer, reader, p, node_a) for p in prompts]
     ray.get(reader.check.remote(prompts[-1]))
-    timed = per_prompt[1:]
+    timed = [_derived(f) for f in per_prompt[1:]]
     ms = {name: statistics.median(f[name] for f in timed) * 1e3 for name in timed[0]}
     gbps = lambda name: PROMPT_BYTES / (ms[name] / 1e3) / 1e9  # noqa: E731
-    ms["direct_get"] = ms["lookup"] + ms["read_remote"] + ms["direct_copy"]
-    ms["export_get"] = ms["lookup"] + ms["export_rpc"] + ms["export_fetch"] + ms["export_copy"]
-    ms["transfer"] = ms["read_remote"] - ms["read_here"]
-    ms["b_store_rest"] = ms["remote_get"] - ms["local_get"] - ms["read_remote"]
     ms["copy_floor"] = ray.get(reader.copy_floor.remote()) * 1e3
     ms["raykv_put"] = statistics.median(put_s[1:]) * 1e3
     return {"page_tokens": page_bytes // SPEC.bytes_per_token,
@@ -450,9 +461,12 @@ NOTES = [
     "whatif_pipelined_get_vs_ray (not what raykv does): the export what-if in CHUNK_BYTES "
     "objects, all asked for at once, so A's put of a chunk overlaps the move of the one "
     "before; timed whole in the actor on B, keys + match included",
-    "ms rows: transfer = read_pages A->B - read_pages on A; B store + RPCs = remote get - "
-    "local get - read_pages A->B (B's node actor writes the pulled pages into its host tier, "
-    "commits and flushes to the directory); remote_get_transfer_share = transfer / remote get",
+    "ms rows (differences taken per prompt, then the median): transfer = read_pages A->B - "
+    "read_pages on A; B store + RPCs = remote get - local get - read_pages A->B (B's node "
+    "actor writes the pulled pages into its host tier, commits and flushes to the "
+    "directory); remote_get_transfer_share = transfer / remote get",
+    "the machine has 2 cores shared by both raylets, the actors and the copies: stages that "
+    "could overlap on a bigger machine (the pipelined what-if) compete for CPU here",
     f"kv geometry: {SPEC.name}, bf16, 128 KiB per token: out's page slices are 512 strided "
     "runs (copy floor = those copies alone); raw Ray copies contiguous pages",
 ]

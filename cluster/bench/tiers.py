@@ -31,7 +31,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,7 +210,7 @@ def start_session(plan: SizePlan) -> Session:
     a disk tier for the batches measure_disk_e2e pushes down."""
     import torch
 
-    host_pages = (HOST_SPARE_BATCHES + plan.rounds * PUT_REPS) * plan.num_pages
+    host_pages = (HOST_SPARE_BATCHES + 2 * plan.rounds * PUT_REPS) * plan.num_pages
     disk_pages = (E2E_PUTS + 2) * plan.num_pages
     client = _start_service(_service_config(plan, host_pages, disk_pages, "service"))
     pool = torch.from_numpy(peers.page_pool(plan.page_bytes, plan.num_pages))
@@ -245,28 +246,44 @@ def _copy_floors_s(session: Session) -> tuple[float, float]:
     return _median_s(torch_copies, GET_REPS), _median_s(numpy_copies, GET_REPS)
 
 
+@contextmanager
+def _torch_threads(num_threads: int) -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def measure_host(session: Session) -> dict[str, list[float]]:
-    """Per round: memcpy GB/s, then raykv's median get and put GB/s, and the get's phases.
-    Gets read batch 0; puts put fresh batches."""
+    """Per round: memcpy GB/s, then raykv's median get and put GB/s, the get's phases, and
+    get and put again with torch held to one thread (the client's copies use torch)."""
     plan, client = session.plan, session.client
     session.put_batch()
     session.check_batch(0)
     session.put_batch()  # warm-up
     tokens = _tokens(plan, 0)
     batch_bytes = plan.num_pages * plan.page_bytes
+    gbps = lambda run, reps: batch_bytes / _median_s(run, reps) / 1e9  # noqa: E731
     rounds: dict[str, list[float]] = {name: [] for name in (
-        "memcpy", "get", "put", "lookup_ms", "get_ms", "copy_floor_ms", "copy_numpy_ms")}
+        "memcpy", "get", "put", "lookup_ms", "get_ms", "copy_floor_ms", "copy_numpy_ms",
+        "get_1thread", "put_1thread")}
     for _ in range(plan.rounds):
         rounds["memcpy"].append(peers.memcpy_gbps(plan.page_bytes, plan.num_pages))
         get_s = _median_s(lambda: session.get_batch(0), GET_REPS)
-        put_s = _median_s(session.put_batch, PUT_REPS)
         rounds["get"].append(batch_bytes / get_s / 1e9)
-        rounds["put"].append(batch_bytes / put_s / 1e9)
         rounds["get_ms"].append(get_s * 1e3)
+        rounds["put"].append(gbps(session.put_batch, PUT_REPS))
         rounds["lookup_ms"].append(_median_s(lambda: client.lookup(tokens), GET_REPS) * 1e3)
         floors_s = _copy_floors_s(session)
         rounds["copy_floor_ms"].append(floors_s[0] * 1e3)
         rounds["copy_numpy_ms"].append(floors_s[1] * 1e3)
+        with _torch_threads(1):
+            rounds["get_1thread"].append(gbps(lambda: session.get_batch(0), GET_REPS))
+            rounds["put_1thread"].append(gbps(session.put_batch, PUT_REPS))
     session.check_batch(0)
     return rounds
 
@@ -421,6 +438,8 @@ def measure_size(plan: SizePlan, redis_url: str, step: Callable[[str], None]) ->
     raw["ratios"] = {
         "host_get_vs_memcpy": _median_ratio(host["get"], host["memcpy"]),
         "host_put_vs_memcpy": _median_ratio(host["put"], host["memcpy"]),
+        "host_get_vs_memcpy_1thread": _median_ratio(host["get_1thread"], host["memcpy"]),
+        "host_put_vs_memcpy_1thread": _median_ratio(host["put_1thread"], host["memcpy"]),
         "disk_read_vs_raw": _median_ratio(disk["arena_read"], disk["fio_read"]),
         "disk_write_vs_raw": _median_ratio(disk["arena_write"], disk["fio_write"]),
         "host_get_vs_redis": raw["host_get"] / peer["redis_get"],
@@ -445,7 +464,8 @@ def summarise(per_size: dict[str, dict]) -> tuple[dict, dict]:
 
 
 ROWS = [("memcpy", "memcpy (limit)"), ("host_get", "raykv host get"),
-        ("host_put", "raykv host put"), ("fio_read", "fio O_DIRECT randread"),
+        ("host_put", "raykv host put"), ("get_1thread", "raykv host get, torch 1 thread"),
+        ("put_1thread", "raykv host put, torch 1 thread"), ("fio_read", "fio O_DIRECT randread"),
         ("arena_read", "raykv disk tier read"), ("fio_write", "fio O_DIRECT randwrite"),
         ("arena_write", "raykv disk tier write"), ("disk_e2e_get", "raykv get from disk (e2e)"),
         ("disk_e2e_put", "raykv put + demote (e2e)"), ("redis_get", "redis GET"),
@@ -496,6 +516,9 @@ NOTES = [
     "page copies into out from private tensors with torch copy_ (as the client does), "
     "without Ray; get_ms - lookup_ms - copy_floor_ms ~ the node acquire RPC and the rest; "
     "copy_numpy_ms = those copies with numpy copyto (single-threaded), for comparison",
+    "*_1thread: the same get / put with torch.set_num_threads(1) in this client process "
+    "(informational, no goal): the client's page copies are torch copy_, which use torch's "
+    "intra-op (OpenMP) threads; on a busy 2-core node those threads wait on each other",
     "disk_read/write_vs_raw: median over disk rounds of DiskArena.read_pages/write_pages "
     "GB/s (the tier's own I/O with checksums; one batch per call at random slots, batches "
     "for >= ARENA_MIN_S, bytes / time) over fio randread/randwrite GB/s (O_DIRECT, psync, "
