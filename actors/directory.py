@@ -18,7 +18,7 @@ import ray
 
 from cluster.config import CacheConfig
 from cluster.directory_index import APPLIED, DirectoryIndex
-from cluster.keys import PageKey
+from cluster.keys import KEY_BYTES, PageKey
 from cluster.persist import RedisMirror
 
 log = logging.getLogger("raykv.directory")
@@ -115,9 +115,11 @@ class DirectoryShard:
 
     # ---- queries -------------------------------------------------------------------------
 
-    async def match(self, keys: list[PageKey]) -> list[list[tuple[str, int]]]:
+    async def match(self, keys_blob: bytes) -> list[list]:
+        """Longest-prefix match of the concatenated 16-byte keys, as runs (see match_runs)."""
         await self.ready()
-        return self.index.match(keys)
+        keys = [keys_blob[i : i + KEY_BYTES] for i in range(0, len(keys_blob), KEY_BYTES)]
+        return self.index.match_runs(keys)
 
     async def get_config(self) -> str:
         return self.config_json

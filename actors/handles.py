@@ -43,6 +43,11 @@ def merge_matches(num_keys: int, positions: list[list[int]], results: list[list]
     return prefix
 
 
+def expand_runs(runs: list[list]) -> list:
+    """[[locations, n], ...] -> one locations entry per page."""
+    return [locations for locations, count in runs for _ in range(count)]
+
+
 class DirectoryHandle:
     """All directory shards, addressed by key."""
 
@@ -62,19 +67,20 @@ class DirectoryHandle:
         return self.shards[shard].replace_node.remote(node_id, epoch, inventory, seq)
 
     def match_refs(self, keys: list[PageKey]) -> tuple[list[list[int]], list]:
-        """One call per shard, in parallel; pass the result to `merge_matches`."""
+        """One call per shard, in parallel, each with its keys as one blob."""
         positions = split_by_shard(keys, len(self.shards))
-        refs = [shard.match.remote([keys[p] for p in shard_positions])
+        refs = [shard.match.remote(b"".join(keys[p] for p in shard_positions))
                 for shard, shard_positions in zip(self.shards, positions, strict=True)]
         return positions, refs
 
-    def match(self, keys: list[PageKey]) -> list[list[tuple[str, int]]]:
+    def match(self, keys: list[PageKey]) -> list[tuple[tuple[str, int], ...]]:
+        """Locations (best tier first) of every page of the longest prefix held anywhere."""
         if not keys:
             return []
         if len(self.shards) == 1:
-            return ray.get(self.shards[0].match.remote(keys))
+            return expand_runs(ray.get(self.shards[0].match.remote(b"".join(keys))))
         positions, refs = self.match_refs(keys)
-        return merge_matches(len(keys), positions, ray.get(refs))
+        return merge_matches(len(keys), positions, [expand_runs(r) for r in ray.get(refs)])
 
     def drop_node(self, node_id: str) -> list:
         return [shard.drop_node.remote(node_id) for shard in self.shards]
@@ -115,8 +121,8 @@ class NodeHandle:
     def abort(self, geometry: PageGeometry, keys: list[PageKey]):
         return self.actor.abort.remote(geometry, keys)
 
-    def acquire(self, geometry: PageGeometry, keys: list[PageKey], remote: dict | None = None):
-        return self.actor.acquire.remote(geometry, keys, remote)
+    def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
+        return self.actor.acquire.remote(geometry, keys)
 
     def release(self, lease_id: int):
         return self.actor.release.remote(lease_id)
@@ -124,8 +130,12 @@ class NodeHandle:
     def put_pages(self, geometry: PageGeometry, keys: list[PageKey], pages: list):
         return self.actor.put_pages.remote(geometry, keys, pages)
 
-    def read_pages(self, geometry: PageGeometry, keys: list[PageKey]):
-        return self.actor.read_pages.remote(geometry, keys)
+    def export_pages(self, geometry: PageGeometry, keys: list[PageKey]):
+        """A ref to the list of per-page refs of the longest prefix this node holds."""
+        return self.actor.export_pages.remote(geometry, keys)
+
+    def adopt(self, geometry: PageGeometry, keys: list[PageKey], refs: list):
+        return self.actor.adopt.remote(geometry, keys, refs)
 
     def prefetch(self, geometry: PageGeometry, keys: list[PageKey], remote: dict | None = None):
         return self.actor.prefetch.remote(geometry, keys, remote)

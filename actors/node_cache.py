@@ -1,7 +1,7 @@
 """NodeCacheActor: a thin async Ray shell around one node's NodeStore.
 
 It owns the node's tiers, serves same-node clients through shared memory (reserve/commit,
-acquire/release) and remote clients through Ray objects (put_pages/read_pages), and ships its
+acquire/release) and other nodes through Ray objects (export_pages/adopt, put_pages), and ships its
 `stored`/`removed` events to the directory shards in batches with an epoch and sequence numbers.
 """
 
@@ -13,6 +13,7 @@ import time
 
 import ray
 
+from actors.exports import ExportCache
 from actors.handles import DirectoryHandle, NodeHandle
 from cluster.config import CacheConfig
 from cluster.directory_index import FENCED, RESYNC
@@ -42,6 +43,7 @@ class NodeCacheActor:
         self.epoch = time.time_ns()  # grows across restarts: the directory fences older ones
         self.slot = claim_node_slot(self.config.disk_dir)  # held until this process ends
         self.store = NodeStore(store_config(self.config, self.slot))
+        self.exports = ExportCache(self.store, self.config.export_cache_bytes)
         self.directory = DirectoryHandle.lookup(self.config)
         self._seq = [0] * self.config.num_directory_shards
         self._flush_lock = asyncio.Lock()
@@ -50,7 +52,7 @@ class NodeCacheActor:
         self.recovered_pages = 0
         self._pulls: dict[PageKey, asyncio.Future] = {}
         self._peers: dict[str, NodeHandle | None] = {}
-        self.counters = {"pulled_pages": 0, "served_remote_pages": 0, "served_remote_calls": 0}
+        self.counters = {"pulled_pages": 0}
 
     async def ready(self) -> dict:
         """Recover disk pages, register with the directory, start the event loop.
@@ -147,16 +149,9 @@ class NodeCacheActor:
         await self.ready()
         self.store.pool(geometry).abort(keys)
 
-    async def acquire(self, geometry: PageGeometry, keys: list[PageKey],
-                      remote: dict[str, list[PageKey]] | None = None):
-        """Pin the longest local prefix of `keys`, first pulling `remote` pages here.
-
-        One call per get: remote pages are copied into this node's host tier (shared by
-        every request that wants them) and then served through shared memory like the rest.
-        """
+    async def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
+        """Pin the longest local prefix of `keys`: (epoch, lease_id, [(tier, slot), ...])."""
         await self.ready()
-        if remote:
-            await self.pull(geometry, remote)
         return self.epoch, *await self.store.acquire(geometry, keys)
 
     async def release(self, lease_id: int) -> None:
@@ -170,13 +165,6 @@ class NodeCacheActor:
         stored = await self.store.put_pages(geometry, keys, pages)
         await self.flush()
         return stored
-
-    async def read_pages(self, geometry: PageGeometry, keys: list[PageKey]) -> list:
-        await self.ready()
-        pages = await self.store.read_pages(geometry, keys)
-        self.counters["served_remote_pages"] += len(pages)
-        self.counters["served_remote_calls"] += 1
-        return pages
 
     async def prefetch(self, geometry: PageGeometry, keys: list[PageKey],
                        remote: dict[str, list[PageKey]] | None = None) -> int:
@@ -208,11 +196,8 @@ class NodeCacheActor:
             self._pulls[key] = done
         try:
             peer = await self._peer(node_id)
-            pages = await peer.read_pages(geometry, keys) if peer is not None else []
-            stored = await self.store.put_pages(geometry, keys[: len(pages)], pages, HOST)
-            self.counters["pulled_pages"] += stored
-            await self.flush()
-            return stored
+            refs = await peer.export_pages(geometry, keys) if peer is not None else []
+            return await self.adopt(geometry, keys[: len(refs)], refs)
         except ray.exceptions.RayError as error:  # a dead peer: its pages are misses
             log.warning("pull from %s failed: %s", node_id[:8], error)
             return 0
@@ -220,6 +205,20 @@ class NodeCacheActor:
             for key in keys:
                 self._pulls.pop(key, None)
             done.set_result(None)
+
+    async def adopt(self, geometry: PageGeometry, keys: list[PageKey], refs: list) -> int:
+        """Keep pages another node exported (Ray objects) in this node's host tier."""
+        await self.ready()
+        pages = await asyncio.gather(*refs)
+        stored = await self.store.put_pages(geometry, keys, list(pages), HOST)
+        self.counters["pulled_pages"] += stored
+        await self.flush()
+        return stored
+
+    async def export_pages(self, geometry: PageGeometry, keys: list[PageKey]) -> list:
+        """The longest local prefix of `keys` as Ray objects (one per page), for other nodes."""
+        await self.ready()
+        return await self.exports.export(geometry, keys)
 
     async def _peer(self, node_id: str) -> NodeHandle | None:
         if node_id not in self._peers:
@@ -237,7 +236,7 @@ class NodeCacheActor:
     async def stats(self) -> dict:
         await self.ready()
         return {"node_id": self.node_id, "epoch": self.epoch, "disk_dir": self.slot.disk_dir,
-                **self.store.stats(), **self.counters}
+                **self.store.stats(), **self.counters, **self.exports.counters}
 
     async def shutdown(self) -> None:
         """Release the shared-memory slabs (disk slabs stay, for the next start)."""

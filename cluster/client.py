@@ -36,6 +36,7 @@ class KVClient:
         self.home = home
         self.local = home if home.is_local else None
         self._mappings: list[ArenaMapping] = []
+        self._peers: dict[str, NodeHandle | None] = {}
         self._mapped_epoch: int | None = None
         self._lock = threading.Lock()
         self.counters = {"put_tokens": 0, "get_tokens": 0, "lookups": 0,
@@ -45,6 +46,13 @@ class KVClient:
 
     def keys(self, tokens: object) -> list[PageKey]:
         return page_keys(self.spec, self.namespace, self.page_tokens, tokens)
+
+    def peer(self, node_id: str) -> NodeHandle | None:
+        """Another node's actor handle, looked up once (a GCS call) and cached."""
+        handle = self._peers.get(node_id)
+        if handle is None:
+            handle = self._peers[node_id] = NodeHandle.lookup(node_id, self.config)
+        return handle
 
     def map_epoch(self, epoch: int) -> None:
         """Map the local node's slabs, again if the actor restarted since (new epoch)."""

@@ -39,6 +39,8 @@ class DirectoryIndex:
 
     def __init__(self) -> None:
         self.index: dict[PageKey, dict[str, tuple[int, int]]] = {}
+        # key -> its locations sorted best tier first; dropped whenever the key's places change
+        self.ranked: dict[PageKey, tuple[Location, ...]] = {}
         self.nodes: dict[str, NodeLog] = {}
 
     # ---- events --------------------------------------------------------------------------
@@ -71,6 +73,7 @@ class DirectoryIndex:
         current = places.get(node_id)
         if current is None or current[1] < seq:
             places[node_id] = (tier, seq)
+            self.ranked.pop(key, None)
             log.keys.add(key)
             log.tombstones.pop(key, None)
 
@@ -88,6 +91,7 @@ class DirectoryIndex:
         places = self.index.get(key)
         if places is not None:
             places.pop(node_id, None)
+            self.ranked.pop(key, None)
             if not places:
                 del self.index[key]
 
@@ -124,6 +128,7 @@ class DirectoryIndex:
         log = self.nodes[node_id] = NodeLog(epoch, watermark=seq, last_seen_s=now_s)
         for key, tier in inventory:
             self.index.setdefault(key, {})[node_id] = (tier, seq)
+            self.ranked.pop(key, None)
             log.keys.add(key)
         return True
 
@@ -141,13 +146,25 @@ class DirectoryIndex:
 
     def match(self, keys: list[PageKey]) -> list[list[Location]]:
         """Locations of the longest prefix of `keys` held anywhere, best tier first."""
-        found: list[list[Location]] = []
+        return [list(ranked) for ranked, count in self.match_runs(keys) for _ in range(count)]
+
+    def match_runs(self, keys: list[PageKey]) -> list[list]:
+        """The same prefix as runs `[locations, num_pages]`: a prefix stored by one put is
+        one run, so the answer stays small however long the prompt."""
+        runs: list[list] = []
         for key in keys:
-            places = self.index.get(key)
-            if not places:
-                break
-            found.append(sorted(((n, t) for n, (t, _) in places.items()), key=lambda p: p[1]))
-        return found
+            ranked = self.ranked.get(key)
+            if ranked is None:
+                places = self.index.get(key)
+                if not places:
+                    break
+                ranked = self.ranked[key] = tuple(
+                    sorted(((n, t) for n, (t, _) in places.items()), key=lambda p: p[1]))
+            if runs and runs[-1][0] == ranked:
+                runs[-1][1] += 1
+            else:
+                runs.append([ranked, 1])
+        return runs
 
     def stats(self) -> dict:
         return {"num_keys": len(self.index), "num_nodes": len(self.nodes),

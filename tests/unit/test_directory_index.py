@@ -327,3 +327,15 @@ def test_split_then_merge_agrees_with_one_index():
     merged = merge_matches(len(keys), positions, results)
     assert merged == whole.match(keys)
     assert len(merged) == 17
+
+
+def test_match_runs_compress_a_prefix_by_shared_locations():
+    index = DirectoryIndex()
+    keys = [bytes([i]) * 16 for i in range(5)]
+    index.replace_node("a", 1, [(k, 1) for k in keys[:4]], 1)
+    index.replace_node("b", 1, [(k, 0) for k in keys[2:5]], 1)
+    runs = index.match_runs(keys)
+    assert runs == [[(("a", 1),), 2], [(("b", 0), ("a", 1)), 2], [(("b", 0),), 1]]
+    assert index.match(keys) == [[("a", 1)]] * 2 + [[("b", 0), ("a", 1)]] * 2 + [[("b", 0)]]
+    index.drop_node("b")
+    assert index.match_runs(keys) == [[(("a", 1),), 4]]
