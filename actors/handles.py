@@ -77,10 +77,15 @@ class DirectoryHandle:
         """Locations (best tier first) of every page of the longest prefix held anywhere."""
         if not keys:
             return []
-        if len(self.shards) == 1:
-            return expand_runs(ray.get(self.shards[0].match.remote(b"".join(keys))))
-        positions, refs = self.match_refs(keys)
-        return merge_matches(len(keys), positions, [expand_runs(r) for r in ray.get(refs)])
+        return self.collect(len(keys), *self.match_refs(keys))
+
+    @staticmethod
+    def collect(num_keys: int, positions: list[list[int]], refs: list) -> list:
+        """Wait for `match_refs`' answers and merge them into one prefix."""
+        answers = [expand_runs(runs) for runs in ray.get(refs)]
+        if len(answers) == 1:
+            return answers[0]
+        return merge_matches(num_keys, positions, answers)
 
     def drop_node(self, node_id: str) -> list:
         return [shard.drop_node.remote(node_id) for shard in self.shards]

@@ -12,7 +12,7 @@ import torch
 
 from actors.handles import DirectoryHandle, NodeHandle
 from cluster.config import CacheConfig
-from cluster.fetch import choose_sources, fetch_pages, remote_keys
+from cluster.fetch import copy_page, fetch_prefix
 from cluster.geometry import PageGeometry
 from cluster.keys import PageKey, page_keys
 from cluster.kvcheck import check_kv, check_out, page_slices
@@ -83,7 +83,8 @@ class KVClient:
         try:
             for page, slot in enumerate(slots):
                 if slot is not None:
-                    self._page_view(*slot).copy_(kv[:, :, :, page_slices(page, self.page_tokens)])
+                    copy_page(self._page_view(*slot),
+                              kv[:, :, :, page_slices(page, self.page_tokens)])
         except BaseException:
             ray.get(self.local.abort(self.geometry, mine))
             raise
@@ -111,12 +112,9 @@ class KVClient:
         keys = self.keys(tokens)
         if out is not None:
             check_out(out, self.spec, len(keys) * self.page_tokens, self.page_tokens)
-        located = self.directory.match(keys)
-        if not located:
+        if not keys:
             return 0, None
-        if out is None:
-            out = self._empty(len(located) * self.page_tokens)
-        num_pages = fetch_pages(self, keys[: len(located)], located, out)
+        num_pages, out = fetch_prefix(self, keys, out)
         if num_pages == 0:
             return 0, None
         num_tokens = num_pages * self.page_tokens
@@ -134,7 +132,10 @@ class KVClient:
         located = self.directory.match(keys)
         if located:
             home = self.home.node_id
-            remote = remote_keys(keys[: len(located)], choose_sources(located, home), home)
+            remote: dict[str, list[PageKey]] = {}
+            for key, locations in zip(keys, located, strict=False):
+                if home not in (node for node, _ in locations):
+                    remote.setdefault(locations[0][0], []).append(key)
             self.home.prefetch(self.geometry, keys[: len(located)], remote or None)
         return len(located) * self.page_tokens
 

@@ -1,9 +1,12 @@
-"""Fetching a matched prefix: pick a source per page (this node first, then the fastest tier),
-ask every source at once, copy what arrives into the caller's tensor.
+"""Fetching a cached prefix in one round trip's time.
 
-    this node   acquire (pin) -> copy out of the shared-memory slab -> release
-    other nodes export_pages -> one Ray object per page -> copy -> this node adopts the same
-                objects into its host tier, off the caller's critical path
+    this node     acquire(all keys)  --.   sent together
+    directory     match(all keys)    --'   local prefix L, global prefix P >= L
+    other nodes   export_pages(keys[L:P]) -> one Ray object per page
+    copies        slab -> out[:L], objects -> out[L:P]; release; this node adopts the objects
+
+Copies between CPU tensors go through numpy: torch's multi-threaded copy stalls when the cores
+are shared with Ray's own processes, while np.copyto runs at memcpy speed on one.
 """
 
 from __future__ import annotations
@@ -20,47 +23,63 @@ from cluster.tiers.memory import readonly_tensor
 log = logging.getLogger("raykv.client")
 
 
-def choose_sources(located: list, local_node: str | None) -> list[str]:
-    """The node to read each page from: the local node when it has it, else the best tier."""
+def copy_page(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src for one page (same shape and dtype), at memcpy speed on CPU."""
+    if dst.is_cuda or src.is_cuda:
+        dst.copy_(src, non_blocking=True)
+        return
+    np.copyto(dst.detach().view(torch.uint8).numpy(), src.detach().view(torch.uint8).numpy())
+
+
+def remote_sources(located: list, start: int, local_node: str | None) -> list[str]:
+    """Where to read pages start.. from: the best-tier node other than this one; the list
+    stops at the first page only this node claims (it was not in our local prefix)."""
     sources = []
-    for locations in located:
-        nodes = [node for node, _ in locations]
-        sources.append(local_node if local_node in nodes else locations[0][0])
+    for locations in located[start:]:
+        others = [node for node, _ in locations if node != local_node]
+        if not others:
+            break
+        sources.append(others[0])
     return sources
 
 
-def group_positions(sources: list[str]) -> dict[str, list[int]]:
+def group_positions(sources: list[str], start: int) -> dict[str, list[int]]:
     groups: dict[str, list[int]] = {}
-    for position, node in enumerate(sources):
-        groups.setdefault(node, []).append(position)
+    for offset, node in enumerate(sources):
+        groups.setdefault(node, []).append(start + offset)
     return groups
 
 
-def remote_keys(keys: list, sources: list[str], local_node: str | None) -> dict[str, list]:
-    """Keys to fetch from each other node, in chain order."""
-    return {node: [keys[p] for p in positions]
-            for node, positions in group_positions(sources).items() if node != local_node}
-
-
-def fetch_pages(client, keys: list, located: list, out: torch.Tensor) -> int:
-    """Fill `out` with the matched pages; returns how many leading pages arrived."""
+def fetch_prefix(client, keys: list, out: torch.Tensor | None):
+    """(pages that arrived, out) for the longest cached prefix of `keys`; (0, None) on a miss."""
+    acquired = client.local.acquire(client.geometry, keys) if client.local is not None else None
+    located = client.directory.collect(len(keys), *client.directory.match_refs(keys))
+    epoch, lease_id, slots = ray.get(acquired) if acquired is not None else (None, 0, [])
     local_id = client.local.node_id if client.local is not None else None
-    groups = group_positions(choose_sources(located, local_id))
-    exports = _start_exports(client, keys, groups, local_id)
-    arrived = np.zeros(len(keys), dtype=bool)
-    if local_id in groups:
-        _copy_local(client, [keys[p] for p in groups[local_id]], groups[local_id], out, arrived)
+    sources = remote_sources(located, len(slots), local_id)
+    total = len(slots) + len(sources)
+    if total == 0:
+        _release(client, lease_id)
+        return 0, None
+    if out is None:
+        out = client._empty(total * client.page_tokens)
+    exports = _start_exports(client, keys, group_positions(sources, len(slots)))
+    arrived = np.zeros(total, dtype=bool)
+    _copy_local(client, epoch, lease_id, slots, out, arrived)
     for node_id, (positions, ref) in exports.items():
         _copy_remote(client, node_id, [keys[p] for p in positions], positions, ref, out, arrived)
     misses = np.flatnonzero(~arrived)
-    return int(misses[0]) if misses.size else len(keys)
+    return (int(misses[0]) if misses.size else total), out
 
 
-def _start_exports(client, keys: list, groups: dict, local_id: str | None) -> dict:
+def _release(client, lease_id: int) -> None:
+    if lease_id:
+        client.local.release(lease_id)  # fire and forget: the copy is done
+
+
+def _start_exports(client, keys: list, groups: dict[str, list[int]]) -> dict:
     exports = {}
     for node_id, positions in groups.items():
-        if node_id == local_id:
-            continue
         peer = client.peer(node_id)
         if peer is not None:
             exports[node_id] = (positions, peer.export_pages(client.geometry,
@@ -68,17 +87,17 @@ def _start_exports(client, keys: list, groups: dict, local_id: str | None) -> di
     return exports
 
 
-def _copy_local(client, keys: list, positions: list[int], out: torch.Tensor, arrived) -> None:
-    epoch, lease_id, slots = ray.get(client.local.acquire(client.geometry, keys))
+def _copy_local(client, epoch, lease_id: int, slots: list, out: torch.Tensor, arrived) -> None:
+    if not slots:
+        return
     client.map_epoch(epoch)
     try:
-        for position, (tier, slot) in zip(positions, slots, strict=False):
-            out[:, :, :, page_slices(position, client.page_tokens)].copy_(
-                client._page_view(tier, slot))
+        for position, (tier, slot) in enumerate(slots):
+            copy_page(out[:, :, :, page_slices(position, client.page_tokens)],
+                      client._page_view(tier, slot))
             arrived[position] = True
     finally:
-        if lease_id:
-            client.local.release(lease_id)  # fire and forget: the copy is done
+        _release(client, lease_id)
     client.counters["local_pages"] += len(slots)
 
 
@@ -93,7 +112,7 @@ def _copy_remote(client, node_id: str, keys: list, positions: list[int], ref,
     dtype = client.spec.torch_dtype()
     for position, page in zip(positions, pages, strict=False):
         view = readonly_tensor(page).view(dtype).view(client.geometry.shape)
-        out[:, :, :, page_slices(position, client.page_tokens)].copy_(view)
+        copy_page(out[:, :, :, page_slices(position, client.page_tokens)], view)
         arrived[position] = True
     client.counters["remote_pages"] += len(pages)
     if client.local is not None and page_refs:
