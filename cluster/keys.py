@@ -64,15 +64,24 @@ def _as_array(tokens: object) -> np.ndarray:
     if isinstance(tokens, np.ndarray):
         return tokens
     if isinstance(tokens, (list, tuple, range)):
-        for token in tokens:
-            if isinstance(token, (list, tuple, range, np.ndarray)):
-                raise ValueError("tokens must be 1-D, got a nested sequence")
-            if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
-                raise TypeError(f"tokens must be integers, got {type(token).__name__}")
-            if not 0 <= token <= MAX_TOKEN_ID:  # before int64 conversion can overflow
-                raise ValueError(f"token ids must lie in [0, {MAX_TOKEN_ID}], got {token}")
-        return np.asarray(tokens, dtype=np.int64) if len(tokens) else np.zeros(0, np.int64)
+        return _sequence_array(tokens)
     raise TypeError(f"tokens must be a list, numpy array or torch tensor, not {type(tokens)}")
+
+
+def _sequence_array(tokens: list | tuple | range) -> np.ndarray:
+    """A Python sequence of ints as int64, checked per type once rather than per token."""
+    if not len(tokens):
+        return np.zeros(0, np.int64)
+    kinds = set(map(type, tokens))
+    for kind in kinds:
+        if issubclass(kind, (list, tuple, range, np.ndarray)):
+            raise ValueError("tokens must be 1-D, got a nested sequence")
+        if issubclass(kind, bool) or not issubclass(kind, (int, np.integer)):
+            raise TypeError(f"tokens must be integers, got {kind.__name__}")
+    try:
+        return np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+    except OverflowError:
+        raise ValueError(f"token ids must lie in [0, {MAX_TOKEN_ID}]") from None
 
 
 def chain_keys(tokens: np.ndarray, root: PageKey, page_tokens: int) -> list[PageKey]:
