@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import ray
 
@@ -17,10 +18,18 @@ log = logging.getLogger("raykv")
 
 
 def _ensure_ray(config: CacheConfig) -> None:
-    if not ray.is_initialized():
-        # A fresh local Ray: mark this node as a kv node so a node actor lands on it.
-        ray.init(resources={config.node_resource: 1}, include_dashboard=False,
-                 logging_level=logging.WARNING)
+    """Use the Ray this process is on; else the cluster RAY_ADDRESS names; else a new local one.
+
+    A bare ray.init() would attach to whatever cluster last ran on this machine, so a local
+    start is explicit (`address="local"`), with this node marked as a kv node.
+    """
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        return
+    ray.init(address="local", resources={config.node_resource: 1}, include_dashboard=False,
+             logging_level=logging.WARNING)
 
 
 def _start_directory(config: CacheConfig) -> DirectoryHandle:
