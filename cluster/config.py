@@ -38,7 +38,7 @@ class CacheConfig(BaseModel):
     heartbeat_s: float = Field(1.0, gt=0)
     node_timeout_s: float = Field(4.0, gt=0)
     disk_threads: int = Field(4, ge=1, le=64)
-    export_cache_bytes: int = Field(128 * MiB, ge=0, description="recent pages kept as Ray "
+    export_cache_bytes: int = Field(64 * MiB, ge=0, description="recent pages kept as Ray "
                                     "objects for other nodes, per node")
     ray_namespace: str = "raykv"
 
