@@ -14,17 +14,13 @@ Each figure is the median of REPS timed runs after a warm-up. No Ray.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import statistics
-import time
 from collections.abc import Callable
 
 import blake3
 import numpy as np
 import xxhash
 
+from cluster.bench.common import finish, machine_info, print_tables, table, warm_median_s
 from cluster.keys import KEY_BYTES, canonical_tokens, chain_keys, namespace_key, page_keys
 from cluster.spec import ModelSpec
 
@@ -45,13 +41,7 @@ NOTES = ("hash_ns_per_token: cluster.keys.page_keys over a NUM_TOKENS prompt giv
 
 def median_ns_per_token(run: Callable[[], object], num_tokens: int, reps: int) -> float:
     """Warm up once, then the median of `reps` timed calls, in ns per token."""
-    run()
-    times_s = []
-    for _ in range(reps):
-        start_s = time.perf_counter()
-        run()
-        times_s.append(time.perf_counter() - start_s)
-    return statistics.median(times_s) / num_tokens * 1e9
+    return warm_median_s(run, reps) / num_tokens * 1e9
 
 
 def _chain(hash_bytes: Callable[[bytes], bytes], data: bytes, root: bytes,
@@ -115,55 +105,25 @@ def ratios_of(figures: dict) -> dict[str, float]:
     return ratios
 
 
-def goals_met(ratios: dict[str, float], goals: dict[str, dict[str, float]]) -> dict[str, bool]:
-    met = {}
-    for name, goal in goals.items():
-        value = ratios[name]
-        met[name] = bool(value >= goal.get("min", float("-inf"))
-                         and value <= goal.get("max", float("inf")))
-    return met
-
-
-def machine_info() -> dict:
-    return {"nproc": os.cpu_count(), "memory_bytes": os.sysconf("SC_PAGE_SIZE")
-            * os.sysconf("SC_PHYS_PAGES"), "platform": platform.platform(),
-            "python": platform.python_version(), "blake3": blake3.__version__,
-            "xxhash": xxhash.VERSION}
-
-
-def print_table(result: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"page-key hashing, {result['config']['num_tokens']} tokens (ns/token)")
+def print_report(result: dict) -> None:
     sizes = list(result["per_page_tokens"])
-    table.add_column("contender")
-    for size in sizes:
-        table.add_column(f"page_tokens={size}", justify="right")
-    names = list(result["per_page_tokens"][sizes[0]])
-    for name in names:
-        table.add_row(name, *(f"{result['per_page_tokens'][s][name]:.2f}" for s in sizes))
-    for name, value in result["whole_prompt"].items():
-        table.add_row(name, *([f"{value:.2f}"] + [""] * (len(sizes) - 1)))
-    console = Console()
-    console.print(table)
-    for name, value in result["ratios"].items():
-        mark = {True: "[green]met[/]", False: "[red]MISSED[/]"}.get(result["met"].get(name), "")
-        console.print(f"  {name} = {value:.3f} {mark}")
+    rows = [[name, *(f"{result['per_page_tokens'][s][name]:.2f}" for s in sizes)]
+            for name in result["per_page_tokens"][sizes[0]]]
+    rows += [[name, f"{value:.2f}", *[""] * (len(sizes) - 1)]
+             for name, value in result["whole_prompt"].items()]
+    print_tables([table(f"page-key hashing, {result['config']['num_tokens']} tokens (ns/token)",
+                        ["contender", *(f"page_tokens={s}" for s in sizes)], rows)])
 
 
 def run(json_path: str | None, quick: bool) -> dict:
     num_tokens = QUICK_TOKENS if quick else NUM_TOKENS
     reps = QUICK_REPS if quick else REPS
+    machine = {**machine_info(), "blake3": blake3.__version__, "xxhash": xxhash.VERSION}
     figures = measure(num_tokens, PAGE_TOKENS, reps)
-    ratios = ratios_of(figures)
     result = {"benchmark": "hashing", "unit": "ns per token",
               "config": {"num_tokens": num_tokens, "page_tokens": list(PAGE_TOKENS),
                          "reps": reps, "model": SPEC.name, "quick": quick},
-              "machine": machine_info(), **figures, "ratios": ratios, "goals": GOALS,
-              "met": goals_met(ratios, GOALS), "notes": NOTES}
-    print_table(result)
-    if json_path:
-        with open(json_path, "w") as file:
-            json.dump(result, file, indent=2)
-    return result
+              "machine": machine, **figures, "ratios": ratios_of(figures), "goals": GOALS,
+              "notes": NOTES}
+    print_report(result)
+    return finish(result, json_path)

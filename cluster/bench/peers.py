@@ -163,6 +163,37 @@ def redis_gbps(url: str, page_bytes: int, num_pages: int) -> dict[str, float]:
     return result
 
 
+class RedisExists:
+    """A directory lookup done with Redis: the keys SET once; a lookup is one pipeline of
+    EXISTS, one per key (Redis has no prefix walk, so every key is checked), then the
+    longest prefix of keys present. Keys are raykv:peer:<uuid>:<key hex>, deleted on close."""
+
+    def __init__(self, url: str, keys: list[bytes]) -> None:
+        self.client = _redis_client(url)
+        prefix = f"raykv:peer:{uuid.uuid4().hex}:".encode()
+        self.keys = [prefix + key.hex().encode() for key in keys]
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.keys:
+            pipe.set(key, b"1")
+        pipe.execute()
+
+    def longest_prefix(self) -> int:
+        """How many leading keys are present, in pages."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.keys:
+            pipe.exists(key)
+        found = 0
+        for present in pipe.execute():
+            if not present:
+                break
+            found += 1
+        return found
+
+    def close(self) -> None:
+        self.client.delete(*self.keys)
+        self.client.close()
+
+
 def ray_gbps(page_bytes: int, num_pages: int) -> dict[str, float]:
     """{"put", "get"} in this process; the caller has called ray.init.
 

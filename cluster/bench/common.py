@@ -1,0 +1,291 @@
+"""What every `raykv bench` benchmark shares: timing and statistics, the facts of the machine,
+the JSON result (figures, "ratios", "goals", "met"), a private Ray with the service started and
+stopped cleanly, KV tensors whose pages hold known bytes, and rich tables.
+
+A result is a dict that a benchmark fills and hands to `finish`:
+
+    {"benchmark", "unit", "config", "machine", ...figures..., "ratios", "goals", "notes"}
+    finish() adds "met" and machine.loadavg_end, prints the ratio table, writes the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from importlib import metadata
+
+import numpy as np
+
+from cluster.spec import ModelSpec
+
+MiB = 1 << 20
+# Llama-3.1-8B's KV geometry, bf16: 128 KiB per token, so a 1 MiB page is 8 tokens.
+LLAMA_8B_KV = ModelSpec("bench-llama-3.1-8b", 32, 8, 128, "bfloat16")
+STOP_TIMEOUT_S = 30.0
+PACKAGES = ("ray", "torch", "numpy", "blake3", "xxhash", "redis")
+
+# ---- timing and statistics ------------------------------------------------------------------
+
+
+def timed(run: Callable[[], object]) -> tuple[float, object]:
+    """(seconds run() took, what it returned)."""
+    start_s = time.perf_counter()
+    value = run()
+    return time.perf_counter() - start_s, value
+
+
+def median_s(run: Callable[[], object], reps: int) -> float:
+    """Median seconds of `reps` calls of run() (no warm-up: callers whose runs change state,
+    such as puts of fresh pages, decide themselves)."""
+    return statistics.median(timed(run)[0] for _ in range(reps))
+
+
+def warm_median_s(run: Callable[[], object], reps: int) -> float:
+    """One untimed warm-up call, then median_s."""
+    run()
+    return median_s(run, reps)
+
+
+def percentile_ms(times_s: Iterable[float], q: float) -> float:
+    """The q-th percentile (0..100, linear interpolation) of times in seconds, in ms."""
+    return float(np.percentile(np.fromiter(times_s, dtype=np.float64), q)) * 1e3
+
+
+def latency_ms(times_s: list[float]) -> dict[str, float]:
+    """{"p50_ms", "p99_ms", "mean_ms"} of times in seconds."""
+    return {"p50_ms": percentile_ms(times_s, 50), "p99_ms": percentile_ms(times_s, 99),
+            "mean_ms": statistics.fmean(times_s) * 1e3}
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """Median of the pairwise ratios: figures taken side by side in rounds, so that a noisy
+    neighbour slowing one round slows both sides of its ratio alike."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
+
+
+def geomean(values: Iterable[float]) -> float:
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def medians(rounds: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in rounds.items()}
+
+
+# ---- the result -----------------------------------------------------------------------------
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict:
+    """Cores, memory, platform, package versions and the load average now."""
+    return {"nproc": os.cpu_count(),
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "packages": {name: _version(name) for name in PACKAGES},
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "loadavg_start": list(os.getloadavg())}
+
+
+def goals_met(ratios: dict[str, float], goals: dict[str, dict[str, float]]) -> dict[str, bool]:
+    """name -> whether ratios[name] lies within goals[name]'s "min" and "max" (each optional)."""
+    met = {}
+    for name, goal in goals.items():
+        value = ratios[name]
+        met[name] = bool(goal.get("min", -math.inf) <= value <= goal.get("max", math.inf))
+    return met
+
+
+def goal_text(goal: dict[str, float] | None) -> str:
+    if not goal:
+        return ""
+    return " ".join(f"{'<=' if bound == 'max' else '>='} {value:g}"
+                    for bound, value in goal.items())
+
+
+def finish(result: dict, json_path: str | None) -> dict:
+    """Add "met" and the closing load average, print the ratios, write the JSON."""
+    result["met"] = goals_met(result["ratios"], result["goals"])
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    print_tables([ratio_table(result)])
+    if json_path:
+        with open(json_path, "w") as file:
+            json.dump(result, file, indent=2)
+    return result
+
+
+# ---- Ray and the service --------------------------------------------------------------------
+
+
+def ensure_local_ray(object_store_bytes: int, num_cpus: int | None = None) -> bool:
+    """Start a private local Ray (this node a kv node) unless one is up; True if started here.
+
+    address="local": never attach to another process's cluster on this machine.
+    """
+    import ray
+
+    from cluster.config import CacheConfig
+
+    if ray.is_initialized():
+        return False
+    ray.init(address="local", num_cpus=num_cpus, resources={CacheConfig().node_resource: 1},
+             include_dashboard=False, object_store_memory=object_store_bytes,
+             logging_level=logging.WARNING, log_to_driver=False)
+    return True
+
+
+def _service_actor_names() -> list[str]:
+    """Names of the running service's actors (none when it is not running)."""
+    import ray
+
+    from actors.handles import CONTROLLER_NAME, DIRECTORY_NAME, NODE_NAME
+    from cluster.api import running_config
+
+    try:
+        config = running_config()
+    except RuntimeError:
+        return []
+    shards = [DIRECTORY_NAME.format(shard=i) for i in range(config.num_directory_shards)]
+    nodes = [NODE_NAME.format(node_id=n["NodeID"]) for n in ray.nodes() if n["Alive"]]
+    return shards + nodes + [CONTROLLER_NAME]
+
+
+def _alive(names: list[str], namespace: str) -> list[str]:
+    import ray
+
+    alive = []
+    for name in names:
+        try:
+            ray.get_actor(name, namespace=namespace)
+            alive.append(name)
+        except ValueError:
+            pass
+    return alive
+
+
+def stop_service() -> None:
+    """stop() (node actors release their /dev/shm slabs), then wait until the named actors
+    are gone, so that the next start() creates fresh ones."""
+    from cluster import stop
+    from cluster.config import CacheConfig
+
+    names = _service_actor_names()
+    stop()
+    namespace = CacheConfig().ray_namespace
+    deadline_s = time.monotonic() + STOP_TIMEOUT_S
+    while (alive := _alive(names, namespace)) and time.monotonic() < deadline_s:
+        time.sleep(0.1)
+    if alive:
+        raise RuntimeError(f"raykv actors {alive} still alive {STOP_TIMEOUT_S:.0f} s after stop()")
+
+
+def start_service(config, spec):
+    """A fresh service with `config` (any running one stopped first), and a client for spec."""
+    from cluster import connect, start
+
+    stop_service()
+    start(config)
+    return connect(spec)
+
+
+# ---- KV tensors holding known pages ---------------------------------------------------------
+
+
+def page_kv(spec, page_tokens: int, num_pages: int):
+    """kv [L, 2, H, num_pages * page_tokens, D] whose page i holds peers.page_pool's page i."""
+    import torch
+
+    from cluster.bench.peers import page_pool
+
+    page_bytes = spec.page_bytes(page_tokens)
+    pool = torch.from_numpy(page_pool(page_bytes, num_pages))
+    pages = pool.view(spec.torch_dtype()).view(num_pages, *spec.page_shape(page_tokens))
+    shape = spec.page_shape(num_pages * page_tokens)
+    return pages.permute(1, 2, 3, 0, 4, 5).reshape(shape).clone()
+
+
+def touched_like(kv):
+    """A tensor like kv whose memory is already faulted in (filled with 0xA5)."""
+    import torch
+
+    out = torch.empty_like(kv)
+    out.view(torch.uint8).fill_(0xA5)
+    return out
+
+
+def check_same(got, expected, what: str) -> None:
+    """Raise RuntimeError unless the two tensors hold the same bytes."""
+    import torch
+
+    if not torch.equal(got.view(torch.uint8), expected.view(torch.uint8)):
+        raise RuntimeError(f"{what} came back with different bytes than were put")
+
+
+# ---- tables ---------------------------------------------------------------------------------
+
+
+def table(title: str, header: list[str], rows: Iterable[list[str]]):
+    """A rich table: the first column names the row, the others are right-aligned figures."""
+    from rich.table import Table
+
+    result = Table(title=title)
+    result.add_column(header[0])
+    for name in header[1:]:
+        result.add_column(name, justify="right")
+    for row in rows:
+        result.add_row(*row)
+    return result
+
+
+def ratio_table(result: dict):
+    rows = []
+    for name, value in result["ratios"].items():
+        met = result.get("met", {}).get(name)
+        rows.append([name, f"{value:.3f}", goal_text(result["goals"].get(name)),
+                     "" if met is None else ("[green]yes[/]" if met else "[red]NO[/]")])
+    basis = result.get("ratio_basis")
+    return table(f"ratios{f' ({basis})' if basis else ''}", ["ratio", "value", "goal", "met"],
+                 rows)
+
+
+def print_tables(tables: Iterable) -> None:
+    from rich.console import Console
+
+    console = Console()
+    for each in tables:
+        console.print(each)
+
+
+class Steps:
+    """A progress bar that moves on at each phase, and the seconds each phase took."""
+
+    def __init__(self, progress, name: str, total: int) -> None:
+        self.progress, self.name = progress, name
+        self.task = progress.add_task(name, total=total)
+        self.phase, self.since_s = "", 0.0
+        self.phase_s: dict[str, float] = {}
+
+    def __call__(self, phase: str) -> None:
+        self._lap()
+        self.phase, self.since_s = phase, time.perf_counter()
+        self.progress.update(self.task, description=f"{self.name}: {phase}", advance=1)
+
+    def _lap(self) -> None:
+        if self.phase:
+            self.phase_s[self.phase] = time.perf_counter() - self.since_s
+
+    def laps(self) -> dict[str, float]:
+        """The phases so far (the current one closed), and start afresh."""
+        self._lap()
+        laps, self.phase, self.phase_s = self.phase_s, "", {}
+        return laps

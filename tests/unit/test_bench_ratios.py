@@ -1,0 +1,70 @@
+"""The benchmarks' pure parts: plans, service sizing, ratios and the directory breakdown. No Ray."""
+
+import pytest
+
+from cluster.bench import directory, remote, tiers
+
+
+def test_tiers_plans_whole_token_pages_and_a_host_tier_for_every_put():
+    plan = tiers.plan_for(4, False, "/tmp")
+    assert plan.page_tokens == 32 and plan.num_pages == 16
+    assert plan.batch_bytes == tiers.BATCH_BYTES
+    assert plan.disk_rounds == tiers.DISK_ROUNDS
+    assert tiers.plan_for(1, False, "/tmp").disk_rounds == 1
+    config = tiers._service_config(plan)
+    host_batches = config.host_bytes // plan.batch_bytes
+    # batch 0, the warm-up, rounds x (timed puts + puts taken apart), one spare
+    assert host_batches == 2 + plan.rounds * 2 * tiers.PUT_REPS + 1
+    assert config.device_bytes == 0 and config.eviction == "lru"
+
+
+def test_tiers_ratios_pair_rounds_and_summarise_prefers_the_ratio_size():
+    host = {"get": [3.0, 4.0, 2.0], "put": [1.0, 1.0, 1.0], "memcpy": [6.0, 8.0, 4.0]}
+    disk = {"arena_read": [1.0], "fio_read": [1.0], "arena_write": [0.9], "fio_write": [1.0]}
+    raw = {"host_get": 3.0, "redis_get": 0.5, "ray_remote_get": 6.0, "ray_get": 3.0,
+           "disk_e2e_get": 0.5, "disk_e2e_put": 0.5, "fio_read": 1.0, "fio_write": 1.0}
+    ratios = tiers.size_ratios(host, disk, raw)
+    assert ratios["host_get_vs_memcpy"] == 0.5
+    assert ratios["host_get_vs_redis"] == 6.0 and ratios["host_get_vs_ray"] == 0.5
+    assert ratios["disk_write_vs_raw"] == pytest.approx(0.9)
+    main, geomean = tiers.summarise({"1MiB": {"ratios": {"r": 1.0}},
+                                     "4MiB": {"ratios": {"r": 4.0}}})
+    assert main == {"r": 4.0} and geomean["r"] == pytest.approx(2.0)
+    main, _ = tiers.summarise({"1MiB": {"ratios": {"r": 1.0}}, "16MiB": {"ratios": {"r": 4.0}}})
+    assert main["r"] == pytest.approx(2.0)
+
+
+def _shard_figures(match_ms: float, ping_ms: float) -> dict:
+    names = ("ping", "ping_all", "shard_match", "match", "lookup_e2e", "redis_exists")
+    figures = {f"{n}_{s}_ms": 1.0 for n in names for s in ("p50", "p99")}
+    figures.update(match_p50_ms=match_ms, ping_p50_ms=ping_ms, redis_exists_p50_ms=6.0)
+    figures["cpu_us_per_call"] = {n: {"server_us": 1.0, "client_us": 1.0}
+                                  for n in directory.CPU_CALLS}
+    figures["throughput_keys_per_s"] = {"1": 1e5, "2": 2e5}
+    return figures
+
+
+def test_directory_ratios_use_match_over_ping_and_redis_over_match():
+    ratios = directory.ratios_of({"1": _shard_figures(3.0, 2.0), "2": _shard_figures(4.0, 2.0)})
+    assert ratios["lookup_p50_vs_noop_rpc"] == 1.5
+    assert ratios["directory_vs_redis"] == 2.0
+    assert ratios["match_p50_2_vs_1_shards"] == pytest.approx(4 / 3)
+    assert ratios["shard_scaling_1_to_2"] == 1.0
+    assert set(directory.GOALS) <= set(ratios)
+
+
+def test_directory_breakdown_without_ray_answers_one_run():
+    figures = directory.measure_breakdown(1)
+    assert figures["answer_runs"] == 1
+    assert figures["keys_blob_bytes"] == directory.NUM_PAGES * 16
+    assert all(value > 0 for value in figures.values())
+
+
+def test_remote_sizes_host_tiers_for_every_prompt_and_suffixes_other_sizes():
+    config = remote._service_config(4 << 20, 2, "/tmp")
+    assert config.host_bytes == (remote.PROMPTS_PER_REP * 3 + 1) * remote.PROMPT_BYTES
+    assert config.page_tokens == 32
+    assert len(remote._prompt_tokens(1)) * remote.SPEC.bytes_per_token == remote.PROMPT_BYTES
+    ratios = remote.ratios_of({"1MiB": {"ratios": {"remote_get_vs_ray": 0.5}},
+                               "4MiB": {"ratios": {"remote_get_vs_ray": 0.7}}})
+    assert ratios == {"remote_get_vs_ray": 0.7, "remote_get_vs_ray_1mib": 0.5}
