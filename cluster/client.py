@@ -12,7 +12,8 @@ import torch
 
 from actors.handles import DirectoryHandle, NodeHandle
 from cluster.config import CacheConfig
-from cluster.fetch import copy_page, fetch_prefix
+from cluster.copies import copy_pages
+from cluster.fetch import fetch_prefix
 from cluster.geometry import PageGeometry
 from cluster.keys import PageKey, page_keys
 from cluster.kvcheck import check_kv, check_out, page_slices
@@ -81,10 +82,8 @@ class KVClient:
         # Only the pages this put reserved are ours to write, commit or abort.
         mine = [key for key, slot in zip(keys, slots, strict=False) if slot is not None]
         try:
-            for page, slot in enumerate(slots):
-                if slot is not None:
-                    copy_page(self._page_view(*slot),
-                              kv[:, :, :, page_slices(page, self.page_tokens)])
+            copy_pages([(self._page_view(*slot), kv[:, :, :, page_slices(page, self.page_tokens)])
+                        for page, slot in enumerate(slots) if slot is not None])
         except BaseException:
             ray.get(self.local.abort(self.geometry, mine))
             raise

@@ -5,8 +5,7 @@
     other nodes   export_pages(keys[L:P]) -> one Ray object per page
     copies        slab -> out[:L], objects -> out[L:P]; release; this node adopts the objects
 
-Copies between CPU tensors go through numpy: torch's multi-threaded copy stalls when the cores
-are shared with Ray's own processes, while np.copyto runs at memcpy speed on one.
+Copies go through cluster/copies.py (numpy, split over a few threads for large batches).
 """
 
 from __future__ import annotations
@@ -17,18 +16,11 @@ import numpy as np
 import ray
 import torch
 
+from cluster.copies import copy_pages
 from cluster.kvcheck import page_slices
 from cluster.tiers.memory import readonly_tensor
 
 log = logging.getLogger("raykv.client")
-
-
-def copy_page(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src for one page (same shape and dtype), at memcpy speed on CPU."""
-    if dst.is_cuda or src.is_cuda:
-        dst.copy_(src, non_blocking=True)
-        return
-    np.copyto(dst.detach().view(torch.uint8).numpy(), src.detach().view(torch.uint8).numpy())
 
 
 def remote_sources(located: list, start: int, local_node: str | None) -> list[str]:
@@ -92,10 +84,9 @@ def _copy_local(client, epoch, lease_id: int, slots: list, out: torch.Tensor, ar
         return
     client.map_epoch(epoch)
     try:
-        for position, (tier, slot) in enumerate(slots):
-            copy_page(out[:, :, :, page_slices(position, client.page_tokens)],
-                      client._page_view(tier, slot))
-            arrived[position] = True
+        copy_pages([(out[:, :, :, page_slices(position, client.page_tokens)],
+                     client._page_view(tier, slot)) for position, (tier, slot) in enumerate(slots)])
+        arrived[: len(slots)] = True
     finally:
         _release(client, lease_id)
     client.counters["local_pages"] += len(slots)
@@ -110,10 +101,10 @@ def _copy_remote(client, node_id: str, keys: list, positions: list[int], ref,
         log.warning("node %s unavailable, its pages are misses: %s", node_id[:8], error)
         return
     dtype = client.spec.torch_dtype()
-    for position, page in zip(positions, pages, strict=False):
-        view = readonly_tensor(page).view(dtype).view(client.geometry.shape)
-        copy_page(out[:, :, :, page_slices(position, client.page_tokens)], view)
-        arrived[position] = True
+    copy_pages([(out[:, :, :, page_slices(position, client.page_tokens)],
+                 readonly_tensor(page).view(dtype).view(client.geometry.shape))
+                for position, page in zip(positions, pages, strict=False)])
+    arrived[positions[: len(pages)]] = True
     client.counters["remote_pages"] += len(pages)
     if client.local is not None and page_refs:
         # Keep a copy here for next time; the objects are already on this node.

@@ -155,7 +155,7 @@ class BenchPeer:
 
     def _copy_pages(self, pages: list[np.ndarray]) -> None:
         """What fetch_prefix's _copy_remote does with the arrived pages."""
-        from cluster.fetch import copy_page
+        from cluster.copies import copy_page
         from cluster.kvcheck import page_slices
         from cluster.tiers.memory import readonly_tensor
 

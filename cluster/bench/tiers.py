@@ -39,7 +39,7 @@ import ray
 
 from cluster.bench import common, disk, peers
 from cluster.config import CacheConfig
-from cluster.fetch import copy_page
+from cluster.copies import copy_page
 from cluster.kvcheck import page_slices
 
 MiB = common.MiB
