@@ -185,15 +185,16 @@ class NodeCacheActor:
             waits.update(self._pulls[k] for k in keys if k in self._pulls)
             todo = [k for k in keys if k not in self._pulls and not self.store.has(geometry, k)]
             if todo:
-                calls.append(self._pull_from(geometry, node_id, todo))
+                # Claimed before the first await, so a request arriving meanwhile waits on it.
+                done = asyncio.get_running_loop().create_future()
+                self._pulls.update(dict.fromkeys(todo, done))
+                calls.append(self._pull_from(geometry, node_id, todo, done))
         pulled = await asyncio.gather(*calls)
         await asyncio.gather(*(asyncio.shield(w) for w in waits))
         return sum(pulled)
 
-    async def _pull_from(self, geometry: PageGeometry, node_id: str, keys: list[PageKey]) -> int:
-        done = asyncio.get_running_loop().create_future()
-        for key in keys:
-            self._pulls[key] = done
+    async def _pull_from(self, geometry: PageGeometry, node_id: str, keys: list[PageKey],
+                         done: asyncio.Future) -> int:
         try:
             peer = await self._peer(node_id)
             refs = await peer.export_pages(geometry, keys) if peer is not None else []
