@@ -414,21 +414,15 @@ def _workload_run(console, num_nodes: int) -> dict:
             "quant": report, "replica": replica, "results": results}
 
 
-def _shutdown(cluster, config) -> None:
-    """Stop raykv and the simulated cluster, and unlink the node actors' shared memory."""
+def _shutdown(cluster) -> None:
+    """Stop raykv (its node actors unlink their shared memory) and the simulated cluster."""
     import ray
 
-    from actors.node_cache import store_config
     from cluster import stop
-    from cluster.tiers.memory import remove_stale_shm
 
     try:
-        node_ids = [node["NodeID"] for node in ray.nodes()] if ray.is_initialized() else []
-        stop()
-        # stop() kills the node actors without closing their pools, and a later actor only
-        # removes slabs of its own node id, which a fresh cluster never reuses.
-        for node_id in node_ids:
-            remove_stale_shm(store_config(config, node_id).limits.shm_prefix)
+        if ray.is_initialized():
+            stop()
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -459,7 +453,7 @@ def run_demo(png_path: Path, num_nodes: int) -> dict:
         write_png(Path(png_path), figures.pop("results"), figures["tiers"])
     finally:
         if cluster is not None:
-            _shutdown(cluster, config)
+            _shutdown(cluster)
         shutil.rmtree(disk_dir, ignore_errors=True)
         torch.set_num_threads(num_threads)
     figures["png"] = str(png_path)
