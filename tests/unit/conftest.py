@@ -14,3 +14,15 @@ def _no_ray(monkeypatch):
         raise RuntimeError("unit tests must not start Ray; put this test under tests/actors/")
 
     monkeypatch.setattr(ray, "init", refuse)
+
+
+@pytest.fixture
+def harness():
+    """Pools over a temp disk dir (tests/unit/_pool_harness.py), closed and checked after."""
+    from tests.unit._pages import shm_files
+    from tests.unit._pool_harness import Harness
+
+    h = Harness()
+    yield h
+    h.close()
+    assert shm_files(h.prefix) == []

@@ -7,115 +7,32 @@ Geometry: 8192-byte float32 pages; tiers of a few pages each (see make()).
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import torch
 
 from cluster.geometry import DEVICE, DISK, HOST
-from cluster.pool import Pool, PoolLimits, State
+from cluster.pool import State
 from cluster.tiers.disk import DiskArena
 from tests.unit._pages import (
     DISK_SLOT_BYTES,
-    GEOMETRY,
     PAGE_BYTES,
     as_page,
     flip_disk_byte,
     key,
-    make_disk_dir,
     page,
     page_bytes,
-    remove_dir,
     shm_files,
-    unique_prefix,
 )
-
-
-class Harness:
-    """Builds pools over one temp disk dir and closes them all at teardown."""
-
-    def __init__(self) -> None:
-        self.disk_dir = make_disk_dir()
-        self.prefix = unique_prefix()
-        self.pools: list[Pool] = []
-        self.events: list[tuple[bytes, int | None]] = []
-
-    def make(self, device_pages=2, host_pages=2, disk_pages=3, eviction="lru",
-             codec="none") -> Pool:
-        limits = PoolLimits(device_pages * PAGE_BYTES, host_pages * PAGE_BYTES,
-                            disk_pages * DISK_SLOT_BYTES, eviction, codec, False, self.prefix)
-        disk = None
-        if disk_pages:
-            path = os.path.join(self.disk_dir, f"pool{len(self.pools)}")
-            disk = DiskArena(path, limits.disk_bytes, PAGE_BYTES, 2)
-        pool = Pool(GEOMETRY, limits, disk, lambda k, t: self.events.append((k, t)))
-        self.pools.append(pool)
-        return pool
-
-    def close(self) -> None:
-        for pool in self.pools:
-            pool.close()
-        remove_dir(self.disk_dir)
-
-
-@pytest.fixture
-def harness():
-    h = Harness()
-    yield h
-    h.close()
-    assert shm_files(h.prefix) == []
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def put(pool: Pool, ids: list[int]) -> int:
-    """Store pages like a same-node client: reserve, write into the slot, commit."""
-    keys = [key(i) for i in ids]
-    slots = await pool.reserve(keys)
-    assert slots, "no room"
-    for i, slot in zip(ids, slots, strict=True):
-        if slot is not None:
-            pool.memory[slot[0]].view(slot[1])[:PAGE_BYTES].copy_(page_bytes(i))
-    return pool.commit(keys)
-
-
-async def put_each(pool: Pool, ids) -> None:
-    for i in ids:
-        assert await put(pool, [i]) == 1
-
-
-async def read(pool: Pool, ids: list[int]) -> list[torch.Tensor]:
-    """Acquire, copy the pages out, release (what a get does)."""
-    keys = [key(i) for i in ids]
-    located = await pool.acquire(keys)
-    try:
-        return [as_page(pool.memory[tier].view(slot)) for tier, slot in located]
-    finally:
-        pool.release(keys[: len(located)])
-
-
-def tiers(pool: Pool) -> dict[str, list[int]]:
-    """Page ids per tier, sorted."""
-    out: dict[str, list[int]] = {"device": [], "host": [], "disk": []}
-    names = {DEVICE: "device", HOST: "host", DISK: "disk"}
-    for k, entry in pool.index.items():
-        out[names[entry.tier]].append(int.from_bytes(k[1:], "little"))
-    return {name: sorted(ids) for name, ids in out.items()}
-
-
-def assert_slots_consistent(pool: Pool) -> None:
-    """Every entry owns a distinct used slot, and no used slot is unowned."""
-    for tier in (DEVICE, HOST):
-        owned = sorted(e.slot for e in pool.index.values() if e.tier == tier)
-        assert len(set(owned)) == len(owned)
-        assert pool.memory[tier].slots.num_used == len(owned)
-    on_disk = sorted(e.slot for e in pool.index.values() if e.tier == DISK)
-    assert len(set(on_disk)) == len(on_disk)
-    if pool.disk is not None:
-        assert pool.disk.num_used == len(on_disk)
-
+from tests.unit._pool_harness import (
+    assert_slots_consistent,
+    count_reads,
+    put,
+    put_each,
+    read,
+    run,
+    tiers,
+)
 
 # ---- puts land in the top tier, eviction cascades down ---------------------------------
 
@@ -299,180 +216,6 @@ def test_codec_none_is_exact_on_disk(harness):
     assert pool.index[key(0)].tier == DISK
     assert pool.disk.bytes_written == DISK_SLOT_BYTES
     assert run(read(pool, [0]))[0].equal(page(0))
-
-
-# ---- pins ------------------------------------------------------------------------------
-
-
-def test_a_pinned_page_is_never_evicted(harness):
-    pool = harness.make()
-
-    async def scenario():
-        await put_each(pool, [0])
-        located = await pool.acquire([key(0)])
-        assert located == [(DEVICE, 0)]
-        await put_each(pool, range(1, 12))
-        return located
-
-    (tier, slot), = run(scenario())
-    entry = pool.index[key(0)]
-    assert (entry.tier, entry.slot, entry.pins) == (DEVICE, slot, 1)
-    assert as_page(pool.memory[DEVICE].view(slot)).equal(page(0))
-    others = [(e.tier, e.slot) for k, e in pool.index.items() if k != key(0)]
-    assert (DEVICE, slot) not in others
-    assert tiers(pool)["device"] == [0, 11]
-    assert (key(0), None) not in harness.events
-    assert_slots_consistent(pool)
-
-
-def test_after_release_a_page_can_be_evicted(harness):
-    pool = harness.make()
-
-    async def scenario():
-        await put_each(pool, [0])
-        await pool.acquire([key(0)])
-        await put_each(pool, range(1, 4))
-        assert pool.index[key(0)].tier == DEVICE
-        pool.release([key(0)])
-        await put_each(pool, range(4, 10))
-
-    run(scenario())
-    assert key(0) not in pool.index
-    assert (key(0), None) in harness.events
-
-
-def test_pinned_host_page_is_not_demoted_to_disk(harness):
-    pool = harness.make(device_pages=0, host_pages=2)
-
-    async def scenario():
-        await put_each(pool, [0])
-        assert await pool.acquire([key(0)]) == [(HOST, 0)]
-        await put_each(pool, range(1, 8))
-
-    run(scenario())
-    assert pool.index[key(0)].tier == HOST and pool.index[key(0)].slot == 0
-    assert as_page(pool.memory[HOST].view(0)).equal(page(0))
-
-
-def test_reserve_spills_below_a_pinned_top_tier(harness):
-    pool = harness.make()
-
-    async def scenario():
-        await put_each(pool, [0, 1])
-        assert len(await pool.acquire([key(0), key(1)])) == 2
-        return await pool.reserve([key(2)])
-
-    assert run(scenario()) == [(1, pool.index[key(2)].slot)]
-    assert pool.index[key(2)].tier == 1
-
-
-def test_reserve_returns_empty_when_everything_is_pinned(harness):
-    pool = harness.make(host_pages=0)
-
-    async def scenario():
-        await put_each(pool, [0, 1])
-        assert len(await pool.acquire([key(0), key(1)])) == 2
-        return await pool.reserve([key(2)])
-
-    assert run(scenario()) == []
-    assert key(2) not in pool.index
-    assert tiers(pool) == {"device": [0, 1], "host": [], "disk": []}
-
-
-def test_reserve_more_pages_than_memory_holds_keeps_the_prefix_that_fits(harness):
-    pool = harness.make()
-    reserved = run(pool.reserve([key(i) for i in range(5)]))
-    assert [tier for tier, _ in reserved] == [0, 0, 1, 1]
-    assert sorted(pool.index) == sorted(key(i) for i in range(4))
-
-
-def test_a_reserved_page_is_not_evicted_by_other_puts(harness):
-    pool = harness.make()
-
-    async def scenario():
-        slots = await pool.reserve([key(0)])
-        await put_each(pool, range(1, 6))
-        return slots
-
-    slots = run(scenario())
-    assert pool.index[key(0)].state == State.PENDING
-    assert (pool.index[key(0)].tier, pool.index[key(0)].slot) == slots[0]
-    assert pool.commit([key(0)]) == 1
-
-
-# ---- reserve / commit / abort ----------------------------------------------------------
-
-
-def test_reserved_pages_are_invisible_until_commit(harness):
-    pool = harness.make()
-    keys = [key(0), key(1)]
-    slots = run(pool.reserve(keys))
-    assert sorted(slots) == [(DEVICE, 0), (DEVICE, 1)]
-    assert pool.local_prefix(keys) == 0
-    assert run(pool.acquire(keys)) == []
-    assert pool.tier_counts() == {"device": 0, "host": 0, "disk": 0}
-    assert harness.events == []
-    assert pool.commit(keys) == 2
-    assert pool.commit(keys) == 0  # already committed
-    assert pool.local_prefix(keys) == 2
-    assert harness.events == [(key(0), DEVICE), (key(1), DEVICE)]
-
-
-def test_abort_frees_reserved_slots(harness):
-    pool = harness.make()
-    run(put_each(pool, [9]))
-    harness.events.clear()
-    keys = [key(0), key(1)]
-    assert len(run(pool.reserve(keys))) == 2
-    assert pool.memory[DEVICE].slots.num_free == 0
-    assert pool.index[key(9)].tier == HOST  # demoted to make room
-    pool.abort(keys + [key(9)])  # a committed page is not aborted
-    assert pool.memory[DEVICE].slots.num_free == 2
-    assert set(pool.index) == {key(9)}
-    assert pool.commit(keys) == 0
-    assert pool.local_prefix(keys) == 0
-    assert harness.events == [(key(9), HOST)]  # the demotion only: nothing was stored
-    assert_slots_consistent(pool)
-
-
-def test_reserve_dedups_stored_keys(harness):
-    pool = harness.make()
-    run(put_each(pool, [0]))
-    slots = run(pool.reserve([key(0), key(1)]))
-    assert slots[0] is None
-    assert slots[1] == (DEVICE, 1)
-    assert run(pool.reserve([key(0)])) == [None]
-    assert run(pool.reserve([key(1)])) == [None]  # pending counts as stored
-    assert pool.commit([key(0), key(1)]) == 1
-
-
-def test_concurrent_reserves_of_one_key_get_one_slot(harness):
-    pool = harness.make()
-
-    async def scenario():
-        await put_each(pool, range(4))  # device and host full: room needs a disk write
-        return await asyncio.gather(pool.reserve([key(9)]), pool.reserve([key(9)]))
-
-    first, second = run(scenario())
-    assert sorted([first, second], key=str) == [[(DEVICE, pool.index[key(9)].slot)], [None]]
-    assert pool.index[key(9)].state == State.PENDING
-    assert pool.commit([key(9)]) == 1
-    assert_slots_consistent(pool)
-
-
-# ---- shared in-flight loads, prefetch-style promotion, corruption ----------------------
-
-
-def count_reads(pool: Pool) -> list[list[int]]:
-    calls: list[list[int]] = []
-    original = pool.disk.read_pages
-
-    def counting(slots, outs):
-        calls.append(list(slots))
-        return original(slots, outs)
-
-    pool.disk.read_pages = counting
-    return calls
 
 
 def test_concurrent_acquires_share_one_disk_read(harness):

@@ -15,7 +15,7 @@ import torch
 from cluster.geometry import DEVICE, DISK, HOST, PageGeometry
 from cluster.pool import PoolLimits, State
 from cluster.store import NodeStore, StoreConfig
-from cluster.tiers.memory import ArenaMapping, MappedArena, remove_stale_shm, round_up
+from cluster.tiers.memory import ArenaMapping, round_up
 from tests.unit._pages import (
     DISK_SLOT_BYTES,
     GEOMETRY,
@@ -453,44 +453,6 @@ def test_mapped_arena_and_client_mapping_share_bytes(stores):
     assert as_page(mapping.view(slot)).equal(page(0))
     mapping.view(1)[:4].copy_(torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
     assert store.pool(G).memory[DEVICE].view(1)[:4].tolist() == [1, 2, 3, 4]
-
-
-def test_mapped_arena_slots_and_close():
-    prefix = unique_prefix()
-    arena = MappedArena("host", 3 * 4096 + 100, 4096, False, prefix)
-    assert arena.num_slots == 3
-    assert [arena.alloc() for _ in range(4)] == [0, 1, 2, None]
-    assert arena.used_bytes == 3 * 4096
-    assert arena.view(2).shape == (4096,) and arena.view(2).dtype == torch.uint8
-    arena.free(1)
-    assert arena.alloc() == 1
-    assert len(shm_files(prefix)) == 1
-    assert os.path.getsize(arena.descriptor().shm_path) == 3 * 4096
-    arena.close()
-    arena.close()  # idempotent
-    assert shm_files(prefix) == []
-    with pytest.raises(AssertionError):
-        MappedArena("host", 4096, 1000, False, prefix)
-    empty = MappedArena("device", 0, 4096, False, prefix)
-    assert empty.num_slots == 0 and empty.alloc() is None
-    empty.close()
-    assert shm_files(prefix) == []
-
-
-def test_remove_stale_shm_only_removes_its_prefix():
-    prefix = unique_prefix()
-    stale = os.path.join(SHM_DIR, f"{prefix}-host-abc")
-    other = os.path.join(SHM_DIR, f"{prefix}x-host-abc")
-    for path in (stale, other):
-        with open(path, "wb") as handle:
-            handle.write(b"x")
-    try:
-        assert remove_stale_shm(prefix) == 1
-        assert not os.path.exists(stale) and os.path.exists(other)
-    finally:
-        for path in (stale, other):
-            if os.path.exists(path):
-                os.unlink(path)
 
 
 def test_new_store_removes_stale_slabs_of_its_prefix(stores):
