@@ -32,10 +32,15 @@ class NodeSlot:
         os.close(self.lock_fd)
 
 
+def slot_shm_prefix(disk_root: str, index: int | None = None) -> str:
+    """The shm name prefix of a slot under `disk_root` (of every slot when index is None)."""
+    root_tag = page_hash(os.path.realpath(disk_root).encode()).hex()[:8]
+    return f"raykv-{root_tag}" if index is None else f"raykv-{root_tag}-{index}"
+
+
 def claim_node_slot(disk_root: str) -> NodeSlot:
     """Claim the lowest free slot under `disk_root`; RuntimeError when all are held."""
     os.makedirs(disk_root, exist_ok=True)
-    root_tag = page_hash(os.path.realpath(disk_root).encode()).hex()[:8]
     for index in range(MAX_SLOTS_PER_HOST):
         fd = os.open(os.path.join(disk_root, f"node-{index}.lock"), os.O_CREAT | os.O_RDWR, 0o600)
         try:
@@ -45,5 +50,5 @@ def claim_node_slot(disk_root: str) -> NodeSlot:
             continue
         disk_dir = os.path.join(disk_root, f"node-{index}")
         os.makedirs(disk_dir, exist_ok=True)
-        return NodeSlot(index, disk_dir, f"raykv-{root_tag}-{index}", fd)
+        return NodeSlot(index, disk_dir, slot_shm_prefix(disk_root, index), fd)
     raise RuntimeError(f"all {MAX_SLOTS_PER_HOST} node slots under {disk_root} are held")

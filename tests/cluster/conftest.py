@@ -12,6 +12,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from cluster import stop
+from cluster.tiers.memory import remove_stale_shm
+from cluster.tiers.node_slot import slot_shm_prefix
 
 OBJECT_STORE_BYTES = 120 * 1024 * 1024
 
@@ -39,6 +41,9 @@ def disk_root():
     path = tempfile.mkdtemp(prefix="raykv-cluster-", dir="/tmp")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+    # A node removed for real takes its actor down without a shutdown(): unlink its slabs.
+    for sub in ("", "/no-redis"):
+        remove_stale_shm(slot_shm_prefix(path + sub))
 
 
 def node_id_of(resource: str) -> str:
