@@ -51,14 +51,8 @@ class ExportCache:
         return refs
 
     async def _put(self, geometry: PageGeometry, keys: list[PageKey]) -> list[ray.ObjectRef]:
-        lease_id, located = await self.store.acquire(geometry, keys)
-        pool = self.store.pool(geometry)
-        try:
-            # One copy, from the (pinned) slot into the object store.
-            refs = [ray.put(pool.memory[tier].view(slot)[: geometry.page_bytes].cpu().numpy())
-                    for tier, slot in located]
-        finally:
-            self.store.release(lease_id)
+        # One copy, from the (pinned) slot into the object store.
+        refs = await self.store.map_pages(geometry, keys, ray.put)
         for key, ref in zip(keys, refs, strict=False):
             self._remember(key, ref, geometry.page_bytes)
         self.counters["exported_pages"] += len(refs)

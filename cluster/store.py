@@ -13,7 +13,9 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -25,6 +27,7 @@ from cluster.tiers.memory import ArenaDescriptor, remove_stale_shm
 
 POOL_FILE = "pool.json"
 log = logging.getLogger("raykv.store")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,15 +187,23 @@ class NodeStore:
         for lease_id in [i for i, lease in self.leases.items() if lease.deadline_s < now_s]:
             self.release(lease_id)
 
-    async def read_pages(self, geometry: PageGeometry, keys: list[PageKey]) -> list[np.ndarray]:
-        """Copies of the longest local prefix's pages (for remote clients, through Ray)."""
+    async def map_pages(self, geometry: PageGeometry, keys: list[PageKey],
+                        fn: Callable[[np.ndarray], T]) -> list[T]:
+        """fn(bytes of the page) for each page of the longest local prefix, while it is pinned.
+
+        `fn` gets a view into the slab: it must copy what it keeps (np.copy, ray.put).
+        """
         lease_id, located = await self.acquire(geometry, keys)
         pool = self.pool(geometry)
         try:
-            return [pool.memory[tier].view(slot)[: geometry.page_bytes].cpu().numpy().copy()
+            return [fn(pool.memory[tier].view(slot)[: geometry.page_bytes].cpu().numpy())
                     for tier, slot in located]
         finally:
             self.release(lease_id)
+
+    async def read_pages(self, geometry: PageGeometry, keys: list[PageKey]) -> list[np.ndarray]:
+        """Copies of the longest local prefix's pages."""
+        return await self.map_pages(geometry, keys, np.copy)
 
     async def prefetch(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
         """Promote the local prefix toward the top tier; returns pages now in memory."""
