@@ -44,7 +44,7 @@ demo: system-deps $(STAMP)
 	$(VENV)/bin/raykv demo
 
 test: system-deps $(STAMP) lint
-	$(PY) -m cluster.redis_server -- $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(PY) -m cluster.tools.redis_server -- $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

@@ -14,7 +14,7 @@ import ray
 
 from actors.handles import DirectoryHandle
 from actors.placement import dead_nodes, ensure_node_actor, kv_nodes
-from cluster.config import CacheConfig
+from cluster.core.config import CacheConfig
 
 log = logging.getLogger("raykv.controller")
 MEMBERSHIP_S = 1.0

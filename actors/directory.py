@@ -16,10 +16,10 @@ import time
 
 import ray
 
-from cluster.config import CacheConfig
-from cluster.directory_index import APPLIED, DirectoryIndex
-from cluster.keys import KEY_BYTES, PageKey
-from cluster.persist import RedisMirror
+from cluster.core.config import CacheConfig
+from cluster.core.directory_index import APPLIED, DirectoryIndex
+from cluster.core.keys import KEY_BYTES, PageKey
+from cluster.core.persist import RedisMirror
 
 log = logging.getLogger("raykv.directory")
 REDIS_FLUSH_S = 0.1

@@ -15,9 +15,9 @@ from collections import OrderedDict
 
 import ray
 
-from cluster.geometry import PageGeometry
-from cluster.keys import PageKey
-from cluster.store import NodeStore
+from cluster.core.geometry import PageGeometry
+from cluster.core.keys import PageKey
+from cluster.core.store import NodeStore
 
 
 class ExportCache:

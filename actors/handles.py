@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import ray
 
-from cluster.config import CacheConfig
-from cluster.geometry import PageGeometry
-from cluster.keys import PageKey, shard_of
+from cluster.core.config import CacheConfig
+from cluster.core.geometry import PageGeometry
+from cluster.core.keys import PageKey, shard_of
 
 DIRECTORY_NAME = "raykv-directory-{shard}"
 NODE_NAME = "raykv-node-{node_id}"

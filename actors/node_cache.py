@@ -15,14 +15,14 @@ import ray
 
 from actors.exports import ExportCache
 from actors.handles import DirectoryHandle, NodeHandle
-from cluster.config import CacheConfig
-from cluster.directory_index import FENCED, RESYNC
-from cluster.geometry import HOST, PageGeometry
-from cluster.keys import PageKey, shard_of
-from cluster.pool import PoolLimits
-from cluster.store import NodeStore, StoreConfig
-from cluster.tiers.memory import cuda_available
-from cluster.tiers.node_slot import NodeSlot, claim_node_slot
+from cluster.core.config import CacheConfig
+from cluster.core.directory_index import FENCED, RESYNC
+from cluster.core.geometry import HOST, PageGeometry
+from cluster.core.keys import PageKey, shard_of
+from cluster.core.pool import PoolLimits
+from cluster.core.store import NodeStore, StoreConfig
+from cluster.core.tiers.memory import cuda_available
+from cluster.core.tiers.node_slot import NodeSlot, claim_node_slot
 
 log = logging.getLogger("raykv.node")
 

@@ -6,7 +6,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.handles import NODE_NAME
 from actors.node_cache import NodeCacheActor
-from cluster.config import CacheConfig
+from cluster.core.config import CacheConfig
 
 
 def kv_nodes(config: CacheConfig, nodes: list[dict]) -> list[str]:

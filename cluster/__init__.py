@@ -7,7 +7,7 @@ used and tested without it.
 """
 
 from cluster.config import CacheConfig
-from cluster.spec import ModelSpec
+from cluster.core.spec import ModelSpec
 
 __all__ = ["CacheConfig", "ModelSpec", "start", "connect", "stop"]
 

@@ -11,8 +11,8 @@ from actors.controller import Controller
 from actors.directory import DirectoryShard
 from actors.handles import CONTROLLER_NAME, DIRECTORY_NAME, DirectoryHandle, NodeHandle
 from actors.placement import kv_nodes
-from cluster.config import CacheConfig
-from cluster.spec import ModelSpec
+from cluster.core.config import CacheConfig
+from cluster.core.spec import ModelSpec
 
 log = logging.getLogger("raykv")
 

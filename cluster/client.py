@@ -11,14 +11,14 @@ import ray
 import torch
 
 from actors.handles import DirectoryHandle, NodeHandle
-from cluster.config import CacheConfig
-from cluster.copies import copy_pages
+from cluster.core.config import CacheConfig
+from cluster.core.copies import copy_pages
+from cluster.core.geometry import PageGeometry
+from cluster.core.keys import PageKey, page_keys
+from cluster.core.kvcheck import check_kv, check_out, page_slices
+from cluster.core.spec import ModelSpec
+from cluster.core.tiers.memory import ArenaMapping
 from cluster.fetch import fetch_prefix
-from cluster.geometry import PageGeometry
-from cluster.keys import PageKey, page_keys
-from cluster.kvcheck import check_kv, check_out, page_slices
-from cluster.spec import ModelSpec
-from cluster.tiers.memory import ArenaMapping
 
 
 class KVClient:

@@ -16,9 +16,9 @@ import numpy as np
 import ray
 import torch
 
-from cluster.copies import copy_pages
-from cluster.kvcheck import page_slices
-from cluster.tiers.memory import readonly_tensor
+from cluster.core.copies import copy_pages
+from cluster.core.kvcheck import page_slices
+from cluster.core.tiers.memory import readonly_tensor
 
 log = logging.getLogger("raykv.client")
 

@@ -10,8 +10,8 @@ import torch
 
 from actors.handles import NODE_NAME
 from cluster import ModelSpec, connect
-from cluster.geometry import PageGeometry
-from cluster.keys import page_keys
+from cluster.core.geometry import PageGeometry
+from cluster.core.keys import page_keys
 
 TINY = ModelSpec.preset("tiny-llama")
 PAGE_BYTES = 8192  # tiny-llama, 16 tokens, float32

@@ -12,8 +12,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from cluster import stop
-from cluster.tiers.memory import remove_stale_shm
-from cluster.tiers.node_slot import slot_shm_prefix
+from cluster.core.tiers.memory import remove_stale_shm
+from cluster.core.tiers.node_slot import slot_shm_prefix
 
 OBJECT_STORE_BYTES = 120 * 1024 * 1024
 

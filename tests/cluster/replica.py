@@ -7,7 +7,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster import connect
-from cluster.spec import ModelSpec
+from cluster.core.spec import ModelSpec
 
 
 @ray.remote(num_cpus=0, max_restarts=0)

@@ -8,8 +8,8 @@ import torch
 
 from actors.handles import CONTROLLER_NAME, NODE_NAME
 from cluster import CacheConfig, ModelSpec, start
-from cluster.geometry import PageGeometry
-from cluster.keys import page_keys
+from cluster.core.geometry import PageGeometry
+from cluster.core.keys import page_keys
 from tests.cluster.conftest import node_args, node_id_of, wait_until
 from tests.cluster.replica import kv_for, replica_on
 

@@ -11,7 +11,7 @@ import redis
 
 from actors.handles import DIRECTORY_NAME
 from cluster import CacheConfig, ModelSpec, start, stop
-from cluster.redis_server import RedisServer
+from cluster.tools.redis_server import RedisServer
 from tests.cluster.conftest import node_id_of, wait_until
 from tests.cluster.replica import kv_for, replica_on
 

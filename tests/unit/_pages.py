@@ -10,8 +10,8 @@ import uuid
 
 import torch
 
-from cluster.geometry import PageGeometry
-from cluster.tiers.disk import HEADER_BYTES
+from cluster.core.geometry import PageGeometry
+from cluster.core.tiers.disk import HEADER_BYTES
 
 GEOMETRY = PageGeometry((2, 2, 2, 16, 16), "float32")
 PAGE_BYTES = GEOMETRY.page_bytes  # 8192

@@ -7,9 +7,9 @@ import os
 
 import torch
 
-from cluster.geometry import DEVICE, DISK, HOST
-from cluster.pool import Pool, PoolLimits
-from cluster.tiers.disk import DiskArena
+from cluster.core.geometry import DEVICE, DISK, HOST
+from cluster.core.pool import Pool, PoolLimits
+from cluster.core.tiers.disk import DiskArena
 from tests.unit._pages import (
     DISK_SLOT_BYTES,
     GEOMETRY,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cluster.bench import common
+from cluster.tools.bench import common
 
 
 def test_goals_met_checks_both_bounds():
@@ -57,9 +57,9 @@ def test_finish_adds_met_and_load_and_writes_json(tmp_path):
 def test_page_kv_holds_the_page_pool_page_by_page_and_check_same():
     import torch
 
-    from cluster.bench import peers
-    from cluster.kvcheck import page_slices
-    from cluster.spec import ModelSpec
+    from cluster.core.kvcheck import page_slices
+    from cluster.core.spec import ModelSpec
+    from cluster.tools.bench import peers
 
     spec = ModelSpec("t", 2, 2, 8, "bfloat16")
     page_tokens, num_pages = 4, 3

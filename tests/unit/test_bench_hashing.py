@@ -3,7 +3,7 @@
 import json
 import math
 
-from cluster.bench import hashing
+from cluster.tools.bench import hashing
 
 
 def test_run_writes_ratios_goals_and_figures(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.bench import directory, remote, tiers
+from cluster.tools.bench import directory, remote, tiers
 
 
 def test_tiers_plans_whole_token_pages_and_a_host_tier_for_every_put():

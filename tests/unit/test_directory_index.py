@@ -6,8 +6,8 @@ import random
 import pytest
 
 from actors.handles import merge_matches, split_by_shard
-from cluster.directory_index import APPLIED, DUPLICATE, FENCED, RESYNC, DirectoryIndex
-from cluster.keys import shard_of
+from cluster.core.directory_index import APPLIED, DUPLICATE, FENCED, RESYNC, DirectoryIndex
+from cluster.core.keys import shard_of
 
 DEVICE, HOST, DISK = 0, 1, 2
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from cluster.tiers import disk
-from cluster.tiers.aligned import AlignedBufferPool, aligned_empty, is_aligned, round_up
-from cluster.tiers.disk import HEADER_BYTES, DiskArena, DiskPageMeta
+from cluster.core.tiers import disk
+from cluster.core.tiers.aligned import AlignedBufferPool, aligned_empty, is_aligned, round_up
+from cluster.core.tiers.disk import HEADER_BYTES, DiskArena, DiskPageMeta
 
 SLOT_PAYLOAD_BYTES = 9000
 SLOT_BYTES = HEADER_BYTES + 12288  # 9000 rounded up to 4096

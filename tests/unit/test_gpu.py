@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from cluster.tiers.memory import MappedArena
+from cluster.core.tiers.memory import MappedArena
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,7 +35,7 @@ def test_another_process_maps_the_device_arena_through_cuda_ipc(tmp_path):
     torch.cuda.synchronize()
     handle_file = tmp_path / "descriptor.pt"
     torch.save(arena.descriptor(), handle_file)
-    script = ("import torch, sys; from cluster.tiers.memory import ArenaMapping; "
+    script = ("import torch, sys; from cluster.core.tiers.memory import ArenaMapping; "
               f"m = ArenaMapping(torch.load({str(handle_file)!r}, weights_only=False)); "
               f"print(int(m.view({slot}).sum().item()))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.keys import (
+from cluster.core.keys import (
     KEY_BYTES,
     MAX_TOKEN_ID,
     canonical_tokens,
@@ -19,15 +19,15 @@ from cluster.keys import (
     page_keys,
     shard_of,
 )
-from cluster.spec import ModelSpec
+from cluster.core.spec import ModelSpec
 
 SPEC = ModelSpec("tiny", 2, 2, 16, "float32")
 PAGE_TOKENS = 4
 TOKENS = list(range(100, 118))  # 4 full pages of 4 tokens, plus 2 trailing tokens
 
 SCRIPT = """
-from cluster.keys import page_keys
-from cluster.spec import ModelSpec
+from cluster.core.keys import page_keys
+from cluster.core.spec import ModelSpec
 keys = page_keys(ModelSpec("tiny", 2, 2, 16, "float32"), "tenant-a", 4, list(range(100, 118)))
 print(",".join(k.hex() for k in keys))
 """

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.kvcheck import check_kv, check_out, page_slices
-from cluster.spec import ModelSpec
+from cluster.core.kvcheck import check_kv, check_out, page_slices
+from cluster.core.spec import ModelSpec
 
 SPEC = ModelSpec("tiny", 2, 2, 16, "float32")
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from cluster.tiers.memory import SHM_DIR, MappedArena, remove_stale_shm
+from cluster.core.tiers.memory import SHM_DIR, MappedArena, remove_stale_shm
 from tests.unit._pages import shm_files, unique_prefix
 
 

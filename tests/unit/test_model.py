@@ -4,7 +4,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from cluster.model import (
+from cluster.core.quant import decode_page, encode_page
+from cluster.core.spec import ModelSpec
+from cluster.tools.model import (
     CACHE_ARG,
     build_tiny_llama,
     cache_from_kv,
@@ -12,8 +14,6 @@ from cluster.model import (
     kv_from_cache,
     prefill,
 )
-from cluster.quant import decode_page, encode_page
-from cluster.spec import ModelSpec
 
 NUM_TOKENS = 48
 NUM_PREFIX_TOKENS = 32

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import redis
 
-from cluster.bench import peers
-from cluster.redis_server import RedisServer, redis_server_path
+from cluster.tools.bench import peers
+from cluster.tools.redis_server import RedisServer, redis_server_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PAGE_BYTES = 64 << 10
@@ -90,7 +90,7 @@ def test_fio_gbps_without_fio_is_a_clear_error(monkeypatch, tmp_path):
 
 RAY_SCRIPT = """
 import ray
-from cluster.bench import peers
+from cluster.tools.bench import peers
 ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
 local = peers.ray_gbps(64 << 10, 8)
 remote = peers.ray_gbps_remote(256 << 10, 4)

@@ -11,9 +11,9 @@ import asyncio
 import pytest
 import torch
 
-from cluster.geometry import DEVICE, DISK, HOST
-from cluster.pool import State
-from cluster.tiers.disk import DiskArena
+from cluster.core.geometry import DEVICE, DISK, HOST
+from cluster.core.pool import State
+from cluster.core.tiers.disk import DiskArena
 from tests.unit._pages import (
     DISK_SLOT_BYTES,
     PAGE_BYTES,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.geometry import DEVICE, HOST
-from cluster.pool import State
+from cluster.core.geometry import DEVICE, HOST
+from cluster.core.pool import State
 from tests.unit._pages import as_page, key, page
 from tests.unit._pool_harness import (
     assert_slots_consistent,

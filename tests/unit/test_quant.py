@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.quant import (
+from cluster.core.quant import (
     CODECS,
     codec_id,
     codec_name,

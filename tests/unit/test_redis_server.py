@@ -5,7 +5,7 @@ import os
 import pytest
 import redis
 
-from cluster.redis_server import RedisServer, redis_server_path
+from cluster.tools.redis_server import RedisServer, redis_server_path
 
 pytestmark = pytest.mark.skipif(redis_server_path() is None, reason="redis-server not installed")
 

@@ -6,9 +6,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from cluster.sizing import format_bytes, parse_bytes, resolve_spec, size_report
-from cluster.sizing_cli import size_command
-from cluster.spec import ModelSpec
+from cluster.core.sizing import format_bytes, parse_bytes, resolve_spec, size_report
+from cluster.core.spec import ModelSpec
+from cluster.tools.sizing_cli import size_command
 
 GIB = 2**30
 LLAMA_8B = ModelSpec.preset("llama-3.1-8b")

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.geometry import DEVICE, DISK, HOST, PageGeometry
-from cluster.pool import PoolLimits, State
-from cluster.store import NodeStore, StoreConfig
-from cluster.tiers.memory import ArenaMapping, round_up
+from cluster.core.geometry import DEVICE, DISK, HOST, PageGeometry
+from cluster.core.pool import PoolLimits, State
+from cluster.core.store import NodeStore, StoreConfig
+from cluster.core.tiers.memory import ArenaMapping, round_up
 from tests.unit._pages import (
     DISK_SLOT_BYTES,
     GEOMETRY,

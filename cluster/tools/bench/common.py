@@ -22,7 +22,7 @@ from importlib import metadata
 
 import numpy as np
 
-from cluster.spec import ModelSpec
+from cluster.core.spec import ModelSpec
 
 MiB = 1 << 20
 # Llama-3.1-8B's KV geometry, bf16: 128 KiB per token, so a 1 MiB page is 8 tokens.
@@ -134,7 +134,7 @@ def ensure_local_ray(object_store_bytes: int, num_cpus: int | None = None) -> bo
     """
     import ray
 
-    from cluster.config import CacheConfig
+    from cluster.core.config import CacheConfig
 
     if ray.is_initialized():
         return False
@@ -177,7 +177,7 @@ def stop_service() -> None:
     """stop() (node actors release their /dev/shm slabs), then wait until the named actors
     are gone, so that the next start() creates fresh ones."""
     from cluster import stop
-    from cluster.config import CacheConfig
+    from cluster.core.config import CacheConfig
 
     names = _service_actor_names()
     stop()
@@ -205,7 +205,7 @@ def page_kv(spec, page_tokens: int, num_pages: int):
     """kv [L, 2, H, num_pages * page_tokens, D] whose page i holds peers.page_pool's page i."""
     import torch
 
-    from cluster.bench.peers import page_pool
+    from cluster.tools.bench.peers import page_pool
 
     page_bytes = spec.page_bytes(page_tokens)
     pool = torch.from_numpy(page_pool(page_bytes, num_pages))

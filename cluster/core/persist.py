@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from cluster.directory_index import DirectoryIndex
-from cluster.keys import PageKey
+from cluster.core.directory_index import DirectoryIndex
+from cluster.core.keys import PageKey
 
 log = logging.getLogger("raykv.persist")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cluster.spec import DTYPE_BYTES, ModelSpec
-from cluster.tiers.memory import round_up
+from cluster.core.spec import DTYPE_BYTES, ModelSpec
+from cluster.core.tiers.memory import round_up
 
 TIER_NAMES = ("device", "host", "disk")
 DEVICE, HOST, DISK = 0, 1, 2

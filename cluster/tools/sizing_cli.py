@@ -12,14 +12,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cluster.sizing import format_bytes, parse_bytes, resolve_spec, size_report
+from cluster.core.sizing import format_bytes, parse_bytes, resolve_spec, size_report
 
 
 def size_command(
     model: Annotated[
         str,
         typer.Option(
-            help="Preset model (see cluster.spec.PRESETS), or a new name when --layers, "
+            help="Preset model (see cluster.core.spec.PRESETS), or a new name when --layers, "
             "--kv-heads and --head-dim are all given. Overriding a preset's geometry "
             'names the model "custom".'
         ),

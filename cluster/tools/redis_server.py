@@ -148,11 +148,11 @@ class RedisServer:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m cluster.redis_server -- CMD ...`: run CMD with a private Redis on loopback,
+    """`python -m cluster.tools.redis_server -- CMD ...`: run CMD with a private Redis on loopback,
     its URL in RAYKV_TEST_REDIS_URL, and stop the server afterwards (whatever CMD returns)."""
     command = argv[argv.index("--") + 1:] if "--" in argv else argv
     if not command:
-        print("usage: python -m cluster.redis_server -- CMD [ARGS...]", file=sys.stderr)
+        print("usage: python -m cluster.tools.redis_server -- CMD [ARGS...]", file=sys.stderr)
         return 2
     with RedisServer() as server:
         print(f"redis-server pid {server.pid} on {server.url}", file=sys.stderr)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from cluster.tiers.aligned import (
+from cluster.core.tiers.aligned import (
     ALIGN_BYTES,
     AlignedBufferPool,
     direct_reads_work,
@@ -37,7 +37,7 @@ from cluster.tiers.aligned import (
     pwritev_all,
     round_up,
 )
-from cluster.tiers.slots import SlotAllocator
+from cluster.core.tiers.slots import SlotAllocator
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from cluster.sizing_cli import size_command
+from cluster.tools.sizing_cli import size_command
 
 app = typer.Typer(help="raykv: a Ray-distributed, tiered KV-cache service for LLM serving.",
                   no_args_is_help=True, add_completion=False)
@@ -22,10 +22,10 @@ app.command("size", help="KV bytes per token and sequence, and how many sequence
 
 # name -> module with `run(json_path: str | None, quick: bool) -> dict`
 BENCHMARKS = {
-    "tiers": "cluster.bench.tiers",
-    "hashing": "cluster.bench.hashing",
-    "directory": "cluster.bench.directory",
-    "remote": "cluster.bench.remote",
+    "tiers": "cluster.tools.bench.tiers",
+    "hashing": "cluster.tools.bench.hashing",
+    "directory": "cluster.tools.bench.directory",
+    "remote": "cluster.tools.bench.remote",
 }
 
 JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
@@ -57,7 +57,7 @@ def demo_command(
     num_nodes: Annotated[int, typer.Option(help="simulated Ray nodes")] = 3,
 ) -> None:
     """Store and reuse a tiny real Llama's KV through raykv; print a table, write a PNG."""
-    from cluster.demo import run_demo
+    from cluster.tools.demo import run_demo
 
     run_demo(png, num_nodes)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cluster.keys import PageKey
+from cluster.core.keys import PageKey
 
 Location = tuple[str, int]  # (node_id, tier)
 

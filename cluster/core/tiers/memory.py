@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cluster.tiers.slots import SlotAllocator
+from cluster.core.tiers.slots import SlotAllocator
 
 ALIGN_BYTES = 4096
 SHM_DIR = "/dev/shm"

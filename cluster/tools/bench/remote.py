@@ -38,8 +38,8 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.bench import common, peers
-from cluster.config import CacheConfig
+from cluster.core.config import CacheConfig
+from cluster.tools.bench import common, peers
 
 MiB = common.MiB
 PAGE_MIB = (1, 4)
@@ -155,9 +155,9 @@ class BenchPeer:
 
     def _copy_pages(self, pages: list[np.ndarray]) -> None:
         """What fetch_prefix's _copy_remote does with the arrived pages."""
-        from cluster.copies import copy_page
-        from cluster.kvcheck import page_slices
-        from cluster.tiers.memory import readonly_tensor
+        from cluster.core.copies import copy_page
+        from cluster.core.kvcheck import page_slices
+        from cluster.core.tiers.memory import readonly_tensor
 
         dtype, shape = SPEC.torch_dtype(), self.client.geometry.shape
         for position, page in enumerate(pages):

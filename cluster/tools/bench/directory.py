@@ -40,11 +40,11 @@ import numpy as np
 import ray
 
 from actors.handles import expand_runs, split_by_shard
-from cluster.bench import common
-from cluster.bench.peers import RedisExists
-from cluster.config import CacheConfig
-from cluster.keys import KEY_BYTES
-from cluster.spec import ModelSpec
+from cluster.core.config import CacheConfig
+from cluster.core.keys import KEY_BYTES
+from cluster.core.spec import ModelSpec
+from cluster.tools.bench import common
+from cluster.tools.bench.peers import RedisExists
 
 MiB = common.MiB
 PAGE_TOKENS = 256
@@ -252,9 +252,9 @@ def measure_shards(num_shards: int, disk_dir: str, redis_url: str, reps: int,
 
 def measure_breakdown(reps: int) -> dict[str, float]:
     """In-process costs of one 512-key match, step by step, in us (and the wire bytes)."""
-    from cluster.directory_index import DirectoryIndex
-    from cluster.geometry import HOST
-    from cluster.keys import page_keys
+    from cluster.core.directory_index import DirectoryIndex
+    from cluster.core.geometry import HOST
+    from cluster.core.keys import page_keys
 
     tokens = prompt_tokens()
     keys = page_keys(SPEC, "default", PAGE_TOKENS, tokens)
@@ -369,7 +369,7 @@ NOTES = [
 def measure_all(reps: int, duration_s: float, disk_dir: str) -> tuple[dict, dict]:
     from rich.progress import Progress
 
-    from cluster.redis_server import RedisServer
+    from cluster.tools.redis_server import RedisServer
 
     per_shards: dict[str, dict] = {}
     with RedisServer() as redis_server, Progress() as progress:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.spec import ModelSpec
+from cluster.core.spec import ModelSpec
 
 
 def page_slices(page: int, page_tokens: int) -> slice:

@@ -16,7 +16,7 @@ import dataclasses
 import re
 from fractions import Fraction
 
-from cluster.spec import DTYPE_BYTES, PRESETS, ModelSpec
+from cluster.core.spec import DTYPE_BYTES, PRESETS, ModelSpec
 
 QUANTIZED_DTYPES = ("fp8", "int8")
 SCALE_BYTES = 4  # one float32 scale

@@ -20,9 +20,9 @@ import blake3
 import numpy as np
 import xxhash
 
-from cluster.bench.common import finish, machine_info, print_tables, table, warm_median_s
-from cluster.keys import KEY_BYTES, canonical_tokens, chain_keys, namespace_key, page_keys
-from cluster.spec import ModelSpec
+from cluster.core.keys import KEY_BYTES, canonical_tokens, chain_keys, namespace_key, page_keys
+from cluster.core.spec import ModelSpec
+from cluster.tools.bench.common import finish, machine_info, print_tables, table, warm_median_s
 
 NUM_TOKENS = 128 * 1024
 QUICK_TOKENS = 16 * 1024
@@ -33,7 +33,7 @@ VOCAB = 128_256  # Llama-3 vocabulary: ids need the full uint32 range's low 17 b
 SPEC = ModelSpec.preset("llama-3.1-8b")
 NAMESPACE = "default"
 GOALS = {"hash_ns_per_token": {"max": 30.0}}
-NOTES = ("hash_ns_per_token: cluster.keys.page_keys over a NUM_TOKENS prompt given as a numpy "
+NOTES = ("hash_ns_per_token: cluster.core.keys.page_keys over a NUM_TOKENS prompt given as a numpy "
          "int64 array, page_tokens 256, median ns per token; the _pt16 and _list ratios are "
          "the same at page_tokens 16 and from a Python list (informational, no goal); "
          "hash_vs_blake3_chain = page_keys / a bare Python loop of chained blake3 calls.")

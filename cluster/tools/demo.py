@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import MiB
-from cluster.geometry import TIER_NAMES
+from cluster.core.config import MiB
+from cluster.core.geometry import TIER_NAMES
 
 PAGE_TOKENS = 16
 SYSTEM_TOKENS = 256
@@ -121,7 +121,7 @@ def _hit_tiers(client, tokens: list[int]) -> list[int]:
 
 def serve_prompt(client, model, prompt: Prompt) -> PromptResult:
     """Reuse the cached prefix, run the rest, compare with a full recompute, store the KV."""
-    from cluster.model import continue_from, prefill
+    from cluster.tools.model import continue_from, prefill
 
     tokens = prompt.tokens
     full_ms, (ref_logits, ref_kv) = _best_ms(lambda: prefill(model, tokens))
@@ -212,7 +212,7 @@ def tier_figures(hits: dict[str, int], node: dict, spec) -> dict[str, dict[str, 
     The node reports KV bytes (pages x page bytes); disk pages are stored int8-encoded, so
     their stored payload is smaller (each disk slot also has a 4 KiB header, not counted).
     """
-    from cluster.quant import payload_bytes
+    from cluster.core.quant import payload_bytes
 
     shape = spec.page_shape(PAGE_TOKENS)
     stored_page_bytes = {"device": math.prod(shape) * spec.torch_dtype().itemsize,
@@ -323,8 +323,8 @@ def _start_cluster(num_nodes: int):
 
 def cache_config(disk_dir: str):
     from cluster import CacheConfig, ModelSpec
-    from cluster.geometry import PageGeometry
-    from cluster.tiers.disk import HEADER_BYTES
+    from cluster.core.geometry import PageGeometry
+    from cluster.core.tiers.disk import HEADER_BYTES
 
     geometry = PageGeometry.of(ModelSpec.preset(MODEL_PRESET), PAGE_TOKENS)
     return CacheConfig(page_tokens=PAGE_TOKENS, device_bytes=DEVICE_PAGES * geometry.slot_bytes,
@@ -373,7 +373,7 @@ def _print_replica(console, replica: dict) -> None:
 
 
 def _serve_all(client, model, prompts: list[Prompt]) -> list[PromptResult]:
-    from cluster.model import continue_from, prefill
+    from cluster.tools.model import continue_from, prefill
 
     for _ in range(TIMING_REPEATS):  # warm-up: the first forwards pay one-off costs
         _, kv = prefill(model, prompts[0].tokens)
@@ -385,8 +385,8 @@ def _workload_run(console, num_nodes: int) -> dict:
     import ray
 
     from cluster import connect
-    from cluster.model import build_llama, prefill
-    from cluster.quant import quant_report
+    from cluster.core.quant import quant_report
+    from cluster.tools.model import build_llama, prefill
 
     model, spec = build_llama(MODEL_PRESET, seed=0)
     prompts = make_workload(seed=0)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cluster import quant
-from cluster.geometry import DEVICE, DISK, HOST, PageGeometry
-from cluster.keys import PageKey
-from cluster.tiers.disk import DiskArena
-from cluster.tiers.memory import MappedArena, readonly_tensor
+from cluster.core import quant
+from cluster.core.geometry import DEVICE, DISK, HOST, PageGeometry
+from cluster.core.keys import PageKey
+from cluster.core.tiers.disk import DiskArena
+from cluster.core.tiers.memory import MappedArena, readonly_tensor
 from policies.eviction import make_policy
 
 EventSink = Callable[[PageKey, int | None], None]

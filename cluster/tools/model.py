@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from cluster.spec import ModelSpec
+from cluster.core.spec import ModelSpec
 
 TINY_VOCAB = 512
 TINY_MAX_POSITIONS = 4096

@@ -16,7 +16,7 @@ import fcntl
 import os
 from dataclasses import dataclass
 
-from cluster.keys import page_hash
+from cluster.core.keys import page_hash
 
 MAX_SLOTS_PER_HOST = 256
 

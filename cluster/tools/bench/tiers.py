@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 
-from cluster.bench import common, disk, peers
-from cluster.config import CacheConfig
-from cluster.copies import copy_page
-from cluster.kvcheck import page_slices
+from cluster.core.config import CacheConfig
+from cluster.core.copies import copy_page
+from cluster.core.kvcheck import page_slices
+from cluster.tools.bench import common, disk, peers
 
 MiB = common.MiB
 PAGE_MIB = (1, 4, 16)
@@ -419,7 +419,7 @@ def _config(page_mibs: tuple[int, ...], plan: SizePlan, quick: bool) -> dict:
 def measure_sizes(page_mibs: tuple[int, ...], quick: bool, disk_root: str) -> dict[str, dict]:
     from rich.progress import Progress
 
-    from cluster.redis_server import RedisServer
+    from cluster.tools.redis_server import RedisServer
 
     per_size: dict[str, dict] = {}
     with RedisServer() as redis_server, Progress() as progress:

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cluster.bench import common, peers
-from cluster.config import CacheConfig
+from cluster.core.config import CacheConfig
+from cluster.tools.bench import common, peers
 
 DISK_REPS = 5  # at least this many batches per disk tier measurement
 ARENA_MIN_S = 0.6  # ... and at least this long
@@ -21,7 +21,7 @@ DISK_FILE_BYTES = 256 << 20  # fio's file and the disk arena's capacity
 
 def _arena_payloads(page_bytes: int, num_pages: int) -> list[np.ndarray]:
     """peers.page_pool's pages, each in its own 4096-aligned buffer (O_DIRECT wants them)."""
-    from cluster.tiers.aligned import aligned_empty
+    from cluster.core.tiers.aligned import aligned_empty
 
     payloads = []
     for page in peers.page_pool(page_bytes, num_pages):
@@ -36,7 +36,7 @@ class ArenaBench:
     writes at random slots, then reads of what was written; GB/s = bytes / time."""
 
     def __init__(self, arena, page_bytes: int, num_pages: int) -> None:
-        from cluster.tiers.aligned import aligned_empty
+        from cluster.core.tiers.aligned import aligned_empty
 
         self.arena, self.num_pages = arena, num_pages
         self.payloads = _arena_payloads(page_bytes, num_pages)
@@ -98,7 +98,7 @@ class ArenaBench:
 def measure_disk(disk_dir: str, page_bytes: int, num_pages: int,
                  num_rounds: int) -> dict[str, list[float]]:
     """Per round: fio write, the arena's write, fio read, the arena's read, in disk_dir."""
-    from cluster.tiers.disk import DiskArena
+    from cluster.core.tiers.disk import DiskArena
 
     threads = CacheConfig().disk_threads
     fio_bytes = DISK_FILE_BYTES // page_bytes * page_bytes

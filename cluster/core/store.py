@@ -19,11 +19,11 @@ from typing import TypeVar
 
 import numpy as np
 
-from cluster.geometry import TIER_NAMES, PageGeometry
-from cluster.keys import PageKey
-from cluster.pool import Pool, PoolLimits, State
-from cluster.tiers.disk import DiskArena
-from cluster.tiers.memory import ArenaDescriptor, remove_stale_shm
+from cluster.core.geometry import TIER_NAMES, PageGeometry
+from cluster.core.keys import PageKey
+from cluster.core.pool import Pool, PoolLimits, State
+from cluster.core.tiers.disk import DiskArena
+from cluster.core.tiers.memory import ArenaDescriptor, remove_stale_shm
 
 POOL_FILE = "pool.json"
 log = logging.getLogger("raykv.store")

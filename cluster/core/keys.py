@@ -16,7 +16,7 @@ from typing import NewType
 import blake3
 import numpy as np
 
-from cluster.spec import ModelSpec
+from cluster.core.spec import ModelSpec
 
 PageKey = NewType("PageKey", bytes)
 KEY_BYTES = 16

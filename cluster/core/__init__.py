@@ -1,0 +1,1 @@
+"""The pure core: geometry, keys, tiers, pools, the directory index, codecs. No Ray."""

@@ -1,0 +1,50 @@
+"""CacheConfig: the service's settings, validated once at start()."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def default_disk_dir() -> str:
+    """A directory on the real disk (O_DIRECT does not work on tmpfs)."""
+    return os.environ.get("RAYKV_DISK_DIR") or os.path.join(tempfile.gettempdir(), "raykv-disk")
+
+
+class CacheConfig(BaseModel):
+    """Settings for one raykv service on a Ray cluster. Capacities are per node."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    page_tokens: int = Field(256, gt=0, le=65536, description="tokens per page")
+    device_bytes: int = Field(256 * MiB, ge=0, description="VRAM pool per node (CPU stand-in)")
+    host_bytes: int = Field(1 * GiB, ge=0, description="host DRAM (shared memory) per node")
+    disk_bytes: int = Field(4 * GiB, ge=0, description="NVMe slab bytes per node")
+    disk_dir: str = Field(default_factory=default_disk_dir)
+    eviction: Literal["lru", "s3fifo"] = "s3fifo"
+    disk_codec: Literal["none", "fp8", "int8"] = "none"
+    namespaces: tuple[str, ...] = ("default",)
+    num_directory_shards: int = Field(1, ge=1, le=64)
+    redis_url: str | None = None
+    node_resource: str = "kv_node"
+    pin_lease_s: float = Field(30.0, gt=0)
+    event_flush_s: float = Field(0.05, gt=0)
+    heartbeat_s: float = Field(1.0, gt=0)
+    node_timeout_s: float = Field(4.0, gt=0)
+    disk_threads: int = Field(4, ge=1, le=64)
+    export_cache_bytes: int = Field(64 * MiB, ge=0, description="recent pages kept as Ray "
+                                    "objects for other nodes, per node")
+    ray_namespace: str = "raykv"
+
+    @field_validator("namespaces")
+    @classmethod
+    def _namespaces_valid(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value or any(not isinstance(n, str) or not n for n in value):
+            raise ValueError("namespaces must be a non-empty tuple of non-empty strings")
+        return value
