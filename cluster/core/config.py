@@ -13,8 +13,10 @@ GiB = 1 << 30
 
 
 def default_disk_dir() -> str:
-    """A directory on the real disk (O_DIRECT does not work on tmpfs)."""
-    return os.environ.get("RAYKV_DISK_DIR") or os.path.join(tempfile.gettempdir(), "raykv-disk")
+    """A per-user directory on the real disk (O_DIRECT does not work on tmpfs); created 0700,
+    and refused if another user owns it. RAYKV_DISK_DIR overrides it."""
+    return (os.environ.get("RAYKV_DISK_DIR")
+            or os.path.join(tempfile.gettempdir(), f"raykv-{os.getuid()}", "disk"))
 
 
 class CacheConfig(BaseModel):
@@ -33,7 +35,13 @@ class CacheConfig(BaseModel):
     num_directory_shards: int = Field(1, ge=1, le=64)
     redis_url: str | None = None
     node_resource: str = "kv_node"
-    pin_lease_s: float = Field(30.0, gt=0)
+    pin_lease_s: float = Field(30.0, gt=0, description="a read lease's life (pins of a get)")
+    reserve_lease_s: float = Field(30.0, gt=0, description="a put's reservation life: a client "
+                                   "that dies between reserve and commit loses its slots after it")
+    call_timeout_s: float = Field(10.0, gt=0, description="every Ray call a client makes; a "
+                                  "call past it is a miss")
+    max_geometries: int = Field(4, ge=1, le=64, description="page geometries (models) a node "
+                                "accepts; each takes the full per-tier budgets")
     event_flush_s: float = Field(0.05, gt=0)
     heartbeat_s: float = Field(1.0, gt=0)
     node_timeout_s: float = Field(4.0, gt=0)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from cluster.core.spec import DTYPE_BYTES, ModelSpec
-from cluster.core.tiers.memory import round_up
+from cluster.core.tiers.aligned import round_up
 
 TIER_NAMES = ("device", "host", "disk")
 DEVICE, HOST, DISK = 0, 1, 2
@@ -22,6 +22,17 @@ class PageGeometry:
     @staticmethod
     def of(spec: ModelSpec, page_tokens: int) -> PageGeometry:
         return PageGeometry(spec.page_shape(page_tokens), spec.dtype)
+
+    def validate(self) -> None:
+        """ValueError unless the shape is 5 positive ints and the dtype a known one (a
+        geometry can arrive from any client)."""
+        shape = self.shape
+        if (not isinstance(shape, tuple) or len(shape) != 5
+                or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape)):
+            raise ValueError(f"page shape must be 5 positive ints, got {shape!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown page dtype {self.dtype!r}; expected one of "
+                             f"{sorted(DTYPE_BYTES)}")
 
     @property
     def page_bytes(self) -> int:

@@ -6,7 +6,13 @@
 
 H is blake3 truncated to 16 bytes over canonical bytes (tokens as little-endian uint32), so
 every process and node computes the same keys regardless of PYTHONHASHSEED. Only full pages
-are keyed; a trailing partial page has no key. This is the only hashing function in raykv.
+are keyed; a trailing partial page has no key.
+
+Two hashes, two jobs. blake3 (here) is the only hash that *names* anything in raykv: page keys,
+namespaces, node-slot tags. A name must not collide across tenants and nodes, so it is a
+cryptographic hash. The disk tier's per-page checksum (cluster/core/tiers/disk.py) is xxh3-64:
+it only detects torn writes and flipped bits in bytes raykv wrote itself, runs over every byte
+written and read, and a mismatch is merely a miss, so it takes the fastest good checksum.
 """
 
 from __future__ import annotations

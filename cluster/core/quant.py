@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cluster.core.spec import SCALE_BYTES
+
 PAGE_NDIM = 5
-SCALE_BYTES = 4  # one float32 per (layer, k/v, head)
 
 
 @dataclass(frozen=True, slots=True)

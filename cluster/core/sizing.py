@@ -16,10 +16,9 @@ import dataclasses
 import re
 from fractions import Fraction
 
-from cluster.core.spec import DTYPE_BYTES, PRESETS, ModelSpec
+from cluster.core.spec import DTYPE_BYTES, PRESETS, SCALE_BYTES, ModelSpec
 
 QUANTIZED_DTYPES = ("fp8", "int8")
-SCALE_BYTES = 4  # one float32 scale
 
 BYTE_UNITS: dict[str, int] = {
     "b": 1,

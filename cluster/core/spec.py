@@ -16,6 +16,8 @@ DTYPE_BYTES: dict[str, int] = {
     "fp8": 1,
     "int8": 1,
 }
+# A quantized (fp8/int8) page keeps one float32 scale per (layer, K or V, kv head).
+SCALE_BYTES = 4
 DTYPE_ALIASES: dict[str, str] = {
     "fp32": "float32",
     "float": "float32",

@@ -12,11 +12,11 @@ import torch
 
 from cluster.core.geometry import PageGeometry
 from cluster.core.tiers.disk import HEADER_BYTES
+from cluster.core.tiers.memory import SHM_DIR
 
 GEOMETRY = PageGeometry((2, 2, 2, 16, 16), "float32")
 PAGE_BYTES = GEOMETRY.page_bytes  # 8192
 DISK_SLOT_BYTES = HEADER_BYTES + PAGE_BYTES  # 12288
-SHM_DIR = "/dev/shm"
 
 
 def key(i: int) -> bytes:
@@ -50,6 +50,7 @@ def unique_prefix() -> str:
 
 
 def shm_files(prefix: str) -> list[str]:
+    """Names of the shm files (slabs and generation tables) under a store's prefix."""
     return [name for name in os.listdir(SHM_DIR) if name.startswith(prefix + "-")]
 
 

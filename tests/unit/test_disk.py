@@ -16,10 +16,11 @@ import xxhash
 from cluster.core.tiers import disk
 from cluster.core.tiers.aligned import AlignedBufferPool, aligned_empty, is_aligned, round_up
 from cluster.core.tiers.disk import HEADER_BYTES, DiskArena, DiskPageMeta
+from cluster.core.tiers.memory import SHM_DIR
 
 SLOT_PAYLOAD_BYTES = 9000
 SLOT_BYTES = HEADER_BYTES + 12288  # 9000 rounded up to 4096
-SHM_DIR = "/dev/shm"
+
 
 
 def _fs_type(path: str) -> str:

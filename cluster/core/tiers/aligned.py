@@ -107,3 +107,40 @@ def pwritev_all(fd: int, iovecs: list[np.ndarray], offset: int) -> int:
     if written_bytes != total_bytes:
         raise OSError(errno.EIO, f"short write: {written_bytes} of {total_bytes} bytes")
     return written_bytes
+
+
+# ---- private files: the slabs hold other tenants' KV, so nobody else may read or plant them ----
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def make_private_dir(path: str) -> str:
+    """Create `path` (and missing parents) as 0700; an existing one must be ours, and is
+    tightened to 0700. Raises PermissionError for a directory another user owns."""
+    os.makedirs(path, mode=PRIVATE_DIR_MODE, exist_ok=True)
+    info = os.stat(path)
+    if info.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {info.st_uid}, not to this user "
+                              f"({os.getuid()}); refusing to keep KV pages there")
+    if info.st_mode & 0o777 != PRIVATE_DIR_MODE:
+        os.chmod(path, PRIVATE_DIR_MODE)
+    return path
+
+
+def open_private(path: str, flags: int) -> int:
+    """os.open with mode 0600, tightening a file that already existed with looser bits."""
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    if os.fstat(fd).st_mode & 0o777 != PRIVATE_FILE_MODE:
+        os.fchmod(fd, PRIVATE_FILE_MODE)
+    return fd
+
+
+def write_private_text(path: str, text: str) -> None:
+    """Write a small file atomically (temp file, fsync, rename), mode 0600."""
+    fd = open_private(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(path + ".tmp", path)

@@ -28,14 +28,18 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from cluster.core.keys import KEY_BYTES
 from cluster.core.tiers.aligned import (
     ALIGN_BYTES,
     AlignedBufferPool,
     direct_reads_work,
     is_aligned,
+    make_private_dir,
+    open_private,
     preallocate,
     pwritev_all,
     round_up,
+    write_private_text,
 )
 from cluster.core.tiers.slots import SlotAllocator
 
@@ -44,7 +48,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"RKVP"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
-KEY_BYTES = 16
+
 MAX_CODEC = 0xFFFF
 MAX_SLAB_FILE_BYTES = 1 << 30
 MANIFEST_NAME = "manifest.json"
@@ -67,7 +71,7 @@ def _checksum(data: np.ndarray) -> int:
 
 
 def _open_file(path: str, flags: int) -> int:
-    return os.open(path, flags, 0o644)
+    return open_private(path, flags)
 
 
 def _pack_header(header: np.ndarray, meta: DiskPageMeta) -> None:
@@ -93,11 +97,7 @@ def _ensure_manifest(dir_path: str, geometry: dict[str, int | str]) -> None:
     stray = sorted(name for name in os.listdir(dir_path) if name.startswith("slab-"))
     if stray:
         raise ValueError(f"{dir_path} holds slab files {stray[:3]} but no {MANIFEST_NAME}")
-    with open(path + ".tmp", "w") as file:
-        json.dump(geometry, file, indent=2)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(path + ".tmp", path)
+    write_private_text(path, json.dumps(geometry, indent=2))
 
 
 def _check_bytes(name: str, array: np.ndarray) -> None:
@@ -134,7 +134,7 @@ class DiskArena:
         self._slots = SlotAllocator(self.num_slots)
         self.bytes_read = 0  # bytes moved from disk, headers and 4096 padding included
         self.bytes_written = 0  # bytes moved to disk, likewise
-        os.makedirs(self.dir_path, exist_ok=True)
+        make_private_dir(self.dir_path)
         _ensure_manifest(self.dir_path, self._geometry())
         self._fds = self._open_slabs()
         self._small = AlignedBufferPool(2 * HEADER_BYTES, max_buffers=2 * num_threads)

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from cluster.core.keys import page_hash
+from cluster.core.tiers.aligned import make_private_dir, open_private
 
 MAX_SLOTS_PER_HOST = 256
 
@@ -40,15 +41,15 @@ def slot_shm_prefix(disk_root: str, index: int | None = None) -> str:
 
 def claim_node_slot(disk_root: str) -> NodeSlot:
     """Claim the lowest free slot under `disk_root`; RuntimeError when all are held."""
-    os.makedirs(disk_root, exist_ok=True)
+    make_private_dir(disk_root)
     for index in range(MAX_SLOTS_PER_HOST):
-        fd = os.open(os.path.join(disk_root, f"node-{index}.lock"), os.O_CREAT | os.O_RDWR, 0o600)
+        fd = open_private(os.path.join(disk_root, f"node-{index}.lock"), os.O_CREAT | os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             continue
         disk_dir = os.path.join(disk_root, f"node-{index}")
-        os.makedirs(disk_dir, exist_ok=True)
+        make_private_dir(disk_dir)
         return NodeSlot(index, disk_dir, slot_shm_prefix(disk_root, index), fd)
     raise RuntimeError(f"all {MAX_SLOTS_PER_HOST} node slots under {disk_root} are held")
