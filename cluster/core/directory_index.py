@@ -2,26 +2,35 @@
 
     index:  key -> {node_id: (tier, seq)}
 
-Node actors send batches of events `(node, epoch, seq, changes)`. A batch is applied at most
-once, in any order:
+Node actors send numbered batches of events (cluster/core/events.py). A batch is applied at
+most once, in any order:
 
     per node:  epoch, watermark W (every seq <= W applied), applied seqs above W,
-               tombstones key -> seq of removals, so an older `stored` cannot resurrect a page
+               tombstones key -> seq of removals, so an older `stored` cannot resurrect a page,
+               digest: XOR of the node's keys here, and their count
 
-A batch from an older epoch (a node that restarted) is fenced off. A batch from a node the
-shard does not know (purged as dead, a newer epoch, or a shard that restarted empty) is not
-applied: the answer RESYNC asks the node to send its whole inventory (replace_node).
+A batch from an older epoch (a node that restarted) is fenced off. The answer RESYNC asks the
+node for its whole inventory (replace_node), and is given when the shard cannot trust what it
+holds for the node:
+    - it does not know the node (purged as dead, a newer epoch, or it restarted empty);
+    - W < the batch's acked_upto: batches it acknowledged are gone (it recovered from a stale
+      Redis copy), so the gap below would never fill;
+    - once every batch up to this one is applied, the node's digest differs from its own;
+    - too many batches wait above a gap, or too many tombstones: memory stays bounded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.core.events import APPLIED, DUPLICATE, FENCED, RESYNC, EventBatch, key_digest
 from cluster.core.keys import PageKey
 
 Location = tuple[str, int]  # (node_id, tier)
+MAX_APPLIED_ABOVE_GAP = 256
+MAX_TOMBSTONES = 65536
 
-APPLIED, DUPLICATE, FENCED, RESYNC = "applied", "duplicate", "fenced", "resync"
+__all__ = ["APPLIED", "DUPLICATE", "FENCED", "RESYNC", "DirectoryIndex", "Location", "NodeLog"]
 
 
 @dataclass(slots=True)
@@ -32,6 +41,17 @@ class NodeLog:
     tombstones: dict[PageKey, int] = field(default_factory=dict)
     keys: set[PageKey] = field(default_factory=set)
     last_seen_s: float = 0.0
+    digest: int = 0
+
+    def add_key(self, key: PageKey) -> None:
+        if key not in self.keys:
+            self.keys.add(key)
+            self.digest ^= key_digest(key)
+
+    def discard_key(self, key: PageKey) -> None:
+        if key in self.keys:
+            self.keys.discard(key)
+            self.digest ^= key_digest(key)
 
 
 class DirectoryIndex:
@@ -45,26 +65,36 @@ class DirectoryIndex:
 
     # ---- events --------------------------------------------------------------------------
 
-    def apply(self, node_id: str, epoch: int, seq: int,
-              changes: list[tuple[PageKey, int | None]], now_s: float = 0.0) -> str:
+    def apply(self, batch: EventBatch, now_s: float = 0.0) -> str:
         """Apply one batch; returns APPLIED, DUPLICATE, FENCED or RESYNC."""
+        node_id, seq = batch.node_id, batch.seq
         log = self.nodes.get(node_id)
-        if log is not None and epoch < log.epoch:
+        if log is not None and batch.epoch < log.epoch:
             return FENCED
-        if log is None or epoch > log.epoch:
-            self.drop_node(node_id)
-            return RESYNC
+        if log is None or batch.epoch > log.epoch or log.watermark < batch.acked_upto:
+            return self._resync(node_id)
         log.last_seen_s = max(log.last_seen_s, now_s)
         if seq <= log.watermark or seq in log.applied:
             return DUPLICATE
-        for key, tier in changes:
+        for key, tier in batch.changes:
             if tier is None:
                 self._remove(node_id, log, key, seq)
             else:
                 self._store(node_id, log, key, tier, seq)
         log.applied.add(seq)
         self._advance(log)
+        if len(log.applied) > MAX_APPLIED_ABOVE_GAP or len(log.tombstones) > MAX_TOMBSTONES:
+            return self._resync(node_id)
+        # Once every batch up to this one is in (and none beyond), the node's digest must be
+        # ours: a difference means a lost batch or a drifted index.
+        in_step = log.watermark == seq and not log.applied
+        if in_step and (log.digest, len(log.keys)) != (batch.digest, batch.num_keys):
+            return self._resync(node_id)
         return APPLIED
+
+    def _resync(self, node_id: str) -> str:
+        self.drop_node(node_id)
+        return RESYNC
 
     def _store(self, node_id: str, log: NodeLog, key: PageKey, tier: int, seq: int) -> None:
         if log.tombstones.get(key, -1) > seq:
@@ -74,7 +104,7 @@ class DirectoryIndex:
         if current is None or current[1] < seq:
             places[node_id] = (tier, seq)
             self.ranked.pop(key, None)
-            log.keys.add(key)
+            log.add_key(key)
             log.tombstones.pop(key, None)
 
     def _remove(self, node_id: str, log: NodeLog, key: PageKey, seq: int) -> None:
@@ -85,7 +115,7 @@ class DirectoryIndex:
         log.tombstones[key] = max(seq, log.tombstones.get(key, -1))
         if current is not None:
             self._forget(node_id, key)
-            log.keys.discard(key)
+            log.discard_key(key)
 
     def _forget(self, node_id: str, key: PageKey) -> None:
         places = self.index.get(key)
@@ -97,10 +127,11 @@ class DirectoryIndex:
 
     @staticmethod
     def _advance(log: NodeLog) -> None:
+        before = log.watermark
         while log.watermark + 1 in log.applied:
             log.watermark += 1
             log.applied.discard(log.watermark)
-        if log.tombstones and len(log.tombstones) > 4096:
+        if log.tombstones and log.watermark > before:
             # A removal at seq <= W can no longer be overtaken by an older batch.
             log.tombstones = {k: s for k, s in log.tombstones.items() if s > log.watermark}
 
@@ -129,7 +160,7 @@ class DirectoryIndex:
         for key, tier in inventory:
             self.index.setdefault(key, {})[node_id] = (tier, seq)
             self.ranked.pop(key, None)
-            log.keys.add(key)
+            log.add_key(key)
         return True
 
     def expired_nodes(self, now_s: float, timeout_s: float) -> list[str]:
@@ -144,13 +175,10 @@ class DirectoryIndex:
 
     # ---- queries -------------------------------------------------------------------------
 
-    def match(self, keys: list[PageKey]) -> list[list[Location]]:
-        """Locations of the longest prefix of `keys` held anywhere, best tier first."""
-        return [list(ranked) for ranked, count in self.match_runs(keys) for _ in range(count)]
-
-    def match_runs(self, keys: list[PageKey]) -> list[list]:
-        """The same prefix as runs `[locations, num_pages]`: a prefix stored by one put is
-        one run, so the answer stays small however long the prompt."""
+    def prefix_runs(self, keys: list[PageKey]) -> list[list]:
+        """Locations (best tier first) of the longest prefix of `keys` held anywhere, as runs
+        `[locations, num_pages]`: a prefix stored by one put is one run, so the answer stays
+        small however long the prompt."""
         runs: list[list] = []
         for key in keys:
             ranked = self.ranked.get(key)
@@ -168,4 +196,6 @@ class DirectoryIndex:
 
     def stats(self) -> dict:
         return {"num_keys": len(self.index), "num_nodes": len(self.nodes),
-                "nodes": {n: len(log.keys) for n, log in self.nodes.items()}}
+                "nodes": {n: len(log.keys) for n, log in self.nodes.items()},
+                "waiting_batches": sum(len(log.applied) for log in self.nodes.values()),
+                "tombstones": sum(len(log.tombstones) for log in self.nodes.values())}

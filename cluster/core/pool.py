@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from cluster.core import quant
+from cluster.core.claims import InflightClaims
 from cluster.core.geometry import DEVICE, DISK, HOST, PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.tiers.disk import DiskArena
@@ -42,6 +43,7 @@ class Entry:
     state: State
     codec: int = 0
     pins: int = 0
+    owner: int = 0  # the reservation a PENDING page belongs to
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +78,7 @@ class Pool:
         self.policies = [make_policy(limits.eviction, max(1, self._num_slots(t)))
                          for t in range(3)]
         self._on_event = on_event
-        self._inflight: dict[PageKey, asyncio.Future] = {}
+        self._loads = InflightClaims()
         self.top_tier = DEVICE if self.memory[DEVICE].num_slots else HOST
 
     def _num_slots(self, tier: int) -> int:
@@ -98,13 +100,14 @@ class Pool:
 
     # ---- reserve / commit (puts) -------------------------------------------------------
 
-    async def reserve(self, keys: list[PageKey],
+    async def reserve(self, keys: list[PageKey], owner: int,
                       tier: int | None = None) -> list[tuple[int, int] | None]:
-        """Slots for the keys not yet stored, as (tier, slot); None where the key exists.
+        """Slots for the keys not yet stored, as (tier, slot); None where the page is stored.
 
         Pages fill the top tier (or `tier`) first and spill into the memory tiers below it.
-        The result covers the longest prefix of `keys` that found room: an expected shortage
-        shortens it, to [] when nothing fits.
+        The result covers the longest prefix of `keys` that is stored or now reserved for
+        `owner`: an expected shortage shortens it, to [] when nothing fits, and so does a page
+        that another put holds reserved (it is not stored until that put commits).
         """
         placed: dict[PageKey, tuple[int, int]] = {}
         for level in range(self.top_tier if tier is None else tier, HOST + 1):
@@ -116,33 +119,44 @@ class Pool:
             for key in self._fresh(keys)[: self._free_slots(level)]:
                 slot = self.memory[level].alloc()
                 assert slot is not None, "a free slot was counted"
-                self.index[key] = Entry(level, slot, State.PENDING)
+                self.index[key] = Entry(level, slot, State.PENDING, owner=owner)
                 placed[key] = (level, slot)
-        return self._reserved_prefix(keys, placed)
+        return self._reserved_prefix(keys, placed, owner)
 
-    def _reserved_prefix(self, keys: list[PageKey],
-                         placed: dict[PageKey, tuple[int, int]]) -> list[tuple[int, int] | None]:
+    def _reserved_prefix(self, keys: list[PageKey], placed: dict[PageKey, tuple[int, int]],
+                         owner: int) -> list[tuple[int, int] | None]:
         result: list[tuple[int, int] | None] = []
         for key in keys:
+            entry = self.index.get(key)
             if key in placed:
                 result.append(placed[key])
-            elif key in self.index:
+            elif entry is not None and entry.state != State.PENDING:
                 result.append(None)
             else:
                 break
         covered = set(keys[: len(result)])
-        self.abort([key for key in placed if key not in covered])
+        self.abort([key for key in placed if key not in covered], owner)
         return result
 
     def _fresh(self, keys: list[PageKey]) -> list[PageKey]:
         return [k for k in dict.fromkeys(keys) if k not in self.index]
 
-    def commit(self, keys: list[PageKey]) -> int:
-        """Make reserved pages visible; returns how many were committed."""
+    def _owned(self, key: PageKey, owner: int) -> Entry | None:
+        entry = self.index.get(key)
+        if entry is None or entry.state != State.PENDING or entry.owner != owner:
+            return None
+        return entry
+
+    def commit(self, keys: list[PageKey], owner: int) -> int:
+        """Make `owner`'s reserved pages visible; returns how many were committed.
+
+        A page whose reservation expired (and was perhaps reserved again by another put) is
+        not `owner`'s any more and is skipped.
+        """
         committed = 0
         for key in keys:
-            entry = self.index.get(key)
-            if entry is None or entry.state != State.PENDING:
+            entry = self._owned(key, owner)
+            if entry is None:
                 continue
             entry.state = State.READY
             self.policies[entry.tier].on_insert(key)
@@ -150,11 +164,11 @@ class Pool:
             committed += 1
         return committed
 
-    def abort(self, keys: list[PageKey]) -> None:
-        """Drop reserved-but-uncommitted pages (a failed or abandoned put)."""
+    def abort(self, keys: list[PageKey], owner: int) -> None:
+        """Drop `owner`'s reserved-but-uncommitted pages (a failed or abandoned put)."""
         for key in keys:
-            entry = self.index.get(key)
-            if entry is not None and entry.state == State.PENDING:
+            entry = self._owned(key, owner)
+            if entry is not None:
                 self.memory[entry.tier].free(entry.slot)
                 del self.index[key]
 
@@ -181,8 +195,8 @@ class Pool:
                 return position
         return len(keys)
 
-    async def acquire(self, keys: list[PageKey]) -> list[tuple[int, int]]:
-        """Pin the longest local prefix of keys in a mapped tier; returns (tier, slot) each.
+    async def acquire(self, keys: list[PageKey]) -> list[tuple[int, int, int]]:
+        """Pin the longest local prefix of keys in a mapped tier; (tier, slot, generation) each.
 
         No more pages are pinned than the mapped tiers hold. Disk pages are read up into host
         first; a page that finds no room there is retried once after letting go of our pins
@@ -196,7 +210,7 @@ class Pool:
             await self.promote_many(keys[:count], own_pins=1)
             if not any(self._on_disk_ready(k) for k in keys[:count]):
                 break
-        located: list[tuple[int, int]] = []
+        located: list[tuple[int, int, int]] = []
         for position, key in enumerate(keys[:count]):
             place = self._pinned_place(key)
             if place is None:
@@ -212,13 +226,13 @@ class Pool:
             located.append(place)
         return located
 
-    def _pinned_place(self, key: PageKey) -> tuple[int, int] | None:
-        """A pinned page's (tier, slot) if it is in memory, else None."""
+    def _pinned_place(self, key: PageKey) -> tuple[int, int, int] | None:
+        """A pinned page's (tier, slot, generation) if it is in memory, else None."""
         entry = self.index.get(key)
         if entry is None or entry.tier == DISK:
             return None
         self.policies[entry.tier].on_access(key)
-        return entry.tier, entry.slot
+        return entry.tier, entry.slot, self.memory[entry.tier].generation(entry.slot)
 
     def release(self, keys: list[PageKey]) -> None:
         for key in keys:
@@ -315,11 +329,6 @@ class Pool:
         page = raw.view(self.geometry.torch_dtype()).view(self.geometry.shape)
         return quant.encode_page(page, quant.codec_name(self.codec_id))
 
-    async def promote(self, key: PageKey, own_pins: int = 0) -> None:
-        """Move one page up to the top tier (see promote_many)."""
-        await self.load_from_disk([key])
-        await self.promote_many([key], own_pins)
-
     async def promote_many(self, keys: list[PageKey], own_pins: int = 0) -> None:
         """Move host pages up to the device tier, in one batch (one demotion pass).
 
@@ -352,23 +361,19 @@ class Pool:
 
         A page another request is already loading is awaited, not read twice (no convoy).
         """
-        waits = [self._inflight[k] for k in keys if k in self._inflight]
-        todo = [k for k in dict.fromkeys(keys) if self._on_disk_ready(k)]
-        if todo:
-            done = asyncio.get_running_loop().create_future()
-            for key in todo:
-                self.index[key].state = State.MOVING
-                self._inflight[key] = done
-            try:
+        wanted = [k for k in keys if k in self._loads or self._on_disk_ready(k)]
+        todo, waits, done = self._loads.claim(wanted)
+        for key in todo:
+            self.index[key].state = State.MOVING
+        try:
+            if todo:
                 await self._read_disk_batch(todo)
-            finally:
-                for key in todo:
-                    self._inflight.pop(key, None)
-                    if key in self.index:
-                        self.index[key].state = State.READY
-                done.set_result(None)
-        for wait in waits:
-            await asyncio.shield(wait)
+        finally:
+            for key in todo:
+                if key in self.index:
+                    self.index[key].state = State.READY
+            self._loads.finish(todo, done)
+        await self._loads.wait(waits)
 
     def _on_disk_ready(self, key: PageKey) -> bool:
         entry = self.index.get(key)

@@ -1,8 +1,13 @@
 """NodeStore: everything one node holds, as a pure object owned by the node actor.
 
-It keeps one Pool per page geometry, the read leases (pins with a deadline, so a client that
-dies mid-read cannot pin pages forever) and the buffer of `stored`/`removed` events that the
-actor ships to the directory in batches.
+It keeps one Pool per page geometry and two kinds of lease, each with a deadline so that a
+client that dies mid-call cannot hold anything forever:
+
+    read lease     acquire() pins pages   -> release(lease_id), or expiry unpins them
+    reservation    reserve() holds slots  -> commit/abort(reservation_id), or expiry aborts
+
+Every change of what the node holds is reported to `on_event(key, tier or None)`; the node
+actor sequences those events to the directory (cluster/core/events.py).
 """
 
 from __future__ import annotations
@@ -14,16 +19,17 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
-from cluster.core.geometry import TIER_NAMES, PageGeometry
+from cluster.core.geometry import DISK, TIER_NAMES, PageGeometry
 from cluster.core.keys import PageKey
-from cluster.core.pool import Pool, PoolLimits, State
+from cluster.core.pool import EventSink, Pool, PoolLimits, State
+from cluster.core.tiers.aligned import make_private_dir, write_private_text
 from cluster.core.tiers.disk import DiskArena
-from cluster.core.tiers.memory import ArenaDescriptor, remove_stale_shm
+from cluster.core.tiers.memory import ArenaDescriptor, check_shm_room, remove_stale_shm
 
 POOL_FILE = "pool.json"
 log = logging.getLogger("raykv.store")
@@ -38,59 +44,69 @@ class StoreConfig:
     disk_dir: str
     pin_lease_s: float = 30.0
     disk_threads: int = 4
+    max_geometries: int = 4
+    reserve_lease_s: float = 30.0
 
 
 @dataclass(slots=True)
 class Lease:
+    """A read lease (pins) or a reservation (pending slots), with its deadline."""
+
     geometry: PageGeometry
     keys: list[PageKey]
     deadline_s: float
 
 
-@dataclass(slots=True)
-class EventBuffer:
-    """Events since the last flush: key -> tier index, or None when removed."""
-
-    changes: dict[PageKey, int | None] = field(default_factory=dict)
-
-    def add(self, key: PageKey, tier: int | None) -> None:
-        self.changes[key] = tier  # only the latest state of a key matters
-
-    def drain(self) -> dict[PageKey, int | None]:
-        changes, self.changes = self.changes, {}
-        return changes
+def shm_bytes_per_pool(limits: PoolLimits) -> int:
+    """Shared memory one pool maps: the host slab, and the device one where it is a CPU
+    stand-in (generation tables are a rounding error)."""
+    return limits.host_bytes + (0 if limits.use_cuda else limits.device_bytes)
 
 
 class NodeStore:
-    """All pools of one node, plus leases and pending directory events."""
+    """All pools of one node, plus read leases and reservations."""
 
-    def __init__(self, config: StoreConfig):
+    def __init__(self, config: StoreConfig, on_event: EventSink):
         self.config = config
         remove_stale_shm(config.limits.shm_prefix)
         self.pools: dict[PageGeometry, Pool] = {}
         self.leases: dict[int, Lease] = {}
-        self.events = EventBuffer()
+        self.reservations: dict[int, Lease] = {}
+        self._on_event = on_event
         self._lease_ids = itertools.count(1)
-        self.counters = {"puts": 0, "gets": 0, "hits_pages": 0, "misses_pages": 0}
+        self.counters = {"puts": 0, "gets": 0, "hits_pages": 0, "misses_pages": 0,
+                         "expired_reservations": 0, "expired_leases": 0}
 
     # ---- pools ---------------------------------------------------------------------------
 
     def pool(self, geometry: PageGeometry) -> Pool:
-        """The pool for a geometry, created on first use."""
-        if geometry not in self.pools:
-            self.pools[geometry] = self._make_pool(geometry)
-        return self.pools[geometry]
+        """The pool for a geometry, created on first use.
+
+        Until the elastic pool lands every geometry gets the full per-tier budgets, so the
+        number of geometries is capped: past `max_geometries` a new one is a ValueError.
+        """
+        pool = self.pools.get(geometry)
+        if pool is None:
+            geometry.validate()
+            if len(self.pools) >= self.config.max_geometries:
+                raise ValueError(
+                    f"this node already holds {len(self.pools)} page geometries (the "
+                    f"max_geometries limit); refusing {geometry.name}: each geometry takes the "
+                    "full per-tier budgets")
+            pool = self.pools[geometry] = self._make_pool(geometry)
+        return pool
 
     def _make_pool(self, geometry: PageGeometry) -> Pool:
         limits = self.config.limits
+        check_shm_room(shm_bytes_per_pool(limits))
         disk = None
         if limits.disk_bytes >= geometry.slot_bytes + 4096:
             disk = self._open_disk(os.path.join(self.config.disk_dir, geometry.name), geometry)
-        return Pool(geometry, limits, disk, self.events.add)
+        return Pool(geometry, limits, disk, self._on_event)
 
     def _open_disk(self, path: str, geometry: PageGeometry) -> DiskArena:
         """The pool's slabs; slabs laid out for another capacity are discarded, loudly."""
-        os.makedirs(path, exist_ok=True)
+        make_private_dir(path)
         args = (path, self.config.limits.disk_bytes, geometry.page_bytes, self.config.disk_threads)
         try:
             disk = DiskArena(*args)
@@ -98,7 +114,7 @@ class NodeStore:
             log.warning("discarding cached pages in %s, laid out for another capacity: %s",
                         path, mismatch)
             shutil.rmtree(path)
-            os.makedirs(path)
+            make_private_dir(path)
             disk = DiskArena(*args)
         _write_pool_file(path, geometry)
         return disk
@@ -110,7 +126,8 @@ class NodeStore:
         found = 0
         for name in sorted(os.listdir(self.config.disk_dir)):
             geometry = _read_pool_file(os.path.join(self.config.disk_dir, name))
-            if geometry is None:
+            if geometry is None or (geometry not in self.pools
+                                    and len(self.pools) >= self.config.max_geometries):
                 continue
             pool = self.pool(geometry)
             if pool.disk is not None:
@@ -123,18 +140,35 @@ class NodeStore:
     # ---- puts ----------------------------------------------------------------------------
 
     async def reserve(self, geometry: PageGeometry, keys: list[PageKey],
-                      tier: int | None = None):
-        self._expire_leases()  # a dead reader's pins must not keep puts out
-        return await self.pool(geometry).reserve(keys, tier)
+                      tier: int | None = None) -> tuple[int, list[tuple[int, int] | None]]:
+        """(reservation_id, slots): see Pool.reserve. The reservation expires after
+        reserve_lease_s unless committed or aborted first."""
+        self.expire()  # a dead reader's pins or a dead writer's slots must not keep puts out
+        reservation_id = next(self._lease_ids)
+        slots = await self.pool(geometry).reserve(keys, reservation_id, tier)
+        mine = [key for key, slot in zip(keys, slots, strict=False) if slot is not None]
+        if mine:
+            deadline_s = time.monotonic() + self.config.reserve_lease_s
+            self.reservations[reservation_id] = Lease(geometry, mine, deadline_s)
+        return reservation_id, slots
 
     def has(self, geometry: PageGeometry, key: PageKey) -> bool:
         """Whether a ready copy of the page is here (any tier)."""
         pool = self.pools.get(geometry)
         return pool is not None and pool.local_prefix([key]) == 1
 
-    def commit(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+    def commit(self, reservation_id: int) -> int:
+        """Make a reservation's pages visible; 0 when it expired (its slots are gone)."""
+        lease = self.reservations.pop(reservation_id, None)
+        if lease is None:
+            return 0
         self.counters["puts"] += 1
-        return self.pool(geometry).commit(keys)
+        return self.pool(lease.geometry).commit(lease.keys, reservation_id)
+
+    def abort(self, reservation_id: int) -> None:
+        lease = self.reservations.pop(reservation_id, None)
+        if lease is not None:
+            self.pool(lease.geometry).abort(lease.keys, reservation_id)
 
     async def put_pages(self, geometry: PageGeometry, keys: list[PageKey],
                         pages: list[np.ndarray], tier: int | None = None) -> int:
@@ -145,27 +179,26 @@ class NodeStore:
         """
         if len(pages) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(pages)} pages")
-        reserved = await self.reserve(geometry, keys, tier)
+        reservation_id, reserved = await self.reserve(geometry, keys, tier)
         if not reserved:
             return 0
         pool = self.pool(geometry)
         keys = keys[: len(reserved)]
-        mine = [key for key, slot in zip(keys, reserved, strict=True) if slot is not None]
         try:
             for key, slot, page in zip(keys, reserved, pages[: len(reserved)], strict=True):
                 if slot is not None:
                     pool.write_page(key, page)
         except BaseException:
-            pool.abort(mine)
+            self.abort(reservation_id)
             raise
-        self.commit(geometry, mine)
+        self.commit(reservation_id)
         return len(reserved)  # the prefix now stored, ours or already there
 
     # ---- gets ----------------------------------------------------------------------------
 
     async def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
-        """Pin the longest local prefix; returns (lease_id, [(tier, slot), ...])."""
-        self._expire_leases()
+        """Pin the longest local prefix; returns (lease_id, [(tier, slot, generation), ...])."""
+        self.expire()
         located = await self.pool(geometry).acquire(keys)
         self.counters["gets"] += 1
         self.counters["hits_pages"] += len(located)
@@ -182,10 +215,18 @@ class NodeStore:
         if lease is not None:
             self.pool(lease.geometry).release(lease.keys)
 
-    def _expire_leases(self) -> None:
-        now_s = time.monotonic()
-        for lease_id in [i for i, lease in self.leases.items() if lease.deadline_s < now_s]:
+    def expire(self, now_s: float | None = None) -> int:
+        """Release read leases and abort reservations past their deadline; returns how many."""
+        now_s = time.monotonic() if now_s is None else now_s
+        leases = [i for i, lease in self.leases.items() if lease.deadline_s < now_s]
+        reservations = [i for i, r in self.reservations.items() if r.deadline_s < now_s]
+        for lease_id in leases:
             self.release(lease_id)
+        for reservation_id in reservations:
+            self.abort(reservation_id)
+        self.counters["expired_leases"] += len(leases)
+        self.counters["expired_reservations"] += len(reservations)
+        return len(leases) + len(reservations)
 
     async def map_pages(self, geometry: PageGeometry, keys: list[PageKey],
                         fn: Callable[[np.ndarray], T]) -> list[T]:
@@ -197,13 +238,9 @@ class NodeStore:
         pool = self.pool(geometry)
         try:
             return [fn(pool.memory[tier].view(slot)[: geometry.page_bytes].cpu().numpy())
-                    for tier, slot in located]
+                    for tier, slot, _ in located]
         finally:
             self.release(lease_id)
-
-    async def read_pages(self, geometry: PageGeometry, keys: list[PageKey]) -> list[np.ndarray]:
-        """Copies of the longest local prefix's pages."""
-        return await self.map_pages(geometry, keys, np.copy)
 
     async def prefetch(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
         """Promote the local prefix toward the top tier; returns pages now in memory."""
@@ -211,7 +248,7 @@ class NodeStore:
         count = pool.local_prefix(keys)
         await pool.load_from_disk(keys[:count])
         await pool.promote_many(keys[:count])
-        return sum(1 for k in keys[:count] if k in pool.index and pool.index[k].tier < 2)
+        return sum(1 for k in keys[:count] if k in pool.index and pool.index[k].tier < DISK)
 
     # ---- inventory and stats -------------------------------------------------------------
 
@@ -228,7 +265,7 @@ class NodeStore:
                 pages[name] += count
                 used_bytes[name] += count * pool.geometry.page_bytes
         return {"pages": pages, "bytes": used_bytes, "leases": len(self.leases),
-                **self.counters}
+                "reservations": len(self.reservations), **self.counters}
 
     def close(self) -> None:
         for pool in self.pools.values():
@@ -236,8 +273,8 @@ class NodeStore:
 
 
 def _write_pool_file(path: str, geometry: PageGeometry) -> None:
-    with open(os.path.join(path, POOL_FILE), "w") as handle:
-        json.dump({"shape": list(geometry.shape), "dtype": geometry.dtype}, handle)
+    write_private_text(os.path.join(path, POOL_FILE),
+                       json.dumps({"shape": list(geometry.shape), "dtype": geometry.dtype}))
 
 
 def _read_pool_file(path: str) -> PageGeometry | None:

@@ -19,10 +19,21 @@ def _no_ray(monkeypatch):
 @pytest.fixture
 def harness():
     """Pools over a temp disk dir (tests/unit/_pool_harness.py), closed and checked after."""
-    from tests.unit._pages import shm_files
     from tests.unit._pool_harness import Harness
 
     h = Harness()
     yield h
     h.close()
-    assert shm_files(h.prefix) == []
+    assert h.leftover_shm() == []
+
+
+@pytest.fixture
+def stores():
+    """NodeStores over a temp disk dir (tests/unit/_pool_harness.py); closed after, and no
+    shm file of their prefixes may be left."""
+    from tests.unit._pool_harness import Stores
+
+    s = Stores()
+    yield s
+    s.close()
+    assert s.leftover_shm() == []

@@ -1,5 +1,6 @@
 """Pool: one page geometry, tiers device -> host -> disk -> dropped, reserve/commit/abort, pins,
-promotion, shared in-flight disk loads and quantized demotion. Pure asyncio, no Ray.
+promotion (load_from_disk + promote_many), shared in-flight disk loads and quantized
+demotion. Pure asyncio, no Ray.
 
 Geometry: 8192-byte float32 pages; tiers of a few pages each (see make()).
 """
@@ -117,7 +118,8 @@ def test_acquire_promotes_a_disk_page_to_the_top_tier(harness):
     run(put_each(pool, range(7)))
     assert pool.index[key(0)].tier == DISK
     located = run(pool.acquire([key(0)]))
-    assert located == [(DEVICE, pool.index[key(0)].slot)]
+    slot = pool.index[key(0)].slot
+    assert located == [(DEVICE, slot, pool.memory[DEVICE].generation(slot))]
     assert pool.index[key(0)].pins == 1
     assert as_page(pool.memory[DEVICE].view(located[0][1])).equal(page(0))
     pool.release([key(0)])
@@ -135,8 +137,8 @@ def test_acquire_of_a_prefix_longer_than_memory_returns_what_fits(harness):
     keys = [key(i) for i in range(7)]
     located = run(pool.acquire(keys))
     assert len(located) == 4  # 2 device + 2 host slots
-    assert len(set(located)) == 4
-    for i, (tier, slot) in enumerate(located):
+    assert len({(tier, slot) for tier, slot, _ in located}) == 4
+    for i, (tier, slot, _) in enumerate(located):
         assert as_page(pool.memory[tier].view(slot)).equal(page(i))
         assert pool.index[key(i)].pins == 1
     assert all(pool.index[k].pins == 0 for k in keys[4:] if k in pool.index)
@@ -151,9 +153,9 @@ def test_acquire_when_own_pins_fill_host_still_loads_the_whole_prefix(harness):
     located = run(pool.acquire(keys))
     # Lifting 2 and 3 into the device tier makes host room for 0, read up from disk.
     assert len(located) == 3
-    for i, (tier, slot) in zip((0, 2, 3), located, strict=True):
+    for i, (tier, slot, _) in zip((0, 2, 3), located, strict=True):
         assert as_page(pool.memory[tier].view(slot)).equal(page(i))
-    for k, (tier, slot) in zip(keys, located, strict=False):
+    for k, (tier, slot, _) in zip(keys, located, strict=False):
         assert pool.index[k].pins == 1
         assert (pool.index[k].tier, pool.index[k].slot) == (tier, slot)
     pool.release(keys[: len(located)])
@@ -181,9 +183,9 @@ def test_acquire_more_disk_pages_than_host_holds(harness):
     calls = count_reads(pool)
     located = run(pool.acquire(keys))
     assert len(located) == 4  # 2 device slots + 2 host slots, all pinned
-    assert len(set(located)) == 4
+    assert len({(tier, slot) for tier, slot, _ in located}) == 4
     assert len(calls[0]) == 2  # one batched read fills the host tier
-    for i, (tier, slot) in enumerate(located):
+    for i, (tier, slot, _) in enumerate(located):
         assert as_page(pool.memory[tier].view(slot)).equal(page(i))
     pool.release(keys)
     assert_slots_consistent(pool)
@@ -232,21 +234,27 @@ def test_concurrent_acquires_share_one_disk_read(harness):
     assert len(calls) == 1
     assert pool.disk.bytes_read - bytes_before == DISK_SLOT_BYTES
     assert first == second and len(first) == 1
-    tier, slot = first[0]
+    tier, slot, _ = first[0]
     assert tier in (DEVICE, HOST)
     assert pool.index[key(0)].pins == 2
     assert as_page(pool.memory[tier].view(slot)).equal(page(0))
     pool.release([key(0)])
     pool.release([key(0)])
     assert pool.index[key(0)].pins == 0
-    assert pool._inflight == {}
+    assert len(pool._loads) == 0
+
+
+async def promote(pool, k, own_pins=0):
+    """One page up to the top tier: read up from disk, then lifted into the device tier."""
+    await pool.load_from_disk([k])
+    await pool.promote_many([k], own_pins)
 
 
 def test_promote_moves_a_disk_page_to_the_top_tier(harness):
     pool = harness.make()
     run(put_each(pool, range(5)))
     assert tiers(pool) == {"device": [3, 4], "host": [1, 2], "disk": [0]}
-    run(pool.promote(key(0)))
+    run(promote(pool, key(0)))
     assert pool.index[key(0)].tier == DEVICE
     assert tiers(pool) == {"device": [0, 4], "host": [3], "disk": [1, 2]}
     assert as_page(pool.view(pool.index[key(0)])).equal(page(0))
@@ -257,9 +265,9 @@ def test_promote_leaves_a_page_pinned_by_someone_else(harness):
     run(put_each(pool, range(3)))
     assert pool.index[key(0)].tier == HOST
     pool.index[key(0)].pins = 1
-    run(pool.promote(key(0)))
+    run(promote(pool, key(0)))
     assert pool.index[key(0)].tier == HOST
-    run(pool.promote(key(0), own_pins=1))
+    run(promote(pool, key(0), own_pins=1))
     assert pool.index[key(0)].tier == DEVICE
 
 
@@ -281,7 +289,8 @@ def test_corrupt_disk_page_becomes_a_miss(harness):
 
 def test_close_unlinks_shared_memory(harness):
     pool = harness.make()
-    assert len(shm_files(harness.prefix)) == 2  # device stand-in and host slab
+    # device stand-in and host slab, each with its generation table
+    assert len(shm_files(harness.prefix)) == 4
     pool.close()
     assert shm_files(harness.prefix) == []
 

@@ -10,6 +10,7 @@ from cluster.core.pool import State
 from tests.unit._pages import as_page, key, page
 from tests.unit._pool_harness import (
     assert_slots_consistent,
+    new_owner,
     put_each,
     run,
     tiers,
@@ -24,11 +25,11 @@ def test_a_pinned_page_is_never_evicted(harness):
     async def scenario():
         await put_each(pool, [0])
         located = await pool.acquire([key(0)])
-        assert located == [(DEVICE, 0)]
+        assert located == [(DEVICE, 0, pool.memory[DEVICE].generation(0))]
         await put_each(pool, range(1, 12))
         return located
 
-    (tier, slot), = run(scenario())
+    (tier, slot, _), = run(scenario())
     entry = pool.index[key(0)]
     assert (entry.tier, entry.slot, entry.pins) == (DEVICE, slot, 1)
     assert as_page(pool.memory[DEVICE].view(slot)).equal(page(0))
@@ -60,7 +61,7 @@ def test_pinned_host_page_is_not_demoted_to_disk(harness):
 
     async def scenario():
         await put_each(pool, [0])
-        assert await pool.acquire([key(0)]) == [(HOST, 0)]
+        assert await pool.acquire([key(0)]) == [(HOST, 0, pool.memory[HOST].generation(0))]
         await put_each(pool, range(1, 8))
 
     run(scenario())
@@ -74,7 +75,7 @@ def test_reserve_spills_below_a_pinned_top_tier(harness):
     async def scenario():
         await put_each(pool, [0, 1])
         assert len(await pool.acquire([key(0), key(1)])) == 2
-        return await pool.reserve([key(2)])
+        return await pool.reserve([key(2)], new_owner())
 
     assert run(scenario()) == [(1, pool.index[key(2)].slot)]
     assert pool.index[key(2)].tier == 1
@@ -86,7 +87,7 @@ def test_reserve_returns_empty_when_everything_is_pinned(harness):
     async def scenario():
         await put_each(pool, [0, 1])
         assert len(await pool.acquire([key(0), key(1)])) == 2
-        return await pool.reserve([key(2)])
+        return await pool.reserve([key(2)], new_owner())
 
     assert run(scenario()) == []
     assert key(2) not in pool.index
@@ -95,7 +96,7 @@ def test_reserve_returns_empty_when_everything_is_pinned(harness):
 
 def test_reserve_more_pages_than_memory_holds_keeps_the_prefix_that_fits(harness):
     pool = harness.make()
-    reserved = run(pool.reserve([key(i) for i in range(5)]))
+    reserved = run(pool.reserve([key(i) for i in range(5)], new_owner()))
     assert [tier for tier, _ in reserved] == [0, 0, 1, 1]
     assert sorted(pool.index) == sorted(key(i) for i in range(4))
 
@@ -103,15 +104,17 @@ def test_reserve_more_pages_than_memory_holds_keeps_the_prefix_that_fits(harness
 def test_a_reserved_page_is_not_evicted_by_other_puts(harness):
     pool = harness.make()
 
+    owner = new_owner()
+
     async def scenario():
-        slots = await pool.reserve([key(0)])
+        slots = await pool.reserve([key(0)], owner)
         await put_each(pool, range(1, 6))
         return slots
 
     slots = run(scenario())
     assert pool.index[key(0)].state == State.PENDING
     assert (pool.index[key(0)].tier, pool.index[key(0)].slot) == slots[0]
-    assert pool.commit([key(0)]) == 1
+    assert pool.commit([key(0)], owner) == 1
 
 
 # ---- reserve / commit / abort ----------------------------------------------------------
@@ -120,14 +123,15 @@ def test_a_reserved_page_is_not_evicted_by_other_puts(harness):
 def test_reserved_pages_are_invisible_until_commit(harness):
     pool = harness.make()
     keys = [key(0), key(1)]
-    slots = run(pool.reserve(keys))
+    owner = new_owner()
+    slots = run(pool.reserve(keys, owner))
     assert sorted(slots) == [(DEVICE, 0), (DEVICE, 1)]
     assert pool.local_prefix(keys) == 0
     assert run(pool.acquire(keys)) == []
     assert pool.tier_counts() == {"device": 0, "host": 0, "disk": 0}
     assert harness.events == []
-    assert pool.commit(keys) == 2
-    assert pool.commit(keys) == 0  # already committed
+    assert pool.commit(keys, owner) == 2
+    assert pool.commit(keys, owner) == 0  # already committed
     assert pool.local_prefix(keys) == 2
     assert harness.events == [(key(0), DEVICE), (key(1), DEVICE)]
 
@@ -137,13 +141,17 @@ def test_abort_frees_reserved_slots(harness):
     run(put_each(pool, [9]))
     harness.events.clear()
     keys = [key(0), key(1)]
-    assert len(run(pool.reserve(keys))) == 2
+    owner = new_owner()
+    assert len(run(pool.reserve(keys, owner))) == 2
     assert pool.memory[DEVICE].slots.num_free == 0
     assert pool.index[key(9)].tier == HOST  # demoted to make room
-    pool.abort(keys + [key(9)])  # a committed page is not aborted
+    pool.abort(keys, new_owner())  # another owner's abort leaves them reserved
+    assert pool.memory[DEVICE].slots.num_free == 0
+    assert all(pool.index[k].state == State.PENDING for k in keys)
+    pool.abort(keys + [key(9)], owner)  # a committed page is not aborted
     assert pool.memory[DEVICE].slots.num_free == 2
     assert set(pool.index) == {key(9)}
-    assert pool.commit(keys) == 0
+    assert pool.commit(keys, owner) == 0
     assert pool.local_prefix(keys) == 0
     assert harness.events == [(key(9), HOST)]  # the demotion only: nothing was stored
     assert_slots_consistent(pool)
@@ -152,25 +160,37 @@ def test_abort_frees_reserved_slots(harness):
 def test_reserve_dedups_stored_keys(harness):
     pool = harness.make()
     run(put_each(pool, [0]))
-    slots = run(pool.reserve([key(0), key(1)]))
+    owner = new_owner()
+    slots = run(pool.reserve([key(0), key(1)], owner))
     assert slots[0] is None
     assert slots[1] == (DEVICE, 1)
-    assert run(pool.reserve([key(0)])) == [None]
-    assert run(pool.reserve([key(1)])) == [None]  # pending counts as stored
-    assert pool.commit([key(0), key(1)]) == 1
+    assert run(pool.reserve([key(0)], new_owner())) == [None]
+    # a page another put holds reserved is not stored yet: the prefix stops there
+    assert run(pool.reserve([key(1)], new_owner())) == []
+    assert run(pool.reserve([key(0), key(1)], new_owner())) == [None]
+    assert pool.index[key(1)].owner == owner
+    assert pool.commit([key(0), key(1)], new_owner()) == 0  # not another owner's to commit
+    assert pool.commit([key(0), key(1)], owner) == 1
 
 
 def test_concurrent_reserves_of_one_key_get_one_slot(harness):
     pool = harness.make()
 
+    owners = [new_owner(), new_owner()]
+
     async def scenario():
         await put_each(pool, range(4))  # device and host full: room needs a disk write
-        return await asyncio.gather(pool.reserve([key(9)]), pool.reserve([key(9)]))
+        return await asyncio.gather(*(pool.reserve([key(9)], owner) for owner in owners))
 
-    first, second = run(scenario())
-    assert sorted([first, second], key=str) == [[(DEVICE, pool.index[key(9)].slot)], [None]]
+    results = run(scenario())
+    winner = pool.index[key(9)].owner
+    loser = owners[1 - owners.index(winner)]
+    # one slot: the other put finds the key pending under the winner, not stored
+    assert results[owners.index(winner)] == [(DEVICE, pool.index[key(9)].slot)]
+    assert results[owners.index(loser)] == []
     assert pool.index[key(9)].state == State.PENDING
-    assert pool.commit([key(9)]) == 1
+    assert pool.commit([key(9)], loser) == 0
+    assert pool.commit([key(9)], winner) == 1
     assert_slots_consistent(pool)
 
 
