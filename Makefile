@@ -39,6 +39,7 @@ $(STAMP): pyproject.toml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 demo: system-deps $(STAMP)
 	$(VENV)/bin/raykv demo

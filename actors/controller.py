@@ -2,7 +2,8 @@
 
 Nodes that join get an actor; nodes Ray reports dead are purged from every directory shard
 (the shards also purge on missed heartbeats, whichever comes first). It catches and logs
-every error and never dies: a failed pass is retried on the next tick.
+every error and never dies: a failed pass is retried on the next tick. A node whose actor
+cannot start (say, /dev/shm too small) is reported by sync_members(), so start() can say so.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import logging
 
 import ray
 
-from actors.handles import DirectoryHandle
-from actors.placement import dead_nodes, ensure_node_actor, kv_nodes
+from actors.handles import DirectoryHandle, NodeHandle
 from cluster.core.config import CacheConfig
+from cluster.core.loops import BackgroundLoops
+from cluster.core.membership import dead_nodes, kv_nodes
 
 log = logging.getLogger("raykv.controller")
 MEMBERSHIP_S = 1.0
@@ -28,44 +30,45 @@ class Controller:
     def __init__(self, config_json: str):
         self.config = CacheConfig.model_validate_json(config_json)
         self.directory = DirectoryHandle.lookup(self.config)
-        self.members: dict[str, object] = {}
+        self.members: dict[str, NodeHandle] = {}
+        self.failures: dict[str, str] = {}
         self.dropped: set[str] = set()
-        self._loop: asyncio.Task | None = None
+        self.loops = BackgroundLoops()
 
-    async def sync_members(self) -> list[str]:
-        """One membership pass now (start() waits on it); starts the loop once."""
+    async def sync_members(self) -> dict:
+        """One membership pass now (start() waits on it); starts the loop once.
+
+        Returns {"members": [node ids], "failures": {node id: why its actor is not ready}}.
+        """
         await self._pass()
-        if self._loop is None:
-            self._loop = asyncio.create_task(self._run())
-        return sorted(self.members)
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(MEMBERSHIP_S)
-            try:
-                await self._pass()
-            except Exception:
-                log.exception("membership pass failed")
+        if not self.loops.tasks:
+            self.loops.every("membership", MEMBERSHIP_S, self._pass)
+        return {"members": sorted(self.members), "failures": dict(self.failures)}
 
     async def _pass(self) -> None:
         nodes = await asyncio.to_thread(ray.nodes)
-        for node_id in kv_nodes(self.config, nodes):
-            if node_id not in self.members:
-                await self._add(node_id)
+        todo = [n for n in kv_nodes(self.config.node_resource, nodes) if n not in self.members]
+        await asyncio.gather(*(self._add(node_id) for node_id in todo))
         for node_id in dead_nodes(nodes) - self.dropped:
             self.members.pop(node_id, None)
+            self.failures.pop(node_id, None)
             self.dropped.add(node_id)
-            await asyncio.gather(*self.directory.drop_node(node_id))
+            await asyncio.gather(*self.directory.drop_node(node_id), return_exceptions=True)
 
     async def _add(self, node_id: str) -> None:
-        actor = ensure_node_actor(self.config, node_id)
+        node = NodeHandle.create(self.config, node_id)
         try:
-            await asyncio.wait_for(actor.ready.remote(), READY_TIMEOUT_S)
+            await asyncio.wait_for(node.ready(), READY_TIMEOUT_S)
         except Exception as error:  # placement may fail on a node going away: retry later
-            log.warning("node actor on %s not ready: %s", node_id[:8], error)
+            why = str(getattr(error, "cause", None) or error).strip().splitlines()[-1]
+            if self.failures.get(node_id) != why:
+                log.warning("node actor on %s not ready: %s", node_id[:8], why)
+            self.failures[node_id] = why
             return
-        self.members[node_id] = actor
+        self.failures.pop(node_id, None)
+        self.members[node_id] = node
         log.info("node actor ready on %s", node_id[:8])
 
     async def stats(self) -> dict:
-        return {"members": sorted(self.members), "dropped": sorted(self.dropped)}
+        return {"members": sorted(self.members), "dropped": sorted(self.dropped),
+                "failures": dict(self.failures), "loop_errors": dict(self.loops.errors)}

@@ -4,8 +4,9 @@ Named `raykv-directory-<i>` in the `raykv` namespace, detached, restarted foreve
 node event batches, answers longest-prefix matches in one call, purges nodes whose heartbeats
 stop, and mirrors itself to Redis (write-behind) when a URL is configured.
 
-Recovery after a restart: from Redis when configured; otherwise empty, and every node's next
-heartbeat is answered RESYNC, so the nodes send their inventories within a heartbeat period.
+Recovery after a restart: from Redis when configured; otherwise empty. Either way a node whose
+state here is missing or stale is answered RESYNC on its next batch (cluster/core/events.py),
+so the index is whole again within a heartbeat period.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import ray
 
 from cluster.core.config import CacheConfig
 from cluster.core.directory_index import APPLIED, DirectoryIndex
-from cluster.core.keys import KEY_BYTES, PageKey
+from cluster.core.events import EventBatch
+from cluster.core.keys import KEY_BYTES
+from cluster.core.loops import BackgroundLoops
 from cluster.core.persist import RedisMirror
 
 log = logging.getLogger("raykv.directory")
@@ -38,7 +41,8 @@ class DirectoryShard:
         if self.config.redis_url:
             prefix = f"raykv:{self.config.ray_namespace}:dir{shard}"
             self.mirror = RedisMirror(self.config.redis_url, prefix)
-        self._started: asyncio.Task | None = None
+        self.loops = BackgroundLoops()
+        self._started: asyncio.Future | None = None
         self.recovered = {"source": "empty", "locations": 0}
         self.purged_nodes: list[str] = []
 
@@ -57,26 +61,18 @@ class DirectoryShard:
             except Exception as error:  # Redis down at start: serve, catch up later
                 log.warning("directory shard %d could not load from Redis: %s", self.shard, error)
                 self.mirror.needs_rewrite = True
-            asyncio.create_task(self._redis_loop())
+            self.loops.every("redis", REDIS_FLUSH_S, self._flush_redis)
         now_s = time.monotonic()
         for node_log in self.index.nodes.values():
             node_log.last_seen_s = now_s  # recovered nodes get a full timeout to speak up
-        asyncio.create_task(self._purge_loop())
+        self.loops.every("purge", min(0.5, self.config.node_timeout_s / 4), self._purge)
 
-    async def _redis_loop(self) -> None:
-        while True:
-            await asyncio.sleep(REDIS_FLUSH_S)
-            try:
-                await self.mirror.flush(self.index)
-            except Exception:
-                log.exception("redis flush failed")
+    async def _flush_redis(self) -> None:
+        await self.mirror.flush(self.index)
 
-    async def _purge_loop(self) -> None:
-        period_s = min(0.5, self.config.node_timeout_s / 4)
-        while True:
-            await asyncio.sleep(period_s)
-            for node_id in self.index.expired_nodes(time.monotonic(), self.config.node_timeout_s):
-                self.drop(node_id, "heartbeat timeout")
+    async def _purge(self) -> None:
+        for node_id in self.index.expired_nodes(time.monotonic(), self.config.node_timeout_s):
+            self.drop(node_id, "heartbeat timeout")
 
     def drop(self, node_id: str, why: str) -> int:
         purged = self.index.drop_node(node_id)
@@ -89,24 +85,27 @@ class DirectoryShard:
 
     # ---- node events ---------------------------------------------------------------------
 
-    async def apply(self, node_id: str, epoch: int, seq: int,
-                    changes: list[tuple[PageKey, int | None]]) -> str:
+    async def apply(self, batch: EventBatch) -> str:
         await self.ready()
-        status = self.index.apply(node_id, epoch, seq, changes, time.monotonic())
-        if status == APPLIED and self.mirror is not None:
-            self.mirror.record(node_id, changes)
-            node_log = self.index.nodes[node_id]
-            self.mirror.record_node(node_id, node_log.epoch, node_log.watermark)
+        status = self.index.apply(batch, time.monotonic())
+        if self.mirror is not None:
+            node_log = self.index.nodes.get(batch.node_id)
+            if status == APPLIED:
+                self.mirror.record(batch.node_id, batch.changes)
+                self.mirror.record_node(batch.node_id, node_log.epoch, node_log.watermark)
+            elif node_log is None:  # answered RESYNC: the node's locations were dropped
+                self.mirror.record_drop(batch.node_id)
         return status
 
-    async def replace_node(self, node_id: str, epoch: int,
-                           inventory: list[tuple[PageKey, int]], seq: int) -> bool:
+    async def replace_node(self, batch: EventBatch) -> bool:
+        """Install a node's whole inventory for this shard (batch.changes)."""
         await self.ready()
-        replaced = self.index.replace_node(node_id, epoch, inventory, seq, time.monotonic())
+        replaced = self.index.replace_node(batch.node_id, batch.epoch, batch.changes, batch.seq,
+                                           time.monotonic())
         if replaced and self.mirror is not None:
-            self.mirror.record_drop(node_id)
-            self.mirror.record_node(node_id, epoch, seq)
-            self.mirror.record(node_id, inventory)
+            self.mirror.record_drop(batch.node_id)
+            self.mirror.record_node(batch.node_id, batch.epoch, batch.seq)
+            self.mirror.record(batch.node_id, batch.changes)
         return replaced
 
     async def drop_node(self, node_id: str) -> int:
@@ -115,11 +114,12 @@ class DirectoryShard:
 
     # ---- queries -------------------------------------------------------------------------
 
-    async def match(self, keys_blob: bytes) -> list[list]:
-        """Longest-prefix match of the concatenated 16-byte keys, as runs (see match_runs)."""
+    async def prefix_runs(self, keys_blob: bytes) -> list[list]:
+        """Longest-prefix match of the concatenated 16-byte keys, as runs (see
+        DirectoryIndex.prefix_runs)."""
         await self.ready()
         keys = [keys_blob[i : i + KEY_BYTES] for i in range(0, len(keys_blob), KEY_BYTES)]
-        return self.index.match_runs(keys)
+        return self.index.prefix_runs(keys)
 
     async def get_config(self) -> str:
         return self.config_json
@@ -130,7 +130,8 @@ class DirectoryShard:
         if self.mirror is not None:
             redis = {"healthy": self.mirror.healthy, "flushes": self.mirror.num_flushes}
         return {"shard": self.shard, "recovered": self.recovered, "redis": redis,
-                "purged_nodes": len(self.purged_nodes), **self.index.stats()}
+                "purged_nodes": len(self.purged_nodes), "loops": self.loops.running(),
+                "loop_errors": dict(self.loops.errors), **self.index.stats()}
 
     async def flush_redis(self) -> bool:
         """Write pending state to Redis now (tests and shutdown); False if Redis is down."""

@@ -1,14 +1,19 @@
 """The one place that calls `.remote()`: small wrappers around each actor's handle.
 
-Callers get ObjectRefs back (actors await them; the sync client ray.get()s them), so unit tests
-can swap a wrapper for a fake without Ray.
+Callers get ObjectRefs back (actors await them; the face's drivers ray.get them with a
+timeout), so unit tests can swap a wrapper for a fake without Ray. Actor creation lives here
+too; the actor classes are imported when first needed, since they use these wrappers.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.core.config import CacheConfig
+from cluster.core.events import EventBatch
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey, shard_of
 
@@ -25,15 +30,23 @@ def split_by_shard(keys: list[PageKey], num_shards: int) -> list[list[int]]:
     return positions
 
 
-def merge_matches(num_keys: int, positions: list[list[int]], results: list[list]) -> list:
-    """Merge per-shard prefix matches into the global longest prefix.
+def expand_runs(runs: list[list]) -> list:
+    """[[locations, n], ...] -> one locations entry per page."""
+    return [locations for locations, count in runs for _ in range(count)]
+
+
+def merge_shard_prefixes(num_keys: int, positions: list[list[int]], answers: list[list]) -> list:
+    """Per-shard prefix runs -> locations of each page of the global longest prefix.
 
     A shard stops at its own first miss, so the global prefix ends at the earliest position
     that some shard did not return.
     """
+    pages = [expand_runs(runs) for runs in answers]
+    if len(pages) == 1:
+        return pages[0]
     found: list = [None] * num_keys
-    for shard_positions, shard_found in zip(positions, results, strict=True):
-        for position, locations in zip(shard_positions, shard_found, strict=False):
+    for shard_positions, shard_pages in zip(positions, pages, strict=True):
+        for position, locations in zip(shard_positions, shard_pages, strict=False):
             found[position] = locations
     prefix: list = []
     for locations in found:
@@ -43,9 +56,16 @@ def merge_matches(num_keys: int, positions: list[list[int]], results: list[list]
     return prefix
 
 
-def expand_runs(runs: list[list]) -> list:
-    """[[locations, n], ...] -> one locations entry per page."""
-    return [locations for locations, count in runs for _ in range(count)]
+def _named(name: str, config: CacheConfig) -> dict:
+    return dict(name=name, namespace=config.ray_namespace, lifetime="detached",
+                get_if_exists=True)
+
+
+def _get_actor(name: str, config: CacheConfig):
+    try:
+        return ray.get_actor(name, namespace=config.ray_namespace)
+    except ValueError:
+        return None
 
 
 class DirectoryHandle:
@@ -55,37 +75,45 @@ class DirectoryHandle:
         self.shards = shards
 
     @staticmethod
+    def create(config: CacheConfig) -> DirectoryHandle:
+        """The running shards, or new ones (named, detached); returns without waiting."""
+        from actors.directory import DirectoryShard
+
+        config_json = config.model_dump_json()
+        return DirectoryHandle([
+            DirectoryShard.options(**_named(DIRECTORY_NAME.format(shard=i), config)
+                                   ).remote(config_json, i)
+            for i in range(config.num_directory_shards)])
+
+    @staticmethod
     def lookup(config: CacheConfig) -> DirectoryHandle:
+        """The running shards; ValueError when the service is not running."""
         shards = [ray.get_actor(DIRECTORY_NAME.format(shard=i), namespace=config.ray_namespace)
                   for i in range(config.num_directory_shards)]
         return DirectoryHandle(shards)
 
-    def apply(self, shard: int, node_id: str, epoch: int, seq: int, changes: list):
-        return self.shards[shard].apply.remote(node_id, epoch, seq, changes)
+    @staticmethod
+    def first_shard_config(ray_namespace: str):
+        """A ref to the running service's config JSON, or None when none runs."""
+        try:
+            shard = ray.get_actor(DIRECTORY_NAME.format(shard=0), namespace=ray_namespace)
+        except ValueError:
+            return None
+        return shard.get_config.remote()
 
-    def replace_node(self, shard: int, node_id: str, epoch: int, inventory: list, seq: int):
-        return self.shards[shard].replace_node.remote(node_id, epoch, inventory, seq)
+    def apply(self, shard: int, batch: EventBatch):
+        return self.shards[shard].apply.remote(batch)
 
-    def match_refs(self, keys: list[PageKey]) -> tuple[list[list[int]], list]:
-        """One call per shard, in parallel, each with its keys as one blob."""
+    def replace_node(self, shard: int, batch: EventBatch):
+        return self.shards[shard].replace_node.remote(batch)
+
+    def prefix_refs(self, keys: list[PageKey]) -> tuple[list[list[int]], list]:
+        """One call per shard, in parallel, each with its keys as one blob; merge the
+        answers with merge_shard_prefixes."""
         positions = split_by_shard(keys, len(self.shards))
-        refs = [shard.match.remote(b"".join(keys[p] for p in shard_positions))
+        refs = [shard.prefix_runs.remote(b"".join(keys[p] for p in shard_positions))
                 for shard, shard_positions in zip(self.shards, positions, strict=True)]
         return positions, refs
-
-    def match(self, keys: list[PageKey]) -> list[tuple[tuple[str, int], ...]]:
-        """Locations (best tier first) of every page of the longest prefix held anywhere."""
-        if not keys:
-            return []
-        return self.collect(len(keys), *self.match_refs(keys))
-
-    @staticmethod
-    def collect(num_keys: int, positions: list[list[int]], refs: list) -> list:
-        """Wait for `match_refs`' answers and merge them into one prefix."""
-        answers = [expand_runs(runs) for runs in ray.get(refs)]
-        if len(answers) == 1:
-            return answers[0]
-        return merge_matches(num_keys, positions, answers)
 
     def drop_node(self, node_id: str) -> list:
         return [shard.drop_node.remote(node_id) for shard in self.shards]
@@ -95,6 +123,19 @@ class DirectoryHandle:
 
     def ping(self) -> list:
         return [shard.ping.remote() for shard in self.shards]
+
+    def ready(self) -> list:
+        return [shard.ready.remote() for shard in self.shards]
+
+    def get_config(self):
+        return self.shards[0].get_config.remote()
+
+    def flush_redis(self) -> list:
+        return [shard.flush_redis.remote() for shard in self.shards]
+
+    def kill(self) -> None:
+        for shard in self.shards:
+            ray.kill(shard, no_restart=True)
 
 
 class NodeHandle:
@@ -106,13 +147,20 @@ class NodeHandle:
         self.is_local = is_local
 
     @staticmethod
+    def create(config: CacheConfig, node_id: str) -> NodeHandle:
+        """The node actor of `node_id`, created pinned to that node if missing."""
+        from actors.node_cache import NodeCacheActor
+
+        strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+        actor = NodeCacheActor.options(**_named(NODE_NAME.format(node_id=node_id), config),
+                                       scheduling_strategy=strategy
+                                       ).remote(config.model_dump_json(), node_id)
+        return NodeHandle(actor, node_id)
+
+    @staticmethod
     def lookup(node_id: str, config: CacheConfig, is_local: bool = False) -> NodeHandle | None:
-        try:
-            actor = ray.get_actor(NODE_NAME.format(node_id=node_id),
-                                  namespace=config.ray_namespace)
-        except ValueError:
-            return None
-        return NodeHandle(actor, node_id, is_local)
+        actor = _get_actor(NODE_NAME.format(node_id=node_id), config)
+        return None if actor is None else NodeHandle(actor, node_id, is_local)
 
     def descriptors(self, geometry: PageGeometry):
         return self.actor.descriptors.remote(geometry)
@@ -120,11 +168,11 @@ class NodeHandle:
     def reserve(self, geometry: PageGeometry, keys: list[PageKey]):
         return self.actor.reserve.remote(geometry, keys)
 
-    def commit(self, geometry: PageGeometry, keys: list[PageKey]):
-        return self.actor.commit.remote(geometry, keys)
+    def commit(self, reservation_id: int):
+        return self.actor.commit.remote(reservation_id)
 
-    def abort(self, geometry: PageGeometry, keys: list[PageKey]):
-        return self.actor.abort.remote(geometry, keys)
+    def abort(self, reservation_id: int):
+        return self.actor.abort.remote(reservation_id)
 
     def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
         return self.actor.acquire.remote(geometry, keys)
@@ -145,8 +193,85 @@ class NodeHandle:
     def prefetch(self, geometry: PageGeometry, keys: list[PageKey], remote: dict | None = None):
         return self.actor.prefetch.remote(geometry, keys, remote)
 
+    def pull(self, geometry: PageGeometry, remote: dict):
+        """Copy pages from other nodes (node_id -> keys) into this node's host tier."""
+        return self.actor.pull.remote(geometry, remote)
+
+    def ping(self):
+        return self.actor.ping.remote()
+
+    def open_pool(self, geometry: PageGeometry):
+        """Check (and create) the pool for a geometry: ValueError past the node's limits."""
+        return self.actor.open_pool.remote(geometry)
+
     def stats(self):
         return self.actor.stats.remote()
 
     def ready(self):
         return self.actor.ready.remote()
+
+    def inventory(self):
+        return self.actor.inventory.remote()
+
+    def flush(self):
+        return self.actor.flush.remote()
+
+    def shutdown(self):
+        return self.actor.shutdown.remote()
+
+    def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+
+class ControllerHandle:
+    """The membership (and, later, policy) loop."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    @staticmethod
+    def create(config: CacheConfig) -> ControllerHandle:
+        from actors.controller import Controller
+
+        return ControllerHandle(Controller.options(**_named(CONTROLLER_NAME, config)
+                                                   ).remote(config.model_dump_json()))
+
+    @staticmethod
+    def lookup(config: CacheConfig) -> ControllerHandle | None:
+        actor = _get_actor(CONTROLLER_NAME, config)
+        return None if actor is None else ControllerHandle(actor)
+
+    def sync_members(self):
+        return self.actor.sync_members.remote()
+
+    def stats(self):
+        return self.actor.stats.remote()
+
+    def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+
+class PeerCache:
+    """Other nodes' actor handles, looked up once (a GCS call) and kept; a node whose actor
+    is not found is looked up again next time, and a dead one can be forgotten."""
+
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self._handles: dict[str, NodeHandle] = {}
+
+    def get(self, node_id: str) -> NodeHandle | None:
+        handle = self._handles.get(node_id)
+        if handle is None:
+            handle = NodeHandle.lookup(node_id, self.config)
+            if handle is not None:
+                self._handles[node_id] = handle
+        return handle
+
+    async def aget(self, node_id: str) -> NodeHandle | None:
+        """get() without blocking the event loop (get_actor is a blocking GCS call)."""
+        if node_id in self._handles:
+            return self._handles[node_id]
+        return await asyncio.to_thread(self.get, node_id)
+
+    def forget(self, node_id: str) -> None:
+        self._handles.pop(node_id, None)

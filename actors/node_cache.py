@@ -1,8 +1,9 @@
-"""NodeCacheActor: a thin async Ray shell around one node's NodeStore.
+"""NodeCacheActor: a thin async Ray shell around one node's NodeStore and EventStream.
 
 It owns the node's tiers, serves same-node clients through shared memory (reserve/commit,
-acquire/release) and other nodes through Ray objects (export_pages/adopt, put_pages), and ships its
-`stored`/`removed` events to the directory shards in batches with an epoch and sequence numbers.
+acquire/release) and other nodes through Ray objects (export_pages/adopt, put_pages), and ships
+its `stored`/`removed` events to the directory shards through an EventStream (sequenced,
+resent until acknowledged, resynced on request: cluster/core/events.py).
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import time
 import ray
 
 from actors.exports import ExportCache
-from actors.handles import DirectoryHandle, NodeHandle
+from actors.handles import DirectoryHandle, PeerCache
+from cluster.core.claims import InflightClaims
 from cluster.core.config import CacheConfig
-from cluster.core.directory_index import FENCED, RESYNC
+from cluster.core.events import EventStream
 from cluster.core.geometry import HOST, PageGeometry
-from cluster.core.keys import PageKey, shard_of
+from cluster.core.keys import PageKey
+from cluster.core.loops import BackgroundLoops
 from cluster.core.pool import PoolLimits
-from cluster.core.store import NodeStore, StoreConfig
-from cluster.core.tiers.memory import cuda_available
+from cluster.core.store import NodeStore, StoreConfig, shm_bytes_per_pool
+from cluster.core.tiers.memory import check_shm_room, cuda_available
 from cluster.core.tiers.node_slot import NodeSlot, claim_node_slot
 
 log = logging.getLogger("raykv.node")
@@ -30,7 +33,8 @@ log = logging.getLogger("raykv.node")
 def store_config(config: CacheConfig, slot: NodeSlot) -> StoreConfig:
     limits = PoolLimits(config.device_bytes, config.host_bytes, config.disk_bytes,
                         config.eviction, config.disk_codec, cuda_available(), slot.shm_prefix)
-    return StoreConfig(limits, slot.disk_dir, config.pin_lease_s, config.disk_threads)
+    return StoreConfig(limits, slot.disk_dir, config.pin_lease_s, config.disk_threads,
+                       config.max_geometries, config.reserve_lease_s)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -42,24 +46,23 @@ class NodeCacheActor:
         self.node_id = node_id
         self.epoch = time.time_ns()  # grows across restarts: the directory fences older ones
         self.slot = claim_node_slot(self.config.disk_dir)  # held until this process ends
-        self.store = NodeStore(store_config(self.config, self.slot))
-        self.exports = ExportCache(self.store, self.config.export_cache_bytes)
+        self.stream = EventStream(node_id, self.epoch, self.config.num_directory_shards)
+        self.store = NodeStore(store_config(self.config, self.slot), self.stream.record)
+        self.exports = ExportCache(self.store, self.config.export_cache_bytes, ray.put)
         self.directory = DirectoryHandle.lookup(self.config)
-        self._seq = [0] * self.config.num_directory_shards
+        self.peers = PeerCache(self.config)
+        self.pulls = InflightClaims()
+        self.loops = BackgroundLoops()
         self._flush_lock = asyncio.Lock()
-        self._started: asyncio.Task | None = None
-        self._loop_task: asyncio.Task | None = None
+        self._started: asyncio.Future | None = None
+        self._last_beat_s = 0.0
         self.recovered_pages = 0
-        self._pulls: dict[PageKey, asyncio.Future] = {}
-        self._peers: dict[str, NodeHandle | None] = {}
-        self.counters = {"pulled_pages": 0}
+        self.counters = {"pulled_pages": 0, "failed_sends": 0}
 
     async def ready(self) -> dict:
-        """Recover disk pages, register with the directory, start the event loop.
-
-        Every public method awaits this first, so an actor that Ray restarted on its own
-        (max_restarts) recovers before it serves anything.
-        """
+        """Check shared memory, recover disk pages, register with the directory, start the
+        event loop. Every public method awaits this first, so an actor that Ray restarted on
+        its own (max_restarts) recovers before it serves anything."""
         if self._started is None:
             self._started = asyncio.ensure_future(self._start())
         await asyncio.shield(self._started)
@@ -67,64 +70,59 @@ class NodeCacheActor:
                 "recovered_pages": self.recovered_pages}
 
     async def _start(self) -> None:
+        check_shm_room(shm_bytes_per_pool(store_config(self.config, self.slot).limits))
         self.recovered_pages = await asyncio.to_thread(self.store.recover_disk)
-        await self.sync_inventory()
-        self._loop_task = asyncio.create_task(self._flush_loop())
+        await self.flush()
+        self.loops.every("events", self.config.event_flush_s, self._tick)
 
-    async def _flush_loop(self) -> None:
-        last_beat_s = 0.0
-        while True:
-            await asyncio.sleep(self.config.event_flush_s)
-            try:
-                beat = time.monotonic() - last_beat_s >= self.config.heartbeat_s
-                if await self.flush(heartbeat=beat):
-                    last_beat_s = time.monotonic()
-            except Exception:  # a dead directory is a status: keep serving, retry next tick
-                log.exception("event flush failed")
+    async def _tick(self) -> None:
+        self.store.expire()
+        beat = time.monotonic() - self._last_beat_s >= self.config.heartbeat_s
+        if await self.flush(heartbeat=beat) and beat:
+            self._last_beat_s = time.monotonic()
+
+    def _directory_timeout_s(self) -> float:
+        return max(0.5, self.config.call_timeout_s / 4)
 
     async def flush(self, heartbeat: bool = False) -> bool:
-        """Ship pending events (and a heartbeat) to every shard; True when sent.
-
-        A shard that answers RESYNC (it purged us, or restarted empty) gets our whole
-        inventory right after.
-        """
+        """Resync shards that asked for it, then send new and unacknowledged batches (and a
+        heartbeat); True when any shard answered."""
         async with self._flush_lock:
-            changes = self.store.events.drain()
-            if not changes and not heartbeat:
-                return False
-            per_shard = self._split(list(changes.items()))
-            shards, calls = [], []
-            for shard, batch in enumerate(per_shard):
-                if batch or heartbeat:
-                    self._seq[shard] += 1
-                    shards.append(shard)
-                    calls.append(self.directory.apply(shard, self.node_id, self.epoch,
-                                                      self._seq[shard], batch))
-            statuses = await asyncio.gather(*calls)
-        if RESYNC in statuses:
-            await self.sync_inventory()
-        elif FENCED in statuses:
-            log.error("node %s epoch %d is fenced off by the directory", self.node_id[:8],
-                      self.epoch)
+            answered = [await self._resync(index) for index in self.stream.resync_needed()]
+            outgoing = self.stream.outgoing(heartbeat)
+            replies = await self._send([self.directory.apply(i, b) for i, b in outgoing])
+            for (index, batch), reply in zip(outgoing, replies, strict=True):
+                if isinstance(reply, BaseException):
+                    self.stream.on_failure(index)
+                else:
+                    self.stream.on_status(index, batch.seq, reply)
+                    answered.append(True)
+            # A shard that answered RESYNC gets the inventory now, not a tick later.
+            answered += [await self._resync(i) for i in self.stream.resync_needed()
+                         if i in {index for index, _ in outgoing}]
+        return any(answered)
+
+    async def _resync(self, index: int) -> bool:
+        inventory = self.stream.split_inventory(self.store.inventory())[index]
+        batch = self.stream.resync(index, inventory)
+        (reply,) = await self._send([self.directory.replace_node(index, batch)])
+        if isinstance(reply, BaseException):
+            self.stream.shards[index].needs_resync = True
+            return False
+        self.stream.on_resync(index, batch.seq, bool(reply))
         return True
 
-    def _split(self, items: list[tuple[PageKey, int | None]]) -> list[list]:
-        per_shard: list[list] = [[] for _ in self._seq]
-        for key, tier in items:
-            per_shard[shard_of(key, len(self._seq))].append((key, tier))
-        return per_shard
-
-    async def sync_inventory(self) -> None:
-        """Send the full inventory to every shard (start-up, or a directory that restarted)."""
-        async with self._flush_lock:
-            self.store.events.drain()
-            per_shard = self._split(self.store.inventory())
-            calls = []
-            for shard, batch in enumerate(per_shard):
-                self._seq[shard] += 1
-                calls.append(self.directory.replace_node(shard, self.node_id, self.epoch,
-                                                         batch, self._seq[shard]))
-            await asyncio.gather(*calls)
+    async def _send(self, refs: list) -> list:
+        """Await each ref within the directory timeout; failures come back as exceptions."""
+        timeout_s = self._directory_timeout_s()
+        replies = await asyncio.gather(*(asyncio.wait_for(ref, timeout_s) for ref in refs),
+                                       return_exceptions=True)
+        failures = [r for r in replies if isinstance(r, BaseException)]
+        if failures:
+            self.counters["failed_sends"] += len(failures)
+            log.warning("%d directory sends failed (will resend): %s", len(failures),
+                        failures[0])
+        return replies
 
     # ---- same-node clients (shared memory) -----------------------------------------------
 
@@ -135,22 +133,29 @@ class NodeCacheActor:
         await self.ready()
         return self.epoch, self.store.descriptors(geometry)
 
-    async def reserve(self, geometry: PageGeometry, keys: list[PageKey]):
+    async def open_pool(self, geometry: PageGeometry) -> int:
+        """Create (or find) the pool of a geometry; ValueError past max_geometries."""
         await self.ready()
-        return self.epoch, await self.store.reserve(geometry, keys)
+        return self.store.pool(geometry).geometry.page_bytes
 
-    async def commit(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+    async def reserve(self, geometry: PageGeometry, keys: list[PageKey]):
+        """(epoch, reservation_id, slots): see NodeStore.reserve."""
         await self.ready()
-        committed = self.store.commit(geometry, keys)
+        return self.epoch, *await self.store.reserve(geometry, keys)
+
+    async def commit(self, reservation_id: int) -> int:
+        await self.ready()
+        committed = self.store.commit(reservation_id)
         await self.flush()  # read-your-writes: the directory knows before put() returns
         return committed
 
-    async def abort(self, geometry: PageGeometry, keys: list[PageKey]) -> None:
+    async def abort(self, reservation_id: int) -> None:
         await self.ready()
-        self.store.pool(geometry).abort(keys)
+        self.store.abort(reservation_id)
 
     async def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
-        """Pin the longest local prefix of `keys`: (epoch, lease_id, [(tier, slot), ...])."""
+        """Pin the longest local prefix of `keys`:
+        (epoch, lease_id, [(tier, slot, generation), ...])."""
         await self.ready()
         return self.epoch, *await self.store.acquire(geometry, keys)
 
@@ -182,30 +187,29 @@ class NodeCacheActor:
         await self.ready()
         waits, calls = set(), []
         for node_id, keys in remote.items():
-            waits.update(self._pulls[k] for k in keys if k in self._pulls)
-            todo = [k for k in keys if k not in self._pulls and not self.store.has(geometry, k)]
-            if todo:
-                # Claimed before the first await, so a request arriving meanwhile waits on it.
-                done = asyncio.get_running_loop().create_future()
-                self._pulls.update(dict.fromkeys(todo, done))
-                calls.append(self._pull_from(geometry, node_id, todo, done))
+            todo, others, done = self.pulls.claim(
+                k for k in keys if k in self.pulls or not self.store.has(geometry, k))
+            waits |= others
+            calls.append(self._pull_from(geometry, node_id, todo, done))
         pulled = await asyncio.gather(*calls)
-        await asyncio.gather(*(asyncio.shield(w) for w in waits))
+        await self.pulls.wait(waits)
         return sum(pulled)
 
     async def _pull_from(self, geometry: PageGeometry, node_id: str, keys: list[PageKey],
                          done: asyncio.Future) -> int:
         try:
-            peer = await self._peer(node_id)
-            refs = await peer.export_pages(geometry, keys) if peer is not None else []
+            peer = await self.peers.aget(node_id) if keys else None
+            if peer is None:
+                return 0
+            refs = await asyncio.wait_for(peer.export_pages(geometry, keys),
+                                          self.config.call_timeout_s)
             return await self.adopt(geometry, keys[: len(refs)], refs)
-        except ray.exceptions.RayError as error:  # a dead peer: its pages are misses
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as error:  # a miss
             log.warning("pull from %s failed: %s", node_id[:8], error)
+            self.peers.forget(node_id)
             return 0
         finally:
-            for key in keys:
-                self._pulls.pop(key, None)
-            done.set_result(None)
+            self.pulls.finish(keys, done)
 
     async def adopt(self, geometry: PageGeometry, keys: list[PageKey], refs: list) -> int:
         """Keep pages another node exported (Ray objects) in this node's host tier."""
@@ -221,13 +225,6 @@ class NodeCacheActor:
         await self.ready()
         return await self.exports.export(geometry, keys)
 
-    async def _peer(self, node_id: str) -> NodeHandle | None:
-        if node_id not in self._peers:
-            # get_actor is a blocking GCS call: keep it off the event loop.
-            self._peers[node_id] = await asyncio.to_thread(NodeHandle.lookup, node_id,
-                                                            self.config)
-        return self._peers[node_id]
-
     # ---- introspection -------------------------------------------------------------------
 
     async def inventory(self) -> list[tuple[PageKey, int]]:
@@ -237,12 +234,12 @@ class NodeCacheActor:
     async def stats(self) -> dict:
         await self.ready()
         return {"node_id": self.node_id, "epoch": self.epoch, "disk_dir": self.slot.disk_dir,
-                **self.store.stats(), **self.counters, **self.exports.counters}
+                **self.store.stats(), **self.counters, **self.exports.counters,
+                "events": self.stream.stats(), "loops": self.loops.running()}
 
     async def shutdown(self) -> None:
         """Release the shared-memory slabs (disk slabs stay, for the next start)."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        self.loops.cancel_all()
         self.store.close()
 
     async def ping(self) -> str:

@@ -1,4 +1,4 @@
-"""start() and connect(): the public entry points (see DESIGN.md, "Public client API")."""
+"""start(), connect() and stop(): the public entry points (see DESIGN.md, "Public client API")."""
 
 from __future__ import annotations
 
@@ -7,14 +7,16 @@ import os
 
 import ray
 
-from actors.controller import Controller
-from actors.directory import DirectoryShard
-from actors.handles import CONTROLLER_NAME, DIRECTORY_NAME, DirectoryHandle, NodeHandle
-from actors.placement import kv_nodes
+from actors.handles import ControllerHandle, DirectoryHandle, NodeHandle
 from cluster.core.config import CacheConfig
+from cluster.core.geometry import PageGeometry
+from cluster.core.membership import kv_nodes
 from cluster.core.spec import ModelSpec
+from cluster.core.store import shm_bytes_per_pool
+from cluster.core.tiers.memory import SharedMemoryTooSmall, check_shm_room
 
 log = logging.getLogger("raykv")
+START_TIMEOUT_S = 120.0
 
 
 def _ensure_ray(config: CacheConfig) -> None:
@@ -32,42 +34,63 @@ def _ensure_ray(config: CacheConfig) -> None:
              logging_level=logging.WARNING)
 
 
-def _start_directory(config: CacheConfig) -> DirectoryHandle:
-    config_json = config.model_dump_json()
-    shards = [DirectoryShard.options(name=DIRECTORY_NAME.format(shard=i),
-                                     namespace=config.ray_namespace, lifetime="detached",
-                                     get_if_exists=True).remote(config_json, i)
-              for i in range(config.num_directory_shards)]
-    running = CacheConfig.model_validate_json(ray.get(shards[0].get_config.remote()))
-    ray.get([shard.ready.remote() for shard in shards])
-    if running != config:
-        raise ValueError("a raykv service with a different CacheConfig is already running on this "
-                         f"Ray cluster: {running.model_dump()}; call stop() first")
-    return DirectoryHandle(shards)
+def _check_local_shm(config: CacheConfig) -> None:
+    """Fail fast, before any actor starts, when this (kv) node's /dev/shm is too small."""
+    here = ray.get_runtime_context().get_node_id()
+    if here in kv_nodes(config.node_resource, ray.nodes()):
+        from cluster.core.pool import PoolLimits
+        from cluster.core.tiers.memory import cuda_available
+
+        limits = PoolLimits(config.device_bytes, config.host_bytes, config.disk_bytes,
+                            use_cuda=cuda_available())
+        check_shm_room(shm_bytes_per_pool(limits))
 
 
 def start(config: CacheConfig | None = None) -> dict:
-    """Ensure the directory shards and one node actor per kv node exist; idempotent."""
+    """Ensure the directory shards and one node actor per kv node exist; idempotent.
+
+    Raises ValueError when a service with another config runs, and SharedMemoryTooSmall
+    (a RuntimeError) when a node's /dev/shm cannot hold the configured tiers.
+    """
     config = config or CacheConfig()
     _ensure_ray(config)
-    directory = _start_directory(config)
-    controller = Controller.options(name=CONTROLLER_NAME, namespace=config.ray_namespace,
-                                    lifetime="detached", get_if_exists=True
-                                    ).remote(config.model_dump_json())
-    nodes = ray.get(controller.sync_members.remote())
-    return {"nodes": nodes, "directory": ray.get([s.ready.remote() for s in directory.shards])}
+    _check_local_shm(config)
+    directory = DirectoryHandle.create(config)
+    running = CacheConfig.model_validate_json(ray.get(directory.get_config(),
+                                                      timeout=START_TIMEOUT_S))
+    if running != config:
+        raise ValueError("a raykv service with a different CacheConfig is already running on this "
+                         f"Ray cluster: {running.model_dump()}; call stop() first")
+    shards = ray.get(directory.ready(), timeout=START_TIMEOUT_S)
+    controller = ControllerHandle.create(config)
+    members = ray.get(controller.sync_members(), timeout=START_TIMEOUT_S)
+    _raise_node_failures(members["failures"])
+    return {"nodes": members["members"], "directory": shards}
+
+
+def _raise_node_failures(failures: dict[str, str]) -> None:
+    if not failures:
+        return
+    lines = "; ".join(f"node {node_id[:12]}: {why}" for node_id, why in failures.items())
+    error = SharedMemoryTooSmall if any("shm" in why or "shared memory" in why
+                                        for why in failures.values()) else RuntimeError
+    raise error(f"raykv could not start on {len(failures)} node(s): {lines}")
 
 
 def running_config(ray_namespace: str = "raykv") -> CacheConfig:
-    try:
-        shard = ray.get_actor(DIRECTORY_NAME.format(shard=0), namespace=ray_namespace)
-    except ValueError:
-        raise RuntimeError("raykv is not running on this Ray cluster; call start() first") from None
-    return CacheConfig.model_validate_json(ray.get(shard.get_config.remote()))
+    ref = DirectoryHandle.first_shard_config(ray_namespace)
+    if ref is None:
+        raise RuntimeError("raykv is not running on this Ray cluster; call start() first")
+    return CacheConfig.model_validate_json(ray.get(ref, timeout=START_TIMEOUT_S))
 
 
 def connect(spec: ModelSpec, namespace: str = "default"):
-    """A client for one model and tenant namespace on the running service."""
+    """A client for one model and tenant namespace on the running service.
+
+    Raises TypeError/ValueError for a bad spec or an unknown namespace, ValueError when the
+    node refuses the model's page geometry (past max_geometries), RuntimeError when raykv is
+    not running.
+    """
     from cluster.client import KVClient
 
     if not isinstance(spec, ModelSpec):
@@ -77,8 +100,18 @@ def connect(spec: ModelSpec, namespace: str = "default"):
     config = running_config()
     if namespace not in config.namespaces:
         raise ValueError(f"unknown namespace {namespace!r}; configured: {list(config.namespaces)}")
-    directory = DirectoryHandle.lookup(config)
-    return KVClient(spec, namespace, config, directory, _home_node(config))
+    home = _home_node(config)
+    _open_pool(home, PageGeometry.of(spec, config.page_tokens))
+    return KVClient(spec, namespace, config, DirectoryHandle.lookup(config), home)
+
+
+def _open_pool(home: NodeHandle, geometry: PageGeometry) -> None:
+    try:
+        ray.get(home.open_pool(geometry), timeout=START_TIMEOUT_S)
+    except ray.exceptions.RayTaskError as error:
+        if isinstance(error, ValueError):
+            raise ValueError(str(error.cause)) from None
+        raise
 
 
 def _home_node(config: CacheConfig) -> NodeHandle:
@@ -86,7 +119,7 @@ def _home_node(config: CacheConfig) -> NodeHandle:
     local = NodeHandle.lookup(here, config, is_local=True)
     if local is not None:
         return local
-    for node_id in kv_nodes(config, ray.nodes()):
+    for node_id in kv_nodes(config.node_resource, ray.nodes()):
         remote = NodeHandle.lookup(node_id, config)
         if remote is not None:
             return remote
@@ -97,20 +130,18 @@ def stop(ray_namespace: str = "raykv") -> None:
     """Kill the service's actors (their shared memory is released with them)."""
     try:
         config = running_config(ray_namespace)
-    except RuntimeError:
+    except (RuntimeError, ray.exceptions.RayError):
         return
-    try:
-        ray.kill(ray.get_actor(CONTROLLER_NAME, namespace=ray_namespace), no_restart=True)
-    except ValueError:
-        pass
+    controller = ControllerHandle.lookup(config)
+    if controller is not None:
+        controller.kill()
     for node in ray.nodes():
         handle = NodeHandle.lookup(node["NodeID"], config)
         if handle is None:
             continue
         try:
-            ray.get(handle.actor.shutdown.remote(), timeout=10)
+            ray.get(handle.shutdown(), timeout=10)
         except (ray.exceptions.RayError, TimeoutError):
             pass  # a dead node's slabs went with it; a restarted actor cleans up stale ones
-        ray.kill(handle.actor, no_restart=True)
-    for shard in DirectoryHandle.lookup(config).shards:
-        ray.kill(shard, no_restart=True)
+        handle.kill()
+    DirectoryHandle.lookup(config).kill()

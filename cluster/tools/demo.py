@@ -113,7 +113,7 @@ def _best_ms(fn, repeats: int = TIMING_REPEATS):
 
 def _hit_tiers(client, tokens: list[int]) -> list[int]:
     """The tier of each page of the cached prefix, as the directory sees it before the get."""
-    located = client.directory.match(client.keys(tokens))
+    located = client.locate_keys(client.keys(tokens))
     home = client.home.node_id
     return [next((tier for node, tier in places if node == home), places[0][1])
             for places in located]

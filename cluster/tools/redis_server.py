@@ -140,6 +140,17 @@ class RedisServer:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
+    def refuse_writes(self, refuse: bool = True) -> None:
+        """Make our server refuse every write (NOREPLICAS) while it still serves reads: a
+        primary that lost its replicas. refuse=False undoes it."""
+        import redis
+
+        client = redis.Redis.from_url(self.url)
+        try:
+            client.config_set("min-replicas-to-write", 1 if refuse else 0)
+        finally:
+            client.close()
+
     def __enter__(self) -> RedisServer:
         return self.start()
 

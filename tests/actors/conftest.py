@@ -9,6 +9,8 @@ import pytest
 import ray
 
 from cluster import CacheConfig, start, stop
+from cluster.core.tiers.memory import remove_stale_shm
+from cluster.core.tiers.node_slot import slot_shm_prefix
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +29,9 @@ def disk_root():
     path = tempfile.mkdtemp(prefix="raykv-test-", dir="/tmp")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+    # A node actor killed for real leaves its slabs; a later service under another disk dir
+    # has another shm prefix and would not reclaim them.
+    remove_stale_shm(slot_shm_prefix(path))
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +40,14 @@ def service(ray_local, disk_root):
 
     def _start(**overrides) -> CacheConfig:
         # A fresh disk dir per service: a restarted service would otherwise (rightly)
-        # recover the previous one's disk pages.
+        # recover the previous one's disk pages. The node slots (and their shm prefix) stay
+        # under disk_root, so slabs of a killed actor are reclaimed by the next one.
         settings = dict(page_tokens=16, device_bytes=64 * 8192, host_bytes=64 * 8192,
-                        disk_bytes=1 << 20, disk_dir=tempfile.mkdtemp(dir=disk_root))
+                        disk_bytes=1 << 20, disk_dir=disk_root)
         settings.update(overrides)
         config = CacheConfig(**settings)
         stop()
+        shutil.rmtree(disk_root, ignore_errors=True)
         start(config)
         return config
 

@@ -7,14 +7,11 @@ import ray
 import torch
 
 from cluster import ModelSpec, connect
+from tests.kv import kv_for
 
 TINY = ModelSpec.preset("tiny-llama")
 
 
-def kv_for(spec: ModelSpec, num_tokens: int, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    shape = (spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim)
-    return torch.randn(shape, generator=generator).to(spec.torch_dtype())
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +108,16 @@ def test_bad_tokens_are_refused(client, tokens, error):
         client.put(tokens, kv_for(TINY, 32))
     with pytest.raises(error):
         client.lookup(tokens)
+
+
+def test_a_second_start_with_another_config_is_refused(started):
+    from cluster import CacheConfig, start
+    from cluster.api import running_config
+
+    with pytest.raises(ValueError, match="different CacheConfig"):
+        start(CacheConfig(page_tokens=32, disk_dir="/tmp/elsewhere"))
+    assert running_config().page_tokens == 16
+    assert start(running_config())["nodes"]  # the same config again: idempotent
 
 
 def test_unknown_namespace_and_model(client):

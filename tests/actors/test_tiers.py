@@ -8,19 +8,17 @@ import time
 import ray
 import torch
 
-from actors.handles import NODE_NAME
 from cluster import ModelSpec, connect
+from cluster.calls import run_sync
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import page_keys
+from tests.kv import kv_for
 
 TINY = ModelSpec.preset("tiny-llama")
 PAGE_BYTES = 8192  # tiny-llama, 16 tokens, float32
 SMALL = dict(device_bytes=0, host_bytes=4 * PAGE_BYTES, disk_bytes=64 * (PAGE_BYTES + 4096))
 
 
-def kv_for(num_tokens: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(2, 2, 2, num_tokens, 16, generator=generator)
 
 
 def prompt(index: int) -> list[int]:
@@ -29,18 +27,15 @@ def prompt(index: int) -> list[int]:
 
 def fill(client, num_prompts: int) -> None:
     for index in range(num_prompts):
-        assert client.put(prompt(index), kv_for(32, index)) == 32
+        assert client.put(prompt(index), kv_for(TINY, 32, index)) == 32
 
 
 def wait_for_new_epoch(client, old_epoch: int, timeout_s: float = 30) -> dict:
     deadline_s = time.monotonic() + timeout_s
     while time.monotonic() < deadline_s:
-        try:
-            stats = client.stats()["node"]
-            if stats["epoch"] != old_epoch:
-                return stats
-        except ray.exceptions.RayActorError:
-            pass
+        stats = client.stats()["node"]  # {"error": ...} while the actor restarts
+        if stats.get("epoch", old_epoch) != old_epoch:
+            return stats
         time.sleep(0.2)
     raise AssertionError("the node actor did not come back within the timeout")
 
@@ -55,7 +50,7 @@ def test_pressure_demotes_to_disk_and_get_promotes(service):
     fill(client, 6)  # 12 pages, host holds 4
     assert tiers(client) == {"device": 0, "host": 4, "disk": 8}
     num_tokens, got = client.get(prompt(0))  # on disk: read up, byte-exact
-    assert num_tokens == 32 and torch.equal(got, kv_for(32, 0))
+    assert num_tokens == 32 and torch.equal(got, kv_for(TINY, 32, 0))
     after = tiers(client)
     assert after["host"] == 4 and after["disk"] == 8  # promoted two, demoted two
 
@@ -66,7 +61,7 @@ def test_device_tier_is_top_and_demotes_to_host(service):
     fill(client, 2)
     assert tiers(client) == {"device": 2, "host": 2, "disk": 0}
     fill_more = [9000 + i for i in range(32)]
-    client.put(fill_more, kv_for(32, 99))  # no disk: the coldest pages are dropped
+    client.put(fill_more, kv_for(TINY, 32, 99))  # no disk: the coldest pages are dropped
     assert tiers(client) == {"device": 2, "host": 2, "disk": 0}
     assert client.lookup(fill_more) == 32
     assert client.lookup(prompt(0)) == 0  # dropped, and the directory knows
@@ -84,7 +79,7 @@ def test_prefetch_promotes_disk_pages(service):
 
 
 def _tier_of(client, tokens) -> set[int]:
-    located = client.directory.match(client.keys(tokens))
+    located = client.locate_keys(client.keys(tokens))
     return {tier for locations in located for _, tier in locations}
 
 
@@ -95,14 +90,14 @@ def test_pinned_page_survives_pressure(service):
     geometry = PageGeometry.of(TINY, 16)
     keys = page_keys(TINY, "default", 16, prompt(0))
     epoch, lease_id, slots = ray.get(client.local.acquire(geometry, keys))
-    client.map_epoch(epoch)
+    assert run_sync(client.view.slabs.ensure(epoch), 10)
     assert len(slots) == 2
     fill_base = 50
     for index in range(fill_base, fill_base + 4):  # 8 more pages through a 4-page host tier
-        client.put(prompt(index), kv_for(32, index))
-    for page, (tier, slot) in enumerate(slots):  # still there, untouched, in the same slot
-        expected = kv_for(32, 0)[:, :, :, page * 16:(page + 1) * 16]
-        assert torch.equal(client._page_view(tier, slot), expected)
+        client.put(prompt(index), kv_for(TINY, 32, index))
+    for page, (tier, slot, _) in enumerate(slots):  # still there, untouched, in the same slot
+        expected = kv_for(TINY, 32, 0)[:, :, :, page * 16:(page + 1) * 16]
+        assert torch.equal(client.view.slabs.page(tier, slot), expected)
     ray.get(client.local.release(lease_id))
     fill(client, 1)
     assert client.get(prompt(0))[0] == 32
@@ -112,13 +107,12 @@ def test_disk_pages_survive_node_actor_restart(service):
     service(**SMALL)
     client = connect(TINY)
     fill(client, 6)  # prompts 0..3 on disk, 4..5 in host memory
-    node_id = client.local.node_id
     old_epoch = client.stats()["node"]["epoch"]
-    actor = ray.get_actor(NODE_NAME.format(node_id=node_id), namespace="raykv")
-    ray.kill(actor, no_restart=False)  # Ray restarts it; memory tiers are gone, disk is not
+    # Ray restarts it; memory tiers are gone, disk is not.
+    ray.kill(client.local.actor, no_restart=False)
     stats = wait_for_new_epoch(client, old_epoch)
     assert stats["pages"] == {"device": 0, "host": 0, "disk": 8}
     for index in range(4):
         num_tokens, got = client.get(prompt(index))
-        assert num_tokens == 32 and torch.equal(got, kv_for(32, index))
+        assert num_tokens == 32 and torch.equal(got, kv_for(TINY, 32, index))
     assert client.lookup(prompt(5)) == 0  # it was in host memory

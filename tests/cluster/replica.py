@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ray
-import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster import connect
@@ -35,15 +34,9 @@ class Replica:
         return ray.get_runtime_context().get_node_id()
 
     def located(self, tokens) -> list:
-        return self.client.directory.match(self.client.keys(tokens))
+        return self.client.locate_keys(self.client.keys(tokens))
 
 
 def replica_on(node_id: str, spec: ModelSpec):
     strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     return Replica.options(scheduling_strategy=strategy).remote(spec)
-
-
-def kv_for(spec: ModelSpec, num_tokens: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    shape = (spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim)
-    return torch.randn(shape, generator=generator).to(spec.torch_dtype())

@@ -6,12 +6,13 @@ import pytest
 import ray
 import torch
 
-from actors.handles import CONTROLLER_NAME, NODE_NAME
+from actors.handles import ControllerHandle, NodeHandle
 from cluster import CacheConfig, ModelSpec, start
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import page_keys
 from tests.cluster.conftest import node_args, node_id_of, wait_until
-from tests.cluster.replica import kv_for, replica_on
+from tests.cluster.replica import replica_on
+from tests.kv import kv_for
 
 TINY = ModelSpec.preset("tiny-llama")
 GEOMETRY = PageGeometry.of(TINY, 16)
@@ -25,17 +26,12 @@ def nodes(ray_cluster, disk_root):
     return {"a": a, "b": b, "ra": replica_on(a, TINY), "rb": replica_on(b, TINY)}
 
 
-def node_actor(node_id: str):
-    return ray.get_actor(NODE_NAME.format(node_id=node_id), namespace="raykv")
-
-
 def node_stats(node_id: str) -> dict:
-    return ray.get(node_actor(node_id).stats.remote())
+    return ray.get(NodeHandle.lookup(node_id, CacheConfig()).stats())
 
 
 def test_every_kv_node_has_an_actor(nodes):
-    controller = ray.get_actor(CONTROLLER_NAME, namespace="raykv")
-    members = ray.get(controller.stats.remote())["members"]
+    members = ray.get(ControllerHandle.lookup(CacheConfig()).stats())["members"]
     assert len(members) == 3 and {nodes["a"], nodes["b"]} <= set(members)
     assert ray.get(nodes["ra"].node.remote()) == nodes["a"]
 
@@ -89,8 +85,8 @@ def test_concurrent_requests_share_one_pull(nodes):
     ray.get(nodes["ra"].put.remote(tokens, kv))
     keys = page_keys(TINY, "default", 16, tokens)
     calls_before = node_stats(nodes["a"])["export_calls"]
-    b_actor = node_actor(nodes["b"])
-    pulled = ray.get([b_actor.pull.remote(GEOMETRY, {nodes["a"]: keys}) for _ in range(6)])
+    b_node = NodeHandle.lookup(nodes["b"], CacheConfig())
+    pulled = ray.get([b_node.pull(GEOMETRY, {nodes["a"]: keys}) for _ in range(6)])
     assert sorted(pulled) == [0] * 5 + [8]  # one request pulled, five waited for it
     assert node_stats(nodes["a"])["export_calls"] == calls_before + 1
     num_tokens, got = ray.get(nodes["rb"].get.remote(tokens))
@@ -113,10 +109,10 @@ def test_a_node_that_joins_late_gets_an_actor(ray_cluster, nodes):
     cluster, _ = ray_cluster
     cluster.add_node(**node_args("node_d"))
     late = wait_until(lambda: _alive("node_d"), 30, "node_d to join")
-    controller = ray.get_actor(CONTROLLER_NAME, namespace="raykv")
-    wait_until(lambda: late in ray.get(controller.stats.remote())["members"], 30,
+    controller = ControllerHandle.lookup(CacheConfig())
+    wait_until(lambda: late in ray.get(controller.stats())["members"], 30,
                "the controller to place a node actor on node_d")
-    assert ray.get(node_actor(late).ping.remote()) == late
+    assert ray.get(NodeHandle.lookup(late, CacheConfig()).ping()) == late
 
 
 def _alive(resource: str) -> str | None:

@@ -198,6 +198,14 @@ def start_service(config, spec):
     return connect(spec)
 
 
+def map_slabs(client, epoch: int) -> None:
+    """Map the client's node slabs of `epoch` (benchmarks that take a get or put apart)."""
+    from cluster.calls import run_sync
+
+    if not run_sync(client.view.slabs.ensure(epoch), client.timeout_s):
+        raise RuntimeError("could not map the node's slabs")
+
+
 # ---- KV tensors holding known pages ---------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ shard, and the CPU each call costs in the shard process(es) and in the client. T
 scaling here shows overhead, not capacity.
 
 Breakdown (no Ray): the same 512-key match in-process, step by step: keys, blob join, the
-shard's split, DirectoryIndex.match_runs, expanding the runs, pickling the blob and the answer.
+shard's split, DirectoryIndex.prefix_runs, expanding the runs, pickling the blob and the answer.
 """
 
 from __future__ import annotations
@@ -94,12 +94,12 @@ def _start_client(num_shards: int, disk_dir: str, tokens: np.ndarray):
     return client
 
 
-def _shard_match(shards: list, blobs: list[bytes]) -> Callable[[], int]:
-    """The raw wire call: every shard's match(blob) at once; pages found, summed over shards."""
+def _shard_match(directory, keys: list) -> Callable[[], int]:
+    """The raw wire call: every shard's prefix_runs(blob) at once; pages found, summed over
+    shards (the blobs are joined inside the timed call, as a client does)."""
     def call() -> int:
-        answers = ray.get([shard.match.remote(blob)
-                           for shard, blob in zip(shards, blobs, strict=True)])
-        return sum(count for runs in answers for _, count in runs)
+        _, refs = directory.prefix_refs(keys)
+        return sum(count for runs in ray.get(refs) for _, count in runs)
 
     return call
 
@@ -116,14 +116,12 @@ def _contenders(client, tokens: np.ndarray, keys: list, redis: RedisExists
                 ) -> dict[str, Callable[[], int | None]]:
     """name -> a call returning how many pages it found (a lookup must find them all), or
     None for a no-op."""
-    shards = client.directory.shards
-    positions = split_by_shard(keys, len(shards))
-    blobs = [b"".join(keys[p] for p in shard_positions) for shard_positions in positions]
+    directory = client.directory
     return {
-        "ping": _no_count(lambda: ray.get(shards[0].ping.remote())),
-        "ping_all": _no_count(lambda: ray.get(client.directory.ping())),
-        "shard_match": _shard_match(shards, blobs),
-        "match": lambda: len(client.directory.match(keys)),
+        "ping": _no_count(lambda: ray.get(directory.ping()[0])),
+        "ping_all": _no_count(lambda: ray.get(directory.ping())),
+        "shard_match": _shard_match(directory, keys),
+        "match": lambda: len(client.locate_keys(keys)),
         "lookup_e2e": lambda: client.lookup(tokens) // PAGE_TOKENS,
         "redis_exists": redis.longest_prefix,
     }
@@ -155,7 +153,7 @@ def measure_throughput(client, keys: list, num_threads: int, duration_s: float) 
     def loop(slot: int) -> None:
         try:
             while time.perf_counter() < deadline_s:
-                if len(client.directory.match(keys)) != NUM_PAGES:
+                if len(client.locate_keys(keys)) != NUM_PAGES:
                     raise RuntimeError("match lost pages under load")
                 calls[slot] += 1
         except BaseException as error:  # noqa: BLE001 - re-raised in the driver below
@@ -261,7 +259,7 @@ def measure_breakdown(reps: int) -> dict[str, float]:
     index = DirectoryIndex()
     index.replace_node("f" * 56, 1, [(key, HOST) for key in keys], 1)  # a Ray node id: 56 hex
     blob = b"".join(keys)
-    runs = index.match_runs(keys)
+    runs = index.prefix_runs(keys)
     assert len(expand_runs(runs)) == NUM_PAGES, "the in-process index lost pages"
     steps = {
         "keys": lambda: page_keys(SPEC, "default", PAGE_TOKENS, tokens),
@@ -269,7 +267,7 @@ def measure_breakdown(reps: int) -> dict[str, float]:
                                             for positions in split_by_shard(keys, 1)],
         "shard_split_blob": lambda: [blob[i:i + KEY_BYTES]
                                      for i in range(0, len(blob), KEY_BYTES)],
-        "match_runs": lambda: index.match_runs(keys),
+        "prefix_runs": lambda: index.prefix_runs(keys),
         "expand_runs": lambda: expand_runs(runs),
         "pickle_blob": lambda: pickle.loads(pickle.dumps(blob, 5)),
         "pickle_answer": lambda: pickle.loads(pickle.dumps(runs, 5)),

@@ -141,10 +141,10 @@ class BenchPeer:
         figures["keys"], keys = timed(lambda: client.keys(tokens))
         figures["acquire"], acquired = timed(
             lambda: ray.get(client.local.acquire(client.geometry, keys)))
-        figures["match"], located = timed(lambda: client.directory.match(keys))
+        figures["match"], located = timed(lambda: client.locate_keys(keys))
         if acquired[2] or len(located) != len(keys):
             raise RuntimeError("steps: the prompt must be on A only, and all of it")
-        peer = client.peer(source_node)
+        peer = client.view.peers.get(source_node)
         figures["export"], page_refs = timed(
             lambda: ray.get(peer.export_pages(client.geometry, keys)))
         figures["fetch"], pages = timed(lambda: ray.get(page_refs))

@@ -170,7 +170,8 @@ def _acquire_and_match_s(client, keys: list) -> float:
     """Both RPCs sent together and both answers awaited, as fetch_prefix does."""
     def both() -> int:
         acquired = client.local.acquire(client.geometry, keys)
-        client.directory.collect(len(keys), *client.directory.match_refs(keys))
+        _, refs = client.directory.prefix_refs(keys)
+        ray.get(refs)
         return ray.get(acquired)[1]
 
     both_s, lease_id = common.timed(both)
@@ -182,12 +183,12 @@ def _get_copies_s(session: Session, keys: list) -> float:
     """The get's page copies alone: pinned slots -> out, as fetch_prefix's _copy_local."""
     client, out = session.client, session.out
     epoch, lease_id, slots = ray.get(client.local.acquire(client.geometry, keys))
-    client.map_epoch(epoch)
+    common.map_slabs(client, epoch)
 
     def copies() -> None:
-        for position, (tier, slot) in enumerate(slots):
+        for position, (tier, slot, _) in enumerate(slots):
             copy_page(out[:, :, :, page_slices(position, client.page_tokens)],
-                      client._page_view(tier, slot))
+                      client.view.slabs.page(tier, slot))
 
     try:
         return common.warm_median_s(copies, GET_REPS)
@@ -216,7 +217,7 @@ def get_phases_s(session: Session) -> dict[str, float]:
     median = lambda run: statistics.median(run() for _ in range(GET_REPS))  # noqa: E731
     return {"keys": common.median_s(lambda: client.keys(tokens), GET_REPS),
             "acquire": median(lambda: _acquire_s(client, keys)),
-            "match": common.median_s(lambda: client.directory.match(keys), GET_REPS),
+            "match": common.median_s(lambda: client.locate_keys(keys), GET_REPS),
             "acquire_and_match": median(lambda: _acquire_and_match_s(client, keys)),
             "get_copies": _get_copies_s(session, keys), "copy_floor": _copy_floor_s(session)}
 
@@ -226,20 +227,20 @@ def put_phases_s(session: Session) -> dict[str, float]:
     client, kv = session.client, session.kv
     tokens = session.fresh_tokens()
     keys_s, keys = common.timed(lambda: client.keys(tokens))
-    reserve_s, (epoch, slots) = common.timed(
+    reserve_s, (epoch, reservation_id, slots) = common.timed(
         lambda: ray.get(client.local.reserve(client.geometry, keys)))
     if len(slots) != len(keys) or None in slots:
         raise RuntimeError(f"reserve found room for {len(slots)} of {len(keys)} pages")
-    client.map_epoch(epoch)
+    common.map_slabs(client, epoch)
 
     def copies() -> None:
         for page, (tier, slot) in enumerate(slots):
-            copy_page(client._page_view(tier, slot),
+            copy_page(client.view.slabs.page(tier, slot),
                       kv[:, :, :, page_slices(page, client.page_tokens)])
 
     copies_s, _ = common.timed(copies)
     rewrite_s, _ = common.timed(copies)  # the same slots again: their memory now touched
-    commit_s, _ = common.timed(lambda: ray.get(client.local.commit(client.geometry, keys)))
+    commit_s, _ = common.timed(lambda: ray.get(client.local.commit(reservation_id)))
     return {"put_keys": keys_s, "reserve": reserve_s, "put_copies": copies_s,
             "put_copies_rewrite": rewrite_s, "commit": commit_s}
 

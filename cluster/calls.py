@@ -1,0 +1,89 @@
+"""How the client waits: one piece of call logic, driven synchronously or from asyncio.
+
+Each client operation is written once as a generator of steps:
+
+    results = yield Wait([ref, ref])   # each result is the value or the exception it raised
+    value   = yield Work(fn)           # CPU work (page copies): inline, or in a thread
+
+`run_sync` resolves a Wait with ray.wait/ray.get; `run_async` awaits the refs, so a Serve
+replica's event loop never blocks. Both give every Wait the same timeout, and hand a timeout
+or a dead actor back as an exception value: the step logic turns it into a miss. Unit tests
+drive the same generators with fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import ray
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    refs: list
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    fn: Callable[[], Any]
+
+
+Steps = Generator[Wait | Work, Any, T]
+
+
+def failed(result: object) -> bool:
+    return isinstance(result, BaseException)
+
+
+def run_sync(steps: Steps[T], timeout_s: float) -> T:
+    """Drive `steps` in this thread, blocking on each Wait for at most `timeout_s`."""
+    reply = None
+    try:
+        while True:
+            step = steps.send(reply)
+            reply = _wait_sync(step.refs, timeout_s) if isinstance(step, Wait) else step.fn()
+    except StopIteration as done:
+        return done.value
+
+
+async def run_async(steps: Steps[T], timeout_s: float) -> T:
+    """Drive `steps` on the running event loop; copies run in a worker thread."""
+    reply = None
+    try:
+        while True:
+            step = steps.send(reply)
+            if isinstance(step, Wait):
+                reply = await _wait_async(step.refs, timeout_s)
+            else:
+                reply = await asyncio.to_thread(step.fn)
+    except StopIteration as done:
+        return done.value
+
+
+def _wait_sync(refs: list, timeout_s: float) -> list:
+    if not refs:
+        return []
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    ready = set(ready)
+    results = []
+    for ref in refs:
+        if ref not in ready:
+            results.append(TimeoutError(f"no answer within {timeout_s} s"))
+            continue
+        try:
+            results.append(ray.get(ref))
+        except ray.exceptions.RayError as error:
+            results.append(error)
+    return results
+
+
+async def _wait_async(refs: list, timeout_s: float) -> list:
+    async def one(ref):
+        return await asyncio.wait_for(ref, timeout_s)
+
+    return list(await asyncio.gather(*(one(ref) for ref in refs), return_exceptions=True))

@@ -1,0 +1,142 @@
+"""Known faults of the slice, each shown on a local Ray: a reservation of a client that died,
+a dead or silent node actor, a /dev/shm too small, a geometry past the limit, file modes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import time
+
+import pytest
+import ray
+
+from actors.handles import NodeHandle
+from cluster import ModelSpec, connect, start, stop
+from cluster.api import running_config
+from cluster.calls import Wait, run_async, run_sync
+from cluster.core.config import CacheConfig
+from cluster.core.tiers.memory import SharedMemoryTooSmall, shm_free_bytes
+from tests.kv import kv_for
+
+TINY = ModelSpec.preset("tiny-llama")
+
+
+def local_node(client) -> NodeHandle:
+    return client.local
+
+
+def test_a_reservation_of_a_client_that_died_expires(service):
+    service(reserve_lease_s=0.5)
+    client = connect(TINY)
+    tokens = list(range(32))
+    # A client reserves slots for these pages and dies before it commits.
+    _, _, slots = ray.get(local_node(client).reserve(client.geometry, client.keys(tokens)))
+    assert len(slots) == 2 and None not in slots
+    assert client.put(tokens, kv_for(TINY, 32)) == 0  # honest: they are not stored yet
+    assert client.lookup(tokens) == 0
+    time.sleep(0.7)
+    assert client.put(tokens, kv_for(TINY, 32)) == 32  # the lapsed slots went back
+    assert client.lookup(tokens) == 32
+    stats = client.stats()["node"]
+    assert stats["expired_reservations"] >= 1 and stats["reservations"] == 0
+
+
+def test_a_dead_local_node_actor_is_a_miss_not_an_error(service):
+    service(call_timeout_s=2.0)
+    client = connect(TINY)
+    tokens = list(range(100, 164))
+    assert client.put(tokens, kv_for(TINY, 64, 1)) == 64
+    local_node(client).kill()  # stays dead (no restart)
+    started_s = time.monotonic()
+    assert client.get(tokens) == (0, None)
+    assert client.put(list(range(200, 232)), kv_for(TINY, 32)) == 0
+    assert client.prefetch(tokens) in (0, 64)  # the directory may still list the dead node
+    assert "error" in client.stats()["node"]
+    assert time.monotonic() - started_s < 2 * 2.0
+    assert client.counters["failed_calls"] >= 2
+    service()  # a fresh service for the tests after this one
+
+
+def test_an_aget_on_a_dead_node_is_a_miss_too(service):
+    service()
+    client = connect(TINY)
+    tokens = list(range(300, 332))
+    assert asyncio.run(client.aput(tokens, kv_for(TINY, 32, 3))) == 32
+    num_tokens, got = asyncio.run(client.aget(tokens))
+    assert num_tokens == 32 and got.equal(kv_for(TINY, 32, 3))
+    local_node(client).kill()
+    assert asyncio.run(client.aget(tokens)) == (0, None)
+    assert asyncio.run(client.aput(list(range(400, 432)), kv_for(TINY, 32))) == 0
+    service()
+
+
+@ray.remote(num_cpus=0)
+def _slow(seconds: float) -> str:
+    time.sleep(seconds)
+    return "late"
+
+
+def _wait_once(ref):
+    return (yield Wait([ref]))[0]
+
+
+def test_a_call_that_does_not_answer_times_out_as_a_value(ray_local):
+    started_s = time.monotonic()
+    result = run_sync(_wait_once(_slow.remote(30)), 0.5)
+    assert isinstance(result, TimeoutError)
+    result = asyncio.run(run_async(_wait_once(_slow.remote(30)), 0.5))
+    assert isinstance(result, TimeoutError)
+    assert time.monotonic() - started_s < 5
+    assert run_sync(_wait_once(_slow.remote(0)), 10) == "late"
+
+
+def test_start_refuses_a_shm_too_small_for_the_tiers(service):
+    stop()
+    huge = shm_free_bytes() + (64 << 30)
+    with pytest.raises(SharedMemoryTooSmall) as error:
+        start(CacheConfig(host_bytes=huge))
+    needed = huge + CacheConfig().device_bytes  # the device tier is a CPU stand-in here
+    assert "--shm-size" in str(error.value) and f"{needed} bytes" in str(error.value)
+    with pytest.raises(RuntimeError, match="not running"):
+        running_config()  # nothing was left half-started
+    service()
+
+
+def test_a_node_actor_that_cannot_map_its_tiers_fails_start(service, monkeypatch):
+    """Where the driver is not a kv node, the node actors' own check is what start() reports."""
+    import cluster.api
+
+    monkeypatch.setattr(cluster.api, "_check_local_shm", lambda config: None)
+    stop()
+    with pytest.raises(SharedMemoryTooSmall, match="could not start"):
+        start(CacheConfig(host_bytes=shm_free_bytes() + (64 << 30)))
+    stop()
+    service()
+
+
+def test_geometries_past_the_limit_are_refused(service):
+    service(max_geometries=2)
+    connect(ModelSpec("m1", 2, 2, 16, "float32"))
+    connect(ModelSpec("m2", 2, 2, 32, "float32"))
+    connect(ModelSpec("m1-again-same-shape", 2, 2, 16, "float32"))  # same geometry as m1
+    with pytest.raises(ValueError, match="max_geometries"):
+        connect(ModelSpec("m3", 4, 2, 16, "float32"))
+    service()
+
+
+def test_slab_files_are_private(service):
+    config = service(device_bytes=0, host_bytes=2 * 8192)
+    client = connect(TINY)
+    for index in range(4):  # past the host tier: pages go to disk
+        client.put(list(range(index * 32, index * 32 + 32)), kv_for(TINY, 32, index))
+    checked = 0
+    for dirpath, _, filenames in os.walk(config.disk_dir):
+        assert stat.S_IMODE(os.stat(dirpath).st_mode) == 0o700, dirpath
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+            checked += 1
+    assert checked >= 3  # lock, manifest, pool file, slab
+    shm = [n for n in os.listdir("/dev/shm") if n.startswith("raykv-")]
+    assert shm and all(stat.S_IMODE(os.stat(f"/dev/shm/{n}").st_mode) == 0o600 for n in shm)

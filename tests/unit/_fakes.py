@@ -1,0 +1,150 @@
+"""Fakes of the actor handles (actors/handles.py) and a driver for the client's steps, so the
+face's call logic runs in unit tests without Ray: a fake call returns a FakeRef holding a
+value or an exception, and `drive` answers each Wait with them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.handles import split_by_shard
+from cluster.calls import Wait
+from cluster.core.directory_index import DirectoryIndex
+from cluster.core.geometry import PageGeometry
+from cluster.core.keys import KEY_BYTES, shard_of
+
+
+@dataclass
+class FakeRef:
+    value: object = None
+
+    def result(self) -> object:
+        return self.value
+
+
+def drive(steps, before_work=None):
+    """run_sync without Ray: each Wait gets its refs' values (exceptions included); each Work
+    runs inline, after `before_work()` when given (to force a race)."""
+    reply = None
+    try:
+        while True:
+            step = steps.send(reply)
+            if isinstance(step, Wait):
+                reply = [ref.result() for ref in step.refs]
+            else:
+                if before_work is not None:
+                    before_work()
+                reply = step.fn()
+    except StopIteration as done:
+        return done.value
+
+
+@dataclass
+class FakeNode:
+    """A node actor: answers from `arenas` (real shared-memory arenas of the core) and a dict
+    key -> (tier, slot); any method can be told to fail."""
+
+    node_id: str
+    arenas: list = field(default_factory=list)
+    pages: dict = field(default_factory=dict)  # key -> (tier, slot)
+    exported: dict = field(default_factory=dict)  # key -> page bytes (numpy), for other nodes
+    epoch: int = 1
+    is_local: bool = False
+    fail: set = field(default_factory=set)
+    calls: list = field(default_factory=list)
+
+    def _call(self, name: str, value: object) -> FakeRef:
+        self.calls.append(name)
+        if name in self.fail:
+            return FakeRef(RuntimeError(f"{self.node_id} {name} failed"))
+        return FakeRef(value)
+
+    def acquire(self, geometry: PageGeometry, keys: list):
+        located = []
+        for key in keys:
+            if key not in self.pages:
+                break
+            tier, slot = self.pages[key]
+            located.append((tier, slot, self.arenas[tier].generation(slot)))
+        return self._call("acquire", (self.epoch, 7 if located else 0, located))
+
+    def release(self, lease_id: int):
+        return self._call("release", None)
+
+    def descriptors(self, geometry: PageGeometry):
+        return self._call("descriptors", (self.epoch, [a.descriptor() for a in self.arenas]))
+
+    def export_pages(self, geometry: PageGeometry, keys: list):
+        refs = []
+        for key in keys:
+            if key not in self.exported:
+                break
+            refs.append(FakeRef(self.exported[key]))
+        return self._call("export_pages", refs)
+
+    def adopt(self, geometry: PageGeometry, keys: list, refs: list):
+        return self._call("adopt", len(keys))
+
+    # puts: reserve in the host arena (tier 1), commit makes the pages visible
+    def reserve(self, geometry: PageGeometry, keys: list):
+        slots = []
+        for key in keys:
+            if key in self.pages:
+                slots.append(None)
+                continue
+            slot = self.arenas[1].alloc()
+            if slot is None:
+                break
+            slots.append((1, slot))
+        self.reserved = dict(zip(keys, slots, strict=False))
+        return self._call("reserve", (self.epoch, 42, slots))
+
+    def commit(self, reservation_id: int):
+        placed = {k: s for k, s in self.reserved.items() if s is not None}
+        if "commit" not in self.fail and "lapse" not in self.fail:
+            self.pages.update(placed)
+        return self._call("commit", 0 if "lapse" in self.fail else len(placed))
+
+    def abort(self, reservation_id: int):
+        return self._call("abort", None)
+
+    def put_pages(self, geometry: PageGeometry, keys: list, pages: list):
+        return self._call("put_pages", len(keys))
+
+
+class FakeDirectory:
+    """Shards answering from real DirectoryIndex objects; a shard can be told to fail."""
+
+    def __init__(self, num_shards: int = 1):
+        self.indexes = [DirectoryIndex() for _ in range(num_shards)]
+        self.failing: set[int] = set()
+
+    def place(self, node_id: str, keys: list, tier: int) -> None:
+        for shard, index in enumerate(self.indexes):
+            mine = [(k, tier) for k in keys if shard_of(k, len(self.indexes)) == shard]
+            inventory = index.node_inventory(node_id) + mine
+            index.replace_node(node_id, 1, inventory, seq=len(inventory))
+
+    def prefix_refs(self, keys: list):
+        positions = split_by_shard(keys, len(self.indexes))
+        refs = []
+        for shard, (index, shard_positions) in enumerate(zip(self.indexes, positions,
+                                                             strict=True)):
+            if shard in self.failing:
+                refs.append(FakeRef(TimeoutError("shard down")))
+                continue
+            blob = b"".join(keys[p] for p in shard_positions)
+            refs.append(FakeRef(index.prefix_runs(
+                [blob[i : i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)])))
+        return positions, refs
+
+
+class FakePeers:
+    def __init__(self, nodes: dict):
+        self.nodes = nodes
+        self.forgotten: list[str] = []
+
+    def get(self, node_id: str):
+        return self.nodes.get(node_id)
+
+    def forget(self, node_id: str) -> None:
+        self.forgotten.append(node_id)

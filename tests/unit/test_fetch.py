@@ -1,0 +1,238 @@
+"""The client's call logic (cluster/fetch.py, cluster/client.py) with fake handles: local and
+remote pages, and every failure a miss, never an exception or wrong bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.client import KVClient
+from cluster.core.config import CacheConfig
+from cluster.core.geometry import HOST, PageGeometry
+from cluster.core.keys import page_keys
+from cluster.core.spec import ModelSpec
+from cluster.core.tiers.memory import MappedArena
+from cluster.fetch import fetch_prefix, remote_sources
+from cluster.slabs import LocalSlabs
+from cluster.view import CacheView
+from tests.unit._fakes import FakeDirectory, FakeNode, FakePeers, drive
+from tests.unit._pages import unique_prefix
+
+SPEC = ModelSpec("tiny", 2, 2, 16, "float32")
+PAGE_TOKENS = 16
+G = PageGeometry.of(SPEC, PAGE_TOKENS)
+TOKENS = list(range(4 * PAGE_TOKENS + 3))
+KEYS = page_keys(SPEC, "default", PAGE_TOKENS, TOKENS)
+
+
+KV = torch.randn(2, 2, 2, 4 * PAGE_TOKENS, 16, generator=torch.Generator().manual_seed(0))
+
+
+def page(p: int) -> torch.Tensor:
+    return KV[:, :, :, p * PAGE_TOKENS : (p + 1) * PAGE_TOKENS].contiguous()
+
+
+class World:
+    """A local node (real shm arenas), a remote node B, a directory and the view."""
+
+    def __init__(self, num_shards: int = 1):
+        prefix = unique_prefix()
+        self.arenas = [MappedArena(t, 8 * G.slot_bytes, G.slot_bytes, False, prefix)
+                       for t in ("device", "host")]
+        self.local = FakeNode("local", self.arenas, is_local=True)
+        self.remote = FakeNode("b")
+        self.directory = FakeDirectory(num_shards)
+        self.peers = FakePeers({"b": self.remote})
+        self.view = CacheView(G, self.local, self.directory, self.peers,
+                              LocalSlabs(self.local, G))
+
+    def put_local(self, pages: range) -> None:
+        for p in pages:
+            slot = self.arenas[HOST].alloc()
+            self.arenas[HOST].view(slot)[: G.page_bytes].copy_(page(p).view(-1).view(torch.uint8))
+            self.local.pages[KEYS[p]] = (HOST, slot)
+        self.directory.place("local", [KEYS[p] for p in pages], HOST)
+
+    def put_remote(self, pages: range) -> None:
+        for p in pages:
+            self.remote.exported[KEYS[p]] = page(p).view(-1).view(torch.uint8).numpy().copy()
+        self.directory.place("b", [KEYS[p] for p in pages], HOST)
+
+    def get(self, before_work=None):
+        return drive(fetch_prefix(self.view, KEYS, None), before_work)
+
+    def close(self) -> None:
+        for arena in self.arenas:
+            arena.close()
+
+
+@pytest.fixture
+def world():
+    w = World()
+    yield w
+    w.close()
+
+
+def test_remote_sources_skip_this_node_and_stop_at_its_own_pages():
+    located = [(("a", 0),), (("local", 1), ("b", 2)), (("local", 0),), (("b", 1),)]
+    assert remote_sources(located, 1, "local") == ["b"]
+    assert remote_sources(located, 0, "local") == ["a", "b"]
+    assert remote_sources(located, 3, None) == ["b"]
+
+
+def test_all_pages_local(world):
+    world.put_local(range(4))
+    num_pages, out = world.get()
+    assert num_pages == 4 and torch.equal(out, KV)
+    assert world.local.calls.count("release") == 1
+    assert world.view.counters["local_pages"] == 4 and world.view.counters["remote_pages"] == 0
+    assert "export_pages" not in world.remote.calls
+
+
+def test_local_prefix_then_remote_pages_are_adopted(world):
+    world.put_local(range(2))
+    world.put_remote(range(4))
+    num_pages, out = world.get()
+    assert num_pages == 4 and torch.equal(out, KV)
+    assert world.remote.calls == ["export_pages"]
+    assert "adopt" in world.local.calls
+    assert world.view.counters["remote_pages"] == 2
+
+
+def test_a_dead_local_node_leaves_the_remote_pages(world):
+    world.put_local(range(4))
+    world.put_remote(range(3))
+    world.local.fail = {"acquire"}
+    num_pages, out = world.get()
+    assert num_pages == 3 and torch.equal(out[:, :, :, : 3 * PAGE_TOKENS],
+                                          KV[:, :, :, : 3 * PAGE_TOKENS])
+    assert world.view.counters["failed_calls"] == 1
+
+
+def test_a_dead_local_node_with_pages_only_there_is_a_miss(world):
+    world.put_local(range(4))
+    world.local.fail = {"acquire"}
+    assert world.get() == (0, None)
+
+
+def test_a_dead_directory_leaves_the_local_pages(world):
+    world.put_local(range(2))
+    world.put_remote(range(4))
+    world.directory.failing = {0}
+    num_pages, out = world.get()
+    assert num_pages == 2 and torch.equal(out[:, :, :, : 2 * PAGE_TOKENS],
+                                          KV[:, :, :, : 2 * PAGE_TOKENS])
+    assert "export_pages" not in world.remote.calls
+
+
+def test_a_dead_peer_is_a_miss_and_forgotten(world):
+    world.put_local(range(1))
+    world.put_remote(range(4))
+    world.remote.fail = {"export_pages"}
+    num_pages, _ = world.get()
+    assert num_pages == 1
+    assert world.peers.forgotten == ["b"]
+    assert "adopt" not in world.local.calls
+
+
+def test_an_unknown_peer_is_a_miss(world):
+    world.put_remote(range(4))
+    world.peers.nodes = {}
+    assert world.get() == (0, None)
+
+
+def test_a_slot_reused_during_the_copy_is_a_miss_not_wrong_bytes(world):
+    """The lease ran out mid-copy and the node gave slot 1's page's slot to another page."""
+    world.put_local(range(3))
+    _, slot = world.local.pages[KEYS[1]]
+    arena = world.arenas[HOST]
+
+    def reuse_slot():
+        if arena.generation(slot) == 0:
+            arena.free(slot)  # the page was evicted ...
+            assert arena.alloc() == slot  # ... and its slot written with another page
+            arena.view(slot).fill_(0x55)
+
+    num_pages, out = world.get(before_work=reuse_slot)
+    assert num_pages == 1
+    assert torch.equal(out[:, :, :, :PAGE_TOKENS], KV[:, :, :, :PAGE_TOKENS])
+    assert world.view.counters["torn_reads"] == 1
+
+
+def test_a_new_epoch_remaps_the_slabs(world):
+    world.put_local(range(2))
+    assert world.get()[0] == 2
+    world.local.epoch = 2
+    assert world.get()[0] == 2
+    assert world.local.calls.count("descriptors") == 2
+    assert world.view.slabs.epoch == 2
+
+
+def test_nothing_cached_anywhere(world):
+    assert world.get() == (0, None)
+    assert world.local.calls == ["acquire"]
+
+
+def test_two_shards_one_down_ends_the_prefix_at_its_first_key():
+    world = World(num_shards=2)
+    try:
+        world.put_remote(range(4))
+        world.directory.failing = {1}
+        from cluster.core.keys import shard_of
+
+        first_down = next(p for p, k in enumerate(KEYS) if shard_of(k, 2) == 1)
+        assert world.get()[0] == first_down
+    finally:
+        world.close()
+
+
+# ---- the client's put and lookup, on the same fakes --------------------------------------
+
+
+def client_of(world: World) -> KVClient:
+    config = CacheConfig(page_tokens=PAGE_TOKENS, disk_dir="/tmp")
+    client = KVClient(SPEC, "default", config, world.directory, world.local)
+    client.view = world.view
+    return client
+
+
+def test_put_copies_into_reserved_slots_and_commits(world):
+    client = client_of(world)
+    assert drive(client._put(TOKENS, torch.cat([KV, KV[:, :, :, :3]], dim=3))) == 64
+    assert world.local.calls[-1] == "commit"
+    world.directory.place("local", KEYS, HOST)
+    assert drive(fetch_prefix(world.view, KEYS, None))[0] == 4
+    assert torch.equal(drive(fetch_prefix(world.view, KEYS, None))[1], KV)
+
+
+@pytest.mark.parametrize("failure, stored", [("reserve", 0), ("commit", 0), ("lapse", 0)])
+def test_a_failed_put_stores_nothing_it_reports(world, failure, stored):
+    client = client_of(world)
+    world.local.fail = {failure}
+    kv = torch.cat([KV, KV[:, :, :, :3]], dim=3)
+    assert drive(client._put(TOKENS, kv)) == stored
+
+
+def test_a_lapsed_reservation_reports_only_the_pages_stored_before_it(world):
+    world.put_local(range(2))  # pages 0 and 1 are stored already
+    client = client_of(world)
+    world.local.fail = {"lapse"}
+    kv = torch.cat([KV, KV[:, :, :, :3]], dim=3)
+    assert drive(client._put(TOKENS, kv)) == 2 * PAGE_TOKENS
+
+
+def test_bad_input_raises_before_any_call(world):
+    client = client_of(world)
+    with pytest.raises(ValueError, match="kv holds"):
+        drive(client._put(TOKENS, KV))
+    with pytest.raises(TypeError, match="integers"):
+        drive(client._put([0.5] * 16, KV[:, :, :, :16]))
+    assert world.local.calls == []
+
+
+def test_lookup_counts_whole_pages_and_a_dead_directory_is_zero(world):
+    client = client_of(world)
+    world.put_remote(range(3))
+    assert drive(client._lookup(TOKENS)) == 3 * PAGE_TOKENS
+    world.directory.failing = {0}
+    assert drive(client._lookup(TOKENS)) == 0
