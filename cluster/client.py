@@ -50,6 +50,11 @@ class KVClient:
         return self.view.counters
 
     @property
+    def home(self):
+        """The node actor (a NodeHandle) this client writes through."""
+        return self.view.home
+
+    @property
     def local(self):
         """This node's actor (a NodeHandle) when the client maps its slabs, else None."""
         return self.view.local

@@ -166,4 +166,4 @@ class EventStream:
     def stats(self) -> dict:
         return {"unacked_batches": sum(len(s.unacked) for s in self.shards),
                 "pending_events": sum(len(s.pending) for s in self.shards),
-                "resync_needed": self.resync_needed(), **self.counters}
+                "resync_needed": self.resync_needed(), "fenced": self.fenced, **self.counters}

@@ -264,8 +264,11 @@ class NodeStore:
             for name, count in pool.tier_counts().items():
                 pages[name] += count
                 used_bytes[name] += count * pool.geometry.page_bytes
+        disks = [pool.disk for pool in self.pools.values() if pool.disk is not None]
         return {"pages": pages, "bytes": used_bytes, "leases": len(self.leases),
-                "reservations": len(self.reservations), **self.counters}
+                "reservations": len(self.reservations),
+                "disk_bytes_read": sum(d.bytes_read for d in disks),
+                "disk_bytes_written": sum(d.bytes_written for d in disks), **self.counters}
 
     def close(self) -> None:
         for pool in self.pools.values():

@@ -45,11 +45,6 @@ CACHE_ARG = (
 )
 
 
-def build_tiny_llama(seed: int = 0) -> tuple[LlamaForCausalLM, ModelSpec]:
-    """A 2-layer GQA Llama with the "tiny-llama" geometry, float32, eval mode."""
-    return build_llama("tiny-llama", seed)
-
-
 def build_llama(preset: str, seed: int = 0) -> tuple[LlamaForCausalLM, ModelSpec]:
     """A random-weight Llama of a raykv preset's geometry (see SHAPES), eval mode.
 

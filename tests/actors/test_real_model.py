@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cluster import connect
-from cluster.tools.model import build_tiny_llama, continue_from, prefill
+from cluster.tools.model import build_llama, continue_from, prefill
 
 PAGE_BYTES = 8192
 PREFIX_TOKENS = 48  # three pages of 16
@@ -21,7 +21,7 @@ TOLERANCE = {"none": 0.0, "fp8": 0.15, "int8": 0.04}
 
 @pytest.fixture(scope="module")
 def model():
-    return build_tiny_llama(seed=0)
+    return build_llama("tiny-llama", seed=0)
 
 
 def prompts() -> tuple[list[int], list[int]]:

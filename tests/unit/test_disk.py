@@ -364,7 +364,7 @@ def test_aligned_helpers():
     assert first.ctypes.data != second.ctypes.data
     pool.release(first)
     pool.release(second)  # beyond max_buffers: dropped
-    assert pool.num_cached == 1
+    assert len(pool._free) == 1
     with pool.borrow() as borrowed:
-        assert borrowed is first and pool.num_cached == 0
-    assert pool.num_cached == 1
+        assert borrowed is first and len(pool._free) == 0
+    assert len(pool._free) == 1

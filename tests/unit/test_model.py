@@ -8,7 +8,7 @@ from cluster.core.quant import decode_page, encode_page
 from cluster.core.spec import ModelSpec
 from cluster.tools.model import (
     CACHE_ARG,
-    build_tiny_llama,
+    build_llama,
     cache_from_kv,
     continue_from,
     kv_from_cache,
@@ -22,7 +22,7 @@ PAGE_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def model():
-    return build_tiny_llama(seed=0)[0]
+    return build_llama("tiny-llama", seed=0)[0]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def tokens():
 
 
 def test_geometry_matches_the_tiny_llama_spec(model, tokens):
-    built, spec = build_tiny_llama(seed=0)
+    built, spec = build_llama("tiny-llama", seed=0)
     assert spec == ModelSpec.preset("tiny-llama")
     assert not built.training and built.dtype == torch.float32
     config = built.config
@@ -48,7 +48,7 @@ def test_geometry_matches_the_tiny_llama_spec(model, tokens):
 
 def test_weights_are_seeded_and_leave_the_global_rng_alone():
     rng_state = torch.get_rng_state()
-    first, second, other = (build_tiny_llama(seed)[0].state_dict() for seed in (0, 0, 1))
+    first, second, other = (build_llama("tiny-llama", seed)[0].state_dict() for seed in (0, 0, 1))
     assert torch.equal(torch.get_rng_state(), rng_state)
     assert all(torch.equal(first[name], second[name]) for name in first)
     assert not torch.equal(

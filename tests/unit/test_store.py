@@ -21,6 +21,7 @@ from cluster.core.store import StoreConfig
 from cluster.core.tiers.aligned import round_up
 from cluster.core.tiers.memory import SHM_DIR, ArenaMapping
 from tests.unit._pages import (
+    DISK_SLOT_BYTES,
     GEOMETRY,
     PAGE_BYTES,
     as_page,
@@ -373,6 +374,7 @@ def test_stats_figures(stores):
         "bytes": {"device": 2 * PAGE_BYTES, "host": 2 * PAGE_BYTES, "disk": PAGE_BYTES},
         "leases": 1, "reservations": 0, "puts": 5, "gets": 1, "hits_pages": 2,
         "misses_pages": 1, "expired_reservations": 0, "expired_leases": 0,
+        "disk_bytes_read": 0, "disk_bytes_written": DISK_SLOT_BYTES,  # one page, header incl.
     }
     store.release(lease_id)
     assert store.stats()["leases"] == 0

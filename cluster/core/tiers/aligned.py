@@ -71,9 +71,6 @@ class AlignedBufferPool:
         finally:
             self.release(buffer)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._free)
 
 
 def preallocate(fd: int, size_bytes: int) -> None:
