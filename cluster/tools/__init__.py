@@ -1,1 +1,1 @@
-"""Around the service: the CLI, the demo, benchmarks, the test redis-server, the demo model."""
+"""Around the service: the CLI, the demo, benchmarks, the test redis-server."""

@@ -121,7 +121,7 @@ def _hit_tiers(client, tokens: list[int]) -> list[int]:
 
 def serve_prompt(client, model, prompt: Prompt) -> PromptResult:
     """Reuse the cached prefix, run the rest, compare with a full recompute, store the KV."""
-    from cluster.tools.model import continue_from, prefill
+    from cluster.serving.model import continue_from, prefill
 
     tokens = prompt.tokens
     full_ms, (ref_logits, ref_kv) = _best_ms(lambda: prefill(model, tokens))
@@ -373,7 +373,7 @@ def _print_replica(console, replica: dict) -> None:
 
 
 def _serve_all(client, model, prompts: list[Prompt]) -> list[PromptResult]:
-    from cluster.tools.model import continue_from, prefill
+    from cluster.serving.model import continue_from, prefill
 
     for _ in range(TIMING_REPEATS):  # warm-up: the first forwards pay one-off costs
         _, kv = prefill(model, prompts[0].tokens)
@@ -386,7 +386,7 @@ def _workload_run(console, num_nodes: int) -> dict:
 
     from cluster import connect
     from cluster.core.quant import quant_report
-    from cluster.tools.model import build_llama, prefill
+    from cluster.serving.model import build_llama, prefill
 
     model, spec = build_llama(MODEL_PRESET, seed=0)
     prompts = make_workload(seed=0)

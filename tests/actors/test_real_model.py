@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cluster import connect
-from cluster.tools.model import build_llama, continue_from, prefill
+from cluster.serving.model import build_llama, continue_from, prefill
 
 PAGE_BYTES = 8192
 PREFIX_TOKENS = 48  # three pages of 16

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 from cluster.core.quant import decode_page, encode_page
 from cluster.core.spec import ModelSpec
-from cluster.tools.model import (
+from cluster.serving.model import (
     CACHE_ARG,
     build_llama,
     cache_from_kv,
