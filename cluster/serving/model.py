@@ -16,7 +16,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from cluster.core.spec import ModelSpec
 
 TINY_VOCAB = 512
-TINY_MAX_POSITIONS = 4096
+TINY_MAX_POSITIONS = 16384  # RoPE has no learned positions: this is only a limit
 # Wider than Llama's 0.02 so that random logits have a clear top-1 instead of a near tie.
 TINY_INIT_STD = 0.1
 
@@ -93,6 +93,29 @@ def continue_from(
         )
     cache = cache_from_kv(kv_prefix, model)
     logits, _ = _forward(model, input_ids[:, num_prefix_tokens:], cache, num_prefix_tokens)
+    return logits
+
+
+def prefill_from(
+    model: LlamaForCausalLM, kv_prefix: torch.Tensor | None, tokens: list[int] | torch.Tensor
+) -> tuple[torch.Tensor, DynamicCache]:
+    """(last-position logits, the cache of all `tokens`), running only the tokens past the P
+    that `kv_prefix` [L, 2, H, P, D] covers (None: all of them). P must be < len(tokens)."""
+    input_ids = _input_ids(model, tokens)
+    if kv_prefix is None:
+        return _forward(model, input_ids, DynamicCache(config=model.config), 0)
+    num_prefix_tokens = kv_prefix.shape[3]
+    if not 0 <= num_prefix_tokens < input_ids.shape[1]:
+        raise ValueError(f"kv_prefix covers {num_prefix_tokens} tokens; it must cover fewer "
+                         f"than the {input_ids.shape[1]} given")
+    cache = cache_from_kv(kv_prefix, model)
+    return _forward(model, input_ids[:, num_prefix_tokens:], cache, num_prefix_tokens)
+
+
+def decode_step(model: LlamaForCausalLM, cache: DynamicCache, token: int,
+                position: int) -> torch.Tensor:
+    """Logits after appending one token at `position` to `cache` (which grows by one)."""
+    logits, _ = _forward(model, _input_ids(model, [token]), cache, position)
     return logits
 
 

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from cluster.tools.serve_cli import serve_command
 from cluster.tools.sizing_cli import size_command
 
 app = typer.Typer(help="raykv: a Ray-distributed, tiered KV-cache service for LLM serving.",
@@ -19,6 +20,7 @@ bench_app = typer.Typer(help="Benchmarks: raykv side by side with the machine's 
 app.add_typer(bench_app, name="bench")
 app.command("size", help="KV bytes per token and sequence, and how many sequences fit.")(
     size_command)
+app.command("serve")(serve_command)
 
 # name -> module with `run(json_path: str | None, quick: bool) -> dict`
 BENCHMARKS = {

@@ -1,0 +1,80 @@
+"""The Serve application: `serve run cluster.serving.app:build_app model=small-llama`.
+
+    HTTP -> Ingress (OpenAI API; tokenizes, computes page keys; its handle's router)
+               -> EngineDeployment x N (one per kv node by default), each on raykv's cache
+
+`build_app` starts the cache service on the cluster when it is not running (with the `cache`
+settings given, else the defaults) and returns the application. `raykv serve` calls it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+from ray.serve.config import RequestRouterConfig
+
+from cluster.api import running_config, start
+from cluster.core.config import CacheConfig
+from cluster.core.membership import kv_nodes
+from cluster.core.spec import ModelSpec
+from cluster.serving.deployments import EngineDeployment
+from cluster.serving.engine import EngineConfig
+from cluster.serving.ingress import Ingress
+from cluster.serving.model import SHAPES
+
+ROUTERS = {
+    "raykv": "cluster.serving.router:RaykvRouter",
+    "pow2": "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter",
+    "prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
+              ":PrefixCacheAffinityRouter",
+}
+
+
+class AppArgs(BaseModel):
+    """What `serve run ... key=value` or `raykv serve` may set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("small-llama", description=f"one of {sorted(SHAPES)}")
+    replicas: int | None = Field(None, ge=1, description="engine replicas (default: one per "
+                                 "kv node)")
+    router: Literal["raykv", "pow2", "prefix"] = "raykv"
+    max_context_tokens: int = Field(8192, ge=64, le=16384)
+    default_max_tokens: int = Field(16, ge=1)
+    max_ongoing_requests: int = Field(4, ge=1)
+    max_queued_requests: int = Field(64, ge=-1, description="past it: HTTP 503 (-1: no limit)")
+    engine_num_cpus: float = Field(1.0, ge=0)
+    seed: int = 0
+    cache: dict | None = Field(None, description="CacheConfig fields, used when raykv is not "
+                               "running yet")
+
+
+def ensure_cache(cache: dict | None) -> CacheConfig:
+    """The running service's config; starts the service (with `cache`) when none runs."""
+    try:
+        return running_config()
+    except RuntimeError:
+        start(CacheConfig(**(cache or {})))
+        return running_config()
+
+
+def build_app(args: dict | None = None):
+    """A Serve application of the OpenAI API over engines on raykv's cache."""
+    settings = AppArgs(**(args or {}))
+    if settings.model not in SHAPES:
+        raise ValueError(f"unknown model {settings.model!r}; known: {sorted(SHAPES)}")
+    config = ensure_cache(settings.cache)
+    replicas = settings.replicas or len(kv_nodes(config.node_resource, ray.nodes()))
+    engine_config = EngineConfig(settings.model, settings.seed, settings.max_context_tokens,
+                                 settings.max_ongoing_requests)
+    engine = EngineDeployment.options(
+        num_replicas=replicas, max_ongoing_requests=settings.max_ongoing_requests,
+        max_queued_requests=settings.max_queued_requests,
+        ray_actor_options={"num_cpus": settings.engine_num_cpus,
+                           "resources": {config.node_resource: 0.001}},
+        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[settings.router]),
+    ).bind(engine_config, settings.model)
+    return Ingress.bind(engine, ModelSpec.preset(settings.model), settings.max_context_tokens,
+                        settings.default_max_tokens)

@@ -1,0 +1,59 @@
+"""The Serve deployments: EngineDeployment (the model on the cache, one replica per kv node
+by default) and the replica-side plumbing around the Engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+import torch
+from ray import serve
+
+from cluster.api import connect
+from cluster.serving.engine import Chunk, Engine, EngineConfig, GenerationRequest
+
+
+@serve.deployment(max_ongoing_requests=4, max_replicas_per_node=1,
+                  ray_actor_options={"num_cpus": 1, "resources": {"kv_node": 0.001}})
+class EngineDeployment:
+    """One engine replica: a model and a raykv client per namespace."""
+
+    def __init__(self, config: EngineConfig, spec_check: str):
+        torch.set_num_threads(1)  # replicas share the node's cores with each other
+        context = ray.get_runtime_context()
+        self.node_id = context.get_node_id()
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.clients: dict = {}
+        self.engine = Engine(config, self.clients, f"{self.node_id[:8]}/{replica[:8]}")
+        assert self.engine.spec.name == spec_check, "ingress and engine disagree on the model"
+        self._connect_lock = asyncio.Lock()
+
+    async def generate(self, request: GenerationRequest):
+        """Stream Chunks: the first has no text (it carries the request's figures)."""
+        await self._client(request.namespace)
+        async for chunk in self.engine.generate(request):
+            yield chunk
+
+    async def _client(self, namespace: str):
+        async with self._connect_lock:
+            if namespace not in self.clients:
+                self.clients[namespace] = await asyncio.to_thread(connect, self.engine.spec,
+                                                                  namespace)
+        return self.clients[namespace]
+
+    async def stats(self) -> dict:
+        return {"replica": self.engine.replica, "node_id": self.node_id,
+                **self.engine.counters}
+
+    async def drain(self) -> dict:
+        """Wait for background stores; then the replica's counters."""
+        await self.engine.drain()
+        return await self.stats()
+
+    def record_routing_stats(self) -> dict:
+        """Published to routers by Serve: compact facts about this replica (the directory
+        stays the source of truth for where pages are)."""
+        return {"node_id": self.node_id, "requests": self.engine.counters["requests"]}
+
+
+__all__ = ["Chunk", "EngineDeployment"]

@@ -1,0 +1,192 @@
+"""The engine: a real transformers model on the cache, one request at a time per call.
+
+Per request:
+    1. get the cached prefix of the prompt into a preallocated KV buffer (aget, out=)
+    2. prefill only the rest of the prompt, continuing from that KV
+    3. store the prompt's new full pages, off the response path
+    4. decode (greedy by default), streaming text as it comes
+    5. store the new full pages of prompt + output, off the response path
+
+Model compute runs in a worker thread, so the replica's event loop keeps serving; a cache
+failure is a miss (a full prefill), never a failed request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.serving import tokenizer
+from cluster.serving.model import build_llama, decode_step, kv_from_cache, prefill_from
+from cluster.serving.sampling import Sampler, SamplingParams, StopText
+
+log = logging.getLogger("raykv.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "small-llama"
+    seed: int = 0
+    max_context_tokens: int = 8192
+    max_buffers: int = 4  # preallocated KV buffers: one per request in flight
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """What the ingress sends to an engine replica (and what its routers read).
+
+    `prompt` is the text (Ray Serve LLM's prefix router matches on it); `page_keys` are the
+    prompt's page keys, concatenated, computed once by the ingress (raykv's router looks
+    them up in the directory).
+    """
+
+    prompt: str
+    token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    namespace: str = "default"
+    page_keys: bytes = b""
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One streamed piece of a generation; the last one has a finish_reason."""
+
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: str | None = None
+    replica: str = ""
+    fetch_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+class BufferPool:
+    """Preallocated [L, 2, H, max_context, D] KV buffers, touched once, reused."""
+
+    def __init__(self, shape: tuple, dtype: torch.dtype, max_buffers: int):
+        self.shape, self.dtype, self.max_buffers = shape, dtype, max_buffers
+        self._free: list[torch.Tensor] = []
+
+    def take(self) -> torch.Tensor:
+        return self._free.pop() if self._free else torch.zeros(self.shape, dtype=self.dtype)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        if len(self._free) < self.max_buffers:
+            self._free.append(buffer)
+
+
+class Engine:
+    """A random-weight Llama (a raykv preset's geometry) serving from raykv's cache."""
+
+    def __init__(self, config: EngineConfig, clients: dict, replica: str = ""):
+        self.config = config
+        self.model, self.spec = build_llama(config.model, config.seed)
+        self.clients = clients  # namespace -> KVClient (see cluster.serving.deployments)
+        self.replica = replica
+        self.mask = tokenizer.text_token_mask(self.model.config.vocab_size)
+        shape = self.spec.page_shape(config.max_context_tokens)
+        self.buffers = BufferPool(shape, self.spec.torch_dtype(), config.max_buffers)
+        self._background: set[asyncio.Task] = set()
+        self.counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                         "completion_tokens": 0, "failed_stores": 0}
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        tokens = request.token_ids
+        client = self.clients[request.namespace]
+        buffer = self.buffers.take()
+        try:
+            fetch_s, kv_prefix = await _timed(self._fetch(client, tokens, buffer))
+            cached = 0 if kv_prefix is None else kv_prefix.shape[3]
+            prefill_s, (logits, cache) = await _timed(
+                asyncio.to_thread(prefill_from, self.model, kv_prefix, tokens))
+        finally:
+            self.buffers.give(buffer)
+        if (len(tokens) // client.page_tokens) * client.page_tokens > cached:
+            self._store(client, tokens, kv_from_cache(cache))
+        self._count(len(tokens), cached)
+        head = Chunk("", len(tokens), cached, 0, None, self.replica, fetch_s, prefill_s)
+        yield head  # the request's figures, before the first token
+        async for chunk in self._decode(client, request, logits, cache, head):
+            yield chunk
+
+    async def _fetch(self, client, tokens: list[int], buffer: torch.Tensor):
+        """The cached prefix's KV (a view of `buffer`), or None; at least one token is left
+        to prefill, since its logits start the generation."""
+        usable = min(len(tokens) - 1, buffer.shape[3]) // client.page_tokens * client.page_tokens
+        if usable <= 0:
+            return None
+        num_tokens, kv = await client.aget(tokens[:usable], out=buffer[:, :, :, :usable])
+        return kv if num_tokens else None
+
+    async def _decode(self, client, request: GenerationRequest, logits: torch.Tensor, cache,
+                      head: Chunk) -> AsyncIterator[Chunk]:
+        sampler = Sampler(request.params, self.mask)
+        stop = StopText(request.params.stop)
+        text = tokenizer.StreamDecoder()
+        generated: list[int] = []
+        position = len(request.token_ids)
+        finish = "length"
+        while len(generated) < request.params.max_tokens:
+            token = sampler.next(logits)
+            generated.append(token)
+            if token == tokenizer.EOS_ID:
+                finish = "stop"
+                break
+            delta = stop.push(text.push(token))
+            if stop.stopped:
+                finish = "stop"
+                yield self._chunk(head, delta, len(generated))
+                break
+            if delta:
+                yield self._chunk(head, delta, len(generated))
+            if len(generated) < request.params.max_tokens:
+                logits = await asyncio.to_thread(decode_step, self.model, cache, token, position)
+                position += 1
+        tail = "" if stop.stopped else stop.push(text.flush()) + stop.finish()
+        self.counters["completion_tokens"] += len(generated)
+        fed = request.token_ids + generated[: position - len(request.token_ids)]
+        if len(fed) // client.page_tokens > len(request.token_ids) // client.page_tokens:
+            self._store(client, fed, kv_from_cache(cache))
+        yield self._chunk(head, tail, len(generated), finish)
+
+    @staticmethod
+    def _chunk(head: Chunk, text: str, completion_tokens: int,
+               finish: str | None = None) -> Chunk:
+        return Chunk(text, head.prompt_tokens, head.cached_tokens, completion_tokens, finish,
+                     head.replica, head.fetch_s, head.prefill_s)
+
+    def _store(self, client, tokens: list[int], kv: torch.Tensor) -> None:
+        """Put the new full pages in the background; the response does not wait."""
+        task = asyncio.get_running_loop().create_task(self._put(client, tokens, kv))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _put(self, client, tokens: list[int], kv: torch.Tensor) -> None:
+        try:
+            await client.aput(tokens, kv)
+        except Exception:  # a failed store is a future miss, never a failed request
+            self.counters["failed_stores"] += 1
+            log.exception("storing %d tokens failed", len(tokens))
+
+    async def drain(self) -> None:
+        """Wait for the background stores (tests, and before a benchmark's next phase)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    def _count(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += prompt_tokens
+        self.counters["cached_tokens"] += cached_tokens
+
+
+async def _timed(awaitable):
+    start_s = time.perf_counter()
+    result = await awaitable
+    return time.perf_counter() - start_s, result

@@ -1,0 +1,221 @@
+"""The HTTP ingress: OpenAI-compatible /v1/completions, /v1/chat/completions and /v1/models.
+
+It tokenizes (bytes), computes the prompt's page keys once, and calls the engine through a
+handle, whose request router (raykv's, Serve's pow2, or Ray Serve LLM's prefix router) runs
+here and can see those keys. Errors use OpenAI's JSON shape; a bad request gets a 4xx and
+never reaches an engine.
+"""
+
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.api import running_config
+from cluster.core.keys import page_keys
+from cluster.core.spec import ModelSpec
+from cluster.serving import protocol, tokenizer
+from cluster.serving.engine import Chunk, GenerationRequest
+
+log = logging.getLogger("raykv.ingress")
+app = FastAPI(title="raykv", docs_url=None, redoc_url=None)
+RETRY_AFTER_S = 1
+RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str, code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, protocol.error_body(message, kind, code, param)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_: Request, error: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
+    return JSONResponse(error.body, status_code=error.status, headers=headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+    first = error.errors()[0] if error.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    message = f"{first.get('msg', 'invalid request')}" + (f" ({param})" if param else "")
+    return JSONResponse(protocol.error_body(message, "invalid_request_error", None, param),
+                        status_code=400)
+
+
+@app.exception_handler(Exception)
+async def _unexpected(_: Request, error: Exception) -> JSONResponse:
+    log.exception("request failed")  # logged here; the client gets no traceback
+    return JSONResponse(protocol.error_body(f"internal error: {type(error).__name__}",
+                                            "server_error"), status_code=500)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return JSONResponse(protocol.error_body(str(error.detail), kind), status_code=error.status_code)
+
+
+# Helpers come before the class: Serve pickles the ingress class with the globals it
+# finds at that moment.
+
+
+def _usage(chunk: Chunk) -> dict:
+    return protocol.usage(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens)
+
+
+def _headers(chunk: Chunk) -> dict:
+    return {"x-raykv-replica": chunk.replica, "x-raykv-cached-tokens": str(chunk.cached_tokens)}
+
+
+async def _completion_events(stream, head: Chunk, request_id: str, model: str,
+                             include_usage: bool) -> AsyncIterator[dict]:
+    last = head
+    async for chunk in stream:
+        last = chunk
+        if chunk.text or chunk.finish_reason:
+            yield protocol.completion_body(request_id, model, chunk.text, chunk.finish_reason,
+                                           None)
+    if include_usage:
+        yield {**protocol.completion_body(request_id, model, "", None, _usage(last)),
+               "choices": []}
+
+
+async def _chat_events(stream, head: Chunk, request_id: str, model: str,
+                       include_usage: bool) -> AsyncIterator[dict]:
+    yield protocol.chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None,
+                              None)
+    last = head
+    async for chunk in stream:
+        last = chunk
+        if chunk.text or chunk.finish_reason:
+            delta = {"content": chunk.text} if chunk.text else {}
+            yield protocol.chat_chunk(request_id, model, delta, chunk.finish_reason, None)
+    if include_usage:
+        yield {**protocol.chat_chunk(request_id, model, {}, None, _usage(last)), "choices": []}
+
+
+async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
+    except Exception as error:  # the stream is open: report in-band, as OpenAI does
+        log.exception("generation failed mid-stream")
+        yield f"data: {json.dumps(protocol.error_body(str(error), 'server_error'))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+@serve.deployment(max_ongoing_requests=64, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class Ingress:
+    """OpenAI-compatible HTTP in front of the engine deployment."""
+
+    def __init__(self, engine, spec: ModelSpec, max_context_tokens: int,
+                 default_max_tokens: int = 16):
+        self.engine = engine.options(stream=True)
+        self.spec = spec
+        self.config = running_config()
+        self.max_context_tokens = max_context_tokens
+        self.default_max_tokens = default_max_tokens
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.spec.name, "object": "model",
+                                            "created": 0, "owned_by": "raykv"}]}
+
+    @app.post("/v1/completions")
+    async def completions(self, body: protocol.CompletionRequest, request: Request):
+        generation = self._generation(body, body.text(), request)
+        request_id = protocol.new_id("cmpl")
+        if body.stream:
+            return await self._stream(generation, request_id, body, _completion_events)
+        text, last = await self._collect(generation)
+        return JSONResponse(protocol.completion_body(request_id, body.model, text,
+                                                     last.finish_reason, _usage(last)),
+                            headers=_headers(last))
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
+        messages = [tokenizer.Message(m.role, m.text()) for m in body.messages]
+        generation = self._generation(body, tokenizer.apply_chat_template(messages), request)
+        request_id = protocol.new_id("chatcmpl")
+        if body.stream:
+            return await self._stream(generation, request_id, body, _chat_events)
+        text, last = await self._collect(generation)
+        return JSONResponse(protocol.chat_body(request_id, body.model, text,
+                                               last.finish_reason, _usage(last)),
+                            headers=_headers(last))
+
+    def _generation(self, body, prompt: str, request: Request) -> GenerationRequest:
+        if body.model != self.spec.name:
+            raise ApiError(404, f"The model `{body.model}` does not exist; this server "
+                           f"serves `{self.spec.name}`.", "invalid_request_error",
+                           "model_not_found", "model")
+        namespace = request.headers.get("x-raykv-namespace", "default")
+        if namespace not in self.config.namespaces:
+            raise ApiError(400, f"unknown namespace {namespace!r}", "invalid_request_error",
+                           "unknown_namespace")
+        tokens = tokenizer.encode(prompt)
+        params = body.sampling(self.default_max_tokens)
+        if len(tokens) + params.max_tokens > self.max_context_tokens:
+            raise ApiError(413, f"This model's maximum context length is "
+                           f"{self.max_context_tokens} tokens; the prompt has {len(tokens)} "
+                           f"and max_tokens asks for {params.max_tokens}.",
+                           "invalid_request_error", "context_length_exceeded", "messages")
+        keys = page_keys(self.spec, namespace, self.config.page_tokens, tokens)
+        return GenerationRequest(prompt, tokens, params, namespace, b"".join(keys),
+                                 body.user or "")
+
+    def _call(self, generation: GenerationRequest):
+        try:
+            return self.engine.generate.remote(generation)
+        except BackPressureError as error:
+            raise ApiError(503, f"the engines are overloaded: {error}", "server_error",
+                           "overloaded") from None
+
+    async def _first(self, generation: GenerationRequest):
+        """The engine's stream and its first chunk; a replica that died before answering is
+        retried once on another (nothing was sent to the client yet)."""
+        for attempt in range(2):
+            stream = self._call(generation)
+            try:
+                return stream, await stream.__anext__()
+            except BackPressureError as error:
+                raise ApiError(503, f"the engines are overloaded: {error}", "server_error",
+                               "overloaded") from None
+            except RETRYABLE:
+                if attempt:
+                    raise
+                log.warning("engine replica died before answering; retrying once")
+
+    async def _collect(self, generation: GenerationRequest) -> tuple[str, Chunk]:
+        """The whole generation; a replica that dies mid-way is retried once from scratch
+        (the text so far is dropped, so no response mixes two generations)."""
+        for attempt in range(2):
+            stream, last = await self._first(generation)
+            parts = []
+            try:
+                async for chunk in stream:
+                    parts.append(chunk.text)
+                    last = chunk
+                return "".join(parts), last
+            except RETRYABLE:
+                if attempt:
+                    raise
+                log.warning("engine replica died mid-generation; retrying once")
+
+    async def _stream(self, generation: GenerationRequest, request_id: str, body, events):
+        stream, head = await self._first(generation)
+        include_usage = bool((getattr(body, "stream_options", None) or {}).get("include_usage"))
+        sse = _sse(events(stream, head, request_id, body.model, include_usage))
+        return StreamingResponse(sse, media_type="text/event-stream", headers=_headers(head))

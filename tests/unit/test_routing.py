@@ -1,0 +1,158 @@
+"""KV-aware routing: the pure ranking (policies/routing.py) and RaykvRouter on Serve's
+RequestRouter API with fake replicas (ray.serve's FakeRunningReplica) and a fake directory."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.test_utils import FakeRunningReplica
+
+from cluster.core.directory_index import DirectoryIndex
+from cluster.serving.engine import GenerationRequest
+from cluster.serving.router import RaykvRouter
+from policies.routing import (
+    REMOTE_WEIGHT,
+    TIER_WEIGHTS,
+    ReplicaLoad,
+    has_hits,
+    prefix_scores,
+    rank_replicas,
+)
+
+DEVICE, HOST, DISK = 0, 1, 2
+
+
+# ---- the pure ranking ------------------------------------------------------------------
+
+
+def test_scores_weigh_each_page_by_the_best_copy_a_node_can_use():
+    located = [(("a", DEVICE), ("b", DISK)), (("a", HOST),), (("c", DISK),)]
+    scores = prefix_scores(located, ["a", "b", "c", "d"])
+    assert scores["a"] == pytest.approx(TIER_WEIGHTS[DEVICE] + TIER_WEIGHTS[HOST] + REMOTE_WEIGHT)
+    assert scores["b"] == pytest.approx(TIER_WEIGHTS[DISK] + 2 * REMOTE_WEIGHT)
+    assert scores["c"] == pytest.approx(2 * REMOTE_WEIGHT + TIER_WEIGHTS[DISK])
+    assert scores["d"] == pytest.approx(3 * REMOTE_WEIGHT)
+    assert scores["a"] > scores["b"] > scores["d"] and scores["b"] == pytest.approx(scores["c"])
+
+
+def test_device_beats_host_beats_disk_beats_another_node():
+    assert TIER_WEIGHTS[DEVICE] > TIER_WEIGHTS[HOST] > TIER_WEIGHTS[DISK] > REMOTE_WEIGHT > 0
+
+
+def test_no_prefix_means_no_hits():
+    assert not has_hits(prefix_scores([], ["a", "b"]))
+    assert has_hits(prefix_scores([(("a", HOST),)], ["b"]))  # remote pages still count
+
+
+def loads(*specs):
+    return [ReplicaLoad(r, n, q) for r, n, q in specs]
+
+
+def test_rank_by_score_ties_share_a_rank():
+    replicas = loads(("r1", "a", 0), ("r2", "b", 0), ("r3", "c", 0), ("r4", "a", 1))
+    ranks = rank_replicas(replicas, {"a": 5.0, "b": 1.0, "c": 5.0}, max_imbalance=2)
+    assert ranks == [["r1", "r3", "r4"], ["r2"]]
+
+
+def test_an_overloaded_replica_drops_to_the_last_rank():
+    replicas = loads(("r1", "a", 5), ("r2", "b", 1), ("r3", "c", None))
+    ranks = rank_replicas(replicas, {"a": 9.0, "b": 1.0, "c": 0.0}, max_imbalance=2)
+    assert ranks == [["r2"], ["r3"], ["r1"]]
+    assert rank_replicas(replicas, {"a": 9.0}, max_imbalance=5)[0] == ["r1"]
+
+
+def test_nothing_to_rank():
+    assert rank_replicas([], {"a": 1.0}, 2) == []
+
+
+# ---- RaykvRouter with fake replicas ------------------------------------------------------
+
+
+class AsyncFakeDirectory:
+    """prefix_refs like DirectoryHandle's, answered by real DirectoryIndex shards."""
+
+    def __init__(self, failing: bool = False):
+        self.index = DirectoryIndex()
+        self.failing = failing
+        self.calls = 0
+
+    def place(self, node_id: str, keys: list, tier: int) -> None:
+        self.index.replace_node(node_id, 1, [(k, tier) for k in keys], seq=1)
+
+    def prefix_refs(self, keys: list):
+        self.calls += 1
+
+        async def answer():
+            if self.failing:
+                raise TimeoutError("directory down")
+            return self.index.prefix_runs(keys)
+
+        return [list(range(len(keys)))], [answer()]
+
+
+KEYS = [bytes([i]) * 16 for i in range(6)]
+
+
+def pending(keys: list[bytes]) -> PendingRequest:
+    request = GenerationRequest("prompt", [1, 2, 3], page_keys=b"".join(keys))
+    metadata = RequestMetadata(request_id="r", internal_request_id="i")
+    return PendingRequest(args=[request], kwargs={}, metadata=metadata)
+
+
+def make_router(directory) -> tuple[RaykvRouter, list[FakeRunningReplica]]:
+    router = RaykvRouter(deployment_id=DeploymentID(name="engine", app_name="raykv"),
+                         handle_source=DeploymentHandleSource.UNKNOWN,
+                         use_replica_queue_len_cache=True)
+    router.initialize_state(max_imbalance=2, directory=directory)
+    replicas = [FakeRunningReplica(f"r{i}", node_id=node) for i, node in
+                enumerate(("node-a", "node-b", "node-c"))]
+    router.update_replicas(replicas)
+    return router, replicas
+
+
+def ids(ranks) -> list[list[str]]:
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def test_the_replica_on_the_node_holding_the_prefix_ranks_first():
+    async def main():
+        directory = AsyncFakeDirectory()
+        directory.place("node-b", KEYS[:4], HOST)
+        router, replicas = make_router(directory)
+        ranks = await router.choose_replicas(replicas, pending(KEYS))
+        assert ids(ranks) == [["r1"], ["r0", "r2"]]
+        assert router.counters == {"ranked": 1, "fallback": 0, "lookup_failures": 0}
+
+    asyncio.run(main())
+
+
+def test_a_busy_replica_loses_its_rank_to_the_balance_bound():
+    async def main():
+        directory = AsyncFakeDirectory()
+        directory.place("node-b", KEYS[:4], DEVICE)
+        router, replicas = make_router(directory)
+        router._replica_queue_len_cache.update(replicas[1].replica_id, 3)
+        router._replica_queue_len_cache.update(replicas[0].replica_id, 0)
+        ranks = await router.choose_replicas(replicas, pending(KEYS))
+        assert ids(ranks) == [["r0", "r2"], ["r1"]]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("case", ["no keys", "no hits", "directory down"])
+def test_without_hits_it_falls_back_to_power_of_two(case):
+    async def main():
+        directory = AsyncFakeDirectory(failing=case == "directory down")
+        router, replicas = make_router(directory)
+        request = pending([] if case == "no keys" else KEYS)
+        ranks = await router.choose_replicas(replicas, request)
+        assert len(ranks) == 1 and 1 <= len(ranks[0]) <= 2  # two random choices
+        assert set(ids(ranks)[0]) <= {"r0", "r1", "r2"}
+        assert router.counters["fallback"] == 1
+        assert router.counters["lookup_failures"] == (case == "directory down")
+        assert directory.calls == (0 if case == "no keys" else 1)
+
+    asyncio.run(main())
