@@ -28,15 +28,18 @@ BENCHMARKS = {
     "hashing": "cluster.tools.bench.hashing",
     "directory": "cluster.tools.bench.directory",
     "remote": "cluster.tools.bench.remote",
+    "ttft": "cluster.tools.bench.ttft",
+    "serve": "cluster.tools.bench.serve",
 }
 
 JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
 Quick = Annotated[bool, typer.Option("--quick", help="smaller sizes, for a smoke run")]
+PlotPath = Annotated[Path | None, typer.Option("--plot", help="write a chart here (PNG)")]
 
 
-def _bench(name: str, json_path: Path | None, quick: bool) -> None:
+def _bench(name: str, json_path: Path | None, quick: bool, **extra) -> None:
     module = importlib.import_module(BENCHMARKS[name])
-    result = module.run(str(json_path) if json_path else None, quick)
+    result = module.run(str(json_path) if json_path else None, quick, **extra)
     typer.echo(json.dumps(result["ratios"], indent=2))
 
 
@@ -47,10 +50,20 @@ def _register(name: str, help_text: str) -> None:
     bench_app.command(name, help=help_text)(command)
 
 
+def _register_plotted(name: str, help_text: str) -> None:
+    def command(json_path: JsonPath = None, quick: Quick = False, plot: PlotPath = None) -> None:
+        _bench(name, json_path, quick, plot_path=str(plot) if plot else None)
+
+    bench_app.command(name, help=help_text)(command)
+
+
 _register("tiers", "Host/disk get and put vs memcpy, fio, Redis and Ray's object store.")
 _register("hashing", "Page-key hashing cost in ns per token.")
 _register("directory", "Longest-prefix lookup latency vs a no-op RPC and Redis EXISTS.")
 _register("remote", "Cross-node get throughput vs a raw Ray object transfer.")
+_register("ttft", "Time to first token from the host and disk tiers vs recompute and ideal.")
+_register_plotted("serve", "One chat trace through the Serve app with raykv's, Serve's pow2 and "
+                           "Ray Serve LLM's prefix router: TTFT, cached tokens, replica shares.")
 
 
 @app.command("demo")
