@@ -75,6 +75,7 @@ class NodeStore:
         self._on_event = on_event
         self._lease_ids = itertools.count(1)
         self.counters = {"puts": 0, "gets": 0, "hits_pages": 0, "misses_pages": 0,
+                         "hits_device": 0, "hits_host": 0, "hits_disk": 0,
                          "expired_reservations": 0, "expired_leases": 0}
 
     # ---- pools ---------------------------------------------------------------------------
@@ -199,7 +200,11 @@ class NodeStore:
     async def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
         """Pin the longest local prefix; returns (lease_id, [(tier, slot, generation), ...])."""
         self.expire()
-        located = await self.pool(geometry).acquire(keys)
+        pool = self.pool(geometry)
+        tiers_before = [pool.index[k].tier for k in keys[: pool.local_prefix(keys)]]
+        located = await pool.acquire(keys)
+        for tier in tiers_before[: len(located)]:  # where each hit was found, before promotion
+            self.counters[f"hits_{TIER_NAMES[tier]}"] += 1
         self.counters["gets"] += 1
         self.counters["hits_pages"] += len(located)
         self.counters["misses_pages"] += len(keys) - len(located)

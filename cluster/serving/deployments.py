@@ -42,8 +42,10 @@ class EngineDeployment:
         return self.clients[namespace]
 
     async def stats(self) -> dict:
+        """The engine's counters, and its raykv clients' (local and remote pages fetched)."""
+        clients = {ns: dict(c.counters) for ns, c in self.clients.items()}
         return {"replica": self.engine.replica, "node_id": self.node_id,
-                **self.engine.counters}
+                **self.engine.counters, "clients": clients}
 
     async def drain(self) -> dict:
         """Wait for background stores; then the replica's counters."""

@@ -32,7 +32,7 @@ KEY_BYTES = 16
 class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """KV-aware routing on Serve's RequestRouter API (see module docstring)."""
 
-    def initialize_state(self, max_imbalance: int = 2, lookup_timeout_s: float = 0.5,
+    def initialize_state(self, max_imbalance: int = 1, lookup_timeout_s: float = 0.5,
                          directory=None) -> None:
         """`max_imbalance`: queue-length lead past which a replica loses its rank.
         `directory`: a DirectoryHandle (tests pass a fake); found lazily otherwise."""

@@ -71,7 +71,8 @@ def demo_command(
     png: Annotated[Path, typer.Option(help="where to write the chart")] = Path("out/demo.png"),
     num_nodes: Annotated[int, typer.Option(help="simulated Ray nodes")] = 3,
 ) -> None:
-    """Store and reuse a tiny real Llama's KV through raykv; print a table, write a PNG."""
+    """The Serve app on raykv on a simulated cluster under a multi-tenant chat workload:
+    cached tokens, hits by tier, TTFT with the cache against a recompute; a table and a PNG."""
     from cluster.tools.demo import run_demo
 
     run_demo(png, num_nodes)

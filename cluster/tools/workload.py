@@ -17,6 +17,7 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import requests
@@ -96,6 +97,7 @@ class Replay:
     url: str
     model: str
     concurrency: int = 4
+    prefix: Callable[[int, int], str] | None = None  # (session, turn) -> text put first
     timeout_s: float = 120.0
     records: list[Record] = field(default_factory=list)
 
@@ -129,7 +131,11 @@ class Replay:
         messages = [{"role": "system", "content": session.system}]
         for turn, user in enumerate(session.users):
             messages.append({"role": "user", "content": user})
-            record = self.chat(http, messages, session)
+            sent = messages
+            if self.prefix is not None:  # e.g. a unique first line: nothing is cached
+                head = {"role": "system", "content": self.prefix(index, turn) + session.system}
+                sent = [head, *messages[1:]]
+            record = self.chat(http, sent, session)
             record.session, record.turn = index, turn
             yield record
             messages.append({"role": "assistant", "content": record.text})

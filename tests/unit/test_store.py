@@ -196,6 +196,7 @@ def test_concurrent_acquires_share_one_disk_read(stores):
     assert tier in (DEVICE, HOST)
     assert as_page(store.pool(G).memory[tier].view(slot)).equal(page(0))
     assert store.pool(G).index[key(0)].pins == 2
+    assert store.counters["hits_disk"] == 2  # both found it on disk (one read served both)
     store.release(first_id)
     store.release(second_id)
     assert store.pool(G).index[key(0)].pins == 0
@@ -373,6 +374,7 @@ def test_stats_figures(stores):
         "pages": {"device": 2, "host": 2, "disk": 1},
         "bytes": {"device": 2 * PAGE_BYTES, "host": 2 * PAGE_BYTES, "disk": PAGE_BYTES},
         "leases": 1, "reservations": 0, "puts": 5, "gets": 1, "hits_pages": 2,
+        "hits_device": 2, "hits_host": 0, "hits_disk": 0,  # where each hit was found
         "misses_pages": 1, "expired_reservations": 0, "expired_leases": 0,
         "disk_bytes_read": 0, "disk_bytes_written": DISK_SLOT_BYTES,  # one page, header incl.
     }
