@@ -27,6 +27,10 @@ class EngineDeployment:
         self.engine = Engine(config, self.clients, f"{self.node_id[:8]}/{replica[:8]}")
         assert self.engine.spec.name == spec_check, "ingress and engine disagree on the model"
         self._connect_lock = asyncio.Lock()
+        # Paid here, not by the first requests: the default namespace's client, and the
+        # model's first forward (one-off allocations).
+        self.clients["default"] = connect(self.engine.spec, "default")
+        self.engine.warm_up()
 
     async def generate(self, request: GenerationRequest):
         """Stream Chunks: the first has no text (it carries the request's figures)."""

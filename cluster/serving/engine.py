@@ -97,6 +97,11 @@ class Engine:
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0,
                          "completion_tokens": 0, "failed_stores": 0}
 
+    def warm_up(self) -> None:
+        """One short prefill and decode step, so the first request does not pay for them."""
+        logits, cache = prefill_from(self.model, None, tokenizer.encode("warm up"))
+        decode_step(self.model, cache, int(logits.argmax()), len(tokenizer.encode("warm up")))
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         tokens = request.token_ids
         client = self.clients[request.namespace]

@@ -24,7 +24,7 @@ MODEL = "small-llama"
 ROUTERS = ("raykv", "pow2", "prefix")
 NUM_NODES = 3
 CONCURRENCY = 4
-SHAPE = TraceShape(num_tenants=6, num_sessions=30, turns_per_session=3, system_chars=1200,
+SHAPE = TraceShape(num_tenants=6, num_sessions=40, turns_per_session=3, system_chars=1200,
                    user_chars=120, max_tokens=8)
 QUICK_SHAPE = TraceShape(num_tenants=4, num_sessions=10, turns_per_session=2, system_chars=800,
                          user_chars=80, max_tokens=4)
