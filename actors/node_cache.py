@@ -23,7 +23,7 @@ from cluster.core.geometry import HOST, PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.loops import BackgroundLoops
 from cluster.core.pool import PoolLimits
-from cluster.core.store import NodeStore, StoreConfig, shm_bytes_per_pool
+from cluster.core.store import NodeStore, StoreConfig, shm_bytes_per_node
 from cluster.core.tiers.memory import check_shm_room, cuda_available
 from cluster.core.tiers.node_slot import NodeSlot, claim_node_slot
 
@@ -70,7 +70,7 @@ class NodeCacheActor:
                 "recovered_pages": self.recovered_pages}
 
     async def _start(self) -> None:
-        check_shm_room(shm_bytes_per_pool(store_config(self.config, self.slot).limits))
+        check_shm_room(shm_bytes_per_node(store_config(self.config, self.slot).limits))
         self.recovered_pages = await asyncio.to_thread(self.store.recover_disk)
         await self.flush()
         self.loops.every("events", self.config.event_flush_s, self._tick)

@@ -12,7 +12,7 @@ from cluster.core.config import CacheConfig
 from cluster.core.geometry import PageGeometry
 from cluster.core.membership import kv_nodes
 from cluster.core.spec import ModelSpec
-from cluster.core.store import shm_bytes_per_pool
+from cluster.core.store import shm_bytes_per_node
 from cluster.core.tiers.memory import SharedMemoryTooSmall, check_shm_room
 
 log = logging.getLogger("raykv")
@@ -43,7 +43,7 @@ def _check_local_shm(config: CacheConfig) -> None:
 
         limits = PoolLimits(config.device_bytes, config.host_bytes, config.disk_bytes,
                             use_cuda=cuda_available())
-        check_shm_room(shm_bytes_per_pool(limits))
+        check_shm_room(shm_bytes_per_node(limits))
 
 
 def start(config: CacheConfig | None = None) -> dict:

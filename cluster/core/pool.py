@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Callable
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,11 +22,14 @@ import torch
 
 from cluster.core import quant
 from cluster.core.claims import InflightClaims
+from cluster.core.elastic import guarded_victims
 from cluster.core.geometry import DEVICE, DISK, HOST, PageGeometry
 from cluster.core.keys import PageKey
+from cluster.core.tiers.chunks import ChunkedSlots, Share
 from cluster.core.tiers.disk import DiskArena
-from cluster.core.tiers.memory import MappedArena, readonly_tensor
+from cluster.core.tiers.memory import ArenaOptions, MappedArena, readonly_tensor
 from policies.eviction import make_policy
+from policies.quota import Guard
 
 EventSink = Callable[[PageKey, int | None], None]
 MAX_LOAD_ROUNDS = 3
@@ -44,6 +49,7 @@ class Entry:
     codec: int = 0
     pins: int = 0
     owner: int = 0  # the reservation a PENDING page belongs to
+    namespace: str = ""  # whose page it is, for namespace quotas ("" when not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,21 +65,35 @@ class PoolLimits:
     shm_prefix: str = "raykv"
 
 
+@dataclass(slots=True)
+class Elastic:
+    """A pool's links to the node's shared budgets (NodeStore sets them; a pool on its own
+    has none). `reclaim(pool, tier, num_slots)` gets room by taking chunks from other pools;
+    `guard(tier, namespace, page_bytes)` says whose pages a namespace may evict."""
+
+    reclaim: Callable[[Pool, int, int], Awaitable[None]] | None = None
+    guard: Callable[[int, str, int], Guard] | None = None
+
+
 class Pool:
     """Pages of one geometry on one node."""
 
     def __init__(self, geometry: PageGeometry, limits: PoolLimits, disk: DiskArena | None,
-                 on_event: EventSink):
+                 on_event: EventSink, shares: tuple[Share | None, Share | None] = (None, None)):
         self.geometry = geometry
         self.codec_id = quant.codec_id(limits.disk_codec)
         slot_bytes = geometry.slot_bytes
         self.memory = [
-            MappedArena("device", limits.device_bytes, slot_bytes, limits.use_cuda,
-                        limits.shm_prefix),
-            MappedArena("host", limits.host_bytes, slot_bytes, False, limits.shm_prefix),
+            MappedArena("device", limits.device_bytes, slot_bytes,
+                        ArenaOptions(limits.use_cuda, limits.shm_prefix, shares[DEVICE])),
+            MappedArena("host", limits.host_bytes, slot_bytes,
+                        ArenaOptions(False, limits.shm_prefix, shares[HOST])),
         ]
         self.disk = disk
         self.index: dict[PageKey, Entry] = {}
+        self.elastic = Elastic()
+        self.ns_pages: Counter[tuple[int, str]] = Counter()  # (tier, namespace) -> pages
+        self.last_access_s = time.monotonic()
         # A tier may be absent (no VRAM, no disk): its policy then stays empty.
         self.policies = [make_policy(limits.eviction, max(1, self._num_slots(t)))
                          for t in range(3)]
@@ -91,6 +111,15 @@ class Pool:
             return self.disk.num_free if self.disk else 0
         return self.memory[tier].slots.num_free
 
+    def slots(self, tier: int) -> ChunkedSlots | None:
+        """The chunked slot space of a tier (None: no disk tier)."""
+        if tier == DISK:
+            return self.disk.slots if self.disk else None
+        return self.memory[tier].slots
+
+    def _count(self, entry: Entry, delta: int) -> None:
+        self.ns_pages[(entry.tier, entry.namespace)] += delta
+
     def is_pinned(self, key: PageKey) -> bool:
         entry = self.index.get(key)
         return entry is None or entry.pins > 0 or entry.state != State.READY
@@ -100,8 +129,8 @@ class Pool:
 
     # ---- reserve / commit (puts) -------------------------------------------------------
 
-    async def reserve(self, keys: list[PageKey], owner: int,
-                      tier: int | None = None) -> list[tuple[int, int] | None]:
+    async def reserve(self, keys: list[PageKey], owner: int, tier: int | None = None,
+                      namespace: str = "") -> list[tuple[int, int] | None]:
         """Slots for the keys not yet stored, as (tier, slot); None where the page is stored.
 
         Pages fill the top tier (or `tier`) first and spill into the memory tiers below it.
@@ -109,17 +138,21 @@ class Pool:
         `owner`: an expected shortage shortens it, to [] when nothing fits, and so does a page
         that another put holds reserved (it is not stored until that put commits).
         """
+        self.last_access_s = time.monotonic()
         placed: dict[PageKey, tuple[int, int]] = {}
         for level in range(self.top_tier if tier is None else tier, HOST + 1):
             count = min(len(self._fresh(keys)), self._num_slots(level))
             if count == 0:
                 continue
-            await self.make_room(level, count)
+            await self.make_room(level, count, namespace)
             # Recomputed after the await: a concurrent put may have reserved some meanwhile.
             for key in self._fresh(keys)[: self._free_slots(level)]:
                 slot = self.memory[level].alloc()
-                assert slot is not None, "a free slot was counted"
-                self.index[key] = Entry(level, slot, State.PENDING, owner=owner)
+                if slot is None:  # the budget went to another pool meanwhile
+                    break
+                entry = self.index[key] = Entry(level, slot, State.PENDING, owner=owner,
+                                                namespace=namespace)
+                self._count(entry, 1)
                 placed[key] = (level, slot)
         return self._reserved_prefix(keys, placed, owner)
 
@@ -170,6 +203,7 @@ class Pool:
             entry = self._owned(key, owner)
             if entry is not None:
                 self.memory[entry.tier].free(entry.slot)
+                self._count(entry, -1)
                 del self.index[key]
 
     def write_page(self, key: PageKey, page: np.ndarray) -> None:
@@ -202,6 +236,7 @@ class Pool:
         first; a page that finds no room there is retried once after letting go of our pins
         on the rest of the prefix (they may hold that room). A page lost ends the prefix.
         """
+        self.last_access_s = time.monotonic()
         count = min(self.local_prefix(keys), self._num_slots(DEVICE) + self._num_slots(HOST))
         for key in keys[:count]:
             self.index[key].pins += 1
@@ -242,15 +277,17 @@ class Pool:
 
     # ---- moving pages between tiers ----------------------------------------------------
 
-    async def make_room(self, tier: int, num_pages: int) -> bool:
-        """Free up to `num_pages` slots in `tier` by demoting unpinned victims.
-
-        Frees what it can (pinned pages are never victims); True when all of it is free.
-        """
+    async def make_room(self, tier: int, num_pages: int, namespace: str = "") -> bool:
+        """Free up to `num_pages` slots in `tier`: first by taking chunks the node's budget can
+        give (from other pools, per the quotas), then by demoting this pool's own unpinned
+        victims, as the namespace quotas allow. True when all of it is free."""
         shortfall = num_pages - self._free_slots(tier)
+        if shortfall > 0 and self.elastic.reclaim is not None:
+            await self.elastic.reclaim(self, tier, shortfall)
+            shortfall = num_pages - self._free_slots(tier)
         if shortfall <= 0:
             return True
-        victims = self.policies[tier].victims(shortfall, self.is_pinned)
+        victims = guarded_victims(self, tier, shortfall, namespace)
         if victims:
             await self.demote(victims, tier)
         return self._free_slots(tier) >= num_pages
@@ -295,7 +332,9 @@ class Pool:
     def _relocate(self, key: PageKey, entry: Entry, tier: int, slot: int) -> None:
         self.policies[entry.tier].on_remove(key)
         self._free_slot(entry)
+        self._count(entry, -1)
         entry.tier, entry.slot = tier, slot
+        self._count(entry, 1)
         self.policies[tier].on_insert(key)
         self._on_event(key, tier)
 
@@ -418,6 +457,7 @@ class Pool:
             return
         self.policies[entry.tier].on_remove(key)
         self._free_slot(entry)
+        self._count(entry, -1)
         if entry.state != State.PENDING:
             self._on_event(key, None)
 
@@ -435,7 +475,8 @@ class Pool:
             if key in self.index:
                 self.disk.free(slot)
                 continue
-            self.index[key] = Entry(DISK, slot, State.READY, codec=meta.codec)
+            entry = self.index[key] = Entry(DISK, slot, State.READY, codec=meta.codec)
+            self._count(entry, 1)
             self.policies[DISK].on_insert(key)
             self._on_event(key, DISK)
             adopted += 1

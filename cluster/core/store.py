@@ -24,12 +24,14 @@ from typing import TypeVar
 
 import numpy as np
 
-from cluster.core.geometry import DISK, TIER_NAMES, PageGeometry
+from cluster.core.elastic import ElasticMemory
+from cluster.core.geometry import DEVICE, DISK, HOST, TIER_NAMES, PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.pool import EventSink, Pool, PoolLimits, State
 from cluster.core.tiers.aligned import make_private_dir, write_private_text
 from cluster.core.tiers.disk import DiskArena
-from cluster.core.tiers.memory import ArenaDescriptor, check_shm_room, remove_stale_shm
+from cluster.core.tiers.memory import ArenaDescriptor, remove_stale_shm
+from policies.quota import Quota
 
 POOL_FILE = "pool.json"
 log = logging.getLogger("raykv.store")
@@ -44,8 +46,9 @@ class StoreConfig:
     disk_dir: str
     pin_lease_s: float = 30.0
     disk_threads: int = 4
-    max_geometries: int = 4
+    max_geometries: int = 16
     reserve_lease_s: float = 30.0
+    chunk_bytes: int = 64 << 20
 
 
 @dataclass(slots=True)
@@ -57,9 +60,9 @@ class Lease:
     deadline_s: float
 
 
-def shm_bytes_per_pool(limits: PoolLimits) -> int:
-    """Shared memory one pool maps: the host slab, and the device one where it is a CPU
-    stand-in (generation tables are a rounding error)."""
+def shm_bytes_per_node(limits: PoolLimits) -> int:
+    """Shared memory the node's memory tiers may hold at most: the host budget, and the
+    device one where it is a CPU stand-in (every pool draws from these; slabs are sparse)."""
     return limits.host_bytes + (0 if limits.use_cuda else limits.device_bytes)
 
 
@@ -70,6 +73,10 @@ class NodeStore:
         self.config = config
         remove_stale_shm(config.limits.shm_prefix)
         self.pools: dict[PageGeometry, Pool] = {}
+        limits = config.limits
+        self.elastic = ElasticMemory(limits.device_bytes, limits.host_bytes, limits.disk_bytes,
+                                     config.chunk_bytes)
+        self.model_names: dict[str, str] = {}  # pool holder (geometry name) -> model names
         self.leases: dict[int, Lease] = {}
         self.reservations: dict[int, Lease] = {}
         self._on_event = on_event
@@ -81,34 +88,35 @@ class NodeStore:
     # ---- pools ---------------------------------------------------------------------------
 
     def pool(self, geometry: PageGeometry) -> Pool:
-        """The pool for a geometry, created on first use.
-
-        Until the elastic pool lands every geometry gets the full per-tier budgets, so the
-        number of geometries is capped: past `max_geometries` a new one is a ValueError.
-        """
+        """The pool for a geometry, created on first use; every pool draws from the node's
+        shared tier budgets. Past `max_geometries` pools a new one is a ValueError."""
         pool = self.pools.get(geometry)
         if pool is None:
             geometry.validate()
             if len(self.pools) >= self.config.max_geometries:
                 raise ValueError(
                     f"this node already holds {len(self.pools)} page geometries (the "
-                    f"max_geometries limit); refusing {geometry.name}: each geometry takes the "
-                    "full per-tier budgets")
+                    f"max_geometries limit); refusing {geometry.name}")
             pool = self.pools[geometry] = self._make_pool(geometry)
         return pool
 
     def _make_pool(self, geometry: PageGeometry) -> Pool:
-        limits = self.config.limits
-        check_shm_room(shm_bytes_per_pool(limits))
+        limits, holder = self.config.limits, geometry.name
         disk = None
         if limits.disk_bytes >= geometry.slot_bytes + 4096:
             disk = self._open_disk(os.path.join(self.config.disk_dir, geometry.name), geometry)
-        return Pool(geometry, limits, disk, self._on_event)
+        shares = (self.elastic.share(DEVICE, holder, geometry.slot_bytes),
+                  self.elastic.share(HOST, holder, geometry.slot_bytes))
+        pool = Pool(geometry, limits, disk, self._on_event, shares)
+        self.elastic.attach(holder, pool)
+        return pool
 
     def _open_disk(self, path: str, geometry: PageGeometry) -> DiskArena:
         """The pool's slabs; slabs laid out for another capacity are discarded, loudly."""
         make_private_dir(path)
-        args = (path, self.config.limits.disk_bytes, geometry.page_bytes, self.config.disk_threads)
+        share = self.elastic.share(DISK, geometry.name, geometry.slot_bytes + 4096)
+        args = (path, self.config.limits.disk_bytes, geometry.page_bytes, self.config.disk_threads,
+                share)
         try:
             disk = DiskArena(*args)
         except ValueError as mismatch:
@@ -141,12 +149,13 @@ class NodeStore:
     # ---- puts ----------------------------------------------------------------------------
 
     async def reserve(self, geometry: PageGeometry, keys: list[PageKey],
-                      tier: int | None = None) -> tuple[int, list[tuple[int, int] | None]]:
+                      tier: int | None = None, namespace: str = ""
+                      ) -> tuple[int, list[tuple[int, int] | None]]:
         """(reservation_id, slots): see Pool.reserve. The reservation expires after
         reserve_lease_s unless committed or aborted first."""
         self.expire()  # a dead reader's pins or a dead writer's slots must not keep puts out
         reservation_id = next(self._lease_ids)
-        slots = await self.pool(geometry).reserve(keys, reservation_id, tier)
+        slots = await self.pool(geometry).reserve(keys, reservation_id, tier, namespace)
         mine = [key for key, slot in zip(keys, slots, strict=False) if slot is not None]
         if mine:
             deadline_s = time.monotonic() + self.config.reserve_lease_s
@@ -172,7 +181,8 @@ class NodeStore:
             self.pool(lease.geometry).abort(lease.keys, reservation_id)
 
     async def put_pages(self, geometry: PageGeometry, keys: list[PageKey],
-                        pages: list[np.ndarray], tier: int | None = None) -> int:
+                        pages: list[np.ndarray], tier: int | None = None,
+                        namespace: str = "") -> int:
         """Store pages whose bytes arrived through Ray (remote or non-mapping clients).
 
         Only the keys this call reserved are written and committed (a key that another put
@@ -180,7 +190,7 @@ class NodeStore:
         """
         if len(pages) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(pages)} pages")
-        reservation_id, reserved = await self.reserve(geometry, keys, tier)
+        reservation_id, reserved = await self.reserve(geometry, keys, tier, namespace)
         if not reserved:
             return 0
         pool = self.pool(geometry)
@@ -271,9 +281,29 @@ class NodeStore:
                 used_bytes[name] += count * pool.geometry.page_bytes
         disks = [pool.disk for pool in self.pools.values() if pool.disk is not None]
         return {"pages": pages, "bytes": used_bytes, "leases": len(self.leases),
+                "memory": self.elastic.stats(), "models": self.memory_by_model(),
                 "reservations": len(self.reservations),
                 "disk_bytes_read": sum(d.bytes_read for d in disks),
                 "disk_bytes_written": sum(d.bytes_written for d in disks), **self.counters}
+
+    def set_quotas(self, models: dict[str, Quota], namespaces: dict[str, Quota],
+                   model_names: dict[str, str] | None = None) -> None:
+        """Quotas at run time: by pool (a page geometry's name) and by namespace."""
+        self.elastic.set_quotas(models, namespaces)
+        self.model_names = dict(model_names or {})
+
+    async def shrink_idle(self, idle_s: float) -> int:
+        """Pools unused for `idle_s` give their memory chunks back; returns how many."""
+        return await self.elastic.shrink_idle(time.monotonic(), idle_s)
+
+    def memory_by_model(self) -> dict[str, int]:
+        """Bytes each model holds across the tiers (pools named by their models)."""
+        held: dict[str, int] = {}
+        for budget in self.elastic.budgets:
+            for holder, num_bytes in budget.holders.items():
+                name = self.model_names.get(holder, holder)
+                held[name] = held.get(name, 0) + num_bytes
+        return held
 
     def close(self) -> None:
         for pool in self.pools.values():

@@ -11,7 +11,7 @@ from cluster.core.config import CacheConfig
 from cluster.core.geometry import HOST, PageGeometry
 from cluster.core.keys import page_keys
 from cluster.core.spec import ModelSpec
-from cluster.core.tiers.memory import MappedArena
+from cluster.core.tiers.memory import ArenaOptions, MappedArena
 from cluster.fetch import fetch_prefix, remote_sources
 from cluster.slabs import LocalSlabs
 from cluster.view import CacheView
@@ -37,7 +37,8 @@ class World:
 
     def __init__(self, num_shards: int = 1):
         prefix = unique_prefix()
-        self.arenas = [MappedArena(t, 8 * G.slot_bytes, G.slot_bytes, False, prefix)
+        options = ArenaOptions(shm_prefix=prefix)
+        self.arenas = [MappedArena(t, 8 * G.slot_bytes, G.slot_bytes, options)
                        for t in ("device", "host")]
         self.local = FakeNode("local", self.arenas, is_local=True)
         self.remote = FakeNode("b")

@@ -8,13 +8,20 @@ import os
 import pytest
 import torch
 
-from cluster.core.tiers.memory import SHM_DIR, ArenaMapping, MappedArena, remove_stale_shm
+from cluster.core.tiers.chunks import ChunkedSlots, Share, TierBudget
+from cluster.core.tiers.memory import (
+    SHM_DIR,
+    ArenaMapping,
+    ArenaOptions,
+    MappedArena,
+    remove_stale_shm,
+)
 from tests.unit._pages import shm_files, unique_prefix
 
 
 def test_mapped_arena_slots_and_close():
     prefix = unique_prefix()
-    arena = MappedArena("host", 3 * 4096 + 100, 4096, False, prefix)
+    arena = MappedArena("host", 3 * 4096 + 100, 4096, ArenaOptions(shm_prefix=prefix))
     assert arena.num_slots == 3
     assert [arena.alloc() for _ in range(4)] == [0, 1, 2, None]
     assert arena.used_bytes == 3 * 4096
@@ -34,8 +41,8 @@ def test_mapped_arena_slots_and_close():
     arena.close()  # idempotent
     assert shm_files(prefix) == []
     with pytest.raises(AssertionError):
-        MappedArena("host", 4096, 1000, False, prefix)
-    empty = MappedArena("device", 0, 4096, False, prefix)
+        MappedArena("host", 4096, 1000, ArenaOptions(shm_prefix=prefix))
+    empty = MappedArena("device", 0, 4096, ArenaOptions(shm_prefix=prefix))
     assert empty.num_slots == 0 and empty.alloc() is None
     assert len(shm_files(prefix)) == 2  # a CPU device stand-in has both files too
     empty.close()
@@ -56,3 +63,63 @@ def test_remove_stale_shm_only_removes_its_prefix():
         for path in (stale, other):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+# ---- one budget per tier, shared in chunks -------------------------------------------------
+
+
+def test_chunked_slots_grow_in_chunks_within_the_budget():
+    budget = TierBudget(4 * 4096)
+    slots = ChunkedSlots(8, 4096, Share(budget, "a", 2 * 4096))
+    assert (slots.num_chunks, slots.slots_per_chunk, slots.num_free) == (4, 2, 4)
+    assert [slots.alloc() for _ in range(5)] == [0, 1, 2, 3, None]
+    assert budget.holders == {"a": 4 * 4096} and slots.num_held_chunks == 2
+    other = ChunkedSlots(4, 8192, Share(budget, "b", 8192))
+    assert other.num_free == 0 and other.alloc() is None  # the budget is spent
+    slots.free(2)
+    slots.free(3)
+    assert slots.chunks_by_use() == [(0, 1), (2, 0)]
+    assert slots.release_empty() == 1 and budget.free_bytes == 2 * 4096
+    assert other.alloc() == 0 and budget.holders == {"a": 8192, "b": 8192}
+    with pytest.raises(AssertionError):
+        slots.release(0)  # not empty
+    assert slots.claim_many([6, 7]) == [6, 7]  # no budget left for their chunk
+    other.free(0)
+    other.release_empty()
+    assert slots.claim_many([6, 7]) == [] and slots.num_used == 4
+
+
+def test_without_a_budget_every_slot_is_available():
+    slots = ChunkedSlots(5, 4096)
+    assert slots.num_free == 5 and [slots.alloc() for _ in range(6)][-1] is None
+
+
+def allocated_bytes(path: str) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def test_arenas_of_two_page_sizes_share_one_budget_and_hand_memory_back():
+    prefix = unique_prefix()
+    chunk = 64 * 4096
+    budget = TierBudget(4 * chunk)
+    small = MappedArena("host", 4 * chunk, 4096, ArenaOptions(
+        shm_prefix=prefix, share=Share(budget, "small-model", chunk)))
+    large = MappedArena("host", 4 * chunk, 4 * 4096, ArenaOptions(
+        shm_prefix=prefix, share=Share(budget, "large-model", chunk)))
+    path = small.descriptor().shm_path
+    assert allocated_bytes(path) == 0  # sparse: nothing held, nothing allocated
+    held = [small.alloc() for _ in range(3 * 64)]
+    assert None not in held and budget.holders == {"small-model": 3 * chunk}
+    assert allocated_bytes(path) >= 3 * chunk  # the chunks were populated when granted
+    assert [large.alloc() for _ in range(17)][-1] is None  # one chunk of 16 slots was left
+    for slot in held[64:]:
+        small.free(slot)
+    assert small.slots.release_empty() == 2
+    assert allocated_bytes(path) <= chunk  # punched out: the memory went back
+    assert large.alloc() is not None and budget.holders["large-model"] == 2 * chunk
+    mapping = ArenaMapping(large.descriptor())
+    large.view(16).fill_(9)
+    assert int(mapping.view(16)[0]) == 9
+    small.close()
+    large.close()
+    assert shm_files(prefix) == []

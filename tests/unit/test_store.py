@@ -370,6 +370,10 @@ def test_stats_figures(stores):
     run(store_put_each(store, range(5)))
     lease_id, _ = run(store.acquire(G, [key(4), key(3), key(8)]))
     stats = store.stats()
+    memory, models = stats.pop("memory"), stats.pop("models")
+    assert models == {G.name: 2 * PAGE_BYTES + 2 * PAGE_BYTES + DISK_SLOT_BYTES}
+    assert memory["tiers"]["host"]["models"] == {G.name: 2 * PAGE_BYTES}
+    assert memory["tiers"]["disk"]["namespaces"] == {"": DISK_SLOT_BYTES}
     assert stats == {
         "pages": {"device": 2, "host": 2, "disk": 1},
         "bytes": {"device": 2 * PAGE_BYTES, "host": 2 * PAGE_BYTES, "disk": PAGE_BYTES},

@@ -73,16 +73,32 @@ class AlignedBufferPool:
 
 
 
-def preallocate(fd: int, size_bytes: int) -> None:
-    """Grow the file to `size_bytes` with real blocks (posix_fallocate), else ftruncate."""
-    if os.fstat(fd).st_size >= size_bytes:
-        return
+def allocate_range(fd: int, offset: int, length: int) -> None:
+    """Give [offset, offset + length) real blocks (posix_fallocate), if the filesystem can;
+    ENOSPC and other real failures raise OSError."""
     try:
-        os.posix_fallocate(fd, 0, size_bytes)
+        os.posix_fallocate(fd, offset, length)
     except OSError as error:
         if error.errno not in _NO_FALLOCATE:
-            raise  # ENOSPC and friends are real failures
-        os.ftruncate(fd, size_bytes)
+            raise
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Free the blocks of [offset, offset + length) while the file keeps its size (Linux
+    fallocate PUNCH_HOLE); False where that is not available. Best effort."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        result = libc.fallocate(ctypes.c_int(fd),
+                                ctypes.c_int(_FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE),
+                                ctypes.c_longlong(offset), ctypes.c_longlong(length))
+    except (OSError, AttributeError):
+        return False
+    return result == 0
 
 
 def direct_reads_work(fd: int) -> bool:

@@ -1,4 +1,4 @@
-"""Disk tier: fixed-size slots in preallocated slab files, read and written with O_DIRECT.
+"""Disk tier: fixed-size slots in slab files, read and written with O_DIRECT.
 
     slab-00000.bin: | slot 0 | slot 1 | ... | slot k-1 |   k = slots_per_file (files <= ~1 GiB)
     slab-00001.bin: | slot k | slot k+1 | ...          |
@@ -10,6 +10,10 @@ pool, which release the GIL, through pooled 4096-aligned buffers. A page whose h
 fails its checksum reads as None, a miss. free() writes nothing, so a freed page whose slot was
 not reused comes back from scan() after a restart: still a valid page, which the owner may keep
 or free. manifest.json pins the geometry; reopening with another one raises ValueError.
+
+The slab files are sparse. A chunk of slots gets real blocks (fallocate) when the disk tier's
+node-wide budget grants it to this arena, and gives them back (a punched hole) when released,
+so every model's pages share one disk budget (see chunks.py).
 """
 
 from __future__ import annotations
@@ -32,16 +36,17 @@ from cluster.core.keys import KEY_BYTES
 from cluster.core.tiers.aligned import (
     ALIGN_BYTES,
     AlignedBufferPool,
+    allocate_range,
     direct_reads_work,
     is_aligned,
     make_private_dir,
     open_private,
-    preallocate,
+    punch_hole,
     pwritev_all,
     round_up,
     write_private_text,
 )
-from cluster.core.tiers.slots import SlotAllocator
+from cluster.core.tiers.chunks import ChunkedSlots, Share
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +120,8 @@ class DiskArena:
     """
 
     def __init__(self, dir_path: str | os.PathLike, capacity_bytes: int,
-                 slot_payload_bytes: int, num_threads: int = 4) -> None:
+                 slot_payload_bytes: int, num_threads: int = 4, share: Share | None = None
+                 ) -> None:
         if slot_payload_bytes <= 0 or num_threads <= 0:
             raise ValueError(f"slot_payload_bytes ({slot_payload_bytes}) and num_threads "
                              f"({num_threads}) must be > 0")
@@ -131,7 +137,9 @@ class DiskArena:
         self.num_files = -(-self.num_slots // self.slots_per_file)
         self.direct_io = True
         self._lock = threading.Lock()
-        self._slots = SlotAllocator(self.num_slots)
+        self._slots = ChunkedSlots(self.num_slots, self.slot_bytes, share)
+        self._slots.on_grant = self._allocate_chunk
+        self._slots.on_release = self._punch_chunk
         self.bytes_read = 0  # bytes moved from disk, headers and 4096 padding included
         self.bytes_written = 0  # bytes moved to disk, likewise
         make_private_dir(self.dir_path)
@@ -168,7 +176,9 @@ class DiskArena:
     def _open_slab(self, index: int) -> int:
         path = os.path.join(self.dir_path, f"slab-{index:05d}.bin")
         fd = self._open_fd(path)
-        preallocate(fd, self._slab_size_bytes(index))
+        size_bytes = self._slab_size_bytes(index)
+        if os.fstat(fd).st_size < size_bytes:
+            os.ftruncate(fd, size_bytes)  # sparse: blocks come with the chunks granted
         if self.direct_io and not direct_reads_work(fd):
             os.close(fd)
             self._fall_back(f"O_DIRECT reads fail on {path}")
@@ -197,12 +207,47 @@ class DiskArena:
         return self._fds[file_index], index_in_file * self.slot_bytes
 
     def alloc(self) -> int | None:
+        """A free slot; None when the budget (or the filesystem) has no room for one."""
         with self._lock:
-            return self._slots.alloc()
+            try:
+                return self._slots.alloc()
+            except OSError as error:  # ENOSPC while giving a new chunk its blocks
+                logger.warning("disk tier in %s: no room for a new chunk: %s", self.dir_path,
+                               error)
+                return None
+
+    def _chunk_segments(self, chunk: int) -> list[tuple[int, int, int]]:
+        """(fd, offset, length) runs of a chunk's slots, split at slab-file boundaries."""
+        segments: list[tuple[int, int, int]] = []
+        for slot in self._slots.slots_of(chunk):
+            fd, offset = self._locate(slot)
+            if segments and segments[-1][0] == fd and sum(segments[-1][1:]) == offset:
+                segments[-1] = (fd, segments[-1][1], segments[-1][2] + self.slot_bytes)
+            else:
+                segments.append((fd, offset, self.slot_bytes))
+        return segments
+
+    def _allocate_chunk(self, chunk: int) -> None:
+        for fd, offset, length in self._chunk_segments(chunk):
+            allocate_range(fd, offset, length)
+
+    def _punch_chunk(self, chunk: int) -> None:
+        for fd, offset, length in self._chunk_segments(chunk):
+            punch_hole(fd, offset, length)
+
+    def release_empty_chunks(self) -> int:
+        """Give every chunk with no page back to the budget (and its blocks to the disk)."""
+        with self._lock:
+            return self._slots.release_empty()
 
     def free(self, slot: int) -> None:
         with self._lock:
             self._slots.free(slot)
+
+    @property
+    def slots(self) -> ChunkedSlots:
+        """The chunked slot space (its chunks are held against the disk budget)."""
+        return self._slots
 
     @property
     def num_used(self) -> int:
@@ -378,8 +423,11 @@ class DiskArena:
                 progress(done_slots, self.num_slots)
         found.sort(key=lambda page: page[0])
         with self._lock:
-            self._slots.claim_many([slot for slot, _ in found])
-        return found
+            refused = set(self._slots.claim_many([slot for slot, _ in found]))
+        if refused:
+            logger.warning("disk tier in %s: %d pages found but the disk budget has no room "
+                           "for them; they are dropped", self.dir_path, len(refused))
+        return [page for page in found if page[0] not in refused]
 
     def _scan_range(self, start: int, stop: int
                     ) -> tuple[list[tuple[int, DiskPageMeta]], int, int]:

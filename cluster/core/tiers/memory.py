@@ -1,7 +1,13 @@
 """Memory tiers that same-node clients map directly: host shared memory and device memory.
 
-    slab:        | slot 0 | slot 1 | ... | slot n-1 |      each slot = slot_bytes (4096-aligned)
-    generations: | g0 | g1 | ... | g(n-1) |               uint64, shared memory, one per slot
+    slab:        | chunk 0          | chunk 1 (not held) | chunk 2          | ...
+                 | slot 0 | slot 1  |                    | slot 4 | slot 5  |   4096-aligned
+    generations: | g0 | g1 | g2 | ... |                                uint64, one per slot
+
+An arena spans its pool's whole possible capacity, but holds memory only for the chunks its
+pool was granted from the tier's node-wide budget (chunks.py): the shared-memory file is sparse,
+a granted chunk is populated, a released one punched out; on a GPU each chunk is its own VRAM
+allocation from cupy's pool. That is how models share one budget elastically.
 
 The host tier is a file in /dev/shm mapped by the node actor and by every client on the node,
 so a get is one copy from the slab into the caller's tensor, with no hop through Ray.
@@ -25,7 +31,7 @@ import numpy as np
 import torch
 
 from cluster.core.tiers.aligned import ALIGN_BYTES, round_up
-from cluster.core.tiers.slots import SlotAllocator
+from cluster.core.tiers.chunks import ChunkedSlots, Share
 
 SHM_DIR = os.environ.get("RAYKV_SHM_DIR", "/dev/shm")
 GEN_BYTES = 8
@@ -46,6 +52,7 @@ class ArenaDescriptor:
     shm_path: str | None = None
     cuda_handle: object | None = None
     generations_path: str | None = None
+    chunk_bytes: int = 0
 
 
 def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
@@ -73,15 +80,21 @@ def _gib_ceil(num_bytes: int) -> int:
     return -(-int(num_bytes * 1.1) // 2**30)
 
 
-class _SharedFile:
-    """A file in shared memory, mapped read-write; unlinked by close()."""
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
-    def __init__(self, name: str, nbytes: int):
+
+class _SharedFile:
+    """A file in shared memory, mapped read-write; unlinked by close(). Sparse: memory is
+    taken only for what is written (or populated)."""
+
+    def __init__(self, name: str, nbytes: int, populate: bool = True):
         self.path = os.path.join(SHM_DIR, name)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, nbytes)
-            self.mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _populate())
+            flags = mmap.MAP_SHARED | (_populate() if populate else 0)
+            self.mmap = mmap.mmap(fd, nbytes, flags=flags)
         finally:
             os.close(fd)
 
@@ -90,35 +103,127 @@ class _SharedFile:
             os.unlink(self.path)
 
 
-def _map_file(path: str) -> mmap.mmap:
+def _map_file(path: str, populate: bool = True) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR)
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED | _populate())
+        flags = mmap.MAP_SHARED | (_populate() if populate else 0)
+        return mmap.mmap(fd, os.fstat(fd).st_size, flags=flags)
     finally:
         os.close(fd)
 
 
-class MappedArena:
-    """A slab of fixed-size slots that clients on the node can map."""
+def _advise(mapping: mmap.mmap, advice: int, start: int, length: int) -> bool:
+    try:
+        mapping.madvise(advice, start, length)
+        return True
+    except (OSError, ValueError):
+        return False
 
-    def __init__(self, tier: str, capacity_bytes: int, slot_bytes: int, use_cuda: bool = False,
-                 shm_prefix: str = "raykv"):
+
+class _ShmSlab:
+    """The CPU backing of an arena: one sparse shared-memory file over the whole capacity.
+    A granted chunk is populated (faulted in) at once; a released one is punched out, so
+    the memory goes back to the machine while the file keeps its size."""
+
+    def __init__(self, name: str, nbytes: int):
+        self.file = _SharedFile(name, max(nbytes, ALIGN_BYTES), populate=False)
+        _advise_hugepages(self.file.mmap)
+        self.tensor = torch.frombuffer(self.file.mmap, dtype=torch.uint8)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.tensor[offset : offset + nbytes]
+
+    def grant(self, offset: int, nbytes: int) -> None:
+        if not _advise(self.file.mmap, MADV_POPULATE_WRITE, offset, nbytes):
+            self.tensor[offset : offset + nbytes].zero_()  # older kernels: touch it
+
+    def release(self, offset: int, nbytes: int) -> None:
+        _advise(self.file.mmap, mmap.MADV_REMOVE, offset, nbytes)
+
+    def descriptor_fields(self) -> dict:
+        return {"shm_path": self.file.path}
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _CudaChunks:
+    """The GPU backing of an arena: one VRAM allocation per granted chunk, taken from cupy's
+    memory pool (so a released chunk is VRAM other models and the engine can use), each
+    shared with same-node clients through a CUDA IPC handle. Written for real, guarded: it
+    runs only where cupy and a GPU are present."""
+
+    def __init__(self, chunk_bytes: int):
+        import cupy
+
+        self.cupy = cupy
+        self.chunk_bytes = chunk_bytes
+        self.chunks: dict[int, tuple[object, torch.Tensor]] = {}
+        self.version = 0
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        chunk, within = divmod(offset, self.chunk_bytes)
+        return self.chunks[chunk][1][within : within + nbytes]
+
+    def grant(self, offset: int, nbytes: int) -> None:
+        memory = self.cupy.cuda.alloc(nbytes)
+        array = self.cupy.ndarray((nbytes,), dtype=self.cupy.uint8, memptr=memory)
+        array.fill(0)
+        self.cupy.cuda.Device().synchronize()  # a client mapping it sees initialized memory
+        self.chunks[offset // self.chunk_bytes] = (memory, torch.as_tensor(array,
+                                                                            device="cuda"))
+        self.version += 1
+
+    def release(self, offset: int, nbytes: int) -> None:
+        self.cupy.cuda.Device().synchronize()  # no copy may still read it
+        self.chunks.pop(offset // self.chunk_bytes, None)  # back to cupy's pool
+        self.version += 1
+
+    def descriptor_fields(self) -> dict:
+        handles = {chunk: self.cupy.cuda.runtime.ipcGetMemHandle(memory.ptr)
+                   for chunk, (memory, _) in self.chunks.items()}
+        return {"cuda_handle": {"chunk_bytes": self.chunk_bytes, "chunks": handles,
+                                "device": self.cupy.cuda.Device().id,
+                                "version": self.version}}
+
+    def close(self) -> None:
+        self.chunks.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaOptions:
+    """Where an arena's memory comes from: VRAM or shared memory (named with shm_prefix), and
+    its share of the tier's node-wide budget (None: all of its capacity, up front)."""
+
+    use_cuda: bool = False
+    shm_prefix: str = "raykv"
+    share: Share | None = None
+
+
+class MappedArena:
+    """Slots of one size that clients on the node can map, grown and shrunk in chunks against
+    the tier's budget (see chunks.py); without a budget, every slot is available."""
+
+    def __init__(self, tier: str, capacity_bytes: int, slot_bytes: int,
+                 options: ArenaOptions = ArenaOptions()):
         assert slot_bytes % ALIGN_BYTES == 0, "slot_bytes must be 4096-aligned"
         self.tier = tier
         self.slot_bytes = slot_bytes
         self.num_slots = capacity_bytes // slot_bytes
-        self.slots = SlotAllocator(self.num_slots)
-        tag = f"{shm_prefix}-{tier}-{uuid.uuid4().hex[:12]}"
-        self._slab: _SharedFile | None = None
-        if use_cuda:
-            self.tensor = torch.empty(self.num_slots * slot_bytes, dtype=torch.uint8, device="cuda")
-        else:
-            self._slab = _SharedFile(tag, max(self.num_slots * slot_bytes, ALIGN_BYTES))
-            _advise_hugepages(self._slab.mmap)
-            self.tensor = torch.frombuffer(self._slab.mmap, dtype=torch.uint8)
+        self.slots = ChunkedSlots(self.num_slots, slot_bytes, options.share)
+        self.chunk_bytes = self.slots.chunk_bytes
+        self.slots.on_grant = lambda chunk: self._backing.grant(*self._chunk_range(chunk))
+        self.slots.on_release = lambda chunk: self._backing.release(*self._chunk_range(chunk))
+        tag = f"{options.shm_prefix}-{tier}-{uuid.uuid4().hex[:12]}"
+        self._backing = (_CudaChunks(self.chunk_bytes) if options.use_cuda
+                         else _ShmSlab(tag, self.num_slots * slot_bytes))
         self._generations_file = _SharedFile(tag + "-gen",
                                              round_up(max(1, self.num_slots) * GEN_BYTES))
         self.generations = np.frombuffer(self._generations_file.mmap, dtype=np.uint64)
+
+    def _chunk_range(self, chunk: int) -> tuple[int, int]:
+        start = chunk * self.chunk_bytes
+        return start, min(self.chunk_bytes, self.num_slots * self.slot_bytes - start)
 
     def alloc(self) -> int | None:
         return self.slots.alloc()
@@ -129,21 +234,21 @@ class MappedArena:
 
     def view(self, slot: int) -> torch.Tensor:
         """The slot's bytes as a 1-D uint8 tensor (a view, no copy)."""
-        start = slot * self.slot_bytes
-        return self.tensor[start : start + self.slot_bytes]
+        return self._backing.view(slot * self.slot_bytes, self.slot_bytes)
 
     def generation(self, slot: int) -> int:
         return int(self.generations[slot])
 
     def descriptor(self) -> ArenaDescriptor:
-        handle = None
-        if self.tensor.is_cuda:
-            from torch.multiprocessing.reductions import reduce_tensor
+        fields = self._backing.descriptor_fields()
+        return ArenaDescriptor(self.tier, self.slot_bytes, self.num_slots,
+                               fields.get("shm_path"), fields.get("cuda_handle"),
+                               self._generations_file.path, self.chunk_bytes)
 
-            handle = reduce_tensor(self.tensor)
-        shm_path = self._slab.path if self._slab is not None else None
-        return ArenaDescriptor(self.tier, self.slot_bytes, self.num_slots, shm_path, handle,
-                               self._generations_file.path)
+    @property
+    def layout_version(self) -> int:
+        """Changes when clients must map the arena again (new VRAM chunks); 0 on CPU."""
+        return getattr(self._backing, "version", 0)
 
     @property
     def used_bytes(self) -> int:
@@ -151,29 +256,55 @@ class MappedArena:
 
     def close(self) -> None:
         """Unlink the shm files; mappings already open stay valid until unmapped."""
-        if self._slab is not None:
-            self._slab.close()
+        self._backing.close()
         self._generations_file.close()
 
 
 class ArenaMapping:
-    """A client's mapping of a node arena, opened once and reused."""
+    """A client's mapping of a node arena, opened once and reused. Shared memory is mapped
+    without populating the (sparse) file; a chunk is faulted in the first time it is used."""
 
     def __init__(self, descriptor: ArenaDescriptor):
         self.descriptor = descriptor
         self.generations = np.frombuffer(_map_file(descriptor.generations_path), dtype=np.uint64)
+        self._populated: set[int] = set()
+        self._mmap: mmap.mmap | None = None
         if descriptor.cuda_handle is not None:
-            rebuild, args = descriptor.cuda_handle
-            self.tensor = rebuild(*args)
+            self._cuda = _map_cuda_chunks(descriptor.cuda_handle)
             return
-        self.tensor = torch.frombuffer(_map_file(descriptor.shm_path), dtype=torch.uint8)
+        self._mmap = _map_file(descriptor.shm_path, populate=False)
+        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
 
     def view(self, slot: int) -> torch.Tensor:
         start = slot * self.descriptor.slot_bytes
+        if self._mmap is None:
+            chunk, within = divmod(start, self.descriptor.chunk_bytes)
+            return self._cuda[chunk][within : within + self.descriptor.slot_bytes]
+        chunk = start // self.descriptor.chunk_bytes
+        if chunk not in self._populated:
+            self._populated.add(chunk)
+            _advise(self._mmap, MADV_POPULATE_WRITE, chunk * self.descriptor.chunk_bytes,
+                    min(self.descriptor.chunk_bytes, len(self._mmap)
+                        - chunk * self.descriptor.chunk_bytes))
         return self.tensor[start : start + self.descriptor.slot_bytes]
 
     def generation(self, slot: int) -> int:
         return int(self.generations[slot])
+
+
+def _map_cuda_chunks(handle: dict) -> dict[int, torch.Tensor]:
+    """Open each chunk's CUDA IPC handle (cupy) as a uint8 tensor on the node's GPU."""
+    import cupy
+
+    chunks = {}
+    with cupy.cuda.Device(handle["device"]):
+        for chunk, ipc in handle["chunks"].items():
+            pointer = cupy.cuda.runtime.ipcOpenMemHandle(ipc)
+            memory = cupy.cuda.UnownedMemory(pointer, handle["chunk_bytes"], owner=None)
+            array = cupy.ndarray((handle["chunk_bytes"],), dtype=cupy.uint8,
+                                 memptr=cupy.cuda.MemoryPointer(memory, 0))
+            chunks[chunk] = torch.as_tensor(array, device="cuda")
+    return chunks
 
 
 def _populate() -> int:

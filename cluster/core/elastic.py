@@ -1,0 +1,202 @@
+"""One elastic memory per node: every pool (model) draws its tiers from one budget each.
+
+    NodeStore -- ElasticMemory -- TierBudget x 3 (device, host, disk)
+                     |  quotas: model -> Quota, namespace -> Quota (policies/quota.py)
+    Pool(model A) ---+--- reclaim(pool, tier, num_slots): take chunks from another pool
+    Pool(model B) ---+--- guard(tier, namespace, page_bytes): whose pages a namespace evicts
+
+A pool that needs a slot first uses its held chunks, then grows by a chunk while the budget
+has room. In a full tier, choose_donor names another pool to give a chunk back (its emptiest
+chunks' pages are demoted, the chunks released), or the pool evicts its own pages. A pool
+idle for `idle_shrink_s` gives its memory chunks back down to its min. Pure: no Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cluster.core.geometry import DEVICE, DISK, HOST, TIER_NAMES
+from cluster.core.keys import PageKey
+from cluster.core.tiers.chunks import Share, TierBudget
+from policies.quota import Guard, Holding, Quota, choose_donor, namespace_guard
+
+if TYPE_CHECKING:
+    from cluster.core.pool import Pool
+
+log = logging.getLogger("raykv.elastic")
+MAX_RECLAIM_ROUNDS = 64  # chunks one request may take from others
+MIN_CHUNKS = 8  # a tier is cut into at least this many chunks, so models can share it
+
+
+def guarded_victims(pool: Pool, tier: int, count: int, namespace: str) -> list[PageKey]:
+    """The pool policy's victims, skipping what the namespace quotas protect; pages of the
+    namespaces most over their share go first."""
+    if pool.elastic.guard is None:
+        return pool.policies[tier].victims(count, pool.is_pinned)
+    guard = pool.elastic.guard(tier, namespace, pool.geometry.slot_bytes)
+
+    def off_limits(key: PageKey) -> bool:
+        if pool.is_pinned(key):
+            return True
+        owner = pool.index[key].namespace
+        return owner != guard.only if guard.only is not None else owner in guard.kept
+
+    first: list[PageKey] = []
+    if guard.first:
+        first = pool.policies[tier].victims(
+            count, lambda k: off_limits(k) or pool.index[k].namespace not in guard.first)
+    taken = set(first)
+    rest = pool.policies[tier].victims(count, lambda k: off_limits(k) or k in taken)
+    return (first + rest)[:count]
+
+
+async def release_chunks(pool: Pool, tier: int, num_chunks: int) -> int:
+    """Give up to `num_chunks` of the pool's chunks in `tier` back to the budget, emptiest
+    first; their pages are demoted, and a chunk with a page in use is skipped."""
+    slots = pool.slots(tier)
+    if slots is None:
+        return 0
+    released = slots.release_empty()
+    for _, chunk in slots.chunks_by_use():
+        if released >= num_chunks:
+            break
+        in_chunk = set(slots.slots_of(chunk))
+        keys = [k for k, e in pool.index.items() if e.tier == tier and e.slot in in_chunk]
+        if any(pool.is_pinned(k) for k in keys):
+            continue
+        await pool.demote(keys, tier)
+        released += slots.release_empty()
+    return released
+
+
+@dataclass(slots=True)
+class ElasticMemory:
+    """The node's three tier budgets, the quotas, and the arbiter between pools."""
+
+    device_bytes: int
+    host_bytes: int
+    disk_bytes: int
+    chunk_bytes: int
+    model_quotas: dict[str, Quota] = field(default_factory=dict)
+    namespace_quotas: dict[str, Quota] = field(default_factory=dict)
+    budgets: list[TierBudget] = field(init=False)
+    holders: dict[str, Pool] = field(default_factory=dict)
+    counters: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.budgets = [TierBudget(self.device_bytes), TierBudget(self.host_bytes),
+                        TierBudget(self.disk_bytes)]
+
+    def share(self, tier: int, holder: str, slot_bytes: int) -> Share:
+        """A pool's claim on a tier: chunks of chunk_bytes, smaller in a small tier (so it
+        holds at least MIN_CHUNKS of them), never smaller than one slot."""
+        budget = self.budgets[tier]
+        chunk_bytes = min(self.chunk_bytes, budget.capacity_bytes // MIN_CHUNKS)
+        return Share(budget, holder, max(slot_bytes, chunk_bytes))
+
+    def attach(self, holder: str, pool: Pool) -> None:
+        """Link a new pool to the budgets and the quotas."""
+        self.holders[holder] = pool
+        pool.elastic.reclaim = self.reclaim
+        pool.elastic.guard = self.guard
+        self._apply_cap(holder)
+
+    def set_quotas(self, models: dict[str, Quota], namespaces: dict[str, Quota]) -> None:
+        """Quotas by pool holder (a page geometry's name) and by namespace, at run time."""
+        self.model_quotas, self.namespace_quotas = dict(models), dict(namespaces)
+        for holder in self.holders:
+            self._apply_cap(holder)
+
+    def _apply_cap(self, holder: str) -> None:
+        maximum = self.model_quotas.get(holder, Quota()).max_bytes
+        for budget in self.budgets:
+            budget.set_cap(holder, maximum)
+
+    # ---- pools asking for room -------------------------------------------------------------
+
+    async def reclaim(self, pool: Pool, tier: int, num_slots: int) -> None:
+        """Free enough chunks elsewhere in `tier` for `num_slots` more slots of `pool`."""
+        requester = self._holder_of(pool)
+        chunk_bytes = pool.slots(tier).chunk_bytes
+        freed_bytes = 0  # taken from others this call, not yet held by the requester
+        for _ in range(MAX_RECLAIM_ROUNDS):
+            if pool._free_slots(tier) >= num_slots:
+                return
+            donor = choose_donor(self.holdings(tier), requester, freed_bytes + chunk_bytes)
+            if donor is None:
+                return
+            donor_pool = self.holders[donor]
+            if not await release_chunks(donor_pool, tier, 1):
+                return
+            freed_bytes += donor_pool.slots(tier).chunk_bytes
+            self.counters[f"reclaimed_{TIER_NAMES[tier]}"] += 1
+
+    def guard(self, tier: int, namespace: str, page_bytes: int) -> Guard:
+        return namespace_guard(self.namespace_bytes(tier), self.namespace_quotas, namespace,
+                               page_bytes)
+
+    # ---- idle pools shrinking --------------------------------------------------------------
+
+    async def shrink_idle(self, now_s: float, idle_s: float) -> int:
+        """Pools untouched for `idle_s` give their memory chunks back, down to their min;
+        returns the chunks released."""
+        released = 0
+        for holder, pool in self.holders.items():
+            if now_s - pool.last_access_s < idle_s:
+                continue
+            floor = self.model_quotas.get(holder, Quota()).min_bytes
+            for tier in (DEVICE, HOST):
+                slots = pool.slots(tier)
+                extra = (slots.held_bytes - floor) // max(1, slots.chunk_bytes)
+                if extra > 0:
+                    released += await release_chunks(pool, tier, extra)
+        self.counters["idle_released_chunks"] += released
+        return released
+
+    # ---- snapshots ---------------------------------------------------------------------------
+
+    def holdings(self, tier: int) -> list[Holding]:
+        out = []
+        for holder, pool in self.holders.items():
+            slots = pool.slots(tier)
+            if slots is None:
+                continue
+            pinned_chunks = {e.slot // slots.slots_per_chunk for k, e in pool.index.items()
+                             if e.tier == tier and pool.is_pinned(k)}
+            releasable = any(chunk not in pinned_chunks for _, chunk in slots.chunks_by_use())
+            out.append(Holding(holder, slots.held_bytes, self.model_quotas.get(holder, Quota()),
+                               slots.chunk_bytes, releasable))
+        return out
+
+    def namespace_bytes(self, tier: int) -> dict[str, int]:
+        usage: Counter = Counter()
+        for pool in self.holders.values():
+            slot_bytes = pool.disk.slot_bytes if tier == DISK and pool.disk else \
+                pool.geometry.slot_bytes
+            for (page_tier, namespace), pages in pool.ns_pages.items():
+                if page_tier == tier and pages:
+                    usage[namespace] += pages * slot_bytes
+        return dict(usage)
+
+    def stats(self) -> dict:
+        """Per tier: capacity, what each model (pool) holds, what each namespace uses."""
+        tiers = {}
+        for tier, budget in enumerate(self.budgets):
+            tiers[TIER_NAMES[tier]] = {
+                "capacity_bytes": budget.capacity_bytes, "held_bytes": budget.used_bytes,
+                "models": dict(budget.holders), "namespaces": self.namespace_bytes(tier)}
+        return {"tiers": tiers, "chunk_bytes": self.chunk_bytes,
+                "quotas": {"models": {k: _quota(q) for k, q in self.model_quotas.items()},
+                           "namespaces": {k: _quota(q) for k, q in
+                                          self.namespace_quotas.items()}},
+                **dict(self.counters)}
+
+    def _holder_of(self, pool: Pool) -> str:
+        return next(holder for holder, p in self.holders.items() if p is pool)
+
+
+def _quota(quota: Quota) -> dict:
+    return {"min_bytes": quota.min_bytes, "max_bytes": quota.max_bytes, "weight": quota.weight}

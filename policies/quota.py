@@ -1,0 +1,99 @@
+"""Who gives memory back when a tier is full: min, max and weight per model and namespace.
+
+Pure. Two decisions, both over a snapshot of who holds what:
+
+    choose_donor(holdings, requester, need_bytes)
+        a model that needs memory in a full tier takes a chunk from another model, or evicts
+        its own pages (None). Nobody goes below its min; nobody grows past its max; otherwise
+        the model holding the most per unit of weight gives.
+
+    namespace_guard(usage, quotas, requester)
+        when a namespace makes room for a page, which namespaces' pages are off limits: its
+        own, if it is at its max, are the only ones it may evict; a namespace at or under its
+        min keeps its pages; of the rest, those holding the most per unit of weight go first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """Bytes per tier per node: a floor that is never reclaimed, a ceiling, and a weight."""
+
+    min_bytes: int = 0
+    max_bytes: int | None = None
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.min_bytes < 0 or self.weight <= 0:
+            raise ValueError(f"a quota needs min_bytes >= 0 and weight > 0, got {self}")
+        if self.max_bytes is not None and self.max_bytes < self.min_bytes:
+            raise ValueError(f"max_bytes ({self.max_bytes}) is below min_bytes "
+                             f"({self.min_bytes})")
+
+    def combined(self, other: Quota) -> Quota:
+        """Two models with one page geometry share a pool: their quotas add up."""
+        maximum = (None if self.max_bytes is None or other.max_bytes is None
+                   else self.max_bytes + other.max_bytes)
+        return Quota(self.min_bytes + other.min_bytes, maximum, self.weight + other.weight)
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """One model's memory in one tier: what it holds, its quota, what one chunk of it is."""
+
+    holder: str
+    held_bytes: int
+    quota: Quota
+    chunk_bytes: int
+    releasable: bool = True  # False: every chunk has a page in use (pinned or moving)
+
+
+def share(held_bytes: int, quota: Quota) -> float:
+    return held_bytes / quota.weight
+
+
+def choose_donor(holdings: list[Holding], requester: str, need_bytes: int) -> str | None:
+    """The model that should give a chunk so that `requester` can grow by `need_bytes`; None
+    when the requester should evict its own pages instead (at its max, or already holding
+    its fair share while nobody else holds more than theirs)."""
+    mine = next((h for h in holdings if h.holder == requester), None)
+    held = mine.held_bytes if mine else 0
+    quota = mine.quota if mine else Quota()
+    if quota.max_bytes is not None and held + need_bytes > quota.max_bytes:
+        return None
+    below_min = held < quota.min_bytes
+    wanted = share(held + need_bytes, quota)
+    donors = [h for h in holdings if h.holder != requester and h.releasable
+              and h.held_bytes - h.chunk_bytes >= h.quota.min_bytes
+              and (below_min or share(h.held_bytes, h.quota) > wanted)]
+    if not donors:
+        return None
+    return max(donors, key=lambda h: share(h.held_bytes, h.quota)).holder
+
+
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """What a namespace making room may evict: only its own pages (`only`), or anyone's
+    except the `kept` namespaces'; `first` are the namespaces to take from before others."""
+
+    only: str | None
+    kept: frozenset[str]
+    first: frozenset[str]
+
+
+def namespace_guard(usage: dict[str, int], quotas: dict[str, Quota], requester: str,
+                    page_bytes: int) -> Guard:
+    """`usage`: bytes each namespace holds in the tier; `quotas`: unknown ones get Quota()."""
+    quota = quotas.get(requester, Quota())
+    held = usage.get(requester, 0)
+    if quota.max_bytes is not None and held + page_bytes > quota.max_bytes:
+        return Guard(requester, frozenset(), frozenset())
+    kept = frozenset(ns for ns, used in usage.items() if ns != requester
+                     and used - page_bytes < quotas.get(ns, Quota()).min_bytes)
+    wanted = share(held + page_bytes, quota)
+    first = frozenset(ns for ns, used in usage.items() if ns not in kept and ns != requester
+                      and share(used, quotas.get(ns, Quota())) > wanted)
+    return Guard(None, kept, first)
