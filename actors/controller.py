@@ -1,9 +1,12 @@
-"""Controller: watches Ray membership and keeps one node actor per kv node.
+"""Controller: watches Ray membership, keeps one node actor per kv node, and holds the
+registry of models and namespaces with their quotas.
 
-Nodes that join get an actor; nodes Ray reports dead are purged from every directory shard
-(the shards also purge on missed heartbeats, whichever comes first). It catches and logs
-every error and never dies: a failed pass is retried on the next tick. A node whose actor
-cannot start (say, /dev/shm too small) is reported by sync_members(), so start() can say so.
+Nodes that join get an actor (and the registry); nodes Ray reports dead are purged from every
+directory shard (the shards also purge on missed heartbeats, whichever comes first). It
+catches and logs every error and never dies: a failed pass is retried on the next tick. A node
+whose actor cannot start (say, /dev/shm too small) is reported by sync_members(), so start()
+can say so. A registry change is pushed to every node; a restarted controller takes the
+registry back from a node (the newest version it finds).
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from actors.handles import DirectoryHandle, NodeHandle
 from cluster.core.config import CacheConfig
 from cluster.core.loops import BackgroundLoops
 from cluster.core.membership import dead_nodes, kv_nodes
+from cluster.core.registry import Registry
+from cluster.core.spec import ModelSpec
+from policies.quota import Quota
 
 log = logging.getLogger("raykv.controller")
 MEMBERSHIP_S = 1.0
@@ -34,6 +40,9 @@ class Controller:
         self.failures: dict[str, str] = {}
         self.dropped: set[str] = set()
         self.loops = BackgroundLoops()
+        self._registry = Registry(self.config.page_tokens)
+        for namespace in self.config.namespaces:
+            self._registry.add_namespace(namespace)
 
     async def sync_members(self) -> dict:
         """One membership pass now (start() waits on it); starts the loop once.
@@ -67,7 +76,44 @@ class Controller:
             return
         self.failures.pop(node_id, None)
         self.members[node_id] = node
+        await self._adopt_registry(node)
+        await asyncio.gather(node.set_registry(self._registry), return_exceptions=True)
         log.info("node actor ready on %s", node_id[:8])
+
+    async def _adopt_registry(self, node: NodeHandle) -> None:
+        """A node's registry if it is newer than ours (this controller restarted)."""
+        try:
+            theirs = await asyncio.wait_for(node.get_registry(), READY_TIMEOUT_S)
+        except Exception as error:  # a node that does not answer keeps no registry from us
+            log.warning("could not read the registry of %s: %s", node.node_id[:8], error)
+            return
+        if theirs is not None and theirs.version > self._registry.version:
+            self._registry = theirs
+
+    # ---- models, namespaces, quotas --------------------------------------------------------
+
+    async def registry(self) -> Registry:
+        return self._registry
+
+    async def register_model(self, spec: ModelSpec, quota: Quota | None) -> dict:
+        """Add a model or set its quota; every node applies it. ValueError on a conflict."""
+        self._registry.register_model(spec, quota)
+        await self._push()
+        return self._registry.describe()
+
+    async def add_namespace(self, name: str, quota: Quota | None) -> dict:
+        self._registry.add_namespace(name, quota)
+        await self._push()
+        return self._registry.describe()
+
+    async def _push(self) -> None:
+        replies = await asyncio.gather(*(node.set_registry(self._registry)
+                                         for node in self.members.values()),
+                                       return_exceptions=True)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                log.warning("a node did not take the registry (it gets it when it rejoins): "
+                            "%s", reply)
 
     async def stats(self) -> dict:
         return {"members": sorted(self.members), "dropped": sorted(self.dropped),

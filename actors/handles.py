@@ -165,8 +165,8 @@ class NodeHandle:
     def descriptors(self, geometry: PageGeometry):
         return self.actor.descriptors.remote(geometry)
 
-    def reserve(self, geometry: PageGeometry, keys: list[PageKey]):
-        return self.actor.reserve.remote(geometry, keys)
+    def reserve(self, geometry: PageGeometry, keys: list[PageKey], namespace: str = ""):
+        return self.actor.reserve.remote(geometry, keys, namespace)
 
     def commit(self, reservation_id: int):
         return self.actor.commit.remote(reservation_id)
@@ -180,15 +180,23 @@ class NodeHandle:
     def release(self, lease_id: int):
         return self.actor.release.remote(lease_id)
 
-    def put_pages(self, geometry: PageGeometry, keys: list[PageKey], pages: list):
-        return self.actor.put_pages.remote(geometry, keys, pages)
+    def put_pages(self, geometry: PageGeometry, keys: list[PageKey], pages: list,
+                  namespace: str = ""):
+        return self.actor.put_pages.remote(geometry, keys, pages, namespace)
 
     def export_pages(self, geometry: PageGeometry, keys: list[PageKey]):
         """A ref to the list of per-page refs of the longest prefix this node holds."""
         return self.actor.export_pages.remote(geometry, keys)
 
-    def adopt(self, geometry: PageGeometry, keys: list[PageKey], refs: list):
-        return self.actor.adopt.remote(geometry, keys, refs)
+    def adopt(self, geometry: PageGeometry, keys: list[PageKey], refs: list,
+              namespace: str = ""):
+        return self.actor.adopt.remote(geometry, keys, refs, namespace)
+
+    def set_registry(self, registry):
+        return self.actor.set_registry.remote(registry)
+
+    def get_registry(self):
+        return self.actor.get_registry.remote()
 
     def prefetch(self, geometry: PageGeometry, keys: list[PageKey], remote: dict | None = None):
         return self.actor.prefetch.remote(geometry, keys, remote)
@@ -243,6 +251,15 @@ class ControllerHandle:
 
     def sync_members(self):
         return self.actor.sync_members.remote()
+
+    def registry(self):
+        return self.actor.registry.remote()
+
+    def register_model(self, spec, quota):
+        return self.actor.register_model.remote(spec, quota)
+
+    def add_namespace(self, name: str, quota):
+        return self.actor.add_namespace.remote(name, quota)
 
     def stats(self):
         return self.actor.stats.remote()

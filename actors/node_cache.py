@@ -23,6 +23,7 @@ from cluster.core.geometry import HOST, PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.loops import BackgroundLoops
 from cluster.core.pool import PoolLimits
+from cluster.core.registry import Registry
 from cluster.core.store import NodeStore, StoreConfig, shm_bytes_per_node
 from cluster.core.tiers.memory import check_shm_room, cuda_available
 from cluster.core.tiers.node_slot import NodeSlot, claim_node_slot
@@ -34,7 +35,7 @@ def store_config(config: CacheConfig, slot: NodeSlot) -> StoreConfig:
     limits = PoolLimits(config.device_bytes, config.host_bytes, config.disk_bytes,
                         config.eviction, config.disk_codec, cuda_available(), slot.shm_prefix)
     return StoreConfig(limits, slot.disk_dir, config.pin_lease_s, config.disk_threads,
-                       config.max_geometries, config.reserve_lease_s)
+                       config.max_geometries, config.reserve_lease_s, config.chunk_bytes)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -56,6 +57,7 @@ class NodeCacheActor:
         self._flush_lock = asyncio.Lock()
         self._started: asyncio.Future | None = None
         self._last_beat_s = 0.0
+        self.registry: Registry | None = None
         self.recovered_pages = 0
         self.counters = {"pulled_pages": 0, "failed_sends": 0}
 
@@ -80,6 +82,8 @@ class NodeCacheActor:
         beat = time.monotonic() - self._last_beat_s >= self.config.heartbeat_s
         if await self.flush(heartbeat=beat) and beat:
             self._last_beat_s = time.monotonic()
+        if beat:
+            await self.store.shrink_idle(self.config.idle_shrink_s)
 
     def _directory_timeout_s(self) -> float:
         return max(0.5, self.config.call_timeout_s / 4)
@@ -138,10 +142,10 @@ class NodeCacheActor:
         await self.ready()
         return self.store.pool(geometry).geometry.page_bytes
 
-    async def reserve(self, geometry: PageGeometry, keys: list[PageKey]):
+    async def reserve(self, geometry: PageGeometry, keys: list[PageKey], namespace: str = ""):
         """(epoch, reservation_id, slots): see NodeStore.reserve."""
         await self.ready()
-        return self.epoch, *await self.store.reserve(geometry, keys)
+        return self.epoch, *await self.store.reserve(geometry, keys, None, namespace)
 
     async def commit(self, reservation_id: int) -> int:
         await self.ready()
@@ -165,9 +169,10 @@ class NodeCacheActor:
 
     # ---- remote clients (Ray objects) ----------------------------------------------------
 
-    async def put_pages(self, geometry: PageGeometry, keys: list[PageKey], pages: list) -> int:
+    async def put_pages(self, geometry: PageGeometry, keys: list[PageKey], pages: list,
+                        namespace: str = "") -> int:
         await self.ready()
-        stored = await self.store.put_pages(geometry, keys, pages)
+        stored = await self.store.put_pages(geometry, keys, pages, None, namespace)
         await self.flush()
         return stored
 
@@ -211,11 +216,12 @@ class NodeCacheActor:
         finally:
             self.pulls.finish(keys, done)
 
-    async def adopt(self, geometry: PageGeometry, keys: list[PageKey], refs: list) -> int:
+    async def adopt(self, geometry: PageGeometry, keys: list[PageKey], refs: list,
+                    namespace: str = "") -> int:
         """Keep pages another node exported (Ray objects) in this node's host tier."""
         await self.ready()
         pages = await asyncio.gather(*refs)
-        stored = await self.store.put_pages(geometry, keys, list(pages), HOST)
+        stored = await self.store.put_pages(geometry, keys, list(pages), HOST, namespace)
         self.counters["pulled_pages"] += stored
         await self.flush()
         return stored
@@ -224,6 +230,21 @@ class NodeCacheActor:
         """The longest local prefix of `keys` as Ray objects (one per page), for other nodes."""
         await self.ready()
         return await self.exports.export(geometry, keys)
+
+    # ---- models, namespaces and their quotas ----------------------------------------------
+
+    async def set_registry(self, registry: Registry) -> None:
+        """Apply the service's models and namespaces and their quotas (pushed by the
+        controller whenever they change)."""
+        await self.ready()
+        if self.registry is not None and registry.version < self.registry.version:
+            return  # an older push overtaken by a newer one
+        quotas, names = registry.pool_quotas()
+        self.store.set_quotas(quotas, registry.namespaces, names)
+        self.registry = registry
+
+    async def get_registry(self) -> Registry | None:
+        return self.registry
 
     # ---- introspection -------------------------------------------------------------------
 

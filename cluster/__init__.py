@@ -8,8 +8,10 @@ used and tested without it.
 
 from cluster.config import CacheConfig
 from cluster.core.spec import ModelSpec
+from policies.quota import Quota
 
-__all__ = ["CacheConfig", "ModelSpec", "start", "connect", "stop"]
+__all__ = ["CacheConfig", "ModelSpec", "Quota", "start", "connect", "stop", "register_model",
+           "add_namespace", "quotas"]
 
 
 def start(config: CacheConfig | None = None) -> dict:
@@ -31,3 +33,24 @@ def stop() -> None:
     from cluster.api import stop as _stop
 
     _stop()
+
+
+def register_model(spec: ModelSpec, quota: Quota | None = None) -> dict:
+    """Register a model, or change its quota, on the running service (see cluster.api)."""
+    from cluster.api import register_model as _register_model
+
+    return _register_model(spec, quota)
+
+
+def add_namespace(name: str, quota: Quota | None = None) -> dict:
+    """Add a namespace, or change its quota, on the running service (see cluster.api)."""
+    from cluster.api import add_namespace as _add_namespace
+
+    return _add_namespace(name, quota)
+
+
+def quotas() -> dict:
+    """The registered models and namespaces, with their quotas."""
+    from cluster.api import quotas as _quotas
+
+    return _quotas()

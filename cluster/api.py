@@ -11,9 +11,11 @@ from actors.handles import ControllerHandle, DirectoryHandle, NodeHandle
 from cluster.core.config import CacheConfig
 from cluster.core.geometry import PageGeometry
 from cluster.core.membership import kv_nodes
+from cluster.core.registry import Registry
 from cluster.core.spec import ModelSpec
 from cluster.core.store import shm_bytes_per_node
 from cluster.core.tiers.memory import SharedMemoryTooSmall, check_shm_room
+from policies.quota import Quota
 
 log = logging.getLogger("raykv")
 START_TIMEOUT_S = 120.0
@@ -87,9 +89,10 @@ def running_config(ray_namespace: str = "raykv") -> CacheConfig:
 def connect(spec: ModelSpec, namespace: str = "default"):
     """A client for one model and tenant namespace on the running service.
 
-    Raises TypeError/ValueError for a bad spec or an unknown namespace, ValueError when the
-    node refuses the model's page geometry (past max_geometries), RuntimeError when raykv is
-    not running.
+    Raises TypeError/ValueError for a bad spec or an unknown namespace (add one with
+    add_namespace), ValueError when the node refuses the model's page geometry (past
+    max_geometries), RuntimeError when raykv is not running. A model not registered yet is
+    registered with the default quota.
     """
     from cluster.client import KVClient
 
@@ -98,20 +101,68 @@ def connect(spec: ModelSpec, namespace: str = "default"):
     if not ray.is_initialized():
         ray.init(address="auto", include_dashboard=False, logging_level=logging.WARNING)
     config = running_config()
-    if namespace not in config.namespaces:
-        raise ValueError(f"unknown namespace {namespace!r}; configured: {list(config.namespaces)}")
+    registry = _registry(config)
+    registry.check_namespace(namespace)
+    if spec.name not in registry.models:  # a new model: registered with the default quota
+        _unwrap(_controller(config).register_model(spec, None))
     home = _home_node(config)
-    _open_pool(home, PageGeometry.of(spec, config.page_tokens))
+    _unwrap(home.open_pool(PageGeometry.of(spec, config.page_tokens)))
     return KVClient(spec, namespace, config, DirectoryHandle.lookup(config), home)
 
 
-def _open_pool(home: NodeHandle, geometry: PageGeometry) -> None:
+def _unwrap(ref):
+    """ray.get, raising a task's ValueError/TypeError as itself (bad input, not a crash)."""
     try:
-        ray.get(home.open_pool(geometry), timeout=START_TIMEOUT_S)
+        return ray.get(ref, timeout=START_TIMEOUT_S)
     except ray.exceptions.RayTaskError as error:
-        if isinstance(error, ValueError):
-            raise ValueError(str(error.cause)) from None
+        if isinstance(error.cause, (ValueError, TypeError)):
+            raise type(error.cause)(str(error.cause)) from None
         raise
+
+
+def _controller(config: CacheConfig) -> ControllerHandle:
+    controller = ControllerHandle.lookup(config)
+    if controller is None:
+        raise RuntimeError("raykv's controller is not running; call start() first")
+    return controller
+
+
+def _registry(config: CacheConfig) -> Registry:
+    return _unwrap(_controller(config).registry())
+
+
+def _connected() -> CacheConfig:
+    if not ray.is_initialized():
+        ray.init(address="auto", include_dashboard=False, logging_level=logging.WARNING)
+    return running_config()
+
+
+def register_model(spec: ModelSpec, quota: Quota | None = None) -> dict:
+    """Register a model (or change its quota) on the running service, with no restart.
+
+    The quota bounds, per tier and node, the memory its pages may hold: `min_bytes` is never
+    reclaimed by other models, `max_bytes` is never passed, and `weight` sets its share of a
+    full tier. Returns the registry. ValueError for a name already registered with another
+    geometry.
+    """
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
+    if quota is not None and not isinstance(quota, Quota):
+        raise TypeError(f"quota must be a Quota, got {type(quota).__name__}")
+    return _unwrap(_controller(_connected()).register_model(spec, quota))
+
+
+def add_namespace(name: str, quota: Quota | None = None) -> dict:
+    """Add a namespace (a tenant: its pages are never shared with another) or change its
+    quota, on the running service. Returns the registry."""
+    if quota is not None and not isinstance(quota, Quota):
+        raise TypeError(f"quota must be a Quota, got {type(quota).__name__}")
+    return _unwrap(_controller(_connected()).add_namespace(name, quota))
+
+
+def quotas() -> dict:
+    """The registered models and namespaces and their quotas."""
+    return _registry(_connected()).describe()
 
 
 def _home_node(config: CacheConfig) -> NodeHandle:

@@ -42,7 +42,8 @@ class KVClient:
         self.page_tokens = config.page_tokens
         self.geometry = PageGeometry.of(spec, config.page_tokens)
         slabs = LocalSlabs(home, self.geometry) if home.is_local else None
-        self.view = CacheView(self.geometry, home, directory, PeerCache(config), slabs)
+        self.view = CacheView(self.geometry, home, directory, PeerCache(config), slabs,
+                              namespace)
         self.timeout_s = config.call_timeout_s
 
     @property
@@ -118,7 +119,7 @@ class KVClient:
         view = self.view
         if view.local is None:
             return (yield from self._put_remote(keys, kv))
-        (reply,) = yield Wait([view.home.reserve(self.geometry, keys)])
+        (reply,) = yield Wait([view.home.reserve(self.geometry, keys, self.namespace)])
         if failed(reply):
             view.note_failures([reply])
             return 0
@@ -146,7 +147,8 @@ class KVClient:
     def _put_remote(self, keys: list[PageKey], kv: torch.Tensor) -> Steps[int]:
         pages = [kv[:, :, :, page_slices(p, self.page_tokens)].contiguous().view(torch.uint8)
                  .reshape(-1).cpu().numpy() for p in range(len(keys))]
-        (stored,) = yield Wait([self.view.home.put_pages(self.geometry, keys, pages)])
+        (stored,) = yield Wait([self.view.home.put_pages(self.geometry, keys, pages,
+                                                         self.namespace)])
         if failed(stored):
             self.view.note_failures([stored])
             return 0

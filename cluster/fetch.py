@@ -143,7 +143,8 @@ def _copy_remote(view: CacheView, keys: list, exports: list, out: torch.Tensor,
                           .view(view.geometry.shape)))
             done.append(position)
         if view.local is not None and count:  # keep a copy here for next time, off our path
-            view.local.adopt(view.geometry, [keys[p] for p in positions[:count]], refs[:count])
+            view.local.adopt(view.geometry, [keys[p] for p in positions[:count]], refs[:count],
+                             view.namespace)
     yield Work(lambda: copy_pages(pairs))
     arrived[done] = True
     view.counters["remote_pages"] += len(done)

@@ -24,6 +24,7 @@ class CacheView:
     directory: DirectoryHandle
     peers: PeerCache
     slabs: LocalSlabs | None = None
+    namespace: str = ""
     counters: dict[str, int] = field(default_factory=lambda: {
         "put_tokens": 0, "get_tokens": 0, "lookups": 0, "local_pages": 0, "remote_pages": 0,
         "failed_calls": 0, "torn_reads": 0})

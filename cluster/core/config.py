@@ -40,8 +40,12 @@ class CacheConfig(BaseModel):
                                    "that dies between reserve and commit loses its slots after it")
     call_timeout_s: float = Field(10.0, gt=0, description="every Ray call a client makes; a "
                                   "call past it is a miss")
-    max_geometries: int = Field(4, ge=1, le=64, description="page geometries (models) a node "
-                                "accepts; each takes the full per-tier budgets")
+    max_geometries: int = Field(16, ge=1, le=256, description="page geometries (models) a "
+                                "node accepts; they share the tier budgets")
+    chunk_bytes: int = Field(64 * MiB, ge=4096, description="the unit in which the tiers' "
+                             "budgets are handed to models (smaller in a small tier)")
+    idle_shrink_s: float = Field(60.0, gt=0, description="a model unused this long gives its "
+                                 "memory back, down to its quota's min")
     event_flush_s: float = Field(0.05, gt=0)
     heartbeat_s: float = Field(1.0, gt=0)
     node_timeout_s: float = Field(4.0, gt=0)

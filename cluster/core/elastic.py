@@ -53,6 +53,25 @@ def guarded_victims(pool: Pool, tier: int, count: int, namespace: str) -> list[P
     return (first + rest)[:count]
 
 
+async def within_namespace_max(pool: Pool, tier: int, namespace: str, count: int) -> int:
+    """How many of `count` new pages `namespace` may place in `tier` under its max: its own
+    least valuable pages there are demoted to make the room. (Pages of other namespaces are
+    never evicted for this.)"""
+    if pool.elastic.room is None:
+        return count
+    room_bytes = pool.elastic.room(tier, namespace)
+    if room_bytes is None:
+        return count
+    over = count - room_bytes // pool.geometry.slot_bytes
+    if over > 0:
+        own = pool.policies[tier].victims(
+            over, lambda k: pool.is_pinned(k) or pool.index[k].namespace != namespace)
+        if own:
+            await pool.demote(own, tier)
+        room_bytes = pool.elastic.room(tier, namespace)
+    return max(0, min(count, room_bytes // pool.geometry.slot_bytes))
+
+
 async def release_chunks(pool: Pool, tier: int, num_chunks: int) -> int:
     """Give up to `num_chunks` of the pool's chunks in `tier` back to the budget, emptiest
     first; their pages are demoted, and a chunk with a page in use is skipped."""
@@ -102,6 +121,7 @@ class ElasticMemory:
         self.holders[holder] = pool
         pool.elastic.reclaim = self.reclaim
         pool.elastic.guard = self.guard
+        pool.elastic.room = self.room
         self._apply_cap(holder)
 
     def set_quotas(self, models: dict[str, Quota], namespaces: dict[str, Quota]) -> None:
@@ -133,6 +153,13 @@ class ElasticMemory:
                 return
             freed_bytes += donor_pool.slots(tier).chunk_bytes
             self.counters[f"reclaimed_{TIER_NAMES[tier]}"] += 1
+
+    def room(self, tier: int, namespace: str) -> int | None:
+        """Bytes `namespace` may still add to `tier` under its max (None: no max)."""
+        maximum = self.namespace_quotas.get(namespace, Quota()).max_bytes
+        if maximum is None:
+            return None
+        return max(0, maximum - self.namespace_bytes(tier).get(namespace, 0))
 
     def guard(self, tier: int, namespace: str, page_bytes: int) -> Guard:
         return namespace_guard(self.namespace_bytes(tier), self.namespace_quotas, namespace,

@@ -22,7 +22,7 @@ import torch
 
 from cluster.core import quant
 from cluster.core.claims import InflightClaims
-from cluster.core.elastic import guarded_victims
+from cluster.core.elastic import guarded_victims, within_namespace_max
 from cluster.core.geometry import DEVICE, DISK, HOST, PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.tiers.chunks import ChunkedSlots, Share
@@ -69,10 +69,12 @@ class PoolLimits:
 class Elastic:
     """A pool's links to the node's shared budgets (NodeStore sets them; a pool on its own
     has none). `reclaim(pool, tier, num_slots)` gets room by taking chunks from other pools;
-    `guard(tier, namespace, page_bytes)` says whose pages a namespace may evict."""
+    `guard(tier, namespace, page_bytes)` says whose pages a namespace may evict; `room(tier,
+    namespace)` the bytes a namespace may still add under its max."""
 
     reclaim: Callable[[Pool, int, int], Awaitable[None]] | None = None
     guard: Callable[[int, str, int], Guard] | None = None
+    room: Callable[[int, str], int | None] | None = None
 
 
 class Pool:
@@ -144,9 +146,10 @@ class Pool:
             count = min(len(self._fresh(keys)), self._num_slots(level))
             if count == 0:
                 continue
+            count = await within_namespace_max(self, level, namespace, count)
             await self.make_room(level, count, namespace)
             # Recomputed after the await: a concurrent put may have reserved some meanwhile.
-            for key in self._fresh(keys)[: self._free_slots(level)]:
+            for key in self._fresh(keys)[: min(count, self._free_slots(level))]:
                 slot = self.memory[level].alloc()
                 if slot is None:  # the budget went to another pool meanwhile
                     break

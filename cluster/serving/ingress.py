@@ -7,6 +7,7 @@ never reaches an engine.
 """
 
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.api import running_config
+from cluster.api import quotas, running_config
 from cluster.core.keys import page_keys
 from cluster.core.spec import ModelSpec
 from cluster.serving import protocol, tokenizer
@@ -125,6 +126,7 @@ class Ingress:
         self.engine = engine.options(stream=True)
         self.spec = spec
         self.config = running_config()
+        self.namespaces = set(self.config.namespaces)
         self.max_context_tokens = max_context_tokens
         self.default_max_tokens = default_max_tokens
 
@@ -135,7 +137,7 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, body: protocol.CompletionRequest, request: Request):
-        generation = self._generation(body, body.text(), request)
+        generation = await self._generation(body, body.text(), request)
         request_id = protocol.new_id("cmpl")
         if body.stream:
             return await self._stream(generation, request_id, body, _completion_events)
@@ -147,7 +149,8 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
         messages = [tokenizer.Message(m.role, m.text()) for m in body.messages]
-        generation = self._generation(body, tokenizer.apply_chat_template(messages), request)
+        generation = await self._generation(body, tokenizer.apply_chat_template(messages),
+                                            request)
         request_id = protocol.new_id("chatcmpl")
         if body.stream:
             return await self._stream(generation, request_id, body, _chat_events)
@@ -156,13 +159,15 @@ class Ingress:
                                                last.finish_reason, _usage(last)),
                             headers=_headers(last))
 
-    def _generation(self, body, prompt: str, request: Request) -> GenerationRequest:
+    async def _generation(self, body, prompt: str, request: Request) -> GenerationRequest:
         if body.model != self.spec.name:
             raise ApiError(404, f"The model `{body.model}` does not exist; this server "
                            f"serves `{self.spec.name}`.", "invalid_request_error",
                            "model_not_found", "model")
         namespace = request.headers.get("x-raykv-namespace", "default")
-        if namespace not in self.config.namespaces:
+        if namespace not in self.namespaces:  # added at run time? ask once more
+            self.namespaces = set((await asyncio.to_thread(quotas))["namespaces"])
+        if namespace not in self.namespaces:
             raise ApiError(400, f"unknown namespace {namespace!r}", "invalid_request_error",
                            "unknown_namespace")
         tokens = tokenizer.encode(prompt)

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from cluster.tools.quota_cli import quota_app
 from cluster.tools.serve_cli import serve_command
 from cluster.tools.sizing_cli import size_command
 
@@ -18,6 +19,7 @@ bench_app = typer.Typer(help="Benchmarks: raykv side by side with the machine's 
                              "peers, written as JSON with a top-level \"ratios\" object.",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+app.add_typer(quota_app, name="quota")
 app.command("size", help="KV bytes per token and sequence, and how many sequences fit.")(
     size_command)
 app.command("serve")(serve_command)

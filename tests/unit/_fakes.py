@@ -81,11 +81,11 @@ class FakeNode:
             refs.append(FakeRef(self.exported[key]))
         return self._call("export_pages", refs)
 
-    def adopt(self, geometry: PageGeometry, keys: list, refs: list):
+    def adopt(self, geometry: PageGeometry, keys: list, refs: list, namespace: str = ""):
         return self._call("adopt", len(keys))
 
     # puts: reserve in the host arena (tier 1), commit makes the pages visible
-    def reserve(self, geometry: PageGeometry, keys: list):
+    def reserve(self, geometry: PageGeometry, keys: list, namespace: str = ""):
         slots = []
         for key in keys:
             if key in self.pages:
@@ -107,7 +107,7 @@ class FakeNode:
     def abort(self, reservation_id: int):
         return self._call("abort", None)
 
-    def put_pages(self, geometry: PageGeometry, keys: list, pages: list):
+    def put_pages(self, geometry: PageGeometry, keys: list, pages: list, namespace: str = ""):
         return self._call("put_pages", len(keys))
 
 
