@@ -32,6 +32,7 @@ BENCHMARKS = {
     "remote": "cluster.tools.bench.remote",
     "ttft": "cluster.tools.bench.ttft",
     "serve": "cluster.tools.bench.serve",
+    "elastic": "cluster.tools.bench.elastic",
 }
 
 JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
@@ -64,6 +65,8 @@ _register("hashing", "Page-key hashing cost in ns per token.")
 _register("directory", "Longest-prefix lookup latency vs a no-op RPC and Redis EXISTS.")
 _register("remote", "Cross-node get throughput vs a raw Ray object transfer.")
 _register("ttft", "Time to first token from the host and disk tiers vs recompute and ideal.")
+_register("elastic", "Three models in one budget: elastic sharing vs a static split, idle "
+                     "shrink time, min-quota violations.")
 _register_plotted("serve", "One chat trace through the Serve app with raykv's, Serve's pow2 and "
                            "Ray Serve LLM's prefix router: TTFT, cached tokens, replica shares.")
 
