@@ -196,3 +196,58 @@ def stop(ray_namespace: str = "raykv") -> None:
             pass  # a dead node's slabs went with it; a restarted actor cleans up stale ones
         handle.kill()
     DirectoryHandle.lookup(config).kill()
+
+
+def status() -> dict:
+    """The running service at a glance: its config, each node's figures, each tier's use and
+    hits over all nodes, the top prefixes, and the registry with what each model and
+    namespace holds. A node that does not answer is listed with its error."""
+    config = _connected()
+    nodes = []
+    for node_id in kv_nodes(config.node_resource, ray.nodes()):
+        handle = NodeHandle.lookup(node_id, config)
+        try:
+            stats = ray.get(handle.stats(), timeout=START_TIMEOUT_S) if handle else None
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            stats = {"error": str(error)}
+        nodes.append({"node_id": node_id, **(stats or {"error": "no node actor"})})
+    live = [n for n in nodes if "error" not in n]
+    for node in live:
+        asked = node["hits_pages"] + node["misses_pages"]
+        node["hit_ratio"] = node["hits_pages"] / asked if asked else 0.0
+    return {"config": config.model_dump(), "nodes": nodes, "tiers": _tier_totals(live),
+            "top_prefixes": _top_prefixes(config), "registry": _registry_use(config, live)}
+
+
+def _tier_totals(nodes: list[dict]) -> dict:
+    totals = {}
+    all_hits = sum(n.get(f"hits_{t}", 0) for n in nodes for t in ("device", "host", "disk"))
+    for tier in ("device", "host", "disk"):
+        held = sum(n["memory"]["tiers"][tier]["held_bytes"] for n in nodes)
+        capacity = sum(n["memory"]["tiers"][tier]["capacity_bytes"] for n in nodes)
+        hits = sum(n.get(f"hits_{tier}", 0) for n in nodes)
+        totals[tier] = {"held_bytes": held, "capacity_bytes": capacity,
+                        "use": held / capacity if capacity else 0.0, "hits": hits,
+                        "hit_share": hits / all_hits if all_hits else 0.0}
+    return totals
+
+
+def _top_prefixes(config: CacheConfig) -> list[dict]:
+    directory = DirectoryHandle.lookup(config)
+    hot = getattr(directory, "hot_prefixes", None)
+    if hot is None:
+        return []
+    try:
+        return ray.get(hot(), timeout=START_TIMEOUT_S)
+    except (ray.exceptions.RayError, TimeoutError):
+        return []
+
+
+def _registry_use(config: CacheConfig, nodes: list[dict]) -> dict:
+    described = _registry(config).describe()
+    for name, row in described["models"].items():
+        row["held_bytes"] = sum(n.get("models", {}).get(name, 0) for n in nodes)
+    for name, row in described["namespaces"].items():
+        row["held_bytes"] = sum(n["memory"]["tiers"][t]["namespaces"].get(name, 0)
+                                for n in nodes for t in ("device", "host", "disk"))
+    return described

@@ -33,7 +33,9 @@ class CacheConfig(BaseModel):
     disk_codec: Literal["none", "fp8", "int8"] = "none"
     namespaces: tuple[str, ...] = ("default",)
     num_directory_shards: int = Field(1, ge=1, le=64)
-    redis_url: str | None = None
+    redis_url: str | None = Field(default_factory=lambda: os.environ.get("RAYKV_REDIS_URL")
+                                  or None, description="write-behind of the directory "
+                                  "(default: RAYKV_REDIS_URL)")
     node_resource: str = "kv_node"
     pin_lease_s: float = Field(30.0, gt=0, description="a read lease's life (pins of a get)")
     reserve_lease_s: float = Field(30.0, gt=0, description="a put's reservation life: a client "

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from cluster.tools.ops_cli import start_command, status_command, stop_command
 from cluster.tools.quota_cli import quota_app
 from cluster.tools.serve_cli import serve_command
 from cluster.tools.sizing_cli import size_command
@@ -23,6 +24,9 @@ app.add_typer(quota_app, name="quota")
 app.command("size", help="KV bytes per token and sequence, and how many sequences fit.")(
     size_command)
 app.command("serve")(serve_command)
+app.command("start")(start_command)
+app.command("stop")(stop_command)
+app.command("status")(status_command)
 
 # name -> module with `run(json_path: str | None, quick: bool) -> dict`
 BENCHMARKS = {

@@ -1,0 +1,145 @@
+"""`raykv start`, `raykv stop` and `raykv status`: the service on an existing Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cluster.core.sizing import format_bytes, parse_bytes
+
+Address = Annotated[str | None, typer.Option(help="Ray cluster address ('auto': the one this "
+                                                  "machine is part of; default RAY_ADDRESS)")]
+
+
+def _attach(address: str | None) -> None:
+    import logging
+
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto",
+                 logging_level=logging.WARNING, log_to_driver=False)
+
+
+def start_command(
+    address: Address = None,
+    host_bytes: Annotated[str, typer.Option(help="host (shared memory) tier per node")] = "1GiB",
+    device_bytes: Annotated[str, typer.Option(help="device (VRAM) tier per node")] = "256MiB",
+    disk_bytes: Annotated[str, typer.Option(help="disk tier per node")] = "4GiB",
+    disk_dir: Annotated[str | None, typer.Option(help="disk tier directory on every node "
+                                                      "(default: RAYKV_DISK_DIR, else per user)")]
+    = None,
+    redis_url: Annotated[str | None, typer.Option(help="Redis for the directory's write-behind "
+                                                       "(default: RAYKV_REDIS_URL)")] = None,
+    page_tokens: Annotated[int, typer.Option(help="tokens per page")] = 256,
+    shards: Annotated[int, typer.Option(help="directory shards")] = 1,
+    namespaces: Annotated[str, typer.Option(help="comma-separated namespaces to start with")]
+    = "default",
+) -> None:
+    """Start the cache service (directory, node actors, controller) on a running Ray cluster
+    and return. Idempotent; a service already running with another config is an error."""
+    from cluster import CacheConfig, start
+
+    try:
+        settings = dict(host_bytes=parse_bytes(host_bytes),
+                        device_bytes=parse_bytes(device_bytes),
+                        disk_bytes=parse_bytes(disk_bytes), page_tokens=page_tokens,
+                        num_directory_shards=shards,
+                        namespaces=tuple(n.strip() for n in namespaces.split(",") if n.strip()))
+        if disk_dir:
+            settings["disk_dir"] = disk_dir
+        if redis_url:
+            settings["redis_url"] = redis_url
+        config = CacheConfig(**settings)
+    except ValueError as error:  # a bad size, or a setting CacheConfig refuses
+        raise typer.BadParameter(str(error)) from None
+    _attach(address)
+    started = start(config)
+    Console().print(f"raykv running on {len(started['nodes'])} node(s); "
+                    f"`raykv status` shows it")
+
+
+def stop_command(address: Address = None) -> None:
+    """Stop the cache service's actors on the cluster (disk pages stay for the next start)."""
+    from cluster import stop
+
+    _attach(address)
+    stop()
+    Console().print("raykv stopped")
+
+
+def status_command(
+    address: Address = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
+    = False,
+) -> None:
+    """The nodes, each tier's use against its capacity, hit ratios per tier, the top
+    prefixes, and the models and namespaces with their quotas."""
+    from cluster.api import status
+
+    _attach(address)
+    report = status()
+    if as_json:
+        typer.echo(json.dumps(report, indent=2, default=str))
+        return
+    console = Console()
+    for table in (_nodes_table(report), _tiers_table(report), _prefix_table(report),
+                  _quota_table(report)):
+        if table is not None:
+            console.print(table)
+
+
+def _nodes_table(report: dict) -> Table:
+    table = Table(title=f"raykv nodes (page_tokens {report['config']['page_tokens']})")
+    for column in ("node", "pages dev/host/disk", "gets", "hit pages", "miss pages",
+                   "hit ratio", "leases"):
+        table.add_column(column, justify="left" if column == "node" else "right")
+    for node in report["nodes"]:
+        if "error" in node:
+            table.add_row(node["node_id"][:12], f"[red]{node['error'][:60]}[/]", *[""] * 5)
+            continue
+        pages = node["pages"]
+        table.add_row(node["node_id"][:12], f"{pages['device']}/{pages['host']}/{pages['disk']}",
+                      str(node["gets"]), str(node["hits_pages"]), str(node["misses_pages"]),
+                      f"{node['hit_ratio']:.0%}", str(node["leases"]))
+    return table
+
+
+def _tiers_table(report: dict) -> Table:
+    table = Table(title="tiers (all nodes): use against capacity, and where hits were found")
+    for column in ("tier", "held", "capacity", "use", "hits", "share of hits"):
+        table.add_column(column, justify="left" if column == "tier" else "right")
+    for tier, row in report["tiers"].items():
+        table.add_row(tier, format_bytes(row["held_bytes"]), format_bytes(row["capacity_bytes"]),
+                      f"{row['use']:.0%}", str(row["hits"]), f"{row['hit_share']:.0%}")
+    return table
+
+
+def _prefix_table(report: dict) -> Table | None:
+    prefixes = report.get("top_prefixes") or []
+    if not prefixes:
+        return None
+    table = Table(title="top prefixes (by recent lookups)")
+    for column in ("prefix (last key)", "pages", "lookups/s", "nodes"):
+        table.add_column(column, justify="left" if column.startswith("prefix") else "right")
+    for prefix in prefixes:
+        table.add_row(prefix["key"][:16], str(prefix["pages"]), f"{prefix['rate']:.2f}",
+                      str(prefix["nodes"]))
+    return table
+
+
+def _quota_table(report: dict) -> Table:
+    table = Table(title="models and namespaces: quotas (per tier per node) and use")
+    for column in ("kind", "name", "min", "max", "weight", "held"):
+        table.add_column(column, justify="left" if column in ("kind", "name") else "right")
+    for kind in ("models", "namespaces"):
+        for name, row in report["registry"][kind].items():
+            maximum = "-" if row["max_bytes"] is None else format_bytes(row["max_bytes"])
+            table.add_row(kind[:-1], name, format_bytes(row["min_bytes"]), maximum,
+                          f"{row['weight']:g}", format_bytes(row.get("held_bytes", 0)))
+    return table
