@@ -1,4 +1,4 @@
-"""The `raykv` command: sizing, benchmarks and the demo."""
+"""The `raykv` command: sizing, the paging tax, benchmarks and the demo."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from cluster.tools.sizing_cli import size_command
+from cluster.tools.tax_cli import tax_command
 
 app = typer.Typer(help="raykv: a Ray-distributed, tiered KV-cache service for LLM serving.",
                   no_args_is_help=True, add_completion=False)
@@ -19,6 +20,9 @@ bench_app = typer.Typer(help="Benchmarks: raykv side by side with the machine's 
 app.add_typer(bench_app, name="bench")
 app.command("size", help="KV bytes per token and sequence, and how many sequences fit.")(
     size_command)
+app.command("tax", help="The per-token latency tax of KV pages on disk, measured against "
+                        "pages x (latency + bytes / bandwidth), without and with prefetch, with "
+                        "fp8 and int8 pages.")(tax_command)
 
 # name -> module with `run(json_path: str | None, quick: bool) -> dict`
 BENCHMARKS = {
@@ -26,6 +30,7 @@ BENCHMARKS = {
     "hashing": "cluster.tools.bench.hashing",
     "directory": "cluster.tools.bench.directory",
     "remote": "cluster.tools.bench.remote",
+    "tax": "cluster.tools.tax",
 }
 
 JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
@@ -49,6 +54,7 @@ _register("tiers", "Host/disk get and put vs memcpy, fio, Redis and Ray's object
 _register("hashing", "Page-key hashing cost in ns per token.")
 _register("directory", "Longest-prefix lookup latency vs a no-op RPC and Redis EXISTS.")
 _register("remote", "Cross-node get throughput vs a raw Ray object transfer.")
+_register("tax", "The paging tax (`raykv tax` with its defaults; a PNG beside the JSON).")
 
 
 @app.command("demo")

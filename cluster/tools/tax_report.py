@@ -1,0 +1,148 @@
+"""The result of `raykv tax`: the JSON dict, its rich tables, its PNG and the progress bar."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from cluster.core.tax_model import (
+    GOALS,
+    MODES,
+    RESIDENT,
+    DiskCost,
+    hidden_fraction,
+    page_read_bytes,
+    predicted_tax_s,
+    round_taxes_s,
+    tax_ratios,
+)
+from cluster.tools.bench import common
+
+NOTES = [
+    "tax = a token's time less the all-resident token's time in the same round (rounds "
+    "interleave the modes, rotating their order); per mode the median over rounds",
+    "model = pages on disk x (latency + page read bytes / bandwidth); latency: median 4096-byte "
+    "O_DIRECT read at queue depth 1; bandwidth: 4 MiB O_DIRECT reads over the disk-tier "
+    "threads; both plain preadv on the raw pages' slab file, in this run",
+    "page read bytes: DiskArena's header block + payload rounded up to 4096",
+    "compute: online-softmax attention of one query per (layer, query head) over every page, "
+    "float32, one torch thread; the loads (read + checksum + decode) run in a pool of the disk "
+    "tier's thread count, so the two share the machine's cores",
+    "tax_hidden_by_prefetch and tax_fp8_vs_none: medians of per-round ratios",
+]
+
+
+def progress():
+    """A transient rich progress bar for the run's phases and rounds."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                    TimeElapsedColumn(), transient=True)
+
+
+def _mode_figures(workload, cost: DiskCost, token_s: dict, taxes_s: dict) -> dict:
+    figures = {}
+    for mode in MODES:
+        row = {"token_ms": statistics.median(token_s[mode.name]) * 1e3}
+        if mode.codec is not None:
+            read_bytes = page_read_bytes(workload.disk[mode.codec].payload_bytes)
+            model_s = predicted_tax_s(workload.num_disk, read_bytes, cost)
+            tax_s = statistics.median(taxes_s[mode.name])
+            row.update(disk_bytes_per_token=workload.num_disk * read_bytes,
+                       tax_us_per_token=tax_s * 1e6, model_us_per_token=model_s * 1e6,
+                       measured_vs_model=tax_s / model_s)
+            if mode.step == "prefetch":
+                sync_s = taxes_s[mode.codec]
+                row["hidden"] = statistics.median(
+                    hidden_fraction(p, s) for p, s in zip(taxes_s[mode.name], sync_s, strict=True))
+        figures[mode.name] = row
+    return figures
+
+
+def build_result(settings, workload, disk: dict, token_s: dict, errors: dict) -> dict:
+    """The JSON result: settings, the machine, disk figures, per-mode figures, the rounds,
+    the ratios and goals (common.finish adds "met")."""
+    cost = DiskCost(disk["latency_s"], disk["bandwidth_bytes_per_s"])
+    taxes_s = round_taxes_s(token_s)
+    predicted_none_s = predicted_tax_s(
+        workload.num_disk, page_read_bytes(workload.disk["none"].payload_bytes), cost)
+    fio = disk["fio_randread_bytes_per_s"]
+    return {
+        "benchmark": "tax", "unit": "us_per_token",
+        "config": {**dataclasses.asdict(settings), "page_shape": list(workload.geometry.shape),
+                   "page_dtype": workload.geometry.dtype,
+                   "page_bytes": workload.geometry.page_bytes, "num_pages": workload.num_pages,
+                   "num_disk_pages": workload.num_disk},
+        "machine": common.machine_info(),
+        "disk": {"latency_us": disk["latency_s"] * 1e6,
+                 "bandwidth_gbps": disk["bandwidth_bytes_per_s"] / 1e9,
+                 "fio_randread_gbps": fio / 1e9 if fio else None,
+                 "page_read_bytes": {codec: page_read_bytes(pages.payload_bytes)
+                                     for codec, pages in workload.disk.items()}},
+        "modes": _mode_figures(workload, cost, token_s, taxes_s),
+        "rounds": {"token_s": token_s, "tax_s": taxes_s},
+        "output_rel_error": errors,
+        "ratios": tax_ratios(taxes_s, predicted_none_s),
+        "goals": GOALS,
+        "notes": NOTES,
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def tables(result: dict) -> list:
+    """The disk's figures and one row per mode."""
+    disk, config = result["disk"], result["config"]
+    disk_table = common.table(
+        "disk (plain O_DIRECT, this run)", ["figure", "value"],
+        [["latency, 4 KiB read (us)", f"{disk['latency_us']:.1f}"],
+         ["bandwidth, 4 MiB reads (GB/s)", f"{disk['bandwidth_gbps']:.2f}"],
+         ["fio randread, 4 MiB (GB/s)", _fmt(disk["fio_randread_gbps"], ".2f")]])
+    title = (f"paging tax: {config['model']}, {config['context_tokens']:,} tokens = "
+             f"{config['num_pages']} pages of {config['page_tokens']}, {config['num_disk_pages']} "
+             f"on disk")
+    rows = []
+    for name, row in result["modes"].items():
+        rows.append([name, _fmt(row.get("disk_bytes_per_token", 0) / 2**20, ".1f"),
+                     f"{row['token_ms']:.2f}", _fmt(row.get("tax_us_per_token"), ",.0f"),
+                     _fmt(row.get("model_us_per_token"), ",.0f"),
+                     _fmt(row.get("measured_vs_model"), ".2f"), _fmt(row.get("hidden"), ".2f")])
+    mode_table = common.table(title, ["mode", "disk MiB/token", "token ms", "tax us/token",
+                                      "model us/token", "measured/model", "hidden"], rows)
+    return [disk_table, mode_table]
+
+
+def write_png(result: dict, png_path: str) -> None:
+    """Left: measured tax against the model per mode. Right: a token's time, compute + tax."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paged = [name for name in result["modes"] if name != RESIDENT.name]
+    modes = result["modes"]
+    positions = range(len(paged))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    left.bar([p - 0.2 for p in positions], [modes[n]["tax_us_per_token"] / 1e3 for n in paged],
+             0.4, label="measured")
+    left.bar([p + 0.2 for p in positions], [modes[n]["model_us_per_token"] / 1e3 for n in paged],
+             0.4, label="model (reads not hidden)")
+    left.set(xticks=list(positions), ylabel="paging tax (ms per token)",
+             title="tax: measured vs latency + bytes / bandwidth")
+    left.set_xticklabels(paged, rotation=20)
+    left.legend()
+    compute_ms = modes[RESIDENT.name]["token_ms"]
+    right.bar(list(positions), [compute_ms] * len(paged), label="all resident (compute)")
+    right.bar(list(positions), [max(modes[n]["tax_us_per_token"], 0) / 1e3 for n in paged],
+              bottom=[compute_ms] * len(paged), label="paging tax")
+    right.set(xticks=list(positions), ylabel="ms per token", title="a token's time")
+    right.set_xticklabels(paged, rotation=20)
+    right.legend()
+    config = result["config"]
+    figure.suptitle(f"{config['model']}: {config['num_disk_pages']} of {config['num_pages']} "
+                    f"pages on disk")
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=110)
+    plt.close(figure)
