@@ -111,14 +111,17 @@ def hidden_fraction(tax_prefetch_s: float, tax_sync_s: float) -> float:
     return 1.0 - tax_prefetch_s / tax_sync_s
 
 
-def tax_ratios(taxes_s: dict[str, list[float]], predicted_none_s: float) -> dict[str, float]:
-    """The three ratios of the goals, from per-round taxes (round_taxes_s).
+def tax_ratios(taxes_s: dict[str, list[float]], predicted_none_s: list[float]) -> dict[str, float]:
+    """The three ratios of the goals, from per-round taxes (round_taxes_s) and the model's
+    prediction for raw pages in each round (from that round's disk probes).
 
-    Ratios of two measured taxes are medians of per-round ratios; the model is one figure.
+    Each is the median over rounds of a ratio taken within one round, so that a round in which
+    a neighbour slowed the machine or the disk compares like with like.
     """
     none_s = taxes_s["none"]
     return {
-        "tax_measured_vs_model": statistics.median(none_s) / predicted_none_s,
+        "tax_measured_vs_model": statistics.median(
+            n / p for n, p in zip(none_s, predicted_none_s, strict=True)),
         "tax_hidden_by_prefetch": statistics.median(
             hidden_fraction(p, n) for p, n in zip(taxes_s["none+prefetch"], none_s, strict=True)),
         "tax_fp8_vs_none": statistics.median(

@@ -109,36 +109,43 @@ def check_outputs(workload: Workload, query: torch.Tensor) -> dict[str, float]:
     return errors
 
 
+def probe_disk(workload: Workload, settings: TaxSettings) -> tuple[float, float]:
+    """(latency_s, bandwidth_bytes_per_s) of plain O_DIRECT reads of the raw pages' slab file,
+    which holds written pages only."""
+    path = workload.slab_path()
+    region_bytes = min(workload.num_disk * workload.disk["none"].arena.slot_bytes,
+                       os.path.getsize(path))
+    return (rawdisk.read_latency_s(path, region_bytes),
+            rawdisk.read_bandwidth_bytes_per_s(path, region_bytes, settings.num_threads))
+
+
+def fio_read_bytes_per_s(settings: TaxSettings, root: str) -> float | None:
+    """fio's O_DIRECT random-read bandwidth at the probe's block size, as a peer (None: off)."""
+    if not settings.fio_peer or not peers.fio_path():
+        return None
+    return 1e9 * peers.fio_gbps(root, "read", rawdisk.BANDWIDTH_BLOCK_BYTES,
+                                settings.num_threads, FIO_FILE_BYTES)
+
+
 def measure_rounds(workload: Workload, settings: TaxSettings, advance) -> dict[str, list[float]]:
-    """Seconds per token of every mode, per round; the modes' order rotates each round."""
+    """Per round: the disk's latency and bandwidth, then seconds per token of every mode (their
+    order rotates each round). Returns lists per round: latency_s, bandwidth_bytes_per_s, and
+    one per mode name."""
     queries = workload.queries(settings)
-    token_s: dict[str, list[float]] = {mode.name: [] for mode in MODES}
+    rounds: dict[str, list[float]] = {"latency_s": [], "bandwidth_bytes_per_s": []}
+    rounds.update({mode.name: [] for mode in MODES})
     for round_index in range(settings.num_rounds):
+        latency_s, bandwidth = probe_disk(workload, settings)
+        rounds["latency_s"].append(latency_s)
+        rounds["bandwidth_bytes_per_s"].append(bandwidth)
         shift = round_index % len(MODES)
         for mode in MODES[shift:] + MODES[:shift]:
             start_s = time.perf_counter()
             for query in queries:
                 workload.token(mode, query)
-            token_s[mode.name].append((time.perf_counter() - start_s) / len(queries))
-            advance()
-    return token_s
-
-
-def measure_disk(workload: Workload, settings: TaxSettings, root: str) -> dict:
-    """The disk's latency and bandwidth (raw O_DIRECT, on the raw pages' slab file) and fio."""
-    region_bytes = min(workload.num_disk * workload.disk["none"].arena.slot_bytes,
-                       os.path.getsize(workload.slab_path()))
-    figures = {
-        "latency_s": rawdisk.read_latency_s(workload.slab_path(), region_bytes),
-        "bandwidth_bytes_per_s": rawdisk.read_bandwidth_bytes_per_s(
-            workload.slab_path(), region_bytes, settings.num_threads),
-        "fio_randread_bytes_per_s": None,
-    }
-    if settings.fio_peer and peers.fio_path():
-        block_bytes = rawdisk.BANDWIDTH_BLOCK_BYTES
-        figures["fio_randread_bytes_per_s"] = 1e9 * peers.fio_gbps(
-            root, "read", block_bytes, settings.num_threads, FIO_FILE_BYTES)
-    return figures
+            rounds[mode.name].append((time.perf_counter() - start_s) / len(queries))
+        advance()
+    return rounds
 
 
 def _work_dir(disk_dir: str | None) -> str:
@@ -153,23 +160,24 @@ def _work_dir(disk_dir: str | None) -> str:
 
 
 def measure(settings: TaxSettings) -> dict:
-    """Build the workload, measure the disk and the rounds; the result without ratios' verdicts."""
+    """Build the workload, measure fio and the rounds; the result without the goals' verdicts."""
     root = _work_dir(settings.disk_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core computes; the loads have the other
     workload = None
     try:
         with tax_report.progress() as bar:
-            steps = 3 + settings.num_rounds * len(MODES)
-            task = bar.add_task("paging tax: writing the disk pages", total=steps)
+            task = bar.add_task("paging tax: writing the disk pages",
+                                total=3 + settings.num_rounds)
             workload = Workload(settings, root)
-            bar.update(task, advance=1, description="paging tax: disk latency and bandwidth")
-            disk = measure_disk(workload, settings, root)
+            bar.update(task, advance=1, description="paging tax: fio, as a peer")
+            fio = fio_read_bytes_per_s(settings, root)
             bar.update(task, advance=1, description="paging tax: checking every mode's output")
             errors = check_outputs(workload, workload.queries(settings)[0])
-            bar.update(task, advance=1, description="paging tax: decoding, rounds of every mode")
-            token_s = measure_rounds(workload, settings, lambda: bar.advance(task))
-        return tax_report.build_result(settings, workload, disk, token_s, errors)
+            bar.update(task, advance=1, description="paging tax: rounds (disk probes, then "
+                                                    "a token in every mode)")
+            rounds = measure_rounds(workload, settings, lambda: bar.advance(task))
+        return tax_report.build_result(settings, workload, rounds, fio, errors)
     finally:
         torch.set_num_threads(threads)
         if workload is not None:

@@ -23,12 +23,13 @@ NOTES = [
     "interleave the modes, rotating their order); per mode the median over rounds",
     "model = pages on disk x (latency + page read bytes / bandwidth); latency: median 4096-byte "
     "O_DIRECT read at queue depth 1; bandwidth: 4 MiB O_DIRECT reads over the disk-tier "
-    "threads; both plain preadv on the raw pages' slab file, in this run",
+    "threads; both plain preadv on the raw pages' slab file, probed at the start of each round "
+    "(disk figures: medians over rounds)",
     "page read bytes: DiskArena's header block + payload rounded up to 4096",
     "compute: online-softmax attention of one query per (layer, query head) over every page, "
     "float32, one torch thread; the loads (read + checksum + decode) run in a pool of the disk "
     "tier's thread count, so the two share the machine's cores",
-    "tax_hidden_by_prefetch and tax_fp8_vs_none: medians of per-round ratios",
+    "ratios, and measured/model per mode: medians of ratios taken within each round",
 ]
 
 
@@ -40,33 +41,43 @@ def progress():
                     TimeElapsedColumn(), transient=True)
 
 
-def _mode_figures(workload, cost: DiskCost, token_s: dict, taxes_s: dict) -> dict:
+def _round_costs(rounds: dict) -> list[DiskCost]:
+    return [DiskCost(latency_s, bandwidth) for latency_s, bandwidth
+            in zip(rounds["latency_s"], rounds["bandwidth_bytes_per_s"], strict=True)]
+
+
+def _mode_figures(workload, rounds: dict, taxes_s: dict) -> dict:
+    """Per mode: token time and, for paged modes, tax, model and their ratio (medians over
+    rounds, the ratio taken within each round), and for prefetch the fraction hidden."""
+    costs = _round_costs(rounds)
     figures = {}
     for mode in MODES:
-        row = {"token_ms": statistics.median(token_s[mode.name]) * 1e3}
+        row = {"token_ms": statistics.median(rounds[mode.name]) * 1e3}
         if mode.codec is not None:
             read_bytes = page_read_bytes(workload.disk[mode.codec].payload_bytes)
-            model_s = predicted_tax_s(workload.num_disk, read_bytes, cost)
-            tax_s = statistics.median(taxes_s[mode.name])
+            model_s = [predicted_tax_s(workload.num_disk, read_bytes, cost) for cost in costs]
             row.update(disk_bytes_per_token=workload.num_disk * read_bytes,
-                       tax_us_per_token=tax_s * 1e6, model_us_per_token=model_s * 1e6,
-                       measured_vs_model=tax_s / model_s)
+                       tax_us_per_token=statistics.median(taxes_s[mode.name]) * 1e6,
+                       model_us_per_token=statistics.median(model_s) * 1e6,
+                       measured_vs_model=statistics.median(
+                           t / m for t, m in zip(taxes_s[mode.name], model_s, strict=True)))
             if mode.step == "prefetch":
-                sync_s = taxes_s[mode.codec]
                 row["hidden"] = statistics.median(
-                    hidden_fraction(p, s) for p, s in zip(taxes_s[mode.name], sync_s, strict=True))
+                    hidden_fraction(p, s) for p, s
+                    in zip(taxes_s[mode.name], taxes_s[mode.codec], strict=True))
         figures[mode.name] = row
     return figures
 
 
-def build_result(settings, workload, disk: dict, token_s: dict, errors: dict) -> dict:
+def build_result(settings, workload, rounds: dict, fio_bytes_per_s: float | None,
+                 errors: dict) -> dict:
     """The JSON result: settings, the machine, disk figures, per-mode figures, the rounds,
     the ratios and goals (common.finish adds "met")."""
-    cost = DiskCost(disk["latency_s"], disk["bandwidth_bytes_per_s"])
+    token_s = {mode.name: rounds[mode.name] for mode in MODES}
     taxes_s = round_taxes_s(token_s)
-    predicted_none_s = predicted_tax_s(
-        workload.num_disk, page_read_bytes(workload.disk["none"].payload_bytes), cost)
-    fio = disk["fio_randread_bytes_per_s"]
+    none_read_bytes = page_read_bytes(workload.disk["none"].payload_bytes)
+    predicted_none_s = [predicted_tax_s(workload.num_disk, none_read_bytes, cost)
+                        for cost in _round_costs(rounds)]
     return {
         "benchmark": "tax", "unit": "us_per_token",
         "config": {**dataclasses.asdict(settings), "page_shape": list(workload.geometry.shape),
@@ -74,13 +85,13 @@ def build_result(settings, workload, disk: dict, token_s: dict, errors: dict) ->
                    "page_bytes": workload.geometry.page_bytes, "num_pages": workload.num_pages,
                    "num_disk_pages": workload.num_disk},
         "machine": common.machine_info(),
-        "disk": {"latency_us": disk["latency_s"] * 1e6,
-                 "bandwidth_gbps": disk["bandwidth_bytes_per_s"] / 1e9,
-                 "fio_randread_gbps": fio / 1e9 if fio else None,
+        "disk": {"latency_us": statistics.median(rounds["latency_s"]) * 1e6,
+                 "bandwidth_gbps": statistics.median(rounds["bandwidth_bytes_per_s"]) / 1e9,
+                 "fio_randread_gbps": fio_bytes_per_s / 1e9 if fio_bytes_per_s else None,
                  "page_read_bytes": {codec: page_read_bytes(pages.payload_bytes)
                                      for codec, pages in workload.disk.items()}},
-        "modes": _mode_figures(workload, cost, token_s, taxes_s),
-        "rounds": {"token_s": token_s, "tax_s": taxes_s},
+        "modes": _mode_figures(workload, rounds, taxes_s),
+        "rounds": {**rounds, "tax_s": taxes_s},
         "output_rel_error": errors,
         "ratios": tax_ratios(taxes_s, predicted_none_s),
         "goals": GOALS,

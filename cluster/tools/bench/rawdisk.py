@@ -16,9 +16,9 @@ import numpy as np
 
 from cluster.core.tiers.aligned import ALIGN_BYTES, aligned_empty
 
-LATENCY_SAMPLES = 200
+LATENCY_SAMPLES = 64
 BANDWIDTH_BLOCK_BYTES = 4 << 20
-BANDWIDTH_MIN_S = 0.5
+BANDWIDTH_MIN_S = 0.25
 
 
 def _open_direct(path: str) -> int:
@@ -47,7 +47,8 @@ def read_latency_s(path: str, region_bytes: int, seed: int = 0) -> float:
 
 def read_bandwidth_bytes_per_s(path: str, region_bytes: int, num_threads: int) -> float:
     """Bytes per second reading the first `region_bytes` of `path` in 4 MiB blocks spread over
-    `num_threads` threads (one buffer each), pass after pass for at least BANDWIDTH_MIN_S."""
+    `num_threads` threads (one buffer each), pass after pass for at least BANDWIDTH_MIN_S
+    (at least one whole pass)."""
     block_bytes = min(BANDWIDTH_BLOCK_BYTES, region_bytes // ALIGN_BYTES * ALIGN_BYTES)
     if block_bytes <= 0:
         raise ValueError(f"region_bytes must hold a block of {ALIGN_BYTES}, got {region_bytes}")
