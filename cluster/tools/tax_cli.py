@@ -25,8 +25,8 @@ class TaxSettings:
     disk_fraction: float = 0.25
     page_tokens: int = 256
     disk_dir: str | None = None  # None: a temp dir beside raykv's default disk dir
-    num_rounds: int = 7
-    tokens_per_round: int = 2
+    num_rounds: int = 15
+    tokens_per_round: int = 1
     window_pages: int = 8
     query_heads_per_kv_head: int = 4  # as small-llama and Llama-3.1-8B have
     num_threads: int = CacheConfig().disk_threads
