@@ -19,10 +19,12 @@ Pure: no Ray. Pages of a quantized codec come back as their decoded values, not 
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -101,6 +103,21 @@ class DiskPages:
                               window.pages[buffer])
 
 
+class StallClock:
+    """Seconds the decoding thread spent waiting for disk pages, rather than computing."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        start_s = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.total_s += time.perf_counter() - start_s
+
+
 @dataclass(frozen=True, slots=True)
 class PagedContext:
     """The pages of one context and the means to bring the disk ones in."""
@@ -109,6 +126,7 @@ class PagedContext:
     originals: list[torch.Tensor]  # the disk pages' in-memory copies: the resident baseline
     window: PageWindow
     loader: ThreadPoolExecutor  # runs DiskPages.load
+    stall: StallClock = field(default_factory=StallClock)
 
 
 def resident_token(context: PagedContext, query: torch.Tensor,
@@ -128,7 +146,8 @@ def sync_token(context: PagedContext, query: torch.Tensor, disk: DiskPages) -> t
         indices = range(start, min(start + window.num_buffers, len(disk)))
         futures = [context.loader.submit(disk.load, index, window, buffer)
                    for buffer, index in enumerate(indices)]
-        wait(futures)
+        with context.stall.waiting():
+            wait(futures)
         for buffer, future in enumerate(futures):
             future.result()
             attention.add_page(window.pages[buffer])
@@ -157,7 +176,8 @@ class _Stream:
 
     def _take_head(self, attention: OnlineAttention) -> None:
         buffer, future = self.inflight.popleft()
-        future.result()
+        with self.context.stall.waiting():
+            future.result()
         attention.add_page(self.context.window.pages[buffer])
         self._issue(buffer)
 

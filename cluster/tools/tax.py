@@ -127,23 +127,29 @@ def fio_read_bytes_per_s(settings: TaxSettings, root: str) -> float | None:
                                 settings.num_threads, FIO_FILE_BYTES)
 
 
-def measure_rounds(workload: Workload, settings: TaxSettings, advance) -> dict[str, list[float]]:
-    """Per round: the disk's latency and bandwidth, then seconds per token of every mode (their
-    order rotates each round). Returns lists per round: latency_s, bandwidth_bytes_per_s, and
-    one per mode name."""
-    queries = workload.queries(settings)
-    rounds: dict[str, list[float]] = {"latency_s": [], "bandwidth_bytes_per_s": []}
-    rounds.update({mode.name: [] for mode in MODES})
+def measure_rounds(workload: Workload, settings: TaxSettings, advance) -> dict:
+    """Per round: the disk's latency and bandwidth, then, for every mode (in an order that
+    rotates each round), seconds per token and seconds per token spent waiting for pages.
+
+    {"latency_s": [...], "bandwidth_bytes_per_s": [...], "token_s": {mode: [...]},
+     "stall_s": {mode: [...]}}, one entry per round in each list.
+    """
+    queries, stall = workload.queries(settings), workload.context.stall
+    rounds: dict = {"latency_s": [], "bandwidth_bytes_per_s": [],
+                    "token_s": {mode.name: [] for mode in MODES},
+                    "stall_s": {mode.name: [] for mode in MODES}}
     for round_index in range(settings.num_rounds):
         latency_s, bandwidth = probe_disk(workload, settings)
         rounds["latency_s"].append(latency_s)
         rounds["bandwidth_bytes_per_s"].append(bandwidth)
         shift = round_index % len(MODES)
         for mode in MODES[shift:] + MODES[:shift]:
-            start_s = time.perf_counter()
+            stall_s, start_s = stall.total_s, time.perf_counter()
             for query in queries:
                 workload.token(mode, query)
-            rounds[mode.name].append((time.perf_counter() - start_s) / len(queries))
+            elapsed_s = time.perf_counter() - start_s
+            rounds["token_s"][mode.name].append(elapsed_s / len(queries))
+            rounds["stall_s"][mode.name].append((stall.total_s - stall_s) / len(queries))
         advance()
     return rounds
 

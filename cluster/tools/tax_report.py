@@ -19,6 +19,9 @@ from cluster.core.tax_model import (
 from cluster.tools.bench import common
 
 NOTES = [
+    "stall = the time the decoding thread waited for disk pages; the rest of the tax is time "
+    "the paged modes' compute took longer than the resident one's (on a busy machine: the "
+    "decoding thread losing its core each time it waits)",
     "tax = a token's time less the all-resident token's time in the same round (rounds "
     "interleave the modes, rotating their order); per mode the median over rounds",
     "model = pages on disk x (latency + page read bytes / bandwidth); latency: median 4096-byte "
@@ -46,21 +49,28 @@ def _round_costs(rounds: dict) -> list[DiskCost]:
             in zip(rounds["latency_s"], rounds["bandwidth_bytes_per_s"], strict=True)]
 
 
+def _per_round_median(numerators: list[float], denominators: list[float]) -> float:
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
+
+
 def _mode_figures(workload, rounds: dict, taxes_s: dict) -> dict:
-    """Per mode: token time and, for paged modes, tax, model and their ratio (medians over
-    rounds, the ratio taken within each round), and for prefetch the fraction hidden."""
+    """Per mode: token time and, for paged modes, the tax, the time spent waiting for pages
+    (stall), the model, and tax and stall against the model (medians over rounds, each ratio
+    taken within a round); for prefetch, the fraction of the tax hidden."""
     costs = _round_costs(rounds)
     figures = {}
     for mode in MODES:
-        row = {"token_ms": statistics.median(rounds[mode.name]) * 1e3}
+        row = {"token_ms": statistics.median(rounds["token_s"][mode.name]) * 1e3}
         if mode.codec is not None:
             read_bytes = page_read_bytes(workload.disk[mode.codec].payload_bytes)
             model_s = [predicted_tax_s(workload.num_disk, read_bytes, cost) for cost in costs]
+            stall_s = rounds["stall_s"][mode.name]
             row.update(disk_bytes_per_token=workload.num_disk * read_bytes,
                        tax_us_per_token=statistics.median(taxes_s[mode.name]) * 1e6,
+                       stall_us_per_token=statistics.median(stall_s) * 1e6,
                        model_us_per_token=statistics.median(model_s) * 1e6,
-                       measured_vs_model=statistics.median(
-                           t / m for t, m in zip(taxes_s[mode.name], model_s, strict=True)))
+                       measured_vs_model=_per_round_median(taxes_s[mode.name], model_s),
+                       stall_vs_model=_per_round_median(stall_s, model_s))
             if mode.step == "prefetch":
                 row["hidden"] = statistics.median(
                     hidden_fraction(p, s) for p, s
@@ -73,8 +83,7 @@ def build_result(settings, workload, rounds: dict, fio_bytes_per_s: float | None
                  errors: dict) -> dict:
     """The JSON result: settings, the machine, disk figures, per-mode figures, the rounds,
     the ratios and goals (common.finish adds "met")."""
-    token_s = {mode.name: rounds[mode.name] for mode in MODES}
-    taxes_s = round_taxes_s(token_s)
+    taxes_s = round_taxes_s(rounds["token_s"])
     none_read_bytes = page_read_bytes(workload.disk["none"].payload_bytes)
     predicted_none_s = [predicted_tax_s(workload.num_disk, none_read_bytes, cost)
                         for cost in _round_costs(rounds)]
@@ -117,11 +126,14 @@ def tables(result: dict) -> list:
     rows = []
     for name, row in result["modes"].items():
         rows.append([name, _fmt(row.get("disk_bytes_per_token", 0) / 2**20, ".1f"),
-                     f"{row['token_ms']:.2f}", _fmt(row.get("tax_us_per_token"), ",.0f"),
+                     f"{row['token_ms']:.1f}", _fmt(row.get("tax_us_per_token"), ",.0f"),
+                     _fmt(row.get("stall_us_per_token"), ",.0f"),
                      _fmt(row.get("model_us_per_token"), ",.0f"),
-                     _fmt(row.get("measured_vs_model"), ".2f"), _fmt(row.get("hidden"), ".2f")])
-    mode_table = common.table(title, ["mode", "disk MiB/token", "token ms", "tax us/token",
-                                      "model us/token", "measured/model", "hidden"], rows)
+                     _fmt(row.get("measured_vs_model"), ".2f"),
+                     _fmt(row.get("stall_vs_model"), ".2f"), _fmt(row.get("hidden"), ".2f")])
+    mode_table = common.table(title, ["mode", "disk MiB/tok", "token ms", "tax us/tok",
+                                      "stall us/tok", "model us/tok", "tax/model",
+                                      "stall/model", "hidden"], rows)
     return [disk_table, mode_table]
 
 

@@ -165,3 +165,15 @@ def test_writing_more_pages_than_the_arena_holds_is_refused(paged):
     disk = DiskPages(context.disk["none"].arena, GEOMETRY, "none")  # its slots are all taken
     with pytest.raises(ValueError, match="holds"):
         disk.write(context.context.originals)
+
+
+def test_only_paged_steps_wait_for_pages(paged):
+    context = paged()
+    stall = context.context.stall
+    context.token("resident")
+    assert stall.total_s == 0.0
+    context.token("sync")
+    after_sync = stall.total_s
+    assert after_sync > 0
+    context.token("prefetch")
+    assert stall.total_s >= after_sync

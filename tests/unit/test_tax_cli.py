@@ -33,7 +33,11 @@ def test_raykv_tax_runs_and_writes_its_table_json_and_png(disk_dir, tmp_path):
     assert set(report["ratios"]) == set(GOALS) and set(report["met"]) == set(GOALS)
     assert report["config"]["num_pages"] == 8 and report["config"]["num_disk_pages"] == 2
     assert set(report["modes"]) == {mode.name for mode in MODES}
-    assert all(len(report["rounds"][key]) == 2 for key in [*report["modes"], "latency_s"])
+    rounds = report["rounds"]
+    assert len(rounds["latency_s"]) == len(rounds["bandwidth_bytes_per_s"]) == 2
+    for key in ("token_s", "stall_s"):
+        assert all(len(rounds[key][mode]) == 2 for mode in report["modes"])
+    assert rounds["stall_s"]["resident"] == [0.0, 0.0] and rounds["stall_s"]["none"][0] > 0
     assert report["disk"]["latency_us"] > 0 and report["disk"]["bandwidth_gbps"] > 0
     assert report["disk"]["fio_randread_gbps"] is None
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
