@@ -167,6 +167,7 @@ def _work_dir(disk_dir: str | None) -> str:
 
 def measure(settings: TaxSettings) -> dict:
     """Build the workload, measure fio and the rounds; the result without the goals' verdicts."""
+    machine = common.machine_info()
     root = _work_dir(settings.disk_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core computes; the loads have the other
@@ -183,7 +184,8 @@ def measure(settings: TaxSettings) -> dict:
             bar.update(task, advance=1, description="paging tax: rounds (disk probes, then "
                                                     "a token in every mode)")
             rounds = measure_rounds(workload, settings, lambda: bar.advance(task))
-        return tax_report.build_result(settings, workload, rounds, fio, errors)
+        measured = tax_report.Measurements(machine, rounds, fio, errors)
+        return tax_report.build_result(settings, workload, measured)
     finally:
         torch.set_num_threads(threads)
         if workload is not None:

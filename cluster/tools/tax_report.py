@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from dataclasses import dataclass
 
 from cluster.core.tax_model import (
     GOALS,
@@ -34,6 +35,16 @@ NOTES = [
     "tier's thread count, so the two share the machine's cores",
     "ratios, and measured/model per mode: medians of ratios taken within each round",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class Measurements:
+    """What one run measured, besides the workload it built."""
+
+    machine: dict  # common.machine_info() taken as the run started
+    rounds: dict  # tax.measure_rounds
+    fio_bytes_per_s: float | None
+    output_errors: dict[str, float]  # per mode, against the resident output
 
 
 def progress():
@@ -79,10 +90,10 @@ def _mode_figures(workload, rounds: dict, taxes_s: dict) -> dict:
     return figures
 
 
-def build_result(settings, workload, rounds: dict, fio_bytes_per_s: float | None,
-                 errors: dict) -> dict:
+def build_result(settings, workload, measured: Measurements) -> dict:
     """The JSON result: settings, the machine, disk figures, per-mode figures, the rounds,
-    the ratios and goals (common.finish adds "met")."""
+    the ratios and goals (common.finish adds "met" and the closing load average)."""
+    rounds, fio_bytes_per_s = measured.rounds, measured.fio_bytes_per_s
     taxes_s = round_taxes_s(rounds["token_s"])
     none_read_bytes = page_read_bytes(workload.disk["none"].payload_bytes)
     predicted_none_s = [predicted_tax_s(workload.num_disk, none_read_bytes, cost)
@@ -93,7 +104,7 @@ def build_result(settings, workload, rounds: dict, fio_bytes_per_s: float | None
                    "page_dtype": workload.geometry.dtype,
                    "page_bytes": workload.geometry.page_bytes, "num_pages": workload.num_pages,
                    "num_disk_pages": workload.num_disk},
-        "machine": common.machine_info(),
+        "machine": measured.machine,
         "disk": {"latency_us": statistics.median(rounds["latency_s"]) * 1e6,
                  "bandwidth_gbps": statistics.median(rounds["bandwidth_bytes_per_s"]) / 1e9,
                  "fio_randread_gbps": fio_bytes_per_s / 1e9 if fio_bytes_per_s else None,
@@ -101,7 +112,7 @@ def build_result(settings, workload, rounds: dict, fio_bytes_per_s: float | None
                                      for codec, pages in workload.disk.items()}},
         "modes": _mode_figures(workload, rounds, taxes_s),
         "rounds": {**rounds, "tax_s": taxes_s},
-        "output_rel_error": errors,
+        "output_rel_error": measured.output_errors,
         "ratios": tax_ratios(taxes_s, predicted_none_s),
         "goals": GOALS,
         "notes": NOTES,
