@@ -11,6 +11,7 @@ from cluster.core.tax_model import (
     MODES,
     RESIDENT,
     DiskCost,
+    defined_median,
     hidden_fraction,
     page_read_bytes,
     predicted_tax_s,
@@ -83,7 +84,7 @@ def _mode_figures(workload, rounds: dict, taxes_s: dict) -> dict:
                        measured_vs_model=_per_round_median(taxes_s[mode.name], model_s),
                        stall_vs_model=_per_round_median(stall_s, model_s))
             if mode.step == "prefetch":
-                row["hidden"] = statistics.median(
+                row["hidden"] = defined_median(
                     hidden_fraction(p, s) for p, s
                     in zip(taxes_s[mode.name], taxes_s[mode.codec], strict=True))
         figures[mode.name] = row
