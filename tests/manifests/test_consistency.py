@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import inspect
 import re
+import typing
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -125,8 +126,9 @@ def _check_args(builder, args: dict) -> None:
     """Validate args against the builder's pydantic argument model, when it declares one."""
     from pydantic import BaseModel
 
-    parameters = list(inspect.signature(builder).parameters.values())
-    annotation = parameters[0].annotation if parameters else None
+    parameters = list(inspect.signature(builder).parameters)
+    hints = typing.get_type_hints(builder) if parameters else {}
+    annotation = hints.get(parameters[0]) if parameters else None
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         annotation.model_validate(args)
 
