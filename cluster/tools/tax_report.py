@@ -35,6 +35,8 @@ NOTES = [
     "float32, one torch thread; the loads (read + checksum + decode) run in a pool of the disk "
     "tier's thread count, so the two share the machine's cores",
     "ratios, and measured/model per mode: medians of ratios taken within each round",
+    "token_spread: (p75 - p25) / median of a mode's token times over the rounds; a busy "
+    "machine shows here first",
 ]
 
 
@@ -61,6 +63,14 @@ def _round_costs(rounds: dict) -> list[DiskCost]:
             in zip(rounds["latency_s"], rounds["bandwidth_bytes_per_s"], strict=True)]
 
 
+def _spread(values: list[float]) -> float:
+    """(p75 - p25) / median: how much the rounds disagree (0 on a quiet machine)."""
+    if len(values) < 2:
+        return 0.0
+    p25, _, p75 = statistics.quantiles(values, n=4, method="inclusive")
+    return (p75 - p25) / statistics.median(values)
+
+
 def _per_round_median(numerators: list[float], denominators: list[float]) -> float:
     return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
 
@@ -72,7 +82,8 @@ def _mode_figures(workload, rounds: dict, taxes_s: dict) -> dict:
     costs = _round_costs(rounds)
     figures = {}
     for mode in MODES:
-        row = {"token_ms": statistics.median(rounds["token_s"][mode.name]) * 1e3}
+        times_s = rounds["token_s"][mode.name]
+        row = {"token_ms": statistics.median(times_s) * 1e3, "token_spread": _spread(times_s)}
         if mode.codec is not None:
             read_bytes = page_read_bytes(workload.disk[mode.codec].payload_bytes)
             model_s = [predicted_tax_s(workload.num_disk, read_bytes, cost) for cost in costs]
