@@ -52,7 +52,7 @@ unit: $(STAMP)
 
 bench: system-deps $(STAMP)
 	mkdir -p out/bench
-	for name in hashing tiers directory remote; do \
+	for name in hashing tiers directory remote tax; do \
 	  $(VENV)/bin/raykv bench $$name --json out/bench/$$name.json || exit 1; done
 
 clean:

@@ -13,6 +13,7 @@ Codec "none" stores the page's raw bytes. Pure: no Ray.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -119,10 +120,55 @@ def decode_page(
         return out.copy_(page) if out is not None else page.clone()
     scales_bytes = _scale_count(shape) * SCALE_BYTES
     scales = src[:scales_bytes].view(torch.float32).view(*shape[:-2], 1, 1)
-    codes = src[scales_bytes:].view(spec.code_dtype).view(shape).float()
-    if out is None:
-        return torch.mul(codes, scales).to(dtype)
-    return out.copy_(codes.mul_(scales))
+    codes = src[scales_bytes:].view(torch.int8).view(shape)
+    target = out if out is not None else torch.empty(shape, dtype=dtype)
+    # Decode in float32 (in place when the page is float32), then round once to the dtype.
+    work = target if dtype == torch.float32 else _float32_scratch(shape)
+    _DECODERS[codec](codes, scales, work)
+    return target if work is target else target.copy_(work)
+
+
+def _int8_to_float32(codes: torch.Tensor, scales: torch.Tensor, work: torch.Tensor) -> None:
+    work.copy_(codes).mul_(scales)
+
+
+def _fp8_to_float32(codes: torch.Tensor, scales: torch.Tensor, work: torch.Tensor) -> None:
+    """e4m3 codes times scales, exactly as codes.float() * scales, ~10x faster on a CPU.
+
+    torch converts float8 element by element on a CPU (~3 ns each, slower than reading the
+    page from disk). Instead, each code's sign, exponent and mantissa bits go straight into a
+    float32's (sign-extend to int32, shift left by 20, keep the sign and the 7 low bits):
+
+        e4m3  S EEEE MMM          ->  float32  S 000EEEE MMM 0...0  =  value * 2^-120
+
+    exact for normal and subnormal codes alike (float32 has 127 - 7 = 120 more exponent bias),
+    and the 2^120 goes into the per-head scale. Codes are never NaN: encode_page clamps.
+    """
+    bits = work.view(torch.int32)
+    bits.copy_(codes)
+    bits.bitwise_left_shift_(_FP8_SHIFT).bitwise_and_(_FP8_FLOAT32_MASK)
+    if float(scales.max()) < _FP8_MAX_FOLDED_SCALE:
+        work.mul_(scales * _FP8_UNBIAS)
+    else:  # scale * 2^120 would overflow float32: two exact steps instead of one
+        work.mul_(_FP8_UNBIAS).mul_(scales)
+
+
+_FP8_SHIFT = 23 - 3  # float32 mantissa bits - e4m3 mantissa bits
+_FP8_FLOAT32_MASK = 0x87F00000 - (1 << 32)  # sign | 4 exponent bits | 3 mantissa bits, as int32
+_FP8_UNBIAS = 2.0**120
+_FP8_MAX_FOLDED_SCALE = 2.0**7
+_DECODERS = {"fp8": _fp8_to_float32, "int8": _int8_to_float32}
+_scratch = threading.local()
+
+
+def _float32_scratch(shape: tuple) -> torch.Tensor:
+    """A float32 work tensor of `shape`, kept per thread: a fresh one costs page faults."""
+    num_elements = math.prod(shape)
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < num_elements:
+        buffer = torch.empty(num_elements, dtype=torch.float32)
+        _scratch.buffer = buffer
+    return buffer[:num_elements].view(shape)
 
 
 def quant_report(kv: torch.Tensor, page_tokens: int) -> list[dict]:

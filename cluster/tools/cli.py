@@ -1,4 +1,4 @@
-"""The `raykv` command: sizing, benchmarks and the demo."""
+"""The `raykv` command: sizing, the paging tax, benchmarks and the demo."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from cluster.tools.ops_cli import start_command, status_command, stop_command
 from cluster.tools.quota_cli import quota_app
 from cluster.tools.serve_cli import serve_command
 from cluster.tools.sizing_cli import size_command
+from cluster.tools.tax_cli import tax_command
 
 app = typer.Typer(help="raykv: a Ray-distributed, tiered KV-cache service for LLM serving.",
                   no_args_is_help=True, add_completion=False)
@@ -27,6 +28,9 @@ app.command("serve")(serve_command)
 app.command("start")(start_command)
 app.command("stop")(stop_command)
 app.command("status")(status_command)
+app.command("tax", help="The per-token latency tax of KV pages on disk, measured against "
+                        "pages x (latency + bytes / bandwidth), without and with prefetch, with "
+                        "fp8 and int8 pages.")(tax_command)
 
 # name -> module with `run(json_path: str | None, quick: bool) -> dict`
 BENCHMARKS = {
@@ -37,6 +41,7 @@ BENCHMARKS = {
     "ttft": "cluster.tools.bench.ttft",
     "serve": "cluster.tools.bench.serve",
     "elastic": "cluster.tools.bench.elastic",
+    "tax": "cluster.tools.tax",
 }
 
 JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
@@ -73,6 +78,7 @@ _register("elastic", "Three models in one budget: elastic sharing vs a static sp
                      "shrink time, min-quota violations.")
 _register_plotted("serve", "One chat trace through the Serve app with raykv's, Serve's pow2 and "
                            "Ray Serve LLM's prefix router: TTFT, cached tokens, replica shares.")
+_register("tax", "The paging tax (`raykv tax` with its defaults; a PNG beside the JSON).")
 
 
 @app.command("demo")

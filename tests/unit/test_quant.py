@@ -186,3 +186,22 @@ def test_quant_report_counts_bytes_and_errors():
         )
     assert 0 < report["int8"]["rel_rms_err"] < 1e-2 < report["fp8"]["rel_rms_err"] < 4e-2
     assert 0 < report["int8"]["max_abs_err"] < report["fp8"]["max_abs_err"]
+
+
+def _payload_of(codes: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """A quantized payload from raw codes and per-head scales (the layout encode_page writes)."""
+    return np.concatenate([scales.reshape(-1).numpy().view(np.uint8),
+                           codes.reshape(-1).view(torch.uint8).numpy()])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 3e-7, 1e3, 2.0**20])  # 2^20: past the folded scale
+def test_fp8_decode_is_exact_for_every_code(dtype, scale):
+    # Every e4m3 bit pattern but the two NaNs, subnormals and -0 included, in each head.
+    patterns = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    shape = (1, 2, 1, 2, 127)
+    codes = patterns.repeat(2).view(torch.float8_e4m3fn).view(shape)
+    scales = torch.tensor([scale, scale / 3], dtype=torch.float32).view(1, 2, 1, 1, 1)
+    expected = (codes.float() * scales).to(dtype)
+    decoded = decode_page(_payload_of(codes, scales), "fp8", shape, dtype)
+    assert torch.equal(decoded.view(torch.uint8), expected.view(torch.uint8))

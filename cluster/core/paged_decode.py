@@ -1,0 +1,224 @@
+"""Decoding over a context whose pages are partly on disk: the workload of the paging tax.
+
+    context:  [ resident pages, in memory ] [ disk pages: DiskArena slots, one arena per codec ]
+    window:   a few 4096-aligned page buffers that disk pages are read (and decoded) into
+
+Every token attends to every page (paged_attention.OnlineAttention), so each disk page is read
+once per token. A load reads one page through DiskArena.read_pages (O_DIRECT, checksum) and,
+for a quantized codec, decodes it with quant.decode_page; loads run in a thread pool, as the
+disk tier's own reads do. The ways to decode a token (DECODE_STEPS):
+
+    resident   attend to the resident pages and the disk pages' in-memory originals: compute only
+    sync       read a window of disk pages, wait for all of them, attend; repeat; then resident
+    prefetch   issue a window of reads first and attend to resident pages while they land; take
+               each page as it arrives and reuse its buffer for the next read
+
+Pure: no Ray. Pages of a quantized codec come back as their decoded values, not the originals.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.core import quant
+from cluster.core.geometry import PageGeometry
+from cluster.core.keys import KEY_BYTES
+from cluster.core.paged_attention import OnlineAttention
+from cluster.core.tiers.aligned import aligned_empty, round_up
+from cluster.core.tiers.disk import DiskArena
+
+WRITE_BATCH_PAGES = 16
+
+
+class PageWindow:
+    """`num_buffers` aligned page buffers, seen as raw bytes and as page tensors, and an
+    aligned staging buffer each for payloads that must be decoded."""
+
+    def __init__(self, geometry: PageGeometry, num_buffers: int) -> None:
+        if num_buffers <= 0:
+            raise ValueError(f"the window needs at least one buffer, got {num_buffers}")
+        dtype = geometry.torch_dtype()
+        self.raw = [aligned_empty(geometry.page_bytes) for _ in range(num_buffers)]
+        self.pages = [torch.from_numpy(raw).view(dtype).view(geometry.shape) for raw in self.raw]
+        # a quantized payload (scales + 1 byte per element) is never larger than the raw page
+        self.staging = [aligned_empty(round_up(geometry.page_bytes)) for _ in range(num_buffers)]
+        for buffer in (*self.raw, *self.staging):
+            buffer.fill(0)  # fault the pages in now, not inside a timed load
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.raw)
+
+
+class DiskPages:
+    """A context's disk pages in one codec: written once, then loaded into a window."""
+
+    def __init__(self, arena: DiskArena, geometry: PageGeometry, codec: str) -> None:
+        self.arena, self.geometry, self.codec = arena, geometry, codec
+        self.payload_bytes = quant.payload_bytes(geometry.shape, geometry.torch_dtype(), codec)
+        self.slots: list[int] = []
+        self.keys: list[bytes] = []
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def write(self, pages: list[torch.Tensor], seed: int = 0) -> None:
+        """Encode and write `pages` to slots in a shuffled order, as a tier in use holds them."""
+        assert not self.slots, "pages were written already"
+        slots = [self.arena.alloc() for _ in pages]
+        if None in slots:
+            for slot in slots:
+                if slot is not None:
+                    self.arena.free(slot)
+            raise ValueError(f"the arena holds {self.arena.num_free} free pages, not "
+                             f"{len(pages)}")
+        random.Random(seed).shuffle(slots)
+        self.slots = slots
+        self.keys = [index.to_bytes(KEY_BYTES, "little") for index in range(len(pages))]
+        codec_id = quant.codec_id(self.codec)
+        for start in range(0, len(pages), WRITE_BATCH_PAGES):
+            batch = range(start, min(start + WRITE_BATCH_PAGES, len(pages)))
+            self.arena.write_pages([(self.slots[i], self.keys[i], codec_id,
+                                     quant.encode_page(pages[i], self.codec)) for i in batch])
+
+    def load(self, index: int, window: PageWindow, buffer: int) -> None:
+        """Read page `index` into window buffer `buffer` (decoding a quantized page); a page
+        that comes back missing or as another page raises RuntimeError."""
+        raw = self.codec == "none"
+        out = (window.raw if raw else window.staging)[buffer][: self.payload_bytes]
+        (meta,) = self.arena.read_pages([self.slots[index]], [out])
+        if meta is None or meta.key != self.keys[index]:
+            raise RuntimeError(f"disk page {index} (slot {self.slots[index]}) came back missing "
+                               f"or corrupt")
+        if not raw:
+            quant.decode_page(out, self.codec, self.geometry.shape, self.geometry.torch_dtype(),
+                              window.pages[buffer])
+
+
+class StallClock:
+    """Seconds the decoding thread spent waiting for disk pages, rather than computing."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        start_s = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.total_s += time.perf_counter() - start_s
+
+
+@dataclass(frozen=True, slots=True)
+class PagedContext:
+    """The pages of one context and the means to bring the disk ones in."""
+
+    resident: list[torch.Tensor]  # pages kept in memory
+    originals: list[torch.Tensor]  # the disk pages' in-memory copies: the resident baseline
+    window: PageWindow
+    loader: ThreadPoolExecutor  # runs DiskPages.load
+    stall: StallClock = field(default_factory=StallClock)
+
+
+def resident_token(context: PagedContext, query: torch.Tensor,
+                   disk: DiskPages | None = None) -> torch.Tensor:
+    """The token with every page in memory (`disk` is not read)."""
+    attention = OnlineAttention(query)
+    for page in (*context.resident, *context.originals):
+        attention.add_page(page)
+    return attention.output()
+
+
+def sync_token(context: PagedContext, query: torch.Tensor, disk: DiskPages) -> torch.Tensor:
+    """Disk pages read when needed: a window's worth at a time, waited for, then attended."""
+    attention = OnlineAttention(query)
+    window = context.window
+    for start in range(0, len(disk), window.num_buffers):
+        indices = range(start, min(start + window.num_buffers, len(disk)))
+        futures = [context.loader.submit(disk.load, index, window, buffer)
+                   for buffer, index in enumerate(indices)]
+        with context.stall.waiting():
+            wait(futures)
+        for buffer, future in enumerate(futures):
+            future.result()
+            attention.add_page(window.pages[buffer])
+    for page in context.resident:
+        attention.add_page(page)
+    return attention.output()
+
+
+class _Stream:
+    """Disk pages 0..n-1 flowing through the window's buffers, in order, with at most one
+    load per buffer in flight; a buffer is reloaded once its page was attended to."""
+
+    def __init__(self, context: PagedContext, disk: DiskPages) -> None:
+        self.context, self.disk = context, disk
+        self.next_index = 0
+        self.inflight: deque[tuple[int, Future]] = deque()
+        for buffer in range(context.window.num_buffers):
+            self._issue(buffer)
+
+    def _issue(self, buffer: int) -> None:
+        if self.next_index < len(self.disk):
+            future = self.context.loader.submit(self.disk.load, self.next_index,
+                                                self.context.window, buffer)
+            self.inflight.append((buffer, future))
+            self.next_index += 1
+
+    def _take_head(self, attention: OnlineAttention) -> None:
+        buffer, future = self.inflight.popleft()
+        with self.context.stall.waiting():
+            future.result()
+        attention.add_page(self.context.window.pages[buffer])
+        self._issue(buffer)
+
+    def take_ready(self, attention: OnlineAttention) -> None:
+        while self.inflight and self.inflight[0][1].done():
+            self._take_head(attention)
+
+    def take_rest(self, attention: OnlineAttention) -> None:
+        while self.inflight:
+            self._take_head(attention)
+
+
+def prefetch_token(context: PagedContext, query: torch.Tensor, disk: DiskPages) -> torch.Tensor:
+    """Disk reads issued ahead: resident pages are attended to while the disk pages land."""
+    attention = OnlineAttention(query)
+    stream = _Stream(context, disk)
+    for page in context.resident:
+        attention.add_page(page)
+        stream.take_ready(attention)
+    stream.take_rest(attention)
+    return attention.output()
+
+
+DecodeStep = Callable[[PagedContext, torch.Tensor, DiskPages], torch.Tensor]
+DECODE_STEPS: dict[str, DecodeStep] = {
+    "resident": resident_token,
+    "sync": sync_token,
+    "prefetch": prefetch_token,
+}
+
+
+def random_pages(geometry: PageGeometry, num_pages: int, seed: int) -> list[torch.Tensor]:
+    """Seeded normal pages of the geometry's shape and dtype."""
+    generator = torch.Generator().manual_seed(seed)
+    dtype = geometry.torch_dtype()
+    return [torch.randn(geometry.shape, generator=generator).to(dtype)
+            for _ in range(num_pages)]
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """rms(got - expected) / rms(expected)."""
+    scale = float(expected.float().square().mean().sqrt())
+    return float((got.float() - expected.float()).square().mean().sqrt()) / max(scale, 1e-30)
+
