@@ -16,6 +16,7 @@ import ray
 
 from actors.exports import ExportCache
 from actors.handles import DirectoryHandle, PeerCache
+from actors.metrics import Metrics, NodePublisher
 from cluster.core.claims import InflightClaims
 from cluster.core.config import CacheConfig
 from cluster.core.events import EventStream
@@ -58,6 +59,7 @@ class NodeCacheActor:
         self._started: asyncio.Future | None = None
         self._last_beat_s = 0.0
         self.registry: Registry | None = None
+        self.publisher = NodePublisher(Metrics(node_id))
         self.recovered_pages = 0
         self.counters = {"pulled_pages": 0, "failed_sends": 0}
 
@@ -84,6 +86,7 @@ class NodeCacheActor:
             self._last_beat_s = time.monotonic()
         if beat:
             await self.store.shrink_idle(self.config.idle_shrink_s)
+            self.publisher.publish(self.store.stats())
 
     def _directory_timeout_s(self) -> float:
         return max(0.5, self.config.call_timeout_s / 4)

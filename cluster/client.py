@@ -12,11 +12,14 @@ dtypes) raises TypeError/ValueError before anything is sent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 
 import torch
 
 from actors.handles import DirectoryHandle, NodeHandle, PeerCache
+from actors.metrics import Metrics
 from cluster.calls import Steps, Wait, Work, failed, run_async, run_sync
 from cluster.core.config import CacheConfig
 from cluster.core.copies import copy_pages
@@ -76,10 +79,12 @@ class KVClient:
 
     def put(self, tokens: object, kv: torch.Tensor) -> int:
         """Store the full pages of `tokens`' KV; returns the tokens now stored (whole pages)."""
-        return run_sync(self._put(tokens, kv), self.timeout_s)
+        with self._measured("put"):
+            return run_sync(self._put(tokens, kv), self.timeout_s)
 
     async def aput(self, tokens: object, kv: torch.Tensor) -> int:
-        return await run_async(self._put(tokens, kv), self.timeout_s)
+        with self._measured("put"):
+            return await run_async(self._put(tokens, kv), self.timeout_s)
 
     def lookup(self, tokens: object) -> int:
         """Longest cached prefix, in tokens (a multiple of page_tokens)."""
@@ -90,10 +95,12 @@ class KVClient:
 
     def get(self, tokens: object, out: torch.Tensor | None = None):
         """(prefix tokens, KV of that prefix); (0, None) on a miss. Fills `out` when given."""
-        return run_sync(self._get(tokens, out), self.timeout_s)
+        with self._measured("get"):
+            return run_sync(self._get(tokens, out), self.timeout_s)
 
     async def aget(self, tokens: object, out: torch.Tensor | None = None):
-        return await run_async(self._get(tokens, out), self.timeout_s)
+        with self._measured("get"):
+            return await run_async(self._get(tokens, out), self.timeout_s)
 
     def prefetch(self, tokens: object) -> int:
         """Start promoting the cached prefix toward this node's fastest tier; returns tokens."""
@@ -108,6 +115,31 @@ class KVClient:
 
     async def astats(self) -> dict:
         return await run_async(self._stats(), self.timeout_s)
+
+    @contextlib.contextmanager
+    def _measured(self, call: str):
+        """Latency and bytes moved of one call, as metrics (exported by Ray's endpoint)."""
+        before = dict(self.view.counters)
+        start_s = time.perf_counter()
+        try:
+            yield
+        finally:
+            metrics = self._metrics()
+            metrics.observe(f"raykv_{call}_latency_s", time.perf_counter() - start_s)
+            counters, page_bytes = self.view.counters, self.geometry.page_bytes
+            for path, key, unit in (("get_local", "local_pages", page_bytes),
+                                    ("get_remote", "remote_pages", page_bytes),
+                                    ("put", "put_tokens", page_bytes // self.page_tokens)):
+                metrics.count("raykv_bytes_moved", (counters[key] - before[key]) * unit,
+                              path=path)
+            if call == "get" and self.view.fetch_s:
+                metrics.observe("raykv_fetch_latency_s", self.view.fetch_s)
+                self.view.fetch_s = 0.0
+
+    def _metrics(self) -> Metrics:
+        if self.__dict__.get("metrics") is None:
+            self.metrics = Metrics(self.view.home.node_id)
+        return self.metrics
 
     # ---- the steps -----------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ changed during the copy (its lease ran out and the slot was reused) is a miss to
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -69,9 +70,11 @@ def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps
     if out is None:
         out = view.empty(total * view.page_tokens)
     arrived = np.zeros(total, dtype=bool)
+    exports_started_s = time.perf_counter()
     exports = yield from _start_exports(view, keys, group_positions(sources, len(slots)))
     yield from _copy_local(view, epoch, lease_id, slots, out, arrived)
     yield from _copy_remote(view, keys, exports, out, arrived)
+    view.fetch_s = time.perf_counter() - exports_started_s if exports else 0.0
     misses = np.flatnonzero(~arrived)
     num_pages = int(misses[0]) if misses.size else total
     return (num_pages, out) if num_pages else (0, None)

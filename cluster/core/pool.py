@@ -96,6 +96,8 @@ class Pool:
         self.elastic = Elastic()
         self.ns_pages: Counter[tuple[int, str]] = Counter()  # (tier, namespace) -> pages
         self.last_access_s = time.monotonic()
+        self.evictions = [0, 0, 0]  # pages demoted out of each tier
+        self.disk_read_us_per_token = 0.0  # recent disk reads (EWMA): the paging tax's part
         # A tier may be absent (no VRAM, no disk): its policy then stays empty.
         self.policies = [make_policy(limits.eviction, max(1, self._num_slots(t)))
                          for t in range(3)]
@@ -298,6 +300,7 @@ class Pool:
     async def demote(self, keys: list[PageKey], tier: int) -> None:
         """Move pages down: into the next tier with room (skipping a full or absent one),
         dropping only what no lower tier can take."""
+        self.evictions[tier] += len(keys)
         for key in keys:
             self.index[key].state = State.MOVING
         remaining = list(keys)
@@ -429,7 +432,10 @@ class Pool:
         slots = [self.memory[HOST].alloc() for _ in keys]
         outs = [self._read_target(self.index[k], s) for k, s in zip(keys, slots, strict=True)]
         disk_slots = [self.index[k].slot for k in keys]
+        start_s = time.perf_counter()
         metas = await asyncio.to_thread(self.disk.read_pages, disk_slots, outs)
+        sample = (time.perf_counter() - start_s) * 1e6 / (len(keys) * self.geometry.shape[3])
+        self.disk_read_us_per_token = 0.8 * self.disk_read_us_per_token + 0.2 * sample
         for key, slot, out, meta in zip(keys, slots, outs, metas, strict=True):
             entry = self.index[key]
             if meta is None or meta.key != bytes(key):

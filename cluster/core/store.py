@@ -280,8 +280,12 @@ class NodeStore:
                 pages[name] += count
                 used_bytes[name] += count * pool.geometry.page_bytes
         disks = [pool.disk for pool in self.pools.values() if pool.disk is not None]
+        evictions = {name: sum(p.evictions[tier] for p in self.pools.values())
+                     for tier, name in enumerate(TIER_NAMES)}
+        tax_us = max((p.disk_read_us_per_token for p in self.pools.values()), default=0.0)
         return {"pages": pages, "bytes": used_bytes, "leases": len(self.leases),
                 "memory": self.elastic.stats(), "models": self.memory_by_model(),
+                "evictions": evictions, "disk_read_us_per_token": tax_us,
                 "reservations": len(self.reservations),
                 "disk_bytes_read": sum(d.bytes_read for d in disks),
                 "disk_bytes_written": sum(d.bytes_written for d in disks), **self.counters}

@@ -103,6 +103,25 @@ def _node_shares(replica_shares: dict[str, float]) -> dict[str, float]:
     return nodes
 
 
+def show_operations(console) -> None:
+    """What an operator sees of this running service: `raykv status`, and the metrics Ray's
+    Prometheus endpoints serve (Grafana's dashboard is built on them)."""
+    from cluster.tools.grafana import series
+    from cluster.tools.ops_cli import status_command
+    from cluster.tools.simcluster import scrape_metric
+
+    console.rule("raykv status (of the running demo)")
+    status_command(address=None, as_json=False)
+    time.sleep(2.5)  # one metrics report period
+    hits = scrape_metric(series("raykv_hits"), "tier")
+    moved = scrape_metric(series("raykv_bytes_moved"), "path")
+    console.print("Prometheus (Ray's endpoints): "
+                  + ", ".join(f"{series('raykv_hits')}{{tier={t}}} = {hits[t]:.0f}"
+                              for t in sorted(hits))
+                  + "; bytes moved: " + ", ".join(f"{p} {v / 2**20:.1f} MiB"
+                                                  for p, v in sorted(moved.items())))
+
+
 def print_report(console, figures: dict) -> None:
     from rich.table import Table
 
@@ -182,6 +201,7 @@ def run_demo(png_path: Path, num_nodes: int) -> dict:
             deploy({"model": MODEL, "engine_num_cpus": 0, "max_ongoing_requests": 2})
             console.print(f"OpenAI API at {url}/v1 ({time.perf_counter() - start_s:.0f} s)")
             figures = run_workload(url, console)
+            show_operations(console)
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)
     print_report(console, figures)

@@ -17,7 +17,8 @@ from cluster.core.tiers.node_slot import slot_shm_prefix
 def ray_local():
     ray.init(address="local", num_cpus=2, num_gpus=2, resources={"kv_node": 1},
              include_dashboard=False,
-             object_store_memory=200 * 1024 * 1024, logging_level="WARNING")
+             object_store_memory=200 * 1024 * 1024, logging_level="WARNING",
+             _system_config={"metrics_report_interval_ms": 1000})
     yield
     stop()
     ray.shutdown()
