@@ -21,13 +21,13 @@ DONE_FILE = "raykv-model.json"
 
 
 def byte_tokenizer():
-    """A PreTrainedTokenizerFast over bytes: 256 byte symbols (GPT-2's byte-level alphabet, by
-    code point), then <s> and </s>."""
+    """A PreTrainedTokenizerFast over bytes: id b is the byte b, then <s> (256) and </s> (257)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    symbols = byte_symbols()
+    assert set(symbols) == set(pre_tokenizers.ByteLevel.alphabet()), "GPT-2's byte map moved"
+    vocab = {symbol: byte for byte, symbol in enumerate(symbols)}
     vocab.update({BOS: len(vocab), EOS: len(vocab) + 1})
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False,
@@ -36,6 +36,14 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS,
                                    chat_template=CHAT_TEMPLATE)
 
+
+
+def byte_symbols() -> list[str]:
+    """GPT-2's byte-level symbol of each byte value: printable bytes stand for themselves, the
+    others take the code points from 256 up, in byte order."""
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    shifted = iter(range(256, 512))
+    return [chr(byte) if byte in printable else chr(next(shifted)) for byte in range(256)]
 
 
 def save_model_dir(path: str, preset: str = "small-llama", seed: int = 0) -> str:
