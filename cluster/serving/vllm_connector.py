@@ -24,7 +24,6 @@ blocks as invalid, which vLLM recomputes (this connector sets kv_load_failure_po
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.logger import init_logger
 
 from cluster.serving.vllm_io import KVMover
 from cluster.serving.vllm_layout import check_layers
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("raykv.vllm")
+log = init_logger(__name__)  # vLLM's handlers: these lines land in the engine's log
 
 
 @dataclass

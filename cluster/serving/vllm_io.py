@@ -38,6 +38,10 @@ class MoverStats:
     saved_tokens: int = 0
     dropped_saves: int = 0
     gather_s: float = 0.0
+    put_s: float = 0.0
+    num_puts: int = 0
+    put_s: float = 0.0
+    num_puts: int = 0
 
 
 @dataclass
@@ -94,8 +98,14 @@ class KVMover:
         self._saver.shutdown(wait=True)
 
     def _put(self, token_ids: list[int], kv: torch.Tensor) -> None:
+        start_s = time.perf_counter()
+        start_s = time.perf_counter()
         try:
             self.stats.saved_tokens += self.client.put(token_ids, kv)
+            self.stats.put_s += time.perf_counter() - start_s
+            self.stats.num_puts += 1
+            self.stats.put_s += time.perf_counter() - start_s
+            self.stats.num_puts += 1
         except Exception:  # a lost save is a future miss, never the engine's problem
             log.exception("raykv put failed")
         finally:

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "hashing": "cluster.tools.bench.hashing",
     "directory": "cluster.tools.bench.directory",
     "remote": "cluster.tools.bench.remote",
+    "vllm": "cluster.tools.bench.vllm",
 }
 
 JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
@@ -49,6 +50,8 @@ _register("tiers", "Host/disk get and put vs memcpy, fio, Redis and Ray's object
 _register("hashing", "Page-key hashing cost in ns per token.")
 _register("directory", "Longest-prefix lookup latency vs a no-op RPC and Redis EXISTS.")
 _register("remote", "Cross-node get throughput vs a raw Ray object transfer.")
+_register("vllm", "vLLM TTFT with RaykvConnector vs LMCache's and no connector (run from "
+          ".venv-vllm; `make bench-vllm`).")
 
 
 @app.command("demo")
