@@ -88,7 +88,10 @@ class RaykvConnector(KVConnectorBase_V1):
             return max(hit[1] - num_computed_tokens, 0), False
         prompt = list(request.prompt_token_ids or [])
         num_loadable = planner.loadable_tokens(len(prompt))
-        num_cached = self._link.prefetch(prompt[:num_loadable]) if num_loadable else 0
+        if num_computed_tokens >= num_loadable:  # vLLM holds all raykv could give: no call
+            return planner.matched(request.request_id, num_computed_tokens,
+                                   num_computed_tokens), False
+        num_cached = self._link.prefetch(prompt[:num_loadable])
         return planner.matched(request.request_id, num_computed_tokens, num_cached), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
