@@ -92,3 +92,30 @@ def test_second_request_loads_the_prefix_from_raykv(base_url):
     client = connect(ModelSpec(MODEL_ID, 4, 2, 64, "float32"))
     prompt_ids = first["choices"][0]["prompt_token_ids"]
     assert client.lookup(prompt_ids) == 5 * 128
+
+
+def test_llm_config_runs_the_connector_on_cpu_with_a_chosen_router():
+    from cluster.serving.vllm_app import llm_config
+
+    # Any RequestRouter by import path (Serve imports it: it must exist); raykv's KV-aware
+    # router will be "cluster.serving.router:RaykvRouter".
+    chosen = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+    args = VllmAppArgs(model_source="/models/m", model_id="m", namespace="tenant-a",
+                       num_replicas=2, request_router_class=chosen,
+                       engine_kwargs={"max_model_len": 2048})
+    config = llm_config(args, ray_address="127.0.0.1:6379")
+    transfer = config.engine_kwargs["kv_transfer_config"]
+    assert transfer["kv_connector"] == "RaykvConnector"
+    assert transfer["kv_connector_module_path"] == "cluster.serving.vllm_connector"
+    assert transfer["kv_connector_extra_config"] == {
+        "raykv.namespace": "tenant-a", "raykv.model_name": "m",
+        "raykv.ray_address": "127.0.0.1:6379"}
+    assert config.engine_kwargs["max_model_len"] == 2048
+    assert config.deployment_config["num_replicas"] == 2
+    router = config.deployment_config["request_router_config"]
+    assert router["request_router_class"] == chosen
+    assert config.placement_group_config == {"bundles": [{"CPU": 1}]}
+    default = llm_config(VllmAppArgs(model_source="/models/m", model_id="m"))
+    assert "request_router_config" not in default.deployment_config  # Serve's own router
+    with pytest.raises(ValueError, match="accelerator"):
+        llm_config(VllmAppArgs(model_source="/m", model_id="m", accelerator="tpu"))

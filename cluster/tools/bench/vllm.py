@@ -2,9 +2,10 @@
 RaykvConnector, on one workload of long shared prefixes and multi-turn sessions, in one run.
 
 Run it from .venv-vllm (`make bench-vllm` builds it and LMCache's .venv-lmcache). Per mode,
-two engine processes (cluster/tools/bench/vllm_engine.py) stand in for two replicas and the
-workload (cluster/tools/bench/vllm_workload.py) is replayed one request at a time, each turn
-on the other engine than the turn before:
+two engine processes (cluster/tools/bench/vllm_engine.py) stand in for two replicas; all six
+run at once. The workload (cluster/tools/bench/vllm_workload.py) is replayed one request at a
+time, each turn on the other engine than the turn before, and each request in the three modes
+one after another, in an order that rotates per request:
 
     none     vLLM alone: each engine reuses only its own prefix cache
     lmcache  LMCacheMPConnector; its server (LMCache's venv) on a free loopback port
@@ -129,44 +130,49 @@ def transfer_config(mode: str, port: int | None, ray_address: str | None) -> dic
     return None
 
 
-def replay(engines: list[Engine], requests: list) -> list[dict]:
-    """Each request on its engine, in order; the warm-up request first on each (untimed)."""
-    for index, engine in enumerate(engines):
-        engine.ask([7 + index] * 300)
-    account, results = HitAccount(BLOCK_TOKENS), []
-    for request in requests:
-        local, cross = account.expect(request)
-        answer = engines[request.engine].ask(request.prompt)
-        loaded = min(max(answer["cached"] - local, 0), cross)
-        results.append({**answer, "local": local, "cross": cross, "loaded": loaded,
-                        "prompt_tokens": len(request.prompt)})
+def replay(engines: dict[str, list[Engine]], requests: list) -> dict[str, list[dict]]:
+    """Each request on its engine in every mode, the modes one after another in an order that
+    rotates per request (a noisy neighbour slows all three alike); one untimed warm-up request
+    first on each engine."""
+    for mode_engines in engines.values():
+        for index, engine in enumerate(mode_engines):
+            engine.ask([7 + index] * 300)
+    accounts = {mode: HitAccount(BLOCK_TOKENS) for mode in engines}
+    results: dict[str, list[dict]] = {mode: [] for mode in engines}
+    order = list(engines)
+    for number, request in enumerate(requests):
+        for mode in order[number % len(order):] + order[:number % len(order)]:
+            local, cross = accounts[mode].expect(request)
+            answer = engines[mode][request.engine].ask(request.prompt)
+            loaded = min(max(answer["cached"] - local, 0), cross)
+            results[mode].append({**answer, "local": local, "cross": cross, "loaded": loaded,
+                                  "prompt_tokens": len(request.prompt)})
     return results
 
 
-def run_mode(mode: str, model_dir: str, requests: list, work_dir: str) -> list[dict]:
-    """Start the mode's engines (and LMCache's server), replay, stop them all."""
-    server, port, address = None, None, None
-    python = str(LMCACHE_PYTHON) if mode == "lmcache" else sys.executable
-    if mode == "lmcache":
-        port = free_port()
-        server = start_lmcache(port, os.path.join(work_dir, "lmcache-server.log"))
-    if mode == "raykv":
-        address = start_raykv()
-    engines = []
+def run_modes(model_dir: str, requests: list, work_dir: str) -> dict[str, list[dict]]:
+    """Start every mode's two engines (and LMCache's server, and raykv), replay, stop all."""
+    port = free_port()
+    server = start_lmcache(port, os.path.join(work_dir, "lmcache-server.log"))
+    engines: dict[str, list[Engine]] = {}
     try:
-        engines = [Engine(python, model_dir, transfer_config(mode, port, address),
-                          os.path.join(work_dir, f"{mode}-engine{i}.log")) for i in range(2)]
-        for engine in engines:
-            engine.wait_ready()
+        address = start_raykv()
+        for mode in MODES:
+            python = str(LMCACHE_PYTHON) if mode == "lmcache" else sys.executable
+            engines[mode] = [Engine(python, model_dir, transfer_config(mode, port, address),
+                                    os.path.join(work_dir, f"{mode}-engine{i}.log"))
+                             for i in range(2)]
+        for mode_engines in engines.values():  # they load side by side
+            for engine in mode_engines:
+                engine.wait_ready()
         return replay(engines, requests)
     finally:
-        for engine in engines:
-            engine.close()
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=30)
-        if mode == "raykv":
-            common.stop_service()
+        for mode_engines in engines.values():
+            for engine in mode_engines:
+                engine.close()
+        server.terminate()
+        server.wait(timeout=30)
+        common.stop_service()
 
 
 def start_raykv() -> str:
@@ -236,7 +242,7 @@ def run(json_path: str | None, quick: bool) -> dict:
               "config": {"model": MODEL, "sessions": sessions, "turns": turns,
                          "requests": len(requests), "block_tokens": BLOCK_TOKENS,
                          "work_dir": work_dir}}
-    runs = {mode: run_mode(mode, model_dir, requests, work_dir) for mode in MODES}
+    runs = run_modes(model_dir, requests, work_dir)
     modes = {mode: summarize(results) for mode, results in runs.items()}
     raykv, lmcache, none = modes["raykv"], modes["lmcache"], modes["none"]
     result.update(modes=modes, layout=layout_cost(),
