@@ -84,8 +84,8 @@ class RaykvConnector(KVConnectorBase_V1):
         if planner is None:
             return 0, False
         hit = planner.hits.get(request.request_id)
-        if hit is not None:  # vLLM asks again while a request waits: one lookup per request
-            return max(hit[1] - num_computed_tokens, 0), False
+        if hit is not None:  # asked again (waiting, or preempted): one lookup per request
+            return planner.matched(request.request_id, num_computed_tokens, hit[1]), False
         prompt = list(request.prompt_token_ids or [])
         num_loadable = planner.loadable_tokens(len(prompt))
         if num_computed_tokens >= num_loadable:  # vLLM holds all raykv could give: no call

@@ -1,8 +1,10 @@
 """What the scheduler side of RaykvConnector decides each step (pure: no vLLM, no Ray).
 
     get_num_new_matched_tokens  ->  matched(): the raykv hit, cut to whole blocks, kept per request
+                                    (asked again, as for a preempted request, vLLM's own count
+                                    is taken afresh and raykv is not asked again)
     update_state_after_alloc    ->  allocated(): the hit will be loaded
-    build_connector_meta        ->  step(): LoadSpecs for newly scheduled requests that hit,
+    build_connector_meta        ->  step(): LoadSpecs for newly scheduled (or resumed) requests,
                                     SaveSpecs for the full pages the step's forward computes
     request_finished            ->  finished(): forget the request
 
@@ -92,7 +94,13 @@ class StepPlanner:
 
     def step(self, new: list[NewRequest],
              running: list[RunningRequest]) -> tuple[list[LoadSpec], list[SaveSpec]]:
-        loads = [load for request in new if (load := self._load(request))]
+        loads = [load for request in new
+                 if (load := self._load(request.request_id, request.prompt, request.block_ids))]
+        loads += [load for request in running  # a preempted request comes back as running
+                  if request.resumed and request.request_id in self.tracked
+                  and (load := self._load(request.request_id,
+                                          self.tracked[request.request_id].prompt,
+                                          request.new_block_ids or []))]
         saves = [save for request in new if (save := self._track_new(request))]
         saves += [save for request in running if (save := self._track_running(request))]
         return loads, saves
@@ -101,13 +109,13 @@ class StepPlanner:
         for table in (self.hits, self.to_load, self.tracked):
             table.pop(request_id, None)
 
-    def _load(self, request: NewRequest) -> LoadSpec | None:
-        num_tokens = self.to_load.pop(request.request_id, 0)
+    def _load(self, request_id: str, prompt: list[int], block_ids: list[int]) -> LoadSpec | None:
+        num_tokens = self.to_load.pop(request_id, 0)
         if not num_tokens:
             return None
-        local, _ = self.hits.get(request.request_id, (0, 0))
+        local, _ = self.hits.get(request_id, (0, 0))
         end = local + num_tokens
-        return LoadSpec(request.request_id, request.prompt[:end], list(request.block_ids), local)
+        return LoadSpec(request_id, prompt[:end], list(block_ids), local)
 
     def _track_new(self, request: NewRequest) -> SaveSpec | None:
         _, hit_end = self.hits.get(request.request_id, (0, 0))

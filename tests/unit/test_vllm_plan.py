@@ -104,3 +104,17 @@ def test_saves_copy_the_blocks_and_put_in_the_background():
     ((tokens, kv),) = client.puts
     assert tokens == list(range(8)) and torch.equal(kv, expected)
     assert mover.stats.saved_tokens == 8
+
+
+def test_a_preempted_request_loads_again_into_its_new_blocks():
+    plan = StepPlanner(block_size=B, page_tokens=B)
+    prompt = list(range(13))
+    plan.matched("r", 0, 12)
+    plan.allocated("r", 12)
+    loads, _ = plan.step([NewRequest("r", prompt, [1, 2, 3, 4], 12, 1)], [])
+    assert loads == [LoadSpec("r", prompt[:12], [1, 2, 3, 4], 0)]
+    # preempted, its blocks freed; rescheduled with vLLM's cache holding the first block
+    assert plan.matched("r", 4, 12) == 8
+    plan.allocated("r", 8)
+    loads, saves = plan.step([], [RunningRequest("r", [1, 6, 7, 8], True, 12, 1)])
+    assert loads == [LoadSpec("r", prompt[:12], [1, 6, 7, 8], 4)] and saves == []
