@@ -132,7 +132,11 @@ class RaykvConnector(KVConnectorBase_V1):
     # ---- worker side ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._layers = list(kv_caches.values())
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        # In layer order, whatever the dict's order: page layer i is the model's layer i.
+        names = sorted(kv_caches, key=extract_layer_index)
+        self._layers = [kv_caches[name] for name in names]
         spec = self._link.spec
         why = check_layers(self._layers, spec.page_shape(self._block_size), spec.torch_dtype())
         if why:
