@@ -36,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from cluster.serving.vllm_io import KVMover
-from cluster.serving.vllm_layout import check_layers
+from cluster.serving.vllm_layout import BlockLayout, check_layers, planes
 from cluster.serving.vllm_plan import LoadSpec, NewRequest, RunningRequest, SaveSpec, StepPlanner
 from cluster.serving.vllm_service import RaykvSettings, ServiceLink, spec_of
 
@@ -73,6 +73,7 @@ class RaykvConnector(KVConnectorBase_V1):
         self._planner: StepPlanner | None = None
         self._mover: KVMover | None = None
         self._layers: list[torch.Tensor] = []
+        self._layout: BlockLayout | None = None
         self._failed_blocks: set[int] = set()
         self._link.client()  # connect while the engine starts, not on its first request
 
@@ -139,8 +140,10 @@ class RaykvConnector(KVConnectorBase_V1):
         self._layers = [kv_caches[name] for name in names]
         spec = self._link.spec
         why = check_layers(self._layers, spec.page_shape(self._block_size), spec.torch_dtype())
-        if why:
-            log.error("raykv connector off for this worker: %s", why)
+        self._layout = None if why else probe_layout(self._layers[0])
+        if why or self._layout is None:
+            log.error("raykv connector off for this worker: %s",
+                      why or "vLLM's cache op writes a block layout raykv does not know")
             self._layers = []
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -185,5 +188,32 @@ class RaykvConnector(KVConnectorBase_V1):
         if self._mover is None and self._layers:
             client = self._link.client()
             if client is not None:
-                self._mover = KVMover(client, self._layers, self._link.spec.torch_dtype())
+                self._mover = KVMover(client, self._layers, self._layout,
+                                      self._link.spec.torch_dtype())
         return self._mover
+
+
+def probe_layout(layer: torch.Tensor) -> BlockLayout | None:
+    """Where vLLM's CPU cache op puts K and V in a block like `layer`'s: it writes one scratch
+    block of distinct values, and the layout that reads them back is the answer (None: no
+    known layout does, or the op is missing)."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        _, num_heads, block_size, width = layer.shape
+        head_dim = width // 2
+        scratch = torch.zeros((1, num_heads, block_size, width), dtype=layer.dtype)
+        keys, values = scratch.view(1, num_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+        known = (torch.arange(block_size * num_heads * head_dim) % 251 + 1).view(
+            block_size, num_heads, head_dim).to(layer.dtype)
+        ops.cpu_attn_reshape_and_cache(known, -known, keys, values, torch.arange(block_size),
+                                       _get_attn_isa(layer.dtype, block_size, head_dim))
+    except Exception:  # not vLLM's CPU backend, or its internals moved
+        log.exception("could not probe vLLM's KV block layout")
+        return None
+    expected = known.permute(1, 0, 2)  # [H, B, D]
+    fits = [layout for layout in (BlockLayout(False), BlockLayout(True))
+            if all(torch.equal(got, want) for got, want
+                   in zip(planes(scratch, 0, layout), (expected, -expected), strict=True))]
+    return fits[0] if len(fits) == 1 else None

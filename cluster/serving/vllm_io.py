@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.serving.vllm_layout import block_tokens, blocks_of, blocks_to_kv, kv_to_blocks
+from cluster.serving.vllm_layout import (
+    BlockLayout,
+    block_tokens,
+    blocks_of,
+    blocks_to_kv,
+    kv_to_blocks,
+)
 from cluster.serving.vllm_plan import LoadSpec, SaveSpec
 
 log = logging.getLogger("raykv.vllm")
@@ -50,6 +56,7 @@ class KVMover:
 
     client: object
     layers: list[torch.Tensor]
+    layout: BlockLayout
     dtype: torch.dtype
     stats: MoverStats = field(default_factory=MoverStats)
 
@@ -70,7 +77,7 @@ class KVMover:
             num_tokens, kv = 0, None
         filled = num_tokens // block_size * block_size
         if kv is not None and filled > spec.start:
-            kv_to_blocks(kv, self.layers, spec.block_ids, (spec.start, filled))
+            kv_to_blocks(kv, self.layers, self.layout, spec.block_ids, (spec.start, filled))
         failed = blocks_of((max(filled, spec.start), end), spec.block_ids, block_size)
         self.stats.loaded_tokens += max(filled - spec.start, 0)
         self.stats.failed_tokens += end - max(filled, spec.start)
@@ -89,7 +96,7 @@ class KVMover:
             self._pending += 1
         start_s, num_tokens = time.perf_counter(), len(spec.token_ids)
         out = torch.empty(self._shape(num_tokens), dtype=self.dtype)
-        kv = blocks_to_kv(self.layers, spec.block_ids, num_tokens, out)
+        kv = blocks_to_kv(self.layers, self.layout, spec.block_ids, num_tokens, out)
         self.stats.gather_s += time.perf_counter() - start_s
         self._saver.submit(self._put, spec.token_ids, kv)
 

@@ -1,21 +1,33 @@
-"""Moving KV between raykv's layout and vLLM's paged blocks (pure torch: no vLLM, no Ray).
+"""Moving KV between raykv's layout and vLLM's CPU paged blocks (pure torch: no vLLM, no Ray).
 
-    raykv  kv[layer, k_or_v, head, token, :]              [L, 2, H, N, D]
-    vLLM   layers[layer][block, head, offset, k_or_v*D:]   L x [num_blocks, H, B, 2*D]  (CPU)
+    raykv  kv[layer, k_or_v, head, token, :]          [L, 2, H, N, D]
+    vLLM   layers[layer][block]                       L x [num_blocks, H, B, 2*D] (CPU)
 
-Token t of a request lives in block block_ids[t // B] at offset t % B. Heads and tokens keep
-their order in both layouts, so a block maps onto a token range of kv with one strided copy per
-(layer, block): the only reordering is that K and V, side by side in vLLM's last dimension,
-are two planes in raykv's. Each (head, token) therefore moves as two runs of D contiguous
-elements (256 bytes for D = 64 float32), with no transpose across tokens; `raykv bench vllm`
-measures what this costs against a plain memcpy.
+The shape of vLLM's CPU cache hides its layout. Its attention kernel views each block as
+[H, 2*B, D] and splits it in two: every (block, head) holds B*D elements of K, then B*D of V.
+V is token-major, [B, D]. K is stored as the kernel reads it: with the "vec" kernels (float32
+here), transposed, [D, B]. The connector asks vLLM's own cache op where it writes (see
+RaykvConnector.register_kv_caches) and describes the answer as a BlockLayout.
+
+Token t of a request lives in block block_ids[t // B] at offset t % B, and heads keep their
+order, so a block maps onto a token range of kv with one copy per (layer, block, K or V). V is
+copied in runs of D elements; a transposed K is a real transpose (B x D elements per head).
+`raykv bench vllm` measures both against a plain memcpy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from cluster.core.copies import copy_page
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """Where one (block, head) of vLLM's cache keeps K: [D, B] (transposed) or [B, D]."""
+
+    key_transposed: bool
 
 
 def block_tokens(layers: list[torch.Tensor]) -> int:
@@ -32,12 +44,32 @@ def check_layers(layers: list[torch.Tensor], shape: tuple[int, int, int, int, in
     for layer in layers:
         if layer.dim() != 4 or layer.shape[1] != num_heads or layer.shape[3] != 2 * head_dim:
             return (f"a layer's cache is {tuple(layer.shape)}, expected [num_blocks, "
-                    f"{num_heads}, block_size, {2 * head_dim}] (K and V packed)")
+                    f"{num_heads}, block_size, {2 * head_dim}] (vLLM's CPU layout)")
         if layer.dtype != dtype:
             return f"cache dtype {layer.dtype}, raykv pages are {dtype}"
-        if layer.stride(3) != 1:
-            return "a layer's last dimension is not contiguous"
+        if not layer[0].is_contiguous():
+            return "a block of a layer's cache is not contiguous"
     return None
+
+
+def planes(layer: torch.Tensor, block_id: int, layout: BlockLayout):
+    """(K, V) of one block as [H, B, D] views (K a transposed view when stored [D, B])."""
+    num_heads, block_size, width = layer.shape[1:]
+    head_dim = width // 2
+    halves = layer[block_id].view(num_heads, 2, block_size * head_dim)
+    values = halves[:, 1].view(num_heads, block_size, head_dim)
+    if layout.key_transposed:
+        return halves[:, 0].view(num_heads, head_dim, block_size).transpose(1, 2), values
+    return halves[:, 0].view(num_heads, block_size, head_dim), values
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src through numpy (memcpy speed, no OpenMP stalls on shared cores; see
+    cluster/core/copies.py); torch for the dtypes numpy lacks."""
+    if dst.dtype in (torch.float32, torch.float16):
+        np.copyto(dst.detach().numpy(), src.detach().numpy())
+    else:
+        dst.copy_(src)
 
 
 def _block_runs(block_ids: list[int], block_size: int, start: int, end: int):
@@ -48,32 +80,29 @@ def _block_runs(block_ids: list[int], block_size: int, start: int, end: int):
         yield block_ids[index], low - first_token, high - first_token, low
 
 
-def _kv_view(layer: torch.Tensor, block_id: int, low: int, high: int) -> torch.Tensor:
-    """Tokens [low, high) of one block as a [2, H, n, D] view (K plane, V plane)."""
-    block = layer[block_id, :, low:high, :]  # [H, n, 2*D]
-    return block.unflatten(-1, (2, block.shape[-1] // 2)).permute(2, 0, 1, 3)
-
-
-def kv_to_blocks(kv: torch.Tensor, layers: list[torch.Tensor], block_ids: list[int],
-                 token_range: tuple[int, int]) -> None:
+def kv_to_blocks(kv: torch.Tensor, layers: list[torch.Tensor], layout: BlockLayout,
+                 block_ids: list[int], token_range: tuple[int, int]) -> None:
     """Write tokens [start, end) of kv [L, 2, H, >=end, D] into the request's blocks."""
     start, end = token_range
-    block_size = block_tokens(layers)
-    for block_id, low, high, first in _block_runs(block_ids, block_size, start, end):
+    for block_id, low, high, first in _block_runs(block_ids, block_tokens(layers), start, end):
+        tokens = slice(first, first + high - low)
         for index, layer in enumerate(layers):
-            copy_page(_kv_view(layer, block_id, low, high),
-                      kv[index, :, :, first:first + high - low])
+            keys, values = planes(layer, block_id, layout)
+            _copy(keys[:, low:high], kv[index, 0, :, tokens])
+            _copy(values[:, low:high], kv[index, 1, :, tokens])
 
 
-def blocks_to_kv(layers: list[torch.Tensor], block_ids: list[int], num_tokens: int,
-                 out: torch.Tensor) -> torch.Tensor:
+def blocks_to_kv(layers: list[torch.Tensor], layout: BlockLayout, block_ids: list[int],
+                 num_tokens: int, out: torch.Tensor) -> torch.Tensor:
     """Read tokens [0, num_tokens) of the request's blocks into out [L, 2, H, >=num_tokens, D];
     returns out[:, :, :, :num_tokens]."""
-    block_size = block_tokens(layers)
-    for block_id, low, high, first in _block_runs(block_ids, block_size, 0, num_tokens):
+    for block_id, low, high, first in _block_runs(block_ids, block_tokens(layers), 0,
+                                                  num_tokens):
+        tokens = slice(first, first + high - low)
         for index, layer in enumerate(layers):
-            copy_page(out[index, :, :, first:first + high - low],
-                      _kv_view(layer, block_id, low, high))
+            keys, values = planes(layer, block_id, layout)
+            _copy(out[index, 0, :, tokens], keys[:, low:high])
+            _copy(out[index, 1, :, tokens], values[:, low:high])
     return out[:, :, :, :num_tokens]
 
 

@@ -3,11 +3,12 @@
 import torch
 
 from cluster.serving.vllm_io import KVMover
-from cluster.serving.vllm_layout import blocks_to_kv
+from cluster.serving.vllm_layout import BlockLayout, blocks_to_kv
 from cluster.serving.vllm_plan import LoadSpec, NewRequest, RunningRequest, SaveSpec, StepPlanner
 
 B = 4  # tokens per vLLM block, and per raykv page
 L, H, D = 2, 2, 3
+LAYOUT = BlockLayout(key_transposed=True)
 
 
 def test_hits_are_whole_blocks_and_leave_one_token_to_compute():
@@ -74,10 +75,10 @@ def caches():
 def test_a_short_load_reports_the_blocks_it_did_not_fill():
     client = FakeClient(held=8)
     client.kv = torch.randn(L, 2, H, 12, D)
-    mover = KVMover(client, caches(), torch.float32)
+    mover = KVMover(client, caches(), LAYOUT, torch.float32)
     failed = mover.load(LoadSpec("r", list(range(12)), [4, 1, 2, 5], 4))
     assert failed == {2}  # tokens 8..11; block 4 was vLLM's own, block 1 was loaded
-    got = blocks_to_kv(mover.layers, [4, 1], 8, torch.zeros(L, 2, H, 8, D))
+    got = blocks_to_kv(mover.layers, LAYOUT, [4, 1], 8, torch.zeros(L, 2, H, 8, D))
     assert torch.equal(got[:, :, :, 4:], client.kv[:, :, :, 4:8])
     assert mover.stats.loaded_tokens == 4 and mover.stats.failed_tokens == 4
 
@@ -87,7 +88,7 @@ def test_a_failing_client_is_a_miss():
         def get(self, tokens, out=None):
             raise TimeoutError("no answer")
 
-    mover = KVMover(Broken(), caches(), torch.float32)
+    mover = KVMover(Broken(), caches(), LAYOUT, torch.float32)
     assert mover.load(LoadSpec("r", list(range(8)), [0, 3], 0)) == {0, 3}
 
 
@@ -95,9 +96,9 @@ def test_saves_copy_the_blocks_and_put_in_the_background():
     client, layers = FakeClient(), caches()
     for layer in layers:
         layer.normal_()
-    mover = KVMover(client, layers, torch.float32)
+    mover = KVMover(client, layers, LAYOUT, torch.float32)
     mover.save(SaveSpec("r", list(range(8)), [5, 0]))
-    expected = blocks_to_kv(layers, [5, 0], 8, torch.zeros(L, 2, H, 8, D))
+    expected = blocks_to_kv(layers, LAYOUT, [5, 0], 8, torch.zeros(L, 2, H, 8, D))
     for layer in layers:  # the blocks are reused right after the step: the save kept a copy
         layer.zero_()
     mover.close()

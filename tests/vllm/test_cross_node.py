@@ -64,6 +64,27 @@ def test_engine_b_loads_what_engine_a_prefilled(engines):
     assert ids_b == ids_a and len(ids_b) == MAX_TOKENS
 
 
+def test_pages_from_vllm_are_raykvs_own_engines_kv(engines):
+    """vLLM's pages, read by raykv's client, are the KV raykv's transformers engine computes
+    for the same tokens (same weights: the same preset and seed), in raykv's layout; and that
+    engine, continuing from them, picks vLLM's first greedy token."""
+    import torch
+
+    from cluster.serving.model import build_llama, continue_from, prefill
+
+    prompt = prompt_tokens(PROMPT_TOKENS, seed=3)
+    ids_a, _ = ray.get(engines["a"].generate.remote(prompt, MAX_TOKENS))
+    client = connect(SMALL_LLAMA)
+    full = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
+    _wait_for(lambda: client.lookup(prompt) == full, "engine A's pages in raykv")
+    num_tokens, kv = client.get(prompt)
+    model, spec = build_llama("small-llama", seed=0)
+    assert num_tokens == full and spec == SMALL_LLAMA
+    _, expected = prefill(model, prompt[:full])
+    assert torch.allclose(kv, expected, atol=1e-3, rtol=1e-3), (kv - expected).abs().max()
+    assert int(continue_from(model, kv, prompt).argmax()) == ids_a[0]
+
+
 def test_a_dead_node_is_a_recompute(engines):
     prompt = prompt_tokens(PROMPT_TOKENS, seed=2)
     ids_a, _ = ray.get(engines["a"].generate.remote(prompt, MAX_TOKENS))

@@ -205,12 +205,13 @@ def same_output(engines_runs: dict[str, list[dict]]) -> float:
 
 
 def layout_cost(num_tokens: int = 2048, reps: int = 20) -> dict:
-    """kv_to_blocks / blocks_to_kv of small-llama's KV against np.copyto of the same bytes."""
+    """kv_to_blocks / blocks_to_kv of small-llama's KV (vLLM's CPU "vec" layout: K stored
+    [D, B]) against np.copyto of the same bytes."""
     import numpy as np
     import torch
 
     from cluster.core.spec import ModelSpec
-    from cluster.serving.vllm_layout import blocks_to_kv, kv_to_blocks
+    from cluster.serving.vllm_layout import BlockLayout, blocks_to_kv, kv_to_blocks
 
     spec = ModelSpec.preset(MODEL)
     num_blocks = num_tokens // BLOCK_TOKENS
@@ -221,9 +222,11 @@ def layout_cost(num_tokens: int = 2048, reps: int = 20) -> dict:
     out = common.touched_like(kv)
     flat, flat_out = kv.numpy().reshape(-1), out.numpy().reshape(-1)
     num_bytes = kv.numel() * kv.element_size()
-    into_s = common.warm_median_s(lambda: kv_to_blocks(kv, layers, block_ids,
+    layout = BlockLayout(key_transposed=True)
+    into_s = common.warm_median_s(lambda: kv_to_blocks(kv, layers, layout, block_ids,
                                                        (0, num_tokens)), reps)
-    out_s = common.warm_median_s(lambda: blocks_to_kv(layers, block_ids, num_tokens, out), reps)
+    out_s = common.warm_median_s(lambda: blocks_to_kv(layers, layout, block_ids, num_tokens,
+                                                      out), reps)
     memcpy_s = common.warm_median_s(lambda: np.copyto(flat_out, flat), reps)
     return {"num_bytes": num_bytes, "into_blocks_gbps": num_bytes / into_s / 1e9,
             "out_of_blocks_gbps": num_bytes / out_s / 1e9,
