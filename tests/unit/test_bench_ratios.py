@@ -68,3 +68,26 @@ def test_remote_sizes_host_tiers_for_every_prompt_and_suffixes_other_sizes():
     ratios = remote.ratios_of({"1MiB": {"ratios": {"remote_get_vs_ray": 0.5}},
                                "4MiB": {"ratios": {"remote_get_vs_ray": 0.7}}})
     assert ratios == {"remote_get_vs_ray": 0.7, "remote_get_vs_ray_1mib": 0.5}
+
+
+def test_vllm_workload_alternates_engines_and_counts_cross_engine_tokens():
+    from cluster.tools.bench.vllm_workload import (
+        DOC_TOKENS,
+        SYSTEM_TOKENS,
+        TURN_TOKENS,
+        HitAccount,
+        workload,
+    )
+
+    requests = workload(num_sessions=2, num_turns=2)
+    assert [(r.engine, r.session, r.turn) for r in requests] == [
+        (0, 0, 0), (1, 1, 0), (1, 0, 1), (0, 1, 1)]
+    assert requests[2].prompt[: len(requests[0].prompt)] == requests[0].prompt
+    account = HitAccount(block_tokens=128)
+    expected = [account.expect(r) for r in requests]
+    first_turn = SYSTEM_TOKENS + DOC_TOKENS + TURN_TOKENS  # 2176: 17 whole blocks
+    assert expected[0] == (0, 0)
+    assert expected[1] == (0, SYSTEM_TOKENS)  # the system prefix, computed by engine 0
+    assert expected[2] == (SYSTEM_TOKENS, first_turn - SYSTEM_TOKENS)
+    assert expected[3] == expected[2]  # session 1's first turn was engine 1's
+    assert len(requests[3].prompt) == first_turn + TURN_TOKENS

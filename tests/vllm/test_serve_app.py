@@ -1,0 +1,121 @@
+"""Ray Serve LLM's OpenAI app, its vLLM engine on RaykvConnector: the second request with the
+same long prefix is served from raykv's pages, and the response says so."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this "
+                                   "tier in .venv-vllm")
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from cluster import CacheConfig, ModelSpec, connect, stop  # noqa: E402
+from cluster.serving.vllm_app import VllmAppArgs, build_vllm_app  # noqa: E402
+
+MODEL_ID = "small-llama"
+PREFIX_BYTES = 700  # byte tokens: 5 full blocks of 128, and a partial one
+START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(model_dir):
+    ray.init(address="local", num_cpus=4, resources={"kv_node": 1}, include_dashboard=False,
+             logging_level="WARNING")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # vLLM's own prefix cache off: every cached token the response reports came from raykv.
+    args = VllmAppArgs(model_source=model_dir, model_id=MODEL_ID,
+                       engine_kwargs={"enable_prefix_caching": False})
+    app = build_vllm_app(args,
+                         CacheConfig(page_tokens=128, host_bytes=256 << 20, device_bytes=0,
+                                     disk_bytes=0))
+    serve.run(app, blocking=False, name="vllm")
+    url = f"http://127.0.0.1:{port}"
+    _wait_ready(url)
+    yield url
+    serve.shutdown()
+    stop()
+    ray.shutdown()
+
+
+def _wait_ready(url: str) -> None:
+    import time
+
+    deadline_s = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline_s:
+        try:
+            models = _request(url + "/v1/models")
+            if any(m["id"] == MODEL_ID for m in models.get("data", [])):
+                return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise AssertionError(f"the app did not serve {MODEL_ID} within {START_TIMEOUT_S} s")
+
+
+def _request(url: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def _complete(url: str, prompt: str) -> dict:
+    return _request(url + "/v1/completions", {"model": MODEL_ID, "prompt": prompt,
+                                              "max_tokens": 4, "temperature": 0,
+                                              "return_token_ids": True})
+
+
+def test_second_request_loads_the_prefix_from_raykv(base_url):
+    prefix = "".join(chr(97 + (i * 7) % 26) for i in range(PREFIX_BYTES))
+    first = _complete(base_url, prefix + " first question")
+    second = _complete(base_url, prefix + " second question")
+    assert first["usage"]["prompt_tokens"] > PREFIX_BYTES
+    cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    # The 5 full blocks of the shared prefix were saved by the first request and loaded by
+    # the second (vLLM's own prefix cache is off).
+    assert cached is not None and cached >= 5 * 128, second["usage"]
+    # raykv holds those pages under the model's name: any client of that geometry finds them.
+    client = connect(ModelSpec(MODEL_ID, 4, 2, 64, "float32"))
+    prompt_ids = first["choices"][0]["prompt_token_ids"]
+    assert client.lookup(prompt_ids) == 5 * 128
+
+
+def test_llm_config_runs_the_connector_on_cpu_with_a_chosen_router():
+    from cluster.serving.vllm_app import llm_config
+
+    # Any RequestRouter by import path (Serve imports it: it must exist); raykv's KV-aware
+    # router will be "cluster.serving.router:RaykvRouter".
+    chosen = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+    args = VllmAppArgs(model_source="/models/m", model_id="m", namespace="tenant-a",
+                       num_replicas=2, request_router_class=chosen,
+                       engine_kwargs={"max_model_len": 2048})
+    config = llm_config(args, ray_address="127.0.0.1:6379")
+    transfer = config.engine_kwargs["kv_transfer_config"]
+    assert transfer["kv_connector"] == "RaykvConnector"
+    assert transfer["kv_connector_module_path"] == "cluster.serving.vllm_connector"
+    assert transfer["kv_connector_extra_config"] == {
+        "raykv.namespace": "tenant-a", "raykv.model_name": "m",
+        "raykv.ray_address": "127.0.0.1:6379"}
+    assert config.engine_kwargs["max_model_len"] == 2048
+    assert config.deployment_config["num_replicas"] == 2
+    router = config.deployment_config["request_router_config"]
+    assert router["request_router_class"] == chosen
+    assert config.placement_group_config == {"bundles": [{"CPU": 1}]}
+    default = llm_config(VllmAppArgs(model_source="/models/m", model_id="m"))
+    assert "request_router_config" not in default.deployment_config  # Serve's own router
+    with pytest.raises(ValueError, match="accelerator"):
+        llm_config(VllmAppArgs(model_source="/m", model_id="m", accelerator="tpu"))
