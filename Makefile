@@ -83,14 +83,16 @@ demo: system-deps $(STAMP)
 	$(VENV)/bin/raykv demo
 
 test: system-deps $(STAMP) lint
-	$(PY) -m cluster.tools.redis_server -- $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(PY) -m cluster.tools.redis_server -- $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) \
+	  --ignore=tests/vllm tests
+	$(MAKE) test-vllm
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
 bench: system-deps $(STAMP)
 	mkdir -p out/bench
-	for name in hashing tiers directory remote tax; do \
+	for name in hashing tiers directory remote ttft elastic tax; do \
 	  $(VENV)/bin/raykv bench $$name --json out/bench/$$name.json || exit 1; done
 
 clean:

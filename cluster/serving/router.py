@@ -23,6 +23,8 @@ from ray.serve.request_router import (
 
 from actors.handles import DirectoryHandle, merge_shard_prefixes
 from cluster.api import running_config
+from cluster.core.spec import ModelSpec
+from cluster.serving.prompt_keys import PromptKeys
 from policies.routing import ReplicaLoad, has_hits, prefix_scores, rank_replicas
 
 log = logging.getLogger("raykv.router")
@@ -33,18 +35,26 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """KV-aware routing on Serve's RequestRouter API (see module docstring)."""
 
     def initialize_state(self, max_imbalance: int = 1, lookup_timeout_s: float = 0.5,
-                         directory=None) -> None:
+                         directory=None, prompt_keys: dict | None = None) -> None:
         """`max_imbalance`: queue-length lead past which a replica loses its rank.
-        `directory`: a DirectoryHandle (tests pass a fake); found lazily otherwise."""
+        `directory`: a DirectoryHandle (tests pass a fake); found lazily otherwise.
+        `prompt_keys`: for requests that carry text, not page keys (Ray Serve LLM's), how to
+        key them: {"tokenizer_dir", "spec": ModelSpec fields, "namespace", "page_tokens"}."""
         self.max_imbalance = max_imbalance
         self.lookup_timeout_s = lookup_timeout_s
         self._directory = directory
+        self._prompt_keys = None
+        if prompt_keys:
+            self._prompt_keys = PromptKeys(prompt_keys["tokenizer_dir"],
+                                           ModelSpec(**prompt_keys["spec"]),
+                                           prompt_keys.get("namespace", "default"),
+                                           prompt_keys["page_tokens"])
         self.counters = {"ranked": 0, "fallback": 0, "lookup_failures": 0}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
-        keys_blob = _page_keys(pending_request)
+        keys_blob = await self._keys_of(pending_request)
         located = await self._locate(keys_blob) if keys_blob else []
         scores = prefix_scores(located, {r.node_id for r in candidate_replicas})
         if not has_hits(scores):
@@ -58,6 +68,14 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.counters["ranked"] += 1
         return [[by_id[i] for i in rank]
                 for rank in rank_replicas(loads, scores, self.max_imbalance)]
+
+    async def _keys_of(self, pending_request: PendingRequest | None) -> bytes:
+        keys_blob = _page_keys(pending_request)
+        if keys_blob or self._prompt_keys is None or pending_request is None \
+                or not pending_request.args:
+            return keys_blob
+        # Tokenizing is CPU work: off the handle's event loop.
+        return await asyncio.to_thread(self._prompt_keys.of, pending_request.args[0])
 
     async def _locate(self, keys_blob: bytes) -> list:
         keys = [keys_blob[i : i + KEY_BYTES] for i in range(0, len(keys_blob), KEY_BYTES)]

@@ -19,10 +19,13 @@ another `ray.serve.request_router.RequestRouter`, such as raykv's KV-aware route
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 
 from cluster.core.config import CacheConfig
+from cluster.serving.vllm_service import RaykvSettings
 
 log = logging.getLogger("raykv.vllm")
 CONNECTOR = {"kv_connector": "RaykvConnector",
@@ -51,6 +54,7 @@ class VllmAppArgs:
     namespace: str = "default"
     num_replicas: int = 1
     request_router_class: str | None = None
+    request_router_kwargs: dict = field(default_factory=dict)
     engine_kwargs: dict = field(default_factory=dict)
     accelerator: str = "cpu"
     kv_cache_gib: int = 1
@@ -81,7 +85,8 @@ def llm_config(args: VllmAppArgs, ray_address: str | None = None):
     deployment: dict = {"num_replicas": args.num_replicas}
     if args.request_router_class:
         deployment["request_router_config"] = {
-            "request_router_class": args.request_router_class}
+            "request_router_class": args.request_router_class,
+            "request_router_kwargs": dict(args.request_router_kwargs)}
     options: dict = {}
     if cpu:
         options = {"accelerator_config": {"kind": "cpu"},
@@ -123,6 +128,51 @@ def ensure_service(cache: CacheConfig) -> None:
         except (RuntimeError, ray.exceptions.RayError):
             pass
     start(cache)
+
+
+def router_settings(router: str, model_source: str, model_id: str, namespace: str,
+                    dtype: str = "float32") -> tuple[str | None, dict]:
+    """(request_router_class, request_router_kwargs) for a router name: raykv's KV-aware one
+    keys each request's prompt as RaykvConnector does (the model's tokenizer and geometry)."""
+    from cluster.serving.app import ROUTERS
+
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {sorted(ROUTERS)}, got {router!r}")
+    if router != "raykv":
+        return ROUTERS[router], {}
+    with open(os.path.join(model_source, "config.json")) as file:
+        config = json.load(file)
+    heads = config["num_attention_heads"]
+    spec = {"name": model_id, "num_layers": config["num_hidden_layers"],
+            "num_kv_heads": config.get("num_key_value_heads", heads),
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+            "dtype": dtype}
+    return ROUTERS["raykv"], {"prompt_keys": {"tokenizer_dir": model_source, "spec": spec,
+                                              "namespace": namespace,
+                                              "page_tokens": CPU_BLOCK_TOKENS}}
+
+
+def build_app(args: dict):
+    """The builder Serve config files name (`import_path: cluster.serving.vllm_app:build_app`):
+
+        model_source  a local model directory (required)
+        model_id      the served name (default: the directory's name)
+        router        raykv | pow2 | prefix (default raykv)
+        replicas      LLMServer replicas (default 1)
+        connector     RaykvConnector settings: raykv.namespace, raykv.model_name
+    """
+    fields = dict(args)
+    connector = RaykvSettings.from_extra(fields.pop("connector", None))
+    source = fields.pop("model_source")
+    model_id = fields.pop("model_id", None) or connector.model_name or \
+        os.path.basename(source.rstrip("/"))
+    router_class, router_kwargs = router_settings(fields.pop("router", "raykv"), source,
+                                                  model_id, connector.namespace)
+    replicas = int(fields.pop("replicas", 1))
+    if fields:
+        raise ValueError(f"unknown vLLM app arguments {sorted(fields)}")
+    return build_vllm_app(VllmAppArgs(source, model_id, connector.namespace, replicas,
+                                      router_class, router_kwargs))
 
 
 def app(args: dict):

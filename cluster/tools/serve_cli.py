@@ -63,5 +63,15 @@ def _build(engine: Engine, args: dict):
         from cluster.serving.app import build_app
 
         return build_app(args)
-    raise typer.BadParameter("the vLLM engine needs raykv[vllm] (see the README's vLLM section)",
-                             param_hint="--engine")
+    try:
+        import vllm  # noqa: F401  (vLLM's CPU build lives in its own venv: make test-vllm)
+    except ImportError:
+        raise typer.BadParameter("the vLLM engine needs the vllm extra: run raykv from "
+                                 ".venv-vllm (`make test-vllm` builds it)",
+                                 param_hint="--engine") from None
+    from cluster.serving.model_dir import save_model_dir
+    from cluster.serving.vllm_app import build_app
+
+    model_dir = save_model_dir(os.path.join("out", "models", args["model"]), args["model"])
+    return build_app({"model_source": os.path.abspath(model_dir), "model_id": args["model"],
+                      "router": args["router"], "replicas": args["replicas"] or 1})

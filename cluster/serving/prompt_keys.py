@@ -1,0 +1,53 @@
+"""Page keys of an OpenAI request that carries text, not keys: what raykv's router needs in
+front of Ray Serve LLM's vLLM engines (their requests have `.prompt` or `.messages`).
+
+The prompt is tokenized as vLLM does it: a completion's text with the tokenizer's own special
+tokens, a chat rendered by the tokenizer's chat template (with the generation prompt) and then
+encoded without adding any; its full pages are keyed with the model's KV geometry and the
+namespace, exactly as RaykvConnector keys them, so the router finds the connector's pages.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from cluster.core.keys import page_keys
+from cluster.core.spec import ModelSpec
+
+
+class PromptKeys:
+    def __init__(self, tokenizer_dir: str, spec: ModelSpec, namespace: str, page_tokens: int):
+        self.tokenizer_dir, self.spec = tokenizer_dir, spec
+        self.namespace, self.page_tokens = namespace, page_tokens
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.tokenizer_dir)
+
+    def token_ids(self, request: object) -> list[int] | None:
+        """The prompt's token ids, or None when the request has no prompt or messages."""
+        prompt = getattr(request, "prompt", None)
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        messages = getattr(request, "messages", None)
+        if not messages:
+            return None
+        chat = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
+        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                  tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def of(self, request: object) -> bytes:
+        """The concatenated page keys of the request's prompt (b"" when it has none)."""
+        try:
+            ids = self.token_ids(request)
+        except Exception:  # a prompt the tokenizer cannot take: route without keys
+            return b""
+        return b"".join(page_keys(self.spec, self.namespace, self.page_tokens, ids)) if ids \
+            else b""

@@ -1,0 +1,56 @@
+"""raykv's router in front of Ray Serve LLM: requests carry text, and the router keys them as
+RaykvConnector keys vLLM's pages (the model's tokenizer and geometry, blocks of 128)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from cluster.core.keys import page_keys
+from cluster.core.spec import ModelSpec
+from cluster.serving.model_dir import save_model_dir
+from cluster.serving.prompt_keys import PromptKeys
+from cluster.serving.vllm_app import CPU_BLOCK_TOKENS, router_settings
+
+
+@dataclass
+class Completion:
+    prompt: object
+
+
+@dataclass
+class Chat:
+    messages: list
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_model_dir(str(tmp_path_factory.mktemp("model") / "tiny-llama"), "tiny-llama")
+
+
+def test_the_raykv_router_is_configured_from_the_model_dir(model_dir):
+    router, kwargs = router_settings("raykv", model_dir, "tiny-llama", "team")
+    assert router == "cluster.serving.router:RaykvRouter"
+    spec = kwargs["prompt_keys"]["spec"]
+    assert ModelSpec(**spec) == ModelSpec("tiny-llama", 2, 2, 16, "float32")
+    assert kwargs["prompt_keys"]["page_tokens"] == CPU_BLOCK_TOKENS == 128
+    assert router_settings("pow2", model_dir, "m", "default")[1] == {}
+    with pytest.raises(ValueError, match="router"):
+        router_settings("fastest", model_dir, "m", "default")
+
+
+def test_prompts_and_chats_are_keyed_like_the_connector(model_dir):
+    spec = ModelSpec("tiny-llama", 2, 2, 16, "float32")
+    keys = PromptKeys(model_dir, spec, "team", 128)
+    text = "x" * 300
+    ids = keys.token_ids(Completion(text))
+    assert ids == list(text.encode())  # the byte tokenizer: one id per byte
+    assert keys.of(Completion(text)) == b"".join(page_keys(spec, "team", 128, ids))
+    assert len(keys.of(Completion([text]))) == 2 * 16  # two full pages
+    chat = keys.token_ids(Chat([{"role": "user", "content": "y" * 200}]))
+    assert bytes(chat).decode().startswith("user: yyy") and bytes(chat).decode().endswith(
+        "assistant: ")
+    assert keys.of(Completion("short")) == b""  # no full page
+    assert keys.of(object()) == b""  # neither prompt nor messages
+    assert keys.of(Completion(None)) == b""
