@@ -57,7 +57,7 @@ class NodeCacheActor:
         self._started: asyncio.Future | None = None
         self._last_beat_s = 0.0
         self.recovered_pages = 0
-        self.counters = {"pulled_pages": 0, "failed_sends": 0}
+        self.counters = {"pulled_pages": 0, "failed_sends": 0, "discarded_pages": 0}
 
     async def ready(self) -> dict:
         """Check shared memory, recover disk pages, register with the directory, start the
@@ -224,6 +224,22 @@ class NodeCacheActor:
         """The longest local prefix of `keys` as Ray objects (one per page), for other nodes."""
         await self.ready()
         return await self.exports.export(geometry, keys)
+
+    # ---- rebalancing (the control loop) --------------------------------------------------
+
+    async def geometries(self, keys: list[PageKey]) -> list[PageGeometry | None]:
+        """The page geometry of each key held here (None where it is not): what a node that
+        replicates a prefix needs to pull it."""
+        await self.ready()
+        return [self.store.geometry_of(key) for key in keys]
+
+    async def discard(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+        """Drop these pages here (a copy lives on elsewhere); pinned ones stay."""
+        await self.ready()
+        dropped = self.store.discard(geometry, keys)
+        self.counters["discarded_pages"] += dropped
+        await self.flush()
+        return dropped
 
     # ---- introspection -------------------------------------------------------------------
 
