@@ -56,10 +56,12 @@ def default_policy(config: CacheConfig) -> Policy:
 
 def node_load(node_id: str, stats: dict, config: CacheConfig) -> NodeLoad:
     """A node actor's stats as the policies see them: requests served (local gets and exports
-    to other nodes), and its memory tiers' use against their budget."""
+    to other nodes), and its memory tiers' use against their budget. While every page
+    geometry (pool) gets the whole per-tier budgets, the budget is that many times over."""
     used_bytes = stats["bytes"]["device"] + stats["bytes"]["host"]
+    budget_bytes = (config.device_bytes + config.host_bytes) * max(1, stats.get("num_pools", 1))
     return NodeLoad(node_id, stats["gets"] + stats.get("export_calls", 0), used_bytes,
-                    config.device_bytes + config.host_bytes)
+                    budget_bytes)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)

@@ -250,7 +250,8 @@ class NodeCacheActor:
     async def stats(self) -> dict:
         await self.ready()
         return {"node_id": self.node_id, "epoch": self.epoch, "disk_dir": self.slot.disk_dir,
-                **self.store.stats(), **self.counters, **self.exports.counters,
+                **self.store.stats(), "num_pools": len(self.store.pools), **self.counters,
+                **self.exports.counters,
                 "events": self.stream.stats(), "loops": self.loops.running()}
 
     async def shutdown(self) -> None:

@@ -3,10 +3,15 @@
     sample_per_s = (count now - count at the last snapshot) / elapsed
     rate_per_s  += (1 - exp(-elapsed / tau_s)) * (sample_per_s - rate_per_s)
 
-A prefix is hot from the snapshot its rate reaches `enter_per_s` until it falls below
-`exit_per_s` (< enter): a rate that wobbles around one threshold does not flap. A node is hot
-while its rate is at least `node_enter_ratio` times the mean node rate (and `node_min_per_s`),
-until it falls below `node_exit_ratio` times the mean.
+A prefix is hot from the snapshot its rate reaches its entry threshold until it falls below
+its exit threshold (lower): a rate that wobbles around one threshold does not flap.
+
+    enter = max(enter_per_s, enter_share x the rate of all tracked prefixes)
+    exit  = max(exit_per_s,  exit_share  x the rate of all tracked prefixes)
+
+so the hot set follows the traffic's scale: the prefixes that carry a real share of it, above
+a floor. A node is hot while its rate is at least `node_enter_ratio` times the mean node rate
+(and `node_min_per_s`), until it falls below `node_exit_ratio` times the mean.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from policies.snapshot import ClusterSnapshot, Key
 @dataclass(frozen=True, slots=True)
 class BurstSettings:
     tau_s: float = 2.0
-    enter_per_s: float = 2.0
-    exit_per_s: float = 0.5
+    enter_per_s: float = 0.1
+    exit_per_s: float = 0.05
+    enter_share: float = 0.02
+    exit_share: float = 0.01
     node_enter_ratio: float = 1.5
     node_exit_ratio: float = 1.2
     node_min_per_s: float = 2.0
@@ -85,8 +92,10 @@ def decide(snapshot: ClusterSnapshot, state: BurstState | None, now_s: float,
                     elapsed_s, settings.tau_s)
     nodes = ewma(state.nodes, {n.node_id: n.num_requests for n in snapshot.nodes},
                  elapsed_s, settings.tau_s)
-    hot_prefixes = hysteresis(prefixes.rates_per_s, state.hot_prefixes, settings.enter_per_s,
-                              settings.exit_per_s)
+    total_per_s = sum(prefixes.rates_per_s.values())
+    hot_prefixes = hysteresis(prefixes.rates_per_s, state.hot_prefixes,
+                              max(settings.enter_per_s, settings.enter_share * total_per_s),
+                              max(settings.exit_per_s, settings.exit_share * total_per_s))
     mean_per_s = sum(nodes.rates_per_s.values()) / max(1, len(nodes.rates_per_s))
     hot_nodes = hysteresis(
         {n: r for n, r in nodes.rates_per_s.items() if r >= settings.node_min_per_s},

@@ -1,7 +1,8 @@
 """Migration: move cold pages off hot nodes.
 
-A node is under pressure while it is hot (policies/burst.py) or its memory is fuller than
-`high_fraction`. From such a node, the cold prefixes it holds (tracked, not hot, slower than
+A node is under pressure while its memory is fuller than `high_fraction`, or while it is hot
+(policies/burst.py) and fuller than `low_fraction`: a busy node with room has nothing to gain
+from losing pages. From such a node, the cold prefixes it holds (tracked, not hot, slower than
 `cold_per_s`) leave, coldest first:
 
     another holder that is not under pressure   ->  Move(target=None): drop the copies here
@@ -46,8 +47,11 @@ class MigrationState:
 
 
 def under_pressure(view: LoadView, node: NodeLoad, settings: MigrationSettings) -> bool:
-    full = node.used_bytes >= settings.high_fraction * node.capacity_bytes > 0
-    return node.node_id in view.burst.hot_nodes or full
+    if node.capacity_bytes <= 0:
+        return False
+    fraction = node.used_bytes / node.capacity_bytes
+    hot = node.node_id in view.burst.hot_nodes
+    return fraction >= settings.high_fraction or (hot and fraction >= settings.low_fraction)
 
 
 def decide(view: LoadView, state: MigrationState | None, now_s: float,

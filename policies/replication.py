@@ -22,7 +22,7 @@ from policies.snapshot import ClusterSnapshot, Key, PrefixLoad
 
 @dataclass(frozen=True, slots=True)
 class ReplicationSettings:
-    per_copy_per_s: float = 2.0
+    per_copy_per_s: float = 0.5
     min_copies: int = 2
     max_hot_fraction: float = 0.6
     retry_s: float = 5.0

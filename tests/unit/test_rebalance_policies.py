@@ -65,6 +65,20 @@ def test_prefix_burst_starts_at_enter_and_ends_below_exit_only():
                         (False, (), (K[1],)), (False, (), ()), (True, (K[1],), ())]
 
 
+def test_the_entry_threshold_follows_the_traffic_share():
+    settings = BurstSettings(tau_s=1e-9, enter_per_s=0.1, exit_per_s=0.05, enter_share=0.02,
+                             exit_share=0.01)
+    state = BurstState(prefixes=Rates({K[1]: 0, K[2]: 0}, {}), updated_s=0.0)
+    loads = ClusterSnapshot((), (prefix(1, 10), prefix(2, 0)))  # 10/s and 0.15/s below
+    plan, state = burst.decide(loads, state, 1.0, settings)
+    loads = ClusterSnapshot((), (prefix(1, 20), prefix(2, 0.15)))
+    plan, state = burst.decide(loads, state, 2.0, settings)
+    assert plan.hot_prefixes == {K[1]}  # 0.15/s is under 2 % of 10.15/s
+    loads = ClusterSnapshot((), (prefix(1, 21), prefix(2, 0.3)))
+    plan, state = burst.decide(loads, state, 3.0, settings)
+    assert plan.hot_prefixes == {K[1], K[2]}  # the same 0.15/s is 13 % of 1.15/s
+
+
 def test_hot_node_by_ratio_to_the_mean_with_hysteresis():
     settings = BurstSettings(tau_s=1e-9, node_enter_ratio=1.5, node_exit_ratio=1.2,
                              node_min_per_s=1.0)
@@ -128,8 +142,11 @@ def test_a_copy_that_arrived_is_forgotten():
 
 
 def test_cold_prefix_on_a_hot_node_is_dropped_where_a_copy_stays_elsewhere():
-    nodes = [node("a", used_mib=50), node("b", used_mib=50)]
     cold = prefix(3, holders=("a", "b"))
+    roomy = [node("a", used_mib=50), node("b", used_mib=50)]
+    v = view(roomy, [cold], hot_nodes=["a"], rates={K[3]: 0.0})
+    assert migration.decide(v, None, 5.0)[0] == ()  # busy, but with room: nothing to gain
+    nodes = [node("a", used_mib=75), node("b", used_mib=50)]
     v = view(nodes, [cold], hot_nodes=["a"], rates={K[3]: 0.0})
     moves, state = migration.decide(v, None, 5.0)
     assert moves == (Move(K[3], cold.keys, "a", None),)
