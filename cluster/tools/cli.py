@@ -30,6 +30,7 @@ BENCHMARKS = {
     "remote": "cluster.tools.bench.remote",
     "ttft": "cluster.tools.bench.ttft",
     "serve": "cluster.tools.bench.serve",
+    "burst": "cluster.tools.bench.burst",
 }
 
 JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
@@ -64,6 +65,8 @@ _register("remote", "Cross-node get throughput vs a raw Ray object transfer.")
 _register("ttft", "Time to first token from the host and disk tiers vs recompute and ideal.")
 _register_plotted("serve", "One chat trace through the Serve app with raykv's, Serve's pow2 and "
                            "Ray Serve LLM's prefix router: TTFT, cached tokens, replica shares.")
+_register_plotted("burst", "A spiky multi-model trace on 3 simulated nodes, rebalancing on and "
+                           "off: p99 fetch latency, hit ratio, memory per model over time.")
 
 
 @app.command("demo")
