@@ -48,8 +48,10 @@ NOTES = ("fetch latency = the client's aget of the prompt (directory match, loca
 def cache_config(disk_dir: str, rebalance: bool):
     from cluster import CacheConfig
 
-    return CacheConfig(page_tokens=SHAPE.page_tokens, device_bytes=0, host_bytes=32 * MiB,
-                       disk_bytes=64 * MiB, disk_dir=disk_dir, namespaces=TENANTS,
+    # Tight: per node and model 16 MiB of host memory and 16 MiB of disk, for prefixes of
+    # 1-3 MiB (small-llama, 512 KiB pages): copies cost room that cold pages had.
+    return CacheConfig(page_tokens=SHAPE.page_tokens, device_bytes=0, host_bytes=16 * MiB,
+                       disk_bytes=16 * MiB, disk_dir=disk_dir, namespaces=TENANTS,
                        rebalance=rebalance)
 
 
