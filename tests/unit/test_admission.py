@@ -197,3 +197,17 @@ def test_overloaded_header_rounds_up():
     assert Overloaded("x", "overloaded", 0.2).retry_after_header == "1"
     assert Overloaded("x", "overloaded", 2.1).retry_after_header == "3"
     assert math.isinf(take_token(Bucket(0.0, 0.0), TenantLimits(0.0, 1.0), 0.0)[0])
+
+
+def test_app_admission_args_become_limits():
+    from cluster.serving.app import AdmissionArgs, AppArgs
+
+    args = AdmissionArgs(max_in_flight=3, tenants={"acme": {"rate_per_s": 2, "priority": "low"},
+                                                   "b": {"burst": 5}})
+    limits = args.limits()
+    assert (limits.max_in_flight, limits.max_queued, limits.max_wait_s) == (3, 64, 10.0)
+    assert limits.tenant("acme") == TenantLimits(2.0, 2.0, "low")
+    assert limits.tenant("b") == TenantLimits() and limits.tenant("zzz") == TenantLimits()
+    assert AppArgs().admission.limits().max_in_flight == 256
+    with pytest.raises(ValueError):
+        AdmissionArgs(tenants={"acme": {"priority": "urgent"}})

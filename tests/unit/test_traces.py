@@ -94,14 +94,15 @@ def test_timeline_bins_rate_hits_p99_and_memory():
     outcomes = [outcome(0, 0.2, 5.0, 100), outcome(1, 0.7, 50.0, 0), outcome(2, 2.5, 7.0, 50)]
     tiers = {"bytes": {"device": 1, "host": 2, "disk": 4}}
     samples = [(0.5, "a", tiers), (0.9, "a", {"bytes": {"device": 10, "host": 20, "disk": 0}}),
-               (0.5, "b", tiers)]
+               (0.5, "b", tiers), (2.1, "b", {"bytes": {"device": 0, "host": 0, "disk": 9}})]
     line = burst_plot.timeline(outcomes, samples, duration_s=3.0)
     assert line["time_s"] == [0.0, 1.0, 2.0] and line["rate_per_s"] == [2.0, 0.0, 1.0]
     assert line["hit_ratio"] == [0.5, None, 0.5]
     assert line["fetch_p99_ms"][0] == pytest.approx(49.55) and line["fetch_p99_ms"][1] is None
     assert line["memory_source"] == "tiers"
-    assert line["memory_bytes"] == {"all models, device+host": [33.0, 0.0, 0.0],
-                                    "all models, disk": [4.0, 0.0, 0.0]}
+    # a's last sample of bin 0 holds on (no sample since); b's changes in bin 2
+    assert line["memory_bytes"] == {"all models, device+host": [33.0, 33.0, 30.0],
+                                    "all models, disk": [4.0, 4.0, 9.0]}
     models = [(0.5, "a", {"models": {"m1": 7}, "bytes": {}}), (0.5, "b", {"models": {"m1": 1}})]
     line = burst_plot.timeline([], models, duration_s=1.0)
     assert line["memory_source"] == "models" and line["memory_bytes"] == {"m1": [8.0]}

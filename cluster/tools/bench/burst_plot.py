@@ -15,24 +15,29 @@ MODES = {"off": ("tab:red", "rebalancing off"), "on": ("tab:blue", "rebalancing 
 
 def _memory(samples: list[tuple[float, str, dict]], num_bins: int, bin_s: float
             ) -> tuple[str, dict[str, list[float]]]:
-    """("models" or "tiers", label -> bytes summed over nodes per bin, the last sample of
-    each node in the bin)."""
+    """("models" or "tiers", label -> bytes summed over nodes per bin). Each node counts with
+    its last sample in or before the bin (a sample the loaded machine skipped is not a 0)."""
     last: dict[tuple[int, str], dict] = {}
     for t_s, node_id, stats in samples:
         if 0 <= t_s < num_bins * bin_s:
             last[(int(t_s // bin_s), node_id)] = stats
     source = "models" if any("models" in s for s in last.values()) else "tiers"
     series: dict[str, list[float]] = {}
-    for (index, _), stats in last.items():
-        if source == "models":
-            parts = dict(stats.get("models", {}))
-        else:
-            used = stats["bytes"]
-            parts = {"all models, device+host": used["device"] + used["host"],
-                     "all models, disk": used["disk"]}
-        for label, num_bytes in parts.items():
-            series.setdefault(label, [0.0] * num_bins)[index] += num_bytes
+    for node_id in sorted({node for _, node in last}):
+        stats = None
+        for index in range(num_bins):
+            stats = last.get((index, node_id), stats)
+            for label, num_bytes in (_parts(stats, source) if stats else {}).items():
+                series.setdefault(label, [0.0] * num_bins)[index] += num_bytes
     return source, series
+
+
+def _parts(stats: dict, source: str) -> dict[str, int]:
+    if source == "models":
+        return dict(stats.get("models", {}))
+    used = stats["bytes"]
+    return {"all models, device+host": used["device"] + used["host"],
+            "all models, disk": used["disk"]}
 
 
 def timeline(outcomes: list, samples: list, duration_s: float, bin_s: float = 1.0) -> dict:
