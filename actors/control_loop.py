@@ -56,12 +56,21 @@ def default_policy(config: CacheConfig) -> Policy:
 
 def node_load(node_id: str, stats: dict, config: CacheConfig) -> NodeLoad:
     """A node actor's stats as the policies see them: requests served (local gets and exports
-    to other nodes), and its memory tiers' use against their budget. While every page
-    geometry (pool) gets the whole per-tier budgets, the budget is that many times over."""
+    to other nodes), and its memory tiers' use against their budget.
+
+    With the elastic pool, the node reports its tiers' capacity and what is held
+    (stats["memory"]["tiers"]). Without it, every page geometry (pool) gets the whole
+    per-tier budgets, so the budget is `num_pools` times the configured one.
+    """
+    num_requests = stats["gets"] + stats.get("export_calls", 0)
+    tiers = (stats.get("memory") or {}).get("tiers")
+    if tiers:
+        memory = [tiers[name] for name in ("device", "host") if name in tiers]
+        return NodeLoad(node_id, num_requests, sum(t["held_bytes"] for t in memory),
+                        sum(t["capacity_bytes"] for t in memory))
     used_bytes = stats["bytes"]["device"] + stats["bytes"]["host"]
     budget_bytes = (config.device_bytes + config.host_bytes) * max(1, stats.get("num_pools", 1))
-    return NodeLoad(node_id, stats["gets"] + stats.get("export_calls", 0), used_bytes,
-                    budget_bytes)
+    return NodeLoad(node_id, num_requests, used_bytes, budget_bytes)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)

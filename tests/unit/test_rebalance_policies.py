@@ -245,3 +245,18 @@ def test_rebalance_replicates_a_prefix_that_bursts():
     assert {(c.source, c.target) for c in plan.copies} == {("a", "b"), ("a", "c")}
     plan, _ = rebalance.decide(burst_snapshot, state, 2.0, settings)
     assert plan.copies == ()  # planned already, not in the directory yet
+
+
+def test_node_load_reads_the_elastic_pool_or_the_per_pool_budgets():
+    from actors.control_loop import node_load
+    from cluster.core.config import CacheConfig
+
+    config = CacheConfig(device_bytes=2 * MiB, host_bytes=8 * MiB)
+    per_pool = {"gets": 7, "export_calls": 3, "num_pools": 2,
+                "bytes": {"device": 1 * MiB, "host": 5 * MiB, "disk": 9 * MiB}}
+    assert node_load("a", per_pool, config) == NodeLoad("a", 10, 6 * MiB, 20 * MiB)
+    elastic = {**per_pool, "memory": {"tiers": {
+        "device": {"capacity_bytes": 2 * MiB, "held_bytes": 1 * MiB},
+        "host": {"capacity_bytes": 8 * MiB, "held_bytes": 4 * MiB},
+        "disk": {"capacity_bytes": 64 * MiB, "held_bytes": 9 * MiB}}}}
+    assert node_load("a", elastic, config) == NodeLoad("a", 10, 5 * MiB, 10 * MiB)
