@@ -158,6 +158,8 @@ def report(parts: dict[str, dict]) -> None:
     rows = []
     for name, part in parts.items():
         for mode, figures in part.get("figures", {}).items():
+            if "fetch_p99_ms" not in figures:
+                continue  # another part's figures: its own table, if any
             rows.append([f"{name}: {mode}", str(figures["requests"]),
                          f"{figures['fetch_p50_ms']:.1f}", f"{figures['fetch_p99_ms']:.1f}",
                          f"{figures['spike_fetch_p99_ms']:.1f}", f"{figures['hit_ratio']:.3f}",
