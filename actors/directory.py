@@ -18,11 +18,13 @@ import time
 import ray
 
 from cluster.core.config import CacheConfig
+from cluster.core.demand import PrefixDemand
 from cluster.core.directory_index import APPLIED, DirectoryIndex
 from cluster.core.events import EventBatch
 from cluster.core.keys import KEY_BYTES
 from cluster.core.loops import BackgroundLoops
 from cluster.core.persist import RedisMirror
+from policies.snapshot import PrefixLoad
 
 log = logging.getLogger("raykv.directory")
 REDIS_FLUSH_S = 0.1
@@ -37,6 +39,7 @@ class DirectoryShard:
         self.config = CacheConfig.model_validate_json(config_json)
         self.shard = shard
         self.index = DirectoryIndex()
+        self.demand = PrefixDemand()
         self.mirror: RedisMirror | None = None
         if self.config.redis_url:
             prefix = f"raykv:{self.config.ray_namespace}:dir{shard}"
@@ -119,7 +122,16 @@ class DirectoryShard:
         DirectoryIndex.prefix_runs)."""
         await self.ready()
         keys = [keys_blob[i : i + KEY_BYTES] for i in range(0, len(keys_blob), KEY_BYTES)]
-        return self.index.prefix_runs(keys)
+        runs = self.index.prefix_runs(keys)
+        self.demand.record(keys, sum(count for _, count in runs), time.monotonic())
+        return runs
+
+    async def hot_prefixes(self, limit: int) -> list[PrefixLoad]:
+        """The prefixes requests asked for most lately (this shard's keys of each), with
+        the nodes that hold them: the control loop's snapshot (page_bytes left 0)."""
+        await self.ready()
+        return [PrefixLoad(key, keys, num_requests, self.index.holders(keys))
+                for key, keys, num_requests in self.demand.top(limit)]
 
     async def get_config(self) -> str:
         return self.config_json
@@ -131,6 +143,7 @@ class DirectoryShard:
             redis = {"healthy": self.mirror.healthy, "flushes": self.mirror.num_flushes}
         return {"shard": self.shard, "recovered": self.recovered, "redis": redis,
                 "purged_nodes": len(self.purged_nodes), "loops": self.loops.running(),
+                **self.demand.stats(),
                 "loop_errors": dict(self.loops.errors), **self.index.stats()}
 
     async def flush_redis(self) -> bool:

@@ -20,6 +20,7 @@ from cluster.core.keys import PageKey, shard_of
 DIRECTORY_NAME = "raykv-directory-{shard}"
 NODE_NAME = "raykv-node-{node_id}"
 CONTROLLER_NAME = "raykv-controller"
+CONTROL_LOOP_NAME = "raykv-control-loop"
 
 
 def split_by_shard(keys: list[PageKey], num_shards: int) -> list[list[int]]:
@@ -115,6 +116,10 @@ class DirectoryHandle:
                 for shard, shard_positions in zip(self.shards, positions, strict=True)]
         return positions, refs
 
+    def hot_prefixes(self, limit: int) -> list:
+        """Per shard, a ref to its most asked-for prefixes (a list of PrefixLoad)."""
+        return [shard.hot_prefixes.remote(limit) for shard in self.shards]
+
     def drop_node(self, node_id: str) -> list:
         return [shard.drop_node.remote(node_id) for shard in self.shards]
 
@@ -205,6 +210,14 @@ class NodeHandle:
         """Copy pages from other nodes (node_id -> keys) into this node's host tier."""
         return self.actor.pull.remote(geometry, remote)
 
+    def geometries(self, keys: list[PageKey]):
+        """The page geometry of each key held there (None where not)."""
+        return self.actor.geometries.remote(keys)
+
+    def discard(self, geometry: PageGeometry, keys: list[PageKey]):
+        """Drop these pages there (unpinned ones); returns how many."""
+        return self.actor.discard.remote(geometry, keys)
+
     def ping(self):
         return self.actor.ping.remote()
 
@@ -263,6 +276,44 @@ class ControllerHandle:
 
     def stats(self):
         return self.actor.stats.remote()
+
+    def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+
+class ControlLoopHandle:
+    """The rebalancing control loop (actors/control_loop.py)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    @staticmethod
+    def create(config: CacheConfig, policy=None,
+               name: str = CONTROL_LOOP_NAME) -> ControlLoopHandle:
+        """The running loop of that name, or a new one (named, detached) with `policy`
+        (a callable decide(snapshot, state, now_s); None: policies/rebalance.py)."""
+        from actors.control_loop import ControlLoop
+
+        return ControlLoopHandle(ControlLoop.options(**_named(name, config)
+                                                     ).remote(config.model_dump_json(), policy))
+
+    @staticmethod
+    def lookup(config: CacheConfig, name: str = CONTROL_LOOP_NAME) -> ControlLoopHandle | None:
+        actor = _get_actor(name, config)
+        return None if actor is None else ControlLoopHandle(actor)
+
+    def start(self):
+        return self.actor.start.remote()
+
+    def step(self):
+        """One pass now; a ref to its summary."""
+        return self.actor.step.remote()
+
+    def stats(self):
+        return self.actor.stats.remote()
+
+    def stop(self):
+        return self.actor.stop.remote()
 
     def kill(self) -> None:
         ray.kill(self.actor, no_restart=True)

@@ -61,7 +61,7 @@ class NodeCacheActor:
         self.registry: Registry | None = None
         self.publisher = NodePublisher(Metrics(node_id))
         self.recovered_pages = 0
-        self.counters = {"pulled_pages": 0, "failed_sends": 0}
+        self.counters = {"pulled_pages": 0, "failed_sends": 0, "discarded_pages": 0}
 
     async def ready(self) -> dict:
         """Check shared memory, recover disk pages, register with the directory, start the
@@ -249,6 +249,22 @@ class NodeCacheActor:
     async def get_registry(self) -> Registry | None:
         return self.registry
 
+    # ---- rebalancing (the control loop) --------------------------------------------------
+
+    async def geometries(self, keys: list[PageKey]) -> list[PageGeometry | None]:
+        """The page geometry of each key held here (None where it is not): what a node that
+        replicates a prefix needs to pull it."""
+        await self.ready()
+        return [self.store.geometry_of(key) for key in keys]
+
+    async def discard(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+        """Drop these pages here (a copy lives on elsewhere); pinned ones stay."""
+        await self.ready()
+        dropped = self.store.discard(geometry, keys)
+        self.counters["discarded_pages"] += dropped
+        await self.flush()
+        return dropped
+
     # ---- introspection -------------------------------------------------------------------
 
     async def inventory(self) -> list[tuple[PageKey, int]]:
@@ -258,7 +274,8 @@ class NodeCacheActor:
     async def stats(self) -> dict:
         await self.ready()
         return {"node_id": self.node_id, "epoch": self.epoch, "disk_dir": self.slot.disk_dir,
-                **self.store.stats(), **self.counters, **self.exports.counters,
+                **self.store.stats(), "num_pools": len(self.store.pools), **self.counters,
+                **self.exports.counters,
                 "events": self.stream.stats(), "loops": self.loops.running()}
 
     async def shutdown(self) -> None:

@@ -7,7 +7,7 @@ import os
 
 import ray
 
-from actors.handles import ControllerHandle, DirectoryHandle, NodeHandle
+from actors.handles import ControllerHandle, ControlLoopHandle, DirectoryHandle, NodeHandle
 from cluster.core.config import CacheConfig
 from cluster.core.geometry import PageGeometry
 from cluster.core.membership import kv_nodes
@@ -49,7 +49,8 @@ def _check_local_shm(config: CacheConfig) -> None:
 
 
 def start(config: CacheConfig | None = None) -> dict:
-    """Ensure the directory shards and one node actor per kv node exist; idempotent.
+    """Ensure the directory shards, one node actor per kv node and (with
+    `config.rebalance`) the control loop exist; idempotent.
 
     Raises ValueError when a service with another config runs, and SharedMemoryTooSmall
     (a RuntimeError) when a node's /dev/shm cannot hold the configured tiers.
@@ -67,6 +68,8 @@ def start(config: CacheConfig | None = None) -> dict:
     controller = ControllerHandle.create(config)
     members = ray.get(controller.sync_members(), timeout=START_TIMEOUT_S)
     _raise_node_failures(members["failures"])
+    if config.rebalance:
+        ray.get(ControlLoopHandle.create(config).start(), timeout=START_TIMEOUT_S)
     return {"nodes": members["members"], "directory": shards}
 
 
@@ -183,9 +186,9 @@ def stop(ray_namespace: str = "raykv") -> None:
         config = running_config(ray_namespace)
     except (RuntimeError, ray.exceptions.RayError):
         return
-    controller = ControllerHandle.lookup(config)
-    if controller is not None:
-        controller.kill()
+    for loop in (ControllerHandle.lookup(config), ControlLoopHandle.lookup(config)):
+        if loop is not None:
+            loop.kill()
     for node in ray.nodes():
         handle = NodeHandle.lookup(node["NodeID"], config)
         if handle is None:

@@ -55,6 +55,12 @@ class CacheConfig(BaseModel):
     export_cache_bytes: int = Field(64 * MiB, ge=0, description="recent pages kept as Ray "
                                     "objects for other nodes, per node")
     ray_namespace: str = "raykv"
+    rebalance: bool = Field(True, description="run the control loop: hot prefixes replicated, "
+                            "cold pages moved off hot nodes, kv nodes requested")
+    rebalance_period_s: float = Field(0.5, gt=0, description="the control loop's period")
+    min_kv_nodes: int = Field(1, ge=1, description="scale-in floor of the kv nodes requested")
+    max_kv_nodes: int = Field(0, ge=0, description="scale-out ceiling of the kv nodes "
+                              "requested from the autoscaler (0: never request)")
 
     @field_validator("namespaces")
     @classmethod

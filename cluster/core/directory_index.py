@@ -194,6 +194,18 @@ class DirectoryIndex:
                 runs.append([ranked, 1])
         return runs
 
+    def holders(self, keys: tuple[PageKey, ...] | list[PageKey]) -> tuple[str, ...]:
+        """Nodes holding every one of `keys` (any tier), sorted; () when none does."""
+        common: set[str] | None = None
+        for key in keys:
+            places = self.index.get(key)
+            if not places:
+                return ()
+            common = set(places) if common is None else common & places.keys()
+            if not common:
+                return ()
+        return tuple(sorted(common or ()))
+
     def stats(self) -> dict:
         return {"num_keys": len(self.index), "num_nodes": len(self.nodes),
                 "nodes": {n: len(log.keys) for n, log in self.nodes.items()},

@@ -265,6 +265,23 @@ class NodeStore:
         await pool.promote_many(keys[:count])
         return sum(1 for k in keys[:count] if k in pool.index and pool.index[k].tier < DISK)
 
+    # ---- rebalancing (the control loop) --------------------------------------------------
+
+    def geometry_of(self, key: PageKey) -> PageGeometry | None:
+        """The geometry of the pool that holds `key`, or None."""
+        return next((g for g, pool in self.pools.items() if key in pool.index), None)
+
+    def discard(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+        """Drop the ready, unpinned pages among `keys` (they moved to another node); pages
+        being read or written stay. Returns how many were dropped."""
+        pool = self.pools.get(geometry)
+        if pool is None:
+            return 0
+        victims = [key for key in keys if not pool.is_pinned(key)]
+        for key in victims:
+            pool.drop(key)
+        return len(victims)
+
     # ---- inventory and stats -------------------------------------------------------------
 
     def inventory(self) -> list[tuple[PageKey, int]]:

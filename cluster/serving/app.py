@@ -23,6 +23,7 @@ from cluster.serving.deployments import EngineDeployment
 from cluster.serving.engine import EngineConfig
 from cluster.serving.ingress import Ingress
 from cluster.serving.model import SHAPES
+from policies.admission import AdmissionLimits, TenantLimits
 
 ROUTERS = {
     "raykv": "cluster.serving.router:RaykvRouter",
@@ -30,6 +31,42 @@ ROUTERS = {
     "prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
               ":PrefixCacheAffinityRouter",
 }
+
+
+class TenantArgs(BaseModel):
+    """One tenant's (namespace's) admission settings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rate_per_s: float | None = Field(None, gt=0, description="requests per second refilled "
+                                     "into its bucket (None: no limit)")
+    burst: float | None = Field(None, ge=1, description="the bucket's size (default: "
+                                "max(1, rate_per_s))")
+    priority: Literal["high", "normal", "low"] = Field("normal", description="the class of "
+                                                       "requests without x-raykv-priority")
+
+    def limits(self) -> TenantLimits:
+        if self.rate_per_s is None:
+            return TenantLimits(priority=self.priority)
+        return TenantLimits(self.rate_per_s, self.burst or max(1.0, self.rate_per_s),
+                            self.priority)
+
+
+class AdmissionArgs(BaseModel):
+    """The ingress's admission gate (per ingress replica): past it, HTTP 429."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_in_flight: int = Field(256, ge=1, description="requests past the gate at once")
+    max_queued: int = Field(64, ge=0, description="requests waiting per priority class")
+    max_wait_s: float = Field(10.0, gt=0, description="the longest wait at the gate")
+    tenants: dict[str, TenantArgs] = Field(default_factory=dict)
+    default_tenant: TenantArgs = Field(default_factory=TenantArgs)
+
+    def limits(self) -> AdmissionLimits:
+        return AdmissionLimits(self.max_in_flight, self.max_queued, self.max_wait_s,
+                               {name: t.limits() for name, t in self.tenants.items()},
+                               self.default_tenant.limits())
 
 
 class AppArgs(BaseModel):
@@ -49,6 +86,7 @@ class AppArgs(BaseModel):
     seed: int = 0
     cache: dict | None = Field(None, description="CacheConfig fields, used when raykv is not "
                                "running yet")
+    admission: AdmissionArgs = Field(default_factory=AdmissionArgs)
 
 
 def ensure_cache(cache: dict | None) -> CacheConfig:
@@ -77,4 +115,4 @@ def build_app(args: dict | None = None):
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[settings.router]),
     ).bind(engine_config, settings.model)
     return Ingress.bind(engine, ModelSpec.preset(settings.model), settings.max_context_tokens,
-                        settings.default_max_tokens)
+                        settings.default_max_tokens, settings.admission.limits())

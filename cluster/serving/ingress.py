@@ -4,13 +4,21 @@ It tokenizes (bytes), computes the prompt's page keys once, and calls the engine
 handle, whose request router (raykv's, Serve's pow2, or Ray Serve LLM's prefix router) runs
 here and can see those keys. Errors use OpenAI's JSON shape; a bad request gets a 4xx and
 never reaches an engine.
+
+Admission comes first (cluster/serving/admission.py): per-tenant token buckets (the tenant is
+the x-raykv-namespace), priority classes (x-raykv-priority: high|normal|low, else the
+tenant's default) and bounded queues. A refused request, or one that waited past the bound,
+gets 429 with Retry-After before it reaches an engine. The engines' own queue bound
+(max_queued_requests, Serve's BackPressureError) still answers 503.
 """
 
 
 import asyncio
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +32,9 @@ from cluster.api import quotas, running_config
 from cluster.core.keys import page_keys
 from cluster.core.spec import ModelSpec
 from cluster.serving import protocol, tokenizer
+from cluster.serving.admission import AdmissionGate, Overloaded
 from cluster.serving.engine import Chunk, GenerationRequest
+from policies.admission import AdmissionLimits
 
 log = logging.getLogger("raykv.ingress")
 app = FastAPI(title="raykv", docs_url=None, redoc_url=None)
@@ -37,12 +47,19 @@ class ApiError(Exception):
                  param: str | None = None):
         super().__init__(message)
         self.status, self.body = status, protocol.error_body(message, kind, code, param)
+        self.retry_after = str(RETRY_AFTER_S)
 
 
 @app.exception_handler(ApiError)
 async def _api_error(_: Request, error: ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
+    headers = {"Retry-After": error.retry_after} if error.status in (429, 503) else None
     return JSONResponse(error.body, status_code=error.status, headers=headers)
+
+
+@app.exception_handler(Overloaded)
+async def _overloaded(_: Request, error: Overloaded) -> JSONResponse:
+    body = protocol.error_body(str(error), "rate_limit_error", error.code)
+    return JSONResponse(body, status_code=429, headers={"Retry-After": error.retry_after_header})
 
 
 @app.exception_handler(RequestValidationError)
@@ -106,58 +123,88 @@ async def _chat_events(stream, head: Chunk, request_id: str, model: str,
         yield {**protocol.chat_chunk(request_id, model, {}, None, _usage(last)), "choices": []}
 
 
-async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def _sse(events: AsyncIterator[dict], done: Callable[[], object]) -> AsyncIterator[str]:
+    """Server-sent events; `done()` (the admission slot's release) runs when the stream ends,
+    however it ends."""
     try:
         async for event in events:
             yield f"data: {json.dumps(event)}\n\n"
     except Exception as error:  # the stream is open: report in-band, as OpenAI does
         log.exception("generation failed mid-stream")
         yield f"data: {json.dumps(protocol.error_body(str(error), 'server_error'))}\n\n"
+    finally:
+        done()
     yield "data: [DONE]\n\n"
 
 
-@serve.deployment(max_ongoing_requests=64, ray_actor_options={"num_cpus": 0})
+# kind -> (id prefix, stream events, whole body)
+RESPONSES = {"completion": ("cmpl", _completion_events, protocol.completion_body),
+             "chat": ("chatcmpl", _chat_events, protocol.chat_body)}
+
+
+def _priority(request: Request) -> str | None:
+    return request.headers.get("x-raykv-priority") or None
+
+
+# Ongoing requests include those waiting at the admission gate, which bounds them itself.
+@serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class Ingress:
     """OpenAI-compatible HTTP in front of the engine deployment."""
 
     def __init__(self, engine, spec: ModelSpec, max_context_tokens: int,
-                 default_max_tokens: int = 16):
+                 default_max_tokens: int = 16, admission: AdmissionLimits | None = None):
         self.engine = engine.options(stream=True)
         self.spec = spec
         self.config = running_config()
         self.namespaces = set(self.config.namespaces)
         self.max_context_tokens = max_context_tokens
         self.default_max_tokens = default_max_tokens
+        self.gate = AdmissionGate(admission or AdmissionLimits())
 
     @app.get("/v1/models")
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.spec.name, "object": "model",
                                             "created": 0, "owned_by": "raykv"}]}
 
+    @app.get("/v1/raykv/admission")
+    async def admission(self) -> dict:
+        """This replica's gate: slots in flight, waiters per class, refusals."""
+        return self.gate.stats()
+
     @app.post("/v1/completions")
     async def completions(self, body: protocol.CompletionRequest, request: Request):
         generation = await self._generation(body, body.text(), request)
-        request_id = protocol.new_id("cmpl")
-        if body.stream:
-            return await self._stream(generation, request_id, body, _completion_events)
-        text, last = await self._collect(generation)
-        return JSONResponse(protocol.completion_body(request_id, body.model, text,
-                                                     last.finish_reason, _usage(last)),
-                            headers=_headers(last))
+        return await self._admitted(generation, body, request, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
         messages = [tokenizer.Message(m.role, m.text()) for m in body.messages]
-        generation = await self._generation(body, tokenizer.apply_chat_template(messages),
-                                            request)
-        request_id = protocol.new_id("chatcmpl")
-        if body.stream:
-            return await self._stream(generation, request_id, body, _chat_events)
-        text, last = await self._collect(generation)
-        return JSONResponse(protocol.chat_body(request_id, body.model, text,
-                                               last.finish_reason, _usage(last)),
-                            headers=_headers(last))
+        generation = await self._generation(body, tokenizer.apply_chat_template(messages), request)
+        return await self._admitted(generation, body, request, "chat")
+
+    async def _admitted(self, generation: GenerationRequest, body, request: Request,
+                        kind: str):
+        """Run a request once the gate lets it in; its slot is held until the answer (or the
+        stream) ends. `kind` names its shapes in RESPONSES."""
+        id_prefix, events, whole = RESPONSES[kind]
+        request_id = protocol.new_id(id_prefix)
+        try:
+            ticket = await self.gate.enter(generation.namespace, _priority(request))
+        except ValueError as error:  # an unknown priority class
+            raise ApiError(400, str(error), "invalid_request_error", "invalid_priority",
+                           "x-raykv-priority") from None
+        release = functools.partial(self.gate.leave, ticket)  # idempotent
+        try:
+            if body.stream:
+                return await self._stream(generation, request_id, body, events, release)
+            text, last = await self._collect(generation)
+        except BaseException:
+            release()
+            raise
+        release()
+        return JSONResponse(whole(request_id, body.model, text, last.finish_reason,
+                                  _usage(last)), headers=_headers(last))
 
     async def _generation(self, body, prompt: str, request: Request) -> GenerationRequest:
         if body.model != self.spec.name:
@@ -219,8 +266,12 @@ class Ingress:
                     raise
                 log.warning("engine replica died mid-generation; retrying once")
 
-    async def _stream(self, generation: GenerationRequest, request_id: str, body, events):
+    async def _stream(self, generation: GenerationRequest, request_id: str, body, events,
+                      done: Callable[[], object]):
         stream, head = await self._first(generation)
         include_usage = bool((getattr(body, "stream_options", None) or {}).get("include_usage"))
-        sse = _sse(events(stream, head, request_id, body.model, include_usage))
+        sse = _sse(events(stream, head, request_id, body.model, include_usage), done)
+        # A stream dropped before it was ever iterated (its client left first) never runs
+        # its finally: release the slot when it is collected.
+        weakref.finalize(sse, done)
         return StreamingResponse(sse, media_type="text/event-stream", headers=_headers(head))

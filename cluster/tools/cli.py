@@ -43,6 +43,7 @@ BENCHMARKS = {
     "elastic": "cluster.tools.bench.elastic",
     "tax": "cluster.tools.tax",
     "vllm": "cluster.tools.bench.vllm",
+    "burst": "cluster.tools.bench.burst",
 }
 
 JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
@@ -82,6 +83,8 @@ _register_plotted("serve", "One chat trace through the Serve app with raykv's, S
 _register("tax", "The paging tax (`raykv tax` with its defaults; a PNG beside the JSON).")
 _register("vllm", "vLLM TTFT with RaykvConnector vs LMCache's and no connector (run from "
           ".venv-vllm; `make bench-vllm`).")
+_register_plotted("burst", "A spiky multi-model trace on 3 simulated nodes, rebalancing on and "
+                           "off: p99 fetch latency, hit ratio, memory per model over time.")
 
 
 @app.command("demo")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -28,6 +29,9 @@ def serve_command(
     port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
     address: Annotated[str | None, typer.Option(help="Ray cluster address (default: "
                                                      "RAY_ADDRESS, else a local Ray)")] = None,
+    admission: Annotated[str | None, typer.Option(
+        help='the admission gate as JSON, e.g. \'{"max_in_flight": 16, "max_queued": 32, '
+             '"tenants": {"acme": {"rate_per_s": 5, "priority": "low"}}}\'')] = None,
 ) -> None:
     """Start the cache service and the Serve app on the current (or a local) Ray cluster and
     serve OpenAI's /v1/completions, /v1/chat/completions and /v1/models until interrupted."""
@@ -43,7 +47,10 @@ def serve_command(
     _ensure_ray(CacheConfig())
     serve.start(http_options={"host": host, "port": port},
                 logging_config={"log_level": logging.WARNING})
-    app = _build(engine, {"model": model, "replicas": replicas, "router": router})
+    args = {"model": model, "replicas": replicas, "router": router}
+    if admission:
+        args["admission"] = json.loads(admission)
+    app = _build(engine, args)
     console.print(f"raykv: deploying {model} ({engine} engine, {router} router) ...")
     serve.run(app, name="raykv", route_prefix="/")
     console.print(f"[bold]serving[/] OpenAI API at http://{host}:{port}/v1 "

@@ -27,9 +27,10 @@ def redis_server():
 
 
 def config(disk_root: str, redis_url: str | None) -> CacheConfig:
+    # No control loop: the Redis checks compare the mirror with a directory at rest.
     return CacheConfig(page_tokens=16, device_bytes=0, host_bytes=256 * 8192,
                        disk_bytes=1 << 20, disk_dir=disk_root, num_directory_shards=SHARDS,
-                       redis_url=redis_url)
+                       redis_url=redis_url, rebalance=False)
 
 
 def prompt(index: int) -> list[int]:

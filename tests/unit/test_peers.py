@@ -91,7 +91,7 @@ def test_fio_gbps_without_fio_is_a_clear_error(monkeypatch, tmp_path):
 RAY_SCRIPT = """
 import ray
 from cluster.tools.bench import peers
-ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
 local = peers.ray_gbps(64 << 10, 8)
 remote = peers.ray_gbps_remote(256 << 10, 4)
 for name, result in (("local", local), ("remote", remote)):

@@ -16,7 +16,7 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from cluster import CacheConfig, ModelSpec, connect, stop  # noqa: E402
-from cluster.serving.vllm_app import VllmAppArgs, build_vllm_app  # noqa: E402
+from cluster.serving.vllm_app import VllmAppArgs, build_vllm_app, router_settings  # noqa: E402
 
 MODEL_ID = "small-llama"
 PREFIX_BYTES = 700  # byte tokens: 5 full blocks of 128, and a partial one
@@ -36,7 +36,10 @@ def base_url(model_dir):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # vLLM's own prefix cache off: every cached token the response reports came from raykv.
-    args = VllmAppArgs(model_source=model_dir, model_id=MODEL_ID,
+    # raykv's KV-aware router, keying the text prompts as the connector keys vLLM's pages.
+    router, router_kwargs = router_settings("raykv", model_dir, MODEL_ID, "default")
+    args = VllmAppArgs(model_source=model_dir, model_id=MODEL_ID, request_router_class=router,
+                       request_router_kwargs=router_kwargs,
                        engine_kwargs={"enable_prefix_caching": False})
     app = build_vllm_app(args,
                          CacheConfig(page_tokens=128, host_bytes=256 << 20, device_bytes=0,

@@ -148,7 +148,7 @@ def _service_actor_names() -> list[str]:
     """Names of the running service's actors (none when it is not running)."""
     import ray
 
-    from actors.handles import CONTROLLER_NAME, DIRECTORY_NAME, NODE_NAME
+    from actors.handles import CONTROL_LOOP_NAME, CONTROLLER_NAME, DIRECTORY_NAME, NODE_NAME
     from cluster.api import running_config
 
     try:
@@ -157,7 +157,7 @@ def _service_actor_names() -> list[str]:
         return []
     shards = [DIRECTORY_NAME.format(shard=i) for i in range(config.num_directory_shards)]
     nodes = [NODE_NAME.format(node_id=n["NodeID"]) for n in ray.nodes() if n["Alive"]]
-    return shards + nodes + [CONTROLLER_NAME]
+    return shards + nodes + [CONTROLLER_NAME, CONTROL_LOOP_NAME]
 
 
 def _alive(names: list[str], namespace: str) -> list[str]:

@@ -177,6 +177,32 @@ def run_part(quick: bool) -> dict:
 
 
 GOALS = {"elastic_vs_static_hit_ratio": {"min": 1.2}, "min_quota_violations": {"max": 0}}
+NOTES = ("elastic: three models (16 KiB, 256 KiB and 1 MiB pages) in one 48 MiB host budget "
+         "over phased traffic, elastic sharing against an equal static split (min = max = a "
+         "third); hit ratio = cached / requested tokens; idle_shrink_s = seconds until an idle "
+         "model's chunks are back (idle_shrink_s setting 2 s, checked each heartbeat); "
+         "min_quota_violations = samples of a model under its min once it reached it.")
+
+
+def burst_part(node_ids: list[str], quick: bool) -> dict:
+    """The second part of `raykv bench burst` (its PARTS registry)."""
+    part = run_part(quick)
+    return {**part["figures"], "ratios": part["ratios"], "goals": GOALS, "notes": NOTES}
+
+
+def plot_part(part: dict, axes) -> None:
+    """Hit ratio and memory per model, static split against elastic."""
+    names = list(MODELS)
+    width = 0.38
+    for offset, mode in ((-width / 2, "static"), (width / 2, "elastic")):
+        xs = [i + offset for i in range(len(names))]
+        axes[0].bar(xs, [part[mode]["per_model_hit_ratio"][n] for n in names], width,
+                    label=mode)
+        axes[1].bar(xs, [part[mode]["held_bytes"][n] / MiB for n in names], width, label=mode)
+    for ax, title in ((axes[0], "hit ratio per model"), (axes[1], "memory held per model (MiB)")):
+        ax.set_xticks(range(len(names)), names)
+        ax.set_title(title)
+        ax.legend()
 
 
 def run(json_path: str | None, quick: bool) -> dict:
