@@ -9,6 +9,8 @@ settings given, else the defaults) and returns the application. `raykv serve` ca
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Literal
 
 import ray
@@ -19,9 +21,10 @@ from cluster.api import running_config, start
 from cluster.core.config import CacheConfig
 from cluster.core.membership import kv_nodes
 from cluster.core.spec import ModelSpec
+from cluster.serving.access import Access
 from cluster.serving.deployments import EngineDeployment
 from cluster.serving.engine import EngineConfig
-from cluster.serving.ingress import Ingress
+from cluster.serving.ingress import Ingress, IngressSettings
 from cluster.serving.model import SHAPES
 from policies.admission import AdmissionLimits, TenantLimits
 
@@ -69,6 +72,11 @@ class AdmissionArgs(BaseModel):
                                self.default_tenant.limits())
 
 
+def _api_keys_from_env() -> dict[str, str]:
+    raw = os.environ.get("RAYKV_API_KEYS")
+    return json.loads(raw) if raw else {}
+
+
 class AppArgs(BaseModel):
     """What `serve run ... key=value` or `raykv serve` may set."""
 
@@ -87,6 +95,10 @@ class AppArgs(BaseModel):
     cache: dict | None = Field(None, description="CacheConfig fields, used when raykv is not "
                                "running yet")
     admission: AdmissionArgs = Field(default_factory=AdmissionArgs)
+    api_keys: dict[str, str] = Field(default_factory=_api_keys_from_env, description="bearer "
+                                     "keys -> the namespace each may use ({}: no key needed; "
+                                     "default: RAYKV_API_KEYS, a JSON object)")
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="a request body's limit (413)")
 
 
 def ensure_cache(cache: dict | None) -> CacheConfig:
@@ -114,5 +126,7 @@ def build_app(args: dict | None = None):
                            "resources": {config.node_resource: 0.001}},
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[settings.router]),
     ).bind(engine_config, settings.model)
-    return Ingress.bind(engine, ModelSpec.preset(settings.model), settings.max_context_tokens,
-                        settings.default_max_tokens, settings.admission.limits())
+    ingress = IngressSettings(settings.max_context_tokens, settings.default_max_tokens,
+                              settings.admission.limits(),
+                              Access(settings.api_keys, settings.max_request_bytes))
+    return Ingress.bind(engine, ModelSpec.preset(settings.model), ingress)

@@ -19,6 +19,7 @@ import json
 import logging
 import weakref
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,13 +32,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.api import quotas, running_config
 from cluster.core.keys import page_keys
 from cluster.core.spec import ModelSpec
-from cluster.serving import protocol, tokenizer
+from cluster.serving import access, protocol, tokenizer
+from cluster.serving.access import Access
 from cluster.serving.admission import AdmissionGate, Overloaded
 from cluster.serving.engine import Chunk, GenerationRequest
 from policies.admission import AdmissionLimits
 
 log = logging.getLogger("raykv.ingress")
 app = FastAPI(title="raykv", docs_url=None, redoc_url=None)
+app.add_middleware(access.AccessMiddleware)
 RETRY_AFTER_S = 1
 RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError)
 
@@ -86,6 +89,27 @@ async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse
 
 # Helpers come before the class: Serve pickles the ingress class with the globals it
 # finds at that moment.
+
+
+@dataclass(frozen=True, slots=True)
+class IngressSettings:
+    max_context_tokens: int
+    default_max_tokens: int = 16
+    admission: AdmissionLimits | None = None
+    access: Access = field(default_factory=Access)
+
+
+def _namespace(request: Request) -> str:
+    """The request's namespace: its API key's when keys are configured (a header naming
+    another one is refused), else the x-raykv-namespace header, else "default"."""
+    asked = request.headers.get("x-raykv-namespace")
+    owned = request.scope.get("state", {}).get(access.NAMESPACE_KEY)
+    if owned is None:
+        return asked or "default"
+    if asked is not None and asked != owned:
+        raise ApiError(403, f"this API key may not use namespace {asked!r}", "permission_error",
+                       "namespace_forbidden")
+    return owned
 
 
 def _usage(chunk: Chunk) -> dict:
@@ -152,14 +176,15 @@ def _priority(request: Request) -> str | None:
 class Ingress:
     """OpenAI-compatible HTTP in front of the engine deployment."""
 
-    def __init__(self, engine, spec: ModelSpec, max_context_tokens: int,
-                 default_max_tokens: int = 16, admission: AdmissionLimits | None = None):
+    def __init__(self, engine, spec: ModelSpec, settings: IngressSettings):
         self.engine = engine.options(stream=True)
         self.spec = spec
         self.config = running_config()
         self.namespaces = set(self.config.namespaces)
-        self.max_context_tokens = max_context_tokens
-        self.default_max_tokens = default_max_tokens
+        self.max_context_tokens = settings.max_context_tokens
+        self.default_max_tokens = settings.default_max_tokens
+        admission = settings.admission
+        access.CURRENT[0] = settings.access
         self.gate = AdmissionGate(admission or AdmissionLimits())
 
     @app.get("/v1/models")
@@ -211,7 +236,7 @@ class Ingress:
             raise ApiError(404, f"The model `{body.model}` does not exist; this server "
                            f"serves `{self.spec.name}`.", "invalid_request_error",
                            "model_not_found", "model")
-        namespace = request.headers.get("x-raykv-namespace", "default")
+        namespace = _namespace(request)
         if namespace not in self.namespaces:  # added at run time? ask once more
             self.namespaces = set((await asyncio.to_thread(quotas))["namespaces"])
         if namespace not in self.namespaces:

@@ -5,6 +5,7 @@ greedy output equal with and without the cache, and a replica killed under load.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import openai
@@ -151,3 +152,45 @@ def test_a_replica_killed_under_load_gives_no_wrong_text(client):
     assert outcomes["wrong"] == 0, outcomes
     assert outcomes["ok"] >= 12 and outcomes["failed"] <= 2, outcomes
     wait_until(lambda: len(engine_replicas()) == 3, 60, "Serve to replace the replica")
+
+
+# ---- access: API keys and the request size limit ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def secure(url):
+    from cluster import add_namespace
+
+    add_namespace("tenant-b")
+    serve.run(build_app({"model": MODEL, "engine_num_cpus": 0, "max_context_tokens": 2048,
+                         "api_keys": {"key-a": "default", "key-b": "tenant-b"},
+                         "max_request_bytes": 4096}), name="secure", route_prefix="/secure")
+    return f"{url}/secure"
+
+
+def test_keys_are_required_and_name_the_namespace(secure):
+    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 2}
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "key-a"}):
+        reply = requests.post(secure + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert reply.status_code == 401, (headers, reply.text)
+        assert reply.json()["error"]["code"] == "invalid_api_key"
+    assert requests.get(secure + "/v1/models", timeout=30).status_code == 401
+    client = openai.OpenAI(base_url=f"{secure}/v1", api_key="key-a", max_retries=0)
+    assert client.completions.create(model=MODEL, prompt="hello", max_tokens=2).usage
+    forbidden = requests.post(secure + "/v1/completions", json=body, timeout=60, headers={
+        "authorization": "Bearer key-b", "x-raykv-namespace": "default"})
+    assert forbidden.status_code == 403
+    assert forbidden.json()["error"]["code"] == "namespace_forbidden"
+    own = requests.post(secure + "/v1/completions", json=body, timeout=60, headers={
+        "authorization": "Bearer key-b"})
+    assert own.status_code == 200, own.text
+
+
+def test_a_body_past_the_limit_is_refused_unread(secure):
+    headers = {"authorization": "Bearer key-a", "content-type": "application/json"}
+    big = json.dumps({"model": MODEL, "prompt": "x" * 10_000}).encode()
+    reply = requests.post(secure + "/v1/completions", data=big, headers=headers, timeout=60)
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+    chunked = requests.post(secure + "/v1/completions", headers=headers, timeout=60,
+                            data=(big[i:i + 1000] for i in range(0, len(big), 1000)))
+    assert chunked.status_code == 413, chunked.text
