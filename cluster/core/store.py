@@ -83,7 +83,8 @@ class NodeStore:
         self._lease_ids = itertools.count(1)
         self.counters = {"puts": 0, "gets": 0, "hits_pages": 0, "misses_pages": 0,
                          "hits_device": 0, "hits_host": 0, "hits_disk": 0,
-                         "expired_reservations": 0, "expired_leases": 0}
+                         "expired_reservations": 0, "expired_leases": 0,
+                         "optimistic_hits_pages": 0}
 
     # ---- pools ---------------------------------------------------------------------------
 
@@ -180,6 +181,15 @@ class NodeStore:
         if lease is not None:
             self.pool(lease.geometry).abort(lease.keys, reservation_id)
 
+    def truncate(self, reservation_id: int, keys: list[PageKey]) -> None:
+        """Abort these keys of a reservation (their bytes never arrived); keep the rest."""
+        lease = self.reservations.get(reservation_id)
+        if lease is None or not keys:
+            return
+        self.pool(lease.geometry).abort(keys, reservation_id)
+        dropped = set(keys)
+        lease.keys = [key for key in lease.keys if key not in dropped]
+
     async def put_pages(self, geometry: PageGeometry, keys: list[PageKey],
                         pages: list[np.ndarray], tier: int | None = None,
                         namespace: str = "") -> int:
@@ -229,6 +239,19 @@ class NodeStore:
         lease = self.leases.pop(lease_id, None)
         if lease is not None:
             self.pool(lease.geometry).release(lease.keys)
+
+    async def touch(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+        """Count reads that clients made without a lease (optimistic, generation-checked):
+        the eviction policy sees them as accesses, and they move up a tier as an acquire's
+        pages do. Returns how many pages are still here."""
+        pool = self.pools.get(geometry)
+        if pool is None:
+            return 0
+        found = pool.touch(keys)
+        await pool.promote_many(keys)
+        self.counters["optimistic_hits_pages"] += found
+        self.counters["hits_pages"] += found
+        return found
 
     def expire(self, now_s: float | None = None) -> int:
         """Release read leases and abort reservations past their deadline; returns how many."""

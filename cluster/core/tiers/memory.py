@@ -150,40 +150,48 @@ class _ShmSlab:
 class _CudaChunks:
     """The GPU backing of an arena: one VRAM allocation per granted chunk, taken from cupy's
     memory pool (so a released chunk is VRAM other models and the engine can use), each
-    shared with same-node clients through a CUDA IPC handle. Written for real, guarded: it
-    runs only where cupy and a GPU are present."""
+    shared with same-node clients through a CUDA IPC handle. Chunks go round-robin over the
+    node's GPUs (chunk c on GPU c % num_devices): a VRAM pool on every GPU. Written for real,
+    guarded: it runs only where cupy and a GPU are present."""
 
-    def __init__(self, chunk_bytes: int):
+    def __init__(self, chunk_bytes: int, num_devices: int = 1):
         import cupy
 
         self.cupy = cupy
         self.chunk_bytes = chunk_bytes
+        self.num_devices = max(1, num_devices)
         self.chunks: dict[int, tuple[object, torch.Tensor]] = {}
         self.version = 0
+
+    def device_of(self, chunk: int) -> int:
+        return chunk % self.num_devices
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         chunk, within = divmod(offset, self.chunk_bytes)
         return self.chunks[chunk][1][within : within + nbytes]
 
     def grant(self, offset: int, nbytes: int) -> None:
-        memory = self.cupy.cuda.alloc(nbytes)
-        array = self.cupy.ndarray((nbytes,), dtype=self.cupy.uint8, memptr=memory)
-        array.fill(0)
-        self.cupy.cuda.Device().synchronize()  # a client mapping it sees initialized memory
-        self.chunks[offset // self.chunk_bytes] = (memory, torch.as_tensor(array,
-                                                                            device="cuda"))
+        chunk = offset // self.chunk_bytes
+        with self.cupy.cuda.Device(self.device_of(chunk)) as device:
+            memory = self.cupy.cuda.alloc(nbytes)
+            array = self.cupy.ndarray((nbytes,), dtype=self.cupy.uint8, memptr=memory)
+            array.fill(0)
+            device.synchronize()  # a client mapping it sees initialized memory
+            self.chunks[chunk] = (memory, torch.as_tensor(array, device=f"cuda:{device.id}"))
         self.version += 1
 
     def release(self, offset: int, nbytes: int) -> None:
-        self.cupy.cuda.Device().synchronize()  # no copy may still read it
-        self.chunks.pop(offset // self.chunk_bytes, None)  # back to cupy's pool
+        chunk = offset // self.chunk_bytes
+        with self.cupy.cuda.Device(self.device_of(chunk)) as device:
+            device.synchronize()  # no copy may still read it
+        self.chunks.pop(chunk, None)  # back to cupy's pool
         self.version += 1
 
     def descriptor_fields(self) -> dict:
-        handles = {chunk: self.cupy.cuda.runtime.ipcGetMemHandle(memory.ptr)
+        handles = {chunk: (self.device_of(chunk),
+                           self.cupy.cuda.runtime.ipcGetMemHandle(memory.ptr))
                    for chunk, (memory, _) in self.chunks.items()}
         return {"cuda_handle": {"chunk_bytes": self.chunk_bytes, "chunks": handles,
-                                "device": self.cupy.cuda.Device().id,
                                 "version": self.version}}
 
     def close(self) -> None:
@@ -198,6 +206,7 @@ class ArenaOptions:
     use_cuda: bool = False
     shm_prefix: str = "raykv"
     share: Share | None = None
+    num_devices: int = 1  # GPUs the VRAM chunks spread over
 
 
 class MappedArena:
@@ -215,7 +224,7 @@ class MappedArena:
         self.slots.on_grant = lambda chunk: self._backing.grant(*self._chunk_range(chunk))
         self.slots.on_release = lambda chunk: self._backing.release(*self._chunk_range(chunk))
         tag = f"{options.shm_prefix}-{tier}-{uuid.uuid4().hex[:12]}"
-        self._backing = (_CudaChunks(self.chunk_bytes) if options.use_cuda
+        self._backing = (_CudaChunks(self.chunk_bytes, options.num_devices) if options.use_cuda
                          else _ShmSlab(tag, self.num_slots * slot_bytes))
         self._generations_file = _SharedFile(tag + "-gen",
                                              round_up(max(1, self.num_slots) * GEN_BYTES))
@@ -293,17 +302,17 @@ class ArenaMapping:
 
 
 def _map_cuda_chunks(handle: dict) -> dict[int, torch.Tensor]:
-    """Open each chunk's CUDA IPC handle (cupy) as a uint8 tensor on the node's GPU."""
+    """Open each chunk's CUDA IPC handle (cupy), on the GPU that holds it, as a uint8 tensor."""
     import cupy
 
     chunks = {}
-    with cupy.cuda.Device(handle["device"]):
-        for chunk, ipc in handle["chunks"].items():
+    for chunk, (device, ipc) in handle["chunks"].items():
+        with cupy.cuda.Device(device):
             pointer = cupy.cuda.runtime.ipcOpenMemHandle(ipc)
             memory = cupy.cuda.UnownedMemory(pointer, handle["chunk_bytes"], owner=None)
             array = cupy.ndarray((handle["chunk_bytes"],), dtype=cupy.uint8,
                                  memptr=cupy.cuda.MemoryPointer(memory, 0))
-            chunks[chunk] = torch.as_tensor(array, device="cuda")
+            chunks[chunk] = torch.as_tensor(array, device=f"cuda:{device}")
     return chunks
 
 
@@ -324,6 +333,11 @@ def _advise_hugepages(mapping: mmap.mmap) -> None:
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def num_cuda_devices() -> int:
+    """GPUs this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def remove_stale_shm(shm_prefix: str) -> int:
