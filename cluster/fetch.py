@@ -25,7 +25,7 @@ import torch
 from actors.handles import merge_shard_prefixes
 from cluster.calls import Steps, Wait, Work, failed
 from cluster.core.copies import copy_pages
-from cluster.core.dataplane.endpoint import PageRead, tensor_buffers
+from cluster.core.dataplane.endpoint import PageRead, TensorPages, tensor_buffers
 from cluster.core.kvcheck import page_slices
 from cluster.view import CacheView
 
@@ -205,14 +205,12 @@ def _read_remote(view: CacheView, keys: list, groups: dict[str, list[int]], out:
 
 def _destinations(view: CacheView, out: torch.Tensor, positions: list[int]) -> tuple:
     """Per page, the buffers its bytes land in: out's own rows where they can be described
-    (one copy, socket -> out); else a host staging page copied into out afterwards."""
-    dests, stages = [], []
-    for position in positions:
-        target = out[:, :, :, page_slices(position, view.page_tokens)]
-        buffers, stage = tensor_buffers(target), None
-        if buffers is None:
-            stage = torch.empty(view.geometry.shape, dtype=view.geometry.torch_dtype())
-            buffers = tensor_buffers(stage)
-        dests.append(buffers)
-        stages.append(None if stage is None else (target, stage))
-    return tuple(dests), stages
+    (one copy, socket -> out; made as the reader reaches each page); else host staging pages
+    copied into out afterwards (a GPU tensor, or one whose rows do not flatten)."""
+    targets = [out[:, :, :, page_slices(p, view.page_tokens)] for p in positions]
+    if tensor_buffers(targets[0][:, :, :, :1]) is not None:
+        return TensorPages(out, targets), [None] * len(targets)
+    stages = [torch.empty(view.geometry.shape, dtype=view.geometry.torch_dtype())
+              for _ in targets]
+    return (tuple(tensor_buffers(stage) for stage in stages),
+            list(zip(targets, stages, strict=True)))

@@ -17,7 +17,7 @@ import torch
 
 from cluster.core.dataplane import wire
 from cluster.core.dataplane.connections import ConnectionPool
-from cluster.core.dataplane.endpoint import Endpoint, PageRead, tensor_buffers
+from cluster.core.dataplane.endpoint import Endpoint, PageRead, TensorPages, tensor_buffers
 from cluster.core.dataplane.pull import pull_pages
 from cluster.core.dataplane.reader import read_pages
 from cluster.core.dataplane.server import PageServer, ServedPages
@@ -65,8 +65,8 @@ class DictSource:
 
 
 def kv_reads(endpoint: Endpoint, out: torch.Tensor, num_pages: int) -> list[PageRead]:
-    dests = tuple(tensor_buffers(out[:, :, :, p * 16 : (p + 1) * 16]) for p in range(num_pages))
-    return [PageRead(endpoint, G, KEYS[:num_pages], dests)]
+    pages = TensorPages(out, [out[:, :, :, p * 16 : (p + 1) * 16] for p in range(num_pages)])
+    return [PageRead(endpoint, G, KEYS[:num_pages], pages)]
 
 
 def as_raw(out: torch.Tensor, p: int) -> torch.Tensor:
@@ -89,7 +89,8 @@ def test_pages_land_byte_exact_in_the_rows_of_a_kv_tensor(served):
     assert read_pages(pool, kv_reads(server.endpoint, out, 8), 2.0) == [6]  # it holds 6
     assert all(torch.equal(as_raw(out, p), source.pages[KEYS[p]]) for p in range(6))
     assert torch.count_nonzero(out[:, :, :, 6 * 16 :]) == 0
-    assert server.counters["served_pages"] == 6 and source.open_pins == 0
+    assert server.counters["served_pages"] == 6
+    wait_until(lambda: source.open_pins == 0, 5, "the server to unpin")
 
 
 def test_connections_are_reused_then_closed(served):
@@ -177,6 +178,15 @@ def test_pages_whose_slots_changed_while_sent_are_cut_off(served):
     assert read_pages(pool, kv_reads(server.endpoint, out, 6), 2.0) == [2]
     assert server.counters["torn_pages"] == 4
     assert read_pages(pool, kv_reads(server.endpoint, out, 6), 2.0) == [2]  # still in sync
+
+
+def test_buffers_describe_the_rows_of_a_slice_and_refuse_what_does_not_flatten():
+    x = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).view(2, 3, 4, 5)
+    rows = tensor_buffers(x[:, :, 1:3])
+    assert len(rows) == 6 and bytes(rows[1]) == x[0, 1, 1:3].contiguous().numpy().tobytes()
+    assert len(tensor_buffers(x)) == 1
+    assert tensor_buffers(x.transpose(0, 1)[:, :, 1:3]) is None  # rows at two strides
+    assert tensor_buffers(x[:, :, :, ::2]) is None
 
 
 def test_transports_are_named():

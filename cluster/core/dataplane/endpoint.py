@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,23 +25,54 @@ class Endpoint:
         return self.host, self.port
 
 
+Buffers = tuple[memoryview, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class PageRead:
-    """Pages to read from one owner into `dests`: per page, the writable buffers that its
-    bytes fill in order (one for a contiguous slot; one per row for a page of a KV tensor)."""
+    """Pages to read from one owner into `dests`: dests[i] gives page i's writable buffers,
+    which its bytes fill in order (one for a contiguous slot; one per row for a page of a KV
+    tensor). Any indexable works: TensorPages makes each page's buffers only when the reader
+    comes to it, so building them overlaps the bytes already arriving."""
 
     endpoint: Endpoint
     geometry: PageGeometry
     keys: tuple[PageKey, ...]
-    dests: tuple[tuple[memoryview, ...], ...]
+    dests: Sequence[Buffers]
 
 
-def tensor_buffers(tensor: torch.Tensor) -> tuple[memoryview, ...] | None:
+class TensorPages(Sequence):
+    """Page i of a read is `slices[i]` of a CPU tensor (all describable by tensor_buffers)."""
+
+    def __init__(self, tensor: torch.Tensor, slices: list[torch.Tensor]):
+        self._storage = storage_bytes(tensor)
+        self._slices = slices
+
+    def __len__(self) -> int:
+        return len(self._slices)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        buffers = tensor_buffers(self._slices[index], self._storage)
+        assert buffers is not None, "TensorPages needs slices tensor_buffers can describe"
+        return buffers
+
+
+def storage_bytes(tensor: torch.Tensor) -> memoryview:
+    """The whole storage under a CPU tensor, as writable bytes (the view keeps it alive)."""
+    flat = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    return memoryview(flat.numpy())
+
+
+def tensor_buffers(tensor: torch.Tensor,
+                   storage: memoryview | None = None) -> tuple[memoryview, ...] | None:
     """The contiguous runs of a CPU tensor, in element order, as writable buffers; None for a
     tensor they cannot describe (on a GPU, or whose leading dims do not flatten).
 
     A page of a KV tensor [L, 2, H, T, D] sliced along T is L*2*H runs of T*D elements; a
-    receive fills them straight from the socket (one copy, no staging).
+    receive fills them straight from the socket (one copy, no staging). `storage` is
+    storage_bytes(tensor), when the caller describes many slices of one tensor.
     """
     if tensor.is_cuda or tensor.numel() == 0:
         return None
@@ -50,7 +82,15 @@ def tensor_buffers(tensor: torch.Tensor) -> tuple[memoryview, ...] | None:
             break
         row_elements *= size
     try:
-        rows = tensor.view(-1, row_elements).view(torch.uint8).numpy()
+        rows = tensor.view(-1, row_elements)
     except RuntimeError:  # the leading dims do not flatten to one stride
         return None
-    return tuple(memoryview(row) for row in rows)
+    storage = storage_bytes(tensor) if storage is None else storage
+    element_bytes = tensor.element_size()
+    start = rows.storage_offset() * element_bytes
+    step, size = rows.stride(0) * element_bytes, row_elements * element_bytes
+    if rows.shape[0] == 1:
+        return (storage[start : start + size],)
+    # Slicing one memoryview is the cheapest way to make thousands of buffers in Python.
+    return tuple(storage[offset : offset + size]
+                 for offset in range(start, start + rows.shape[0] * step, step))

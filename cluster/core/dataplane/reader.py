@@ -57,8 +57,8 @@ def _finish(pool: ConnectionPool, read: PageRead, sock: socket.socket,
             return 0
         if num_pages > len(read.keys) or page_bytes != read.geometry.page_bytes:
             raise wire.PeerGone(f"bad reply: {num_pages} pages of {page_bytes} bytes")
-        for dest in read.dests[:num_pages]:
-            recv_scatter(sock, list(dest), deadline_s)
+        for index in range(num_pages):
+            recv_scatter(sock, list(read.dests[index]), deadline_s)
         sock.sendall(wire.ACK)
         (good,) = wire.VERDICT.unpack(wire.recv_exact(sock, wire.VERDICT.size))
         pool.give(read.endpoint, sock)

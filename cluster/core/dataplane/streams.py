@@ -41,7 +41,7 @@ def recv_scatter(sock: socket.socket, buffers: list[memoryview], deadline_s: flo
         batch = buffers[index : index + IOV_MAX]
         if offset:
             batch[0] = batch[0][offset:]
-        wanted = sum(len(b) for b in batch)
+        wanted = sum(map(len, batch))
         count = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
         if count == 0:
             raise ConnectionError("peer closed the connection mid-transfer")
