@@ -69,6 +69,7 @@ class NodeCacheActor:
         self.loops = BackgroundLoops()
         self._flush_lock = asyncio.Lock()
         self._pending_flush: asyncio.Future | None = None
+        self._pending_grow: asyncio.Future | None = None
         self._started: asyncio.Future | None = None
         self._last_beat_s = 0.0
         self.registry: Registry | None = None
@@ -167,9 +168,16 @@ class NodeCacheActor:
         return self.store.pool(geometry).geometry.page_bytes
 
     async def reserve(self, geometry: PageGeometry, keys: list[PageKey], namespace: str = ""):
-        """(epoch, reservation_id, slots): see NodeStore.reserve."""
+        """(epoch, reservation_id, slots): see NodeStore.reserve. Then, after answering, the
+        next memory chunk is readied ahead of the puts that will need it."""
         await self.ready()
-        return self.epoch, *await self.store.reserve(geometry, keys, None, namespace)
+        reply = self.epoch, *await self.store.reserve(geometry, keys, None, namespace)
+        self._grow_soon()
+        return reply
+
+    def _grow_soon(self) -> None:
+        if self._pending_grow is None or self._pending_grow.done():
+            self._pending_grow = asyncio.ensure_future(self.store.grow_ahead())
 
     async def commit(self, reservation_id: int) -> int:
         """Make a reservation's pages visible here. The directory hears of them on the next

@@ -133,6 +133,7 @@ class KVClient:
             if not (yield from view.slabs.ensure(epoch)):
                 view.home.abort(reservation_id)
                 return 0
+            view.slabs.prefault()  # chunks the node readied ahead since the last put
             slots = slots[: (yield from self._copy_in(keys, kv, reservation_id, mine))]
         stored_tokens = len(slots) * self.page_tokens  # the prefix that is stored now
         view.counters["put_tokens"] += stored_tokens

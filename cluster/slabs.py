@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -42,6 +43,7 @@ class LocalSlabs:
         self._mappings: list[ArenaMapping] = []
         self._hints: OrderedDict[PageKey, tuple[Place, float]] = OrderedDict()
         self._lock = threading.Lock()
+        self._prefaulting: Future | None = None
 
     def ensure(self, epoch: int) -> Steps[bool]:
         """Map the node's slabs of `epoch` unless already mapped; False if that failed."""
@@ -56,7 +58,19 @@ class LocalSlabs:
                 self._mappings = [ArenaMapping(d) for d in descriptors]
                 self._hints.clear()  # slots of the old slabs
                 self.epoch = current
+        self.prefault()
         return self.epoch == epoch
+
+    def prefault(self) -> None:
+        """Fault in, in a background thread, the chunks the node holds that this client has
+        not touched yet (the node readies a chunk ahead of need: a put into fresh slots then
+        copies at memory speed)."""
+        with self._lock:
+            if self._prefaulting is not None and not self._prefaulting.done():
+                return
+            mappings = list(self._mappings)
+            self._prefaulting = _prefault_thread().submit(
+                lambda: sum(m.prefault_held() for m in mappings))
 
     def page(self, tier: int, slot: int) -> torch.Tensor:
         """The page in a slot, typed and shaped (a view into shared memory)."""
@@ -101,3 +115,15 @@ class LocalSlabs:
             if self.generation(tier, slot) != generation:
                 return position
         return len(places)
+
+
+_prefaulter: ThreadPoolExecutor | None = None
+_prefaulter_lock = threading.Lock()
+
+
+def _prefault_thread() -> ThreadPoolExecutor:
+    global _prefaulter
+    with _prefaulter_lock:
+        if _prefaulter is None:
+            _prefaulter = ThreadPoolExecutor(1, thread_name_prefix="raykv-prefault")
+        return _prefaulter

@@ -12,6 +12,7 @@ actor sequences those events to the directory (cluster/core/events.py).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -162,6 +163,25 @@ class NodeStore:
             deadline_s = time.monotonic() + self.config.reserve_lease_s
             self.reservations[reservation_id] = Lease(geometry, mine, deadline_s)
         return reservation_id, slots
+
+    async def grow_ahead(self) -> int:
+        """Ready one more memory chunk, ahead of need, for each pool and tier that is short
+        of free slots and has budget: its memory is faulted in off the event loop, so a put
+        into fresh slots finds them ready. Returns how many chunks were readied."""
+        grown = 0
+        for pool in list(self.pools.values()):
+            for arena in pool.memory:
+                chunk = arena.slots.take_ahead()
+                if chunk is None:
+                    continue
+                try:
+                    await asyncio.to_thread(arena.ready_chunk, chunk)
+                except BaseException:
+                    arena.slots.drop_ahead(chunk)
+                    raise
+                arena.slots.open_ahead(chunk)
+                grown += 1
+        return grown
 
     def has(self, geometry: PageGeometry, key: PageKey) -> bool:
         """Whether a ready copy of the page is here (any tier)."""

@@ -21,6 +21,7 @@ freed (its lease ran out) and perhaps reused while the copy ran, so the copy is 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import uuid
@@ -120,6 +121,19 @@ def _advise(mapping: mmap.mmap, advice: int, start: int, length: int) -> bool:
         return False
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.madvise.restype = ctypes.c_int
+
+
+def _populate_range(address: int, length: int) -> bool:
+    """MADV_POPULATE_WRITE over [address, address + length), without holding the GIL
+    (mmap.madvise holds it for the whole call: tens of ms for a chunk, which would stall every
+    other thread of the process, the actor's event loop included). False where the kernel
+    lacks it (before 5.14)."""
+    return _libc.madvise(address, length, MADV_POPULATE_WRITE) == 0
+
+
 class _ShmSlab:
     """The CPU backing of an arena: one sparse shared-memory file over the whole capacity.
     A granted chunk is populated (faulted in) at once; a released one is punched out, so
@@ -134,7 +148,7 @@ class _ShmSlab:
         return self.tensor[offset : offset + nbytes]
 
     def grant(self, offset: int, nbytes: int) -> None:
-        if not _advise(self.file.mmap, MADV_POPULATE_WRITE, offset, nbytes):
+        if not _populate_range(self.tensor.data_ptr() + offset, nbytes):
             self.tensor[offset : offset + nbytes].zero_()  # older kernels: touch it
 
     def release(self, offset: int, nbytes: int) -> None:
@@ -221,18 +235,33 @@ class MappedArena:
         self.num_slots = capacity_bytes // slot_bytes
         self.slots = ChunkedSlots(self.num_slots, slot_bytes, options.share)
         self.chunk_bytes = self.slots.chunk_bytes
-        self.slots.on_grant = lambda chunk: self._backing.grant(*self._chunk_range(chunk))
-        self.slots.on_release = lambda chunk: self._backing.release(*self._chunk_range(chunk))
+        self._grants: dict[int, int] = {}
+        self.slots.on_grant = self.ready_chunk
+        self.slots.on_release = self._release_chunk
         tag = f"{options.shm_prefix}-{tier}-{uuid.uuid4().hex[:12]}"
         self._backing = (_CudaChunks(self.chunk_bytes, options.num_devices) if options.use_cuda
                          else _ShmSlab(tag, self.num_slots * slot_bytes))
-        self._generations_file = _SharedFile(tag + "-gen",
-                                             round_up(max(1, self.num_slots) * GEN_BYTES))
-        self.generations = np.frombuffer(self._generations_file.mmap, dtype=np.uint64)
+        # One file: a uint64 generation per slot, then a "held" byte per chunk (clients
+        # pre-fault their mapping of held chunks, off their puts' path).
+        table_bytes = max(1, self.num_slots) * GEN_BYTES + self.slots.num_chunks
+        self._generations_file = _SharedFile(tag + "-gen", round_up(table_bytes))
+        table = np.frombuffer(self._generations_file.mmap, dtype=np.uint8)
+        self.generations = table[: self.num_slots * GEN_BYTES].view(np.uint64)
+        self.held = table[self.num_slots * GEN_BYTES :][: self.slots.num_chunks]
 
     def _chunk_range(self, chunk: int) -> tuple[int, int]:
         start = chunk * self.chunk_bytes
         return start, min(self.chunk_bytes, self.num_slots * self.slot_bytes - start)
+
+    def ready_chunk(self, chunk: int) -> None:
+        """Back a chunk with memory, faulted in (any thread: it touches no slot state)."""
+        self._backing.grant(*self._chunk_range(chunk))
+        self._grants[chunk] = self._grants.get(chunk, 0) + 1
+        self.held[chunk] = self._grants[chunk] % 255 + 1  # changes with every grant
+
+    def _release_chunk(self, chunk: int) -> None:
+        self.held[chunk] = 0
+        self._backing.release(*self._chunk_range(chunk))
 
     def alloc(self) -> int | None:
         return self.slots.alloc()
@@ -275,8 +304,12 @@ class ArenaMapping:
 
     def __init__(self, descriptor: ArenaDescriptor):
         self.descriptor = descriptor
-        self.generations = np.frombuffer(_map_file(descriptor.generations_path), dtype=np.uint64)
-        self._populated: set[int] = set()
+        table = np.frombuffer(_map_file(descriptor.generations_path), dtype=np.uint8)
+        num_chunks = -(-descriptor.num_slots * descriptor.slot_bytes
+                       // max(1, descriptor.chunk_bytes))
+        self.generations = table[: descriptor.num_slots * GEN_BYTES].view(np.uint64)
+        self.held = table[descriptor.num_slots * GEN_BYTES :][:num_chunks]
+        self._populated: dict[int, int] = {}  # chunk -> the grant it was faulted in for
         self._mmap: mmap.mmap | None = None
         if descriptor.cuda_handle is not None:
             self._cuda = _map_cuda_chunks(descriptor.cuda_handle)
@@ -289,13 +322,26 @@ class ArenaMapping:
         if self._mmap is None:
             chunk, within = divmod(start, self.descriptor.chunk_bytes)
             return self._cuda[chunk][within : within + self.descriptor.slot_bytes]
-        chunk = start // self.descriptor.chunk_bytes
-        if chunk not in self._populated:
-            self._populated.add(chunk)
-            _advise(self._mmap, MADV_POPULATE_WRITE, chunk * self.descriptor.chunk_bytes,
-                    min(self.descriptor.chunk_bytes, len(self._mmap)
-                        - chunk * self.descriptor.chunk_bytes))
         return self.tensor[start : start + self.descriptor.slot_bytes]
+
+    def prefault_held(self) -> int:
+        """Fault in this mapping's pages of every chunk the node holds (and has populated)
+        that this mapping has not faulted yet: a first write then runs at memory speed.
+        Returns how many chunks it did. Chunks not held are never touched (the file is
+        sparse: touching them would take memory outside the node's budget)."""
+        if self._mmap is None:
+            return 0
+        done = 0
+        chunk_bytes = self.descriptor.chunk_bytes
+        for chunk in np.flatnonzero(self.held).tolist():
+            grant = int(self.held[chunk])
+            if self._populated.get(chunk) == grant:
+                continue
+            self._populated[chunk] = grant
+            length = min(chunk_bytes, len(self._mmap) - chunk * chunk_bytes)
+            _populate_range(self.tensor.data_ptr() + chunk * chunk_bytes, length)
+            done += 1
+        return done
 
     def generation(self, slot: int) -> int:
         return int(self.generations[slot])
