@@ -261,3 +261,35 @@ class _PrivateTcp(TcpTransport):
 
     def close(self):
         self.pool.close()
+
+
+def test_a_large_read_is_split_over_two_connections_and_joined_in_order(monkeypatch):
+    import cluster.core.dataplane.reader as reader
+
+    monkeypatch.setattr(reader, "LANE_MIN_BYTES", 4 * G.page_bytes)
+    source = DictSource(6)
+    server = PageServer(source, HOST, timeout_s=2.0)
+    pool = ConnectionPool()
+    try:
+        out = torch.zeros(4, 2, 2, 16 * 8, 32, dtype=torch.bfloat16)
+        assert read_pages(pool, kv_reads(server.endpoint, out, 4), 2.0) == [4]
+        assert server.counters["accepted"] == 2 and server.counters["requests"] == 2
+        assert all(torch.equal(as_raw(out, p), source.pages[KEYS[p]]) for p in range(4))
+        # Lane 2 asks for pages 4..7 of which the owner holds 4 and 5: 6 in all.
+        assert read_pages(pool, kv_reads(server.endpoint, out, 8), 2.0) == [6]
+        del source.pages[KEYS[1]]  # a gap in lane 1: lane 2's pages do not count
+        assert read_pages(pool, kv_reads(server.endpoint, out, 8), 2.0) == [1]
+    finally:
+        pool.close()
+        server.close()
+
+
+def test_the_buffers_of_a_tensor_read_into_again_are_kept_with_it():
+    out = torch.zeros(4, 2, 2, 32, 32, dtype=torch.bfloat16)
+    first = TensorPages(out, [out[:, :, :, :16], out[:, :, :, 16:]])
+    again = TensorPages(out, [out[:, :, :, 16:]])
+    assert again[0] is first[1]  # made once
+    other = torch.zeros_like(out)
+    assert TensorPages(other, [other[:, :, :, 16:]])[0] is not first[1]
+    first[0][0][:2] = b"\x01\x02"
+    assert out.view(torch.uint8)[0, 0, 0, 0, :2].tolist() == [1, 2]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,21 +45,79 @@ class PageRead:
 
 
 class TensorPages(Sequence):
-    """Page i of a read is `slices[i]` of a CPU tensor (all describable by tensor_buffers)."""
+    """Page i of a read is `slices[i]` of a CPU tensor (all describable by tensor_buffers).
 
-    def __init__(self, tensor: torch.Tensor, slices: list[torch.Tensor]):
-        self._storage = storage_bytes(tensor)
+    Engines read into the same preallocated tensor again and again, so the buffers of its
+    pages are kept with it (_BufferCache) rather than made anew: thousands of them per
+    prompt cost milliseconds of Python."""
+
+    def __init__(self, tensor: torch.Tensor, slices: list[torch.Tensor],
+                 cache: _TensorBuffers | None = None):
+        self._tensor = tensor
+        self._cache = _buffer_cache.of(tensor) if cache is None else cache
         self._slices = slices
 
     def __len__(self) -> int:
         return len(self._slices)
 
     def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        buffers = tensor_buffers(self._slices[index], self._storage)
-        assert buffers is not None, "TensorPages needs slices tensor_buffers can describe"
-        return buffers
+        if isinstance(index, slice):  # still lazy: a lane of a read takes a run of pages
+            return TensorPages(self._tensor, self._slices[index], self._cache)
+        return self._cache.buffers(self._slices[index])
+
+
+class _TensorBuffers:
+    """One tensor's storage as bytes and the buffers of the slices asked for so far."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.storage = storage_bytes(tensor)
+        self.signature = _signature(tensor)
+        self.by_slice: dict[tuple, Buffers] = {}
+
+    def buffers(self, piece: torch.Tensor) -> Buffers:
+        key = _signature(piece)
+        found = self.by_slice.get(key)
+        if found is None:
+            found = tensor_buffers(piece, self.storage)
+            assert found is not None, "TensorPages needs slices tensor_buffers can describe"
+            if len(self.by_slice) < MAX_CACHED_SLICES:
+                self.by_slice[key] = found
+        return found
+
+
+class _BufferCache:
+    """The last few tensors read into, weakly held: an entry goes with its tensor."""
+
+    def __init__(self, max_tensors: int):
+        self.max_tensors = max_tensors
+        self._entries: OrderedDict[int, tuple[weakref.ref, _TensorBuffers]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def of(self, tensor: torch.Tensor) -> _TensorBuffers:
+        with self._lock:
+            entry = self._entries.get(id(tensor))
+            if entry is not None and entry[0]() is tensor \
+                    and entry[1].signature == _signature(tensor):
+                self._entries.move_to_end(id(tensor))
+                return entry[1]
+            made = _TensorBuffers(tensor)
+            key = id(tensor)
+            self._entries[key] = (weakref.ref(tensor, lambda _: self._drop(key)), made)
+            while len(self._entries) > self.max_tensors:
+                self._entries.popitem(last=False)
+            return made
+
+    def _drop(self, key: int) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
+
+def _signature(tensor: torch.Tensor) -> tuple:
+    return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+
+
+MAX_CACHED_SLICES = 4096
+_buffer_cache = _BufferCache(max_tensors=4)
 
 
 def storage_bytes(tensor: torch.Tensor) -> memoryview:

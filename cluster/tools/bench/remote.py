@@ -12,6 +12,8 @@ that A holds:
     data plane alone   the same transport read (A's page server -> out), no Ray call
     raw TCP            A's process memory -> sendall -> recv_into a touched contiguous buffer
                        on B, one connection reused: the floor to match
+    raw TCP into rows  the same raw stream scattered into out's page slices (512 runs per page
+                       here): the layout a get fills, with no raykv code
     raw TCP, sendfile  the same bytes from a /dev/shm file with os.sendfile (a candidate)
     Ray objects        ray.get on B of pages ray.put on A beforehand + np.copyto of each
 
@@ -56,7 +58,7 @@ DATAPLANE_PROMPT = 1001
 GOALS = {"remote_get_vs_tcp": {"min": 0.8}, "remote_get_vs_ray": {"min": 3.0},
          "replicated_get_vs_local_get": {"min": 0.9}}
 NODES = ("bench_node_a", "bench_node_b", "bench_node_c")
-CONTENDERS = ("raykv", "dataplane", "tcp", "sendfile", "ray")
+CONTENDERS = ("raykv", "dataplane", "tcp", "tcp_rows", "sendfile", "ray")
 
 
 def _service_config(page_bytes: int, num_reps: int, disk_dir: str) -> CacheConfig:
@@ -90,6 +92,8 @@ def _one_rep(roles: dict, rep: int) -> dict[str, float]:
         elif name == "dataplane":
             figures["dataplane"] = ray.get(reader.dataplane_s.remote(DATAPLANE_PROMPT,
                                                                       roles["endpoint"]))
+        elif name == "tcp_rows":
+            figures["tcp_rows"] = ray.get(reader.stream_rows_s.remote(roles["stream"]))
         elif name in ("tcp", "sendfile"):
             op = b"m" if name == "tcp" else b"s"
             figures[name] = ray.get(reader.stream_s.remote(roles["stream"], op))
@@ -135,6 +139,8 @@ def _size_figures(timed: list[dict[str, float]], replica: dict, memcpy_gbps: flo
                        "remote_get_vs_ray": per_rep("remote_get", "ray"),
                        "replicated_get_vs_local_get": replica["ratio"],
                        "dataplane_vs_tcp": per_rep("dataplane", "tcp"),
+                       "tcp_rows_vs_tcp": per_rep("tcp_rows", "tcp"),
+                       "dataplane_vs_tcp_rows": per_rep("dataplane", "tcp_rows"),
                        "sendfile_vs_tcp": per_rep("sendfile", "tcp"),
                        "remote_get_vs_dataplane": per_rep("remote_get", "dataplane")}}
 

@@ -147,6 +147,21 @@ class BenchPeer:
         peers.check_pool(self.raw_out)
         return seconds
 
+    def stream_rows_s(self, address: tuple[str, int]) -> float:
+        """The raw TCP stream scattered into out's page slices (the layout a get fills)."""
+        from cluster.core.dataplane.endpoint import storage_bytes, tensor_buffers
+        from cluster.core.kvcheck import page_slices
+
+        if self.reader is None:
+            self.reader = StreamReader(tuple(address))
+        self.out.zero_()
+        storage, tokens = storage_bytes(self.out), self.client.page_tokens
+        rows = [list(tensor_buffers(self.out[:, :, :, page_slices(p, tokens)], storage))
+                for p in range(self.num_pages)]
+        seconds = self.reader.read_rows_s(rows)
+        common.check_same(self.out, self.kv, "raw stream into out's rows")
+        return seconds
+
     def get_raw(self, refs: list) -> dict[str, float]:
         """ray.get of the pages (A -> B), then a copy of each into a touched buffer."""
         self.raw_out.fill(0)

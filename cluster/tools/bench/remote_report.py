@@ -7,13 +7,15 @@ from cluster.tools.bench import common
 GBPS_ROWS = [("remote_get", "raykv remote get (A->B)"),
              ("dataplane", "  its data plane alone (A's page server -> out)"),
              ("tcp", "raw TCP stream, sendall -> recv_into"),
+             ("tcp_rows", "raw TCP stream into out's rows (recvmsg_into)"),
              ("sendfile", "raw TCP stream, sendfile from /dev/shm"),
              ("ray", "Ray objects: ray.get + copy (A->B)"), ("ray_fetch", "  of which ray.get"),
              ("replicated_get", "replicated prefix read on B"),
              ("local_get", "the same prefix read on A (local)"), ("memcpy", "memcpy on B")]
 MS_ROWS = [("remote_get", "raykv remote get"), ("control", "  control: acquire + match"),
            ("dataplane", "  data plane alone"), ("pull", "B pulls what it read (off path)"),
-           ("tcp", "raw TCP"), ("sendfile", "raw TCP, sendfile"), ("ray", "Ray objects")]
+           ("tcp", "raw TCP"), ("tcp_rows", "raw TCP into out's rows"),
+           ("sendfile", "raw TCP, sendfile"), ("ray", "Ray objects")]
 
 
 def print_report(result: dict) -> None:
@@ -44,6 +46,8 @@ NOTES = [
     "replicated_get_vs_local_get: the hot prompt pulled to B by B's node actor (the "
     "replication path), then read REPLICA_READS times on B and on A alternately after a "
     "warm-up each; median over pairs of (A's seconds / B's seconds)",
+    "tcp_rows: the raw stream (no raykv code) scattered with recvmsg_into into out's page "
+    "slices, the layout raykv's get fills: what the layout alone costs against raw TCP",
     "dataplane: TcpTransport.read of the prompt from A's page server into out, without the "
     "client's control calls; control: B's acquire (a miss) and the directory match sent "
     "together and both awaited",

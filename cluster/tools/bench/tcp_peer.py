@@ -4,7 +4,9 @@
                     b"m"  sendall of each page from process memory   (the raw TCP stream)
                     b"s"  os.sendfile of each page from a /dev/shm file holding the same
                           bytes (a candidate transport: zero copy on the sending side)
-    reader (on B)   recv_into a touched contiguous buffer, page by page (MSG_WAITALL)
+    reader (on B)   recv_into a touched contiguous buffer, page by page (MSG_WAITALL); or
+                    recvmsg_into a KV tensor's rows, page by page: the layout raykv's get
+                    fills (512 runs per page here), without any raykv code
 """
 
 from __future__ import annotations
@@ -83,5 +85,32 @@ class StreamReader:
                 got += count
         return time.perf_counter() - start_s
 
+    def read_rows_s(self, out_rows: list[list[memoryview]]) -> float:
+        """The same raw stream (b"m") scattered into a KV tensor's rows, page by page:
+        out_rows[i] are page i's buffers (what raykv's reader fills; no raykv code)."""
+        start_s = time.perf_counter()
+        self.sock.sendall(b"m")
+        for buffers in out_rows:
+            index, offset = 0, 0
+            while index < len(buffers):
+                batch = buffers[index : index + 1024]
+                if offset:
+                    batch[0] = batch[0][offset:]
+                count = self.sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
+                if count == 0:
+                    raise ConnectionError("the stream server closed the connection")
+                index, offset = _advance(buffers, index, offset, count)
+        return time.perf_counter() - start_s
+
     def close(self) -> None:
         self.sock.close()
+
+
+def _advance(buffers: list[memoryview], index: int, offset: int, count: int) -> tuple[int, int]:
+    while count:
+        left = len(buffers[index]) - offset
+        if count < left:
+            return index, offset + count
+        count -= left
+        index, offset = index + 1, 0
+    return index, offset
