@@ -135,6 +135,7 @@ class KVClient:
                 return 0
             view.slabs.prefault()  # chunks the node readied ahead since the last put
             slots = slots[: (yield from self._copy_in(keys, kv, reservation_id, mine))]
+            view.slabs.prefault()  # and the one it readied after this reserve
         stored_tokens = len(slots) * self.page_tokens  # the prefix that is stored now
         view.counters["put_tokens"] += stored_tokens
         return stored_tokens
