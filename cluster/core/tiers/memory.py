@@ -322,7 +322,20 @@ class ArenaMapping:
         if self._mmap is None:
             chunk, within = divmod(start, self.descriptor.chunk_bytes)
             return self._cuda[chunk][within : within + self.descriptor.slot_bytes]
+        # A chunk the background pre-fault has not reached yet is faulted in here, in one
+        # call: far cheaper than a page fault per 4 KiB under the copy.
+        self._fault_in(start // self.descriptor.chunk_bytes)
         return self.tensor[start : start + self.descriptor.slot_bytes]
+
+    def _fault_in(self, chunk: int) -> bool:
+        grant = int(self.held[chunk])
+        if not grant or self._populated.get(chunk) == grant:
+            return False
+        self._populated[chunk] = grant
+        chunk_bytes = self.descriptor.chunk_bytes
+        length = min(chunk_bytes, len(self._mmap) - chunk * chunk_bytes)
+        _populate_range(self.tensor.data_ptr() + chunk * chunk_bytes, length)
+        return True
 
     def prefault_held(self) -> int:
         """Fault in this mapping's pages of every chunk the node holds (and has populated)
@@ -331,17 +344,7 @@ class ArenaMapping:
         sparse: touching them would take memory outside the node's budget)."""
         if self._mmap is None:
             return 0
-        done = 0
-        chunk_bytes = self.descriptor.chunk_bytes
-        for chunk in np.flatnonzero(self.held).tolist():
-            grant = int(self.held[chunk])
-            if self._populated.get(chunk) == grant:
-                continue
-            self._populated[chunk] = grant
-            length = min(chunk_bytes, len(self._mmap) - chunk * chunk_bytes)
-            _populate_range(self.tensor.data_ptr() + chunk * chunk_bytes, length)
-            done += 1
-        return done
+        return sum(self._fault_in(chunk) for chunk in np.flatnonzero(self.held).tolist())
 
     def generation(self, slot: int) -> int:
         return int(self.generations[slot])
