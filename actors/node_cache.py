@@ -172,12 +172,12 @@ class NodeCacheActor:
         next memory chunk is readied ahead of the puts that will need it."""
         await self.ready()
         reply = self.epoch, *await self.store.reserve(geometry, keys, None, namespace)
-        self._grow_soon()
+        self._grow_soon(geometry)
         return reply
 
-    def _grow_soon(self) -> None:
+    def _grow_soon(self, geometry: PageGeometry) -> None:
         if self._pending_grow is None or self._pending_grow.done():
-            self._pending_grow = asyncio.ensure_future(self.store.grow_ahead())
+            self._pending_grow = asyncio.ensure_future(self.store.grow_ahead(geometry))
 
     async def commit(self, reservation_id: int) -> int:
         """Make a reservation's pages visible here. The directory hears of them on the next

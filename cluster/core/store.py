@@ -164,12 +164,15 @@ class NodeStore:
             self.reservations[reservation_id] = Lease(geometry, mine, deadline_s)
         return reservation_id, slots
 
-    async def grow_ahead(self) -> int:
-        """Ready one more memory chunk, ahead of need, for each pool and tier that is short
-        of free slots and has budget: its memory is faulted in off the event loop, so a put
-        into fresh slots finds them ready. Returns how many chunks were readied."""
+    async def grow_ahead(self, geometry: PageGeometry) -> int:
+        """Ready one more memory chunk, ahead of need, for each tier of the geometry's pool
+        that is short of free slots, from free budget only: its memory is faulted in off the
+        event loop, so the next put into fresh slots finds them ready. A pool that puts
+        thus holds up to one chunk more than its pages, which other pools can reclaim (it
+        is empty) and which an idle pool gives back. Returns how many chunks were readied."""
         grown = 0
-        for pool in list(self.pools.values()):
+        pool = self.pools.get(geometry)
+        if pool is not None:
             for arena in pool.memory:
                 chunk = arena.slots.take_ahead()
                 if chunk is None:

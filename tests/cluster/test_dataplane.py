@@ -86,9 +86,11 @@ def test_gets_go_through_the_data_plane_on_reused_connections(nodes):
         assert num_tokens == 64 and torch.equal(got, kv)
     wait_until(lambda: stats(nodes["b"])["pulled_pages"] >= 12, 10, "B to pull what it read")
     after = stats(nodes["a"])["dataplane"]
-    assert after["requests"] - before["requests"] >= 6  # 3 gets + B's 3 pulls
-    # B's replica and B's node actor: one connection each, kept across the requests.
-    assert after["accepted"] - before["accepted"] <= 2
+    requests = after["requests"] - before["requests"]
+    assert requests >= 6  # 3 gets + B's 3 pulls
+    # B's replica and B's node actor keep their connections across requests (a second one
+    # only while another pull of theirs is still in flight).
+    assert after["accepted"] - before["accepted"] <= min(4, requests - 2)
     assert after["served_pages"] - before["served_pages"] == 24
 
 
