@@ -180,9 +180,10 @@ class NodeCacheActor:
             self._pending_grow = asyncio.ensure_future(self.store.grow_ahead(geometry))
 
     async def commit(self, reservation_id: int) -> int:
-        """Make a reservation's pages visible here. The directory hears of them on the next
-        event flush (event_flush_s), not before this returns: read-your-writes holds through
-        this node (a client's next acquire here finds them), other nodes see them shortly."""
+        """Make a reservation's pages visible here. The directory hears of them in a flush
+        started after this answers (or the next tick's, every event_flush_s, when one is
+        already under way): read-your-writes holds through this node at once (a client's next
+        acquire here finds them), and across nodes a moment later."""
         await self.ready()
         committed = self.store.commit(reservation_id)
         if committed:  # tell the directory now, in the background, not on the put's path
