@@ -13,6 +13,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.core.config import CacheConfig
+from cluster.core.dataplane.endpoint import Endpoint
 from cluster.core.events import EventBatch
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey, shard_of
@@ -189,13 +190,13 @@ class NodeHandle:
                   namespace: str = ""):
         return self.actor.put_pages.remote(geometry, keys, pages, namespace)
 
-    def export_pages(self, geometry: PageGeometry, keys: list[PageKey]):
-        """A ref to the list of per-page refs of the longest prefix this node holds."""
-        return self.actor.export_pages.remote(geometry, keys)
+    def dataplane(self):
+        """A ref to the node's data-plane Endpoint (where its page server listens)."""
+        return self.actor.dataplane.remote()
 
-    def adopt(self, geometry: PageGeometry, keys: list[PageKey], refs: list,
-              namespace: str = ""):
-        return self.actor.adopt.remote(geometry, keys, refs, namespace)
+    def touch(self, geometry: PageGeometry, keys: list[PageKey]):
+        """Report pages read optimistically (without a lease), for eviction and hit counts."""
+        return self.actor.touch.remote(geometry, keys)
 
     def set_registry(self, registry):
         return self.actor.set_registry.remote(registry)
@@ -206,9 +207,10 @@ class NodeHandle:
     def prefetch(self, geometry: PageGeometry, keys: list[PageKey], remote: dict | None = None):
         return self.actor.prefetch.remote(geometry, keys, remote)
 
-    def pull(self, geometry: PageGeometry, remote: dict):
-        """Copy pages from other nodes (node_id -> keys) into this node's host tier."""
-        return self.actor.pull.remote(geometry, remote)
+    def pull(self, geometry: PageGeometry, remote: dict, namespace: str = ""):
+        """Copy pages from other nodes (node_id -> keys) into this node's host tier, over the
+        data plane."""
+        return self.actor.pull.remote(geometry, remote, namespace)
 
     def geometries(self, keys: list[PageKey]):
         """The page geometry of each key held there (None where not)."""
@@ -320,12 +322,14 @@ class ControlLoopHandle:
 
 
 class PeerCache:
-    """Other nodes' actor handles, looked up once (a GCS call) and kept; a node whose actor
-    is not found is looked up again next time, and a dead one can be forgotten."""
+    """Other nodes' actor handles and data-plane endpoints, looked up once (a GCS call, an
+    actor call) and kept; a node whose actor is not found is looked up again next time, and a
+    dead one can be forgotten."""
 
     def __init__(self, config: CacheConfig):
         self.config = config
         self._handles: dict[str, NodeHandle] = {}
+        self._endpoints: dict[str, Endpoint] = {}
 
     def get(self, node_id: str) -> NodeHandle | None:
         handle = self._handles.get(node_id)
@@ -341,5 +345,13 @@ class PeerCache:
             return self._handles[node_id]
         return await asyncio.to_thread(self.get, node_id)
 
+    def endpoint(self, node_id: str) -> Endpoint | None:
+        """The node's data-plane endpoint if known (NodeHandle.dataplane tells it)."""
+        return self._endpoints.get(node_id)
+
+    def remember_endpoint(self, node_id: str, endpoint: Endpoint) -> None:
+        self._endpoints[node_id] = endpoint
+
     def forget(self, node_id: str) -> None:
         self._handles.pop(node_id, None)
+        self._endpoints.pop(node_id, None)

@@ -1,7 +1,8 @@
 """NodeCacheActor: a thin async Ray shell around one node's NodeStore and EventStream.
 
 It owns the node's tiers, serves same-node clients through shared memory (reserve/commit,
-acquire/release) and other nodes through Ray objects (export_pages/adopt, put_pages), and ships
+acquire/release), serves other nodes' readers through its data plane (a page server on the
+node's address: cluster/core/dataplane/), pulls pages from other nodes the same way, and ships
 its `stored`/`removed` events to the directory shards through an EventStream (sequenced,
 resent until acknowledged, resynced on request: cluster/core/events.py).
 """
@@ -10,31 +11,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import ray
 
-from actors.exports import ExportCache
+from actors.devices import expose_node_gpus
 from actors.handles import DirectoryHandle, PeerCache
 from actors.metrics import Metrics, NodePublisher
 from cluster.core.claims import InflightClaims
 from cluster.core.config import CacheConfig
+from cluster.core.dataplane.connections import shared_pool
+from cluster.core.dataplane.endpoint import Endpoint
+from cluster.core.dataplane.pull import pull_pages
+from cluster.core.dataplane.source import StoreSource
+from cluster.core.dataplane.transport import make_transport
 from cluster.core.events import EventStream
-from cluster.core.geometry import HOST, PageGeometry
+from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.loops import BackgroundLoops
 from cluster.core.pool import PoolLimits
 from cluster.core.registry import Registry
 from cluster.core.store import NodeStore, StoreConfig, shm_bytes_per_node
-from cluster.core.tiers.memory import check_shm_room, cuda_available
+from cluster.core.tiers.memory import check_shm_room, num_cuda_devices
 from cluster.core.tiers.node_slot import NodeSlot, claim_node_slot
+from cluster.core.tiers.report import describe_tiers
 
 log = logging.getLogger("raykv.node")
 
 
 def store_config(config: CacheConfig, slot: NodeSlot) -> StoreConfig:
-    limits = PoolLimits(config.device_bytes, config.host_bytes, config.disk_bytes,
-                        config.eviction, config.disk_codec, cuda_available(), slot.shm_prefix)
+    """The store's settings; on a GPU node the device tier is VRAM, device_bytes per GPU."""
+    num_gpus = num_cuda_devices()
+    device_bytes = config.device_bytes * max(1, num_gpus)
+    limits = PoolLimits(device_bytes, config.host_bytes, config.disk_bytes, config.eviction,
+                        config.disk_codec, num_gpus > 0, slot.shm_prefix, max(1, num_gpus))
     return StoreConfig(limits, slot.disk_dir, config.pin_lease_s, config.disk_threads,
                        config.max_geometries, config.reserve_lease_s, config.chunk_bytes)
 
@@ -48,14 +59,18 @@ class NodeCacheActor:
         self.node_id = node_id
         self.epoch = time.time_ns()  # grows across restarts: the directory fences older ones
         self.slot = claim_node_slot(self.config.disk_dir)  # held until this process ends
+        self.gpu_ids = expose_node_gpus()  # before anything initializes CUDA
         self.stream = EventStream(node_id, self.epoch, self.config.num_directory_shards)
         self.store = NodeStore(store_config(self.config, self.slot), self.stream.record)
-        self.exports = ExportCache(self.store, self.config.export_cache_bytes, ray.put)
+        self.transport = make_transport(self.config.transport)
+        self.server = None  # the page server, started with the loop (ready)
         self.directory = DirectoryHandle.lookup(self.config)
         self.peers = PeerCache(self.config)
         self.pulls = InflightClaims()
         self.loops = BackgroundLoops()
         self._flush_lock = asyncio.Lock()
+        self._pending_flush: asyncio.Future | None = None
+        self._pending_grow: asyncio.Future | None = None
         self._started: asyncio.Future | None = None
         self._last_beat_s = 0.0
         self.registry: Registry | None = None
@@ -74,10 +89,20 @@ class NodeCacheActor:
                 "recovered_pages": self.recovered_pages}
 
     async def _start(self) -> None:
-        check_shm_room(shm_bytes_per_node(store_config(self.config, self.slot).limits))
+        limits = store_config(self.config, self.slot).limits
+        check_shm_room(shm_bytes_per_node(limits))
         self.recovered_pages = await asyncio.to_thread(self.store.recover_disk)
+        source = StoreSource(self.store, asyncio.get_running_loop(), self._transfer_timeout_s())
+        self.server = self.transport.serve(source, ray.util.get_node_ip_address(),
+                                           self._transfer_timeout_s(), self.epoch)
+        log.warning("raykv node %s: %s; data plane %s://%s:%d", self.node_id[:12],
+                    describe_tiers(limits, self.slot.disk_dir, self.gpu_ids),
+                    self.server.endpoint.transport, *self.server.endpoint.address)
         await self.flush()
         self.loops.every("events", self.config.event_flush_s, self._tick)
+
+    def _transfer_timeout_s(self) -> float:
+        return self.config.call_timeout_s
 
     async def _tick(self) -> None:
         self.store.expire()
@@ -146,15 +171,31 @@ class NodeCacheActor:
         return self.store.pool(geometry).geometry.page_bytes
 
     async def reserve(self, geometry: PageGeometry, keys: list[PageKey], namespace: str = ""):
-        """(epoch, reservation_id, slots): see NodeStore.reserve."""
+        """(epoch, reservation_id, slots): see NodeStore.reserve. Then, after answering, the
+        next memory chunk is readied ahead of the puts that will need it."""
         await self.ready()
-        return self.epoch, *await self.store.reserve(geometry, keys, None, namespace)
+        reply = self.epoch, *await self.store.reserve(geometry, keys, None, namespace)
+        self._grow_soon(geometry)
+        return reply
+
+    def _grow_soon(self, geometry: PageGeometry) -> None:
+        if self._pending_grow is None or self._pending_grow.done():
+            self._pending_grow = asyncio.ensure_future(self.store.grow_ahead(geometry))
 
     async def commit(self, reservation_id: int) -> int:
+        """Make a reservation's pages visible here. The directory hears of them in a flush
+        started after this answers (or the next tick's, every event_flush_s, when one is
+        already under way): read-your-writes holds through this node at once (a client's next
+        acquire here finds them), and across nodes a moment later."""
         await self.ready()
         committed = self.store.commit(reservation_id)
-        await self.flush()  # read-your-writes: the directory knows before put() returns
+        if committed:  # tell the directory now, in the background, not on the put's path
+            self._flush_soon()
         return committed
+
+    def _flush_soon(self) -> None:
+        if self._pending_flush is None or self._pending_flush.done():
+            self._pending_flush = asyncio.ensure_future(self.flush())
 
     async def abort(self, reservation_id: int) -> None:
         await self.ready()
@@ -170,7 +211,18 @@ class NodeCacheActor:
         await self.ready()
         self.store.release(lease_id)
 
-    # ---- remote clients (Ray objects) ----------------------------------------------------
+    async def touch(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+        """Accesses that clients read without a lease (optimistic reads, generation-checked):
+        the eviction policy and the hit counters hear of them, after the fact."""
+        await self.ready()
+        return await self.store.touch(geometry, keys)
+
+    # ---- other nodes (the data plane) and clients without shared memory (Ray objects) ----
+
+    async def dataplane(self) -> Endpoint:
+        """Where this node's page server listens (transport, node address, port, epoch)."""
+        await self.ready()
+        return self.server.endpoint
 
     async def put_pages(self, geometry: PageGeometry, keys: list[PageKey], pages: list,
                         namespace: str = "") -> int:
@@ -187,10 +239,11 @@ class NodeCacheActor:
             await self.pull(geometry, remote)
         return await self.store.prefetch(geometry, keys)
 
-    async def pull(self, geometry: PageGeometry, remote: dict[str, list[PageKey]]) -> int:
-        """Copy pages from other nodes into this node's host tier; returns pages pulled.
-
-        A page already being pulled for another request is awaited, not fetched twice.
+    async def pull(self, geometry: PageGeometry, remote: dict[str, list[PageKey]],
+                   namespace: str = "") -> int:
+        """Copy pages from other nodes (node_id -> keys) into this node's host tier, through
+        the data plane; returns pages pulled. A page already being pulled for another request
+        is awaited, not fetched twice; a dead or silent peer is a miss.
         """
         await self.ready()
         waits, calls = set(), []
@@ -198,41 +251,43 @@ class NodeCacheActor:
             todo, others, done = self.pulls.claim(
                 k for k in keys if k in self.pulls or not self.store.has(geometry, k))
             waits |= others
-            calls.append(self._pull_from(geometry, node_id, todo, done))
+            calls.append(self._pull_from(node_id, (geometry, todo, namespace), done))
         pulled = await asyncio.gather(*calls)
         await self.pulls.wait(waits)
         return sum(pulled)
 
-    async def _pull_from(self, geometry: PageGeometry, node_id: str, keys: list[PageKey],
+    async def _pull_from(self, node_id: str, request: tuple[PageGeometry, list[PageKey], str],
                          done: asyncio.Future) -> int:
+        keys = request[1]
         try:
-            peer = await self.peers.aget(node_id) if keys else None
-            if peer is None:
+            endpoint = await self._endpoint(node_id) if keys else None
+            if endpoint is None:
                 return 0
-            refs = await asyncio.wait_for(peer.export_pages(geometry, keys),
-                                          self.config.call_timeout_s)
-            return await self.adopt(geometry, keys[: len(refs)], refs)
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as error:  # a miss
-            log.warning("pull from %s failed: %s", node_id[:8], error)
-            self.peers.forget(node_id)
-            return 0
+            pulled = await pull_pages(self.store, self.transport, endpoint, request,
+                                      self._transfer_timeout_s())
+            if pulled is None:  # unreachable, died or stalled: look it up afresh next time
+                self.peers.forget(node_id)
+                return 0
+            self.counters["pulled_pages"] += pulled
+            return pulled
         finally:
             self.pulls.finish(keys, done)
 
-    async def adopt(self, geometry: PageGeometry, keys: list[PageKey], refs: list,
-                    namespace: str = "") -> int:
-        """Keep pages another node exported (Ray objects) in this node's host tier."""
-        await self.ready()
-        pages = await asyncio.gather(*refs)
-        stored = await self.store.put_pages(geometry, keys, list(pages), HOST, namespace)
-        self.counters["pulled_pages"] += stored
-        await self.flush()
-        return stored
-
-    async def export_pages(self, geometry: PageGeometry, keys: list[PageKey]) -> list:
-        """The longest local prefix of `keys` as Ray objects (one per page), for other nodes."""
-        await self.ready()
-        return await self.exports.export(geometry, keys)
+    async def _endpoint(self, node_id: str) -> Endpoint | None:
+        endpoint = self.peers.endpoint(node_id)
+        if endpoint is not None:
+            return endpoint
+        peer = await self.peers.aget(node_id)
+        if peer is None:
+            return None
+        try:
+            endpoint = await asyncio.wait_for(peer.dataplane(), self.config.call_timeout_s)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as error:  # a miss
+            log.warning("no data plane endpoint from %s: %s", node_id[:8], error)
+            self.peers.forget(node_id)
+            return None
+        self.peers.remember_endpoint(node_id, endpoint)
+        return endpoint
 
     # ---- models, namespaces and their quotas ----------------------------------------------
 
@@ -274,13 +329,23 @@ class NodeCacheActor:
     async def stats(self) -> dict:
         await self.ready()
         return {"node_id": self.node_id, "epoch": self.epoch, "disk_dir": self.slot.disk_dir,
-                **self.store.stats(), "num_pools": len(self.store.pools), **self.counters,
-                **self.exports.counters,
+                "pid": os.getpid(), "gpus": list(self.gpu_ids), **self.store.stats(),
+                "num_pools": len(self.store.pools), **self.counters,
+                "dataplane": self._dataplane_stats(),
                 "events": self.stream.stats(), "loops": self.loops.running()}
 
+    def _dataplane_stats(self) -> dict:
+        server = self.server.stats() if self.server is not None else {}
+        return {**server, "client": {**shared_pool().counters,
+                                     "open": shared_pool().num_open}}
+
     async def shutdown(self) -> None:
-        """Release the shared-memory slabs (disk slabs stay, for the next start)."""
+        """Stop serving pages, close every data-plane connection, release the shared-memory
+        slabs (disk slabs stay, for the next start)."""
         self.loops.cancel_all()
+        if self.server is not None:
+            self.server.close()
+        self.transport.close()
         self.store.close()
 
     async def ping(self) -> str:

@@ -9,6 +9,7 @@ import ray
 
 from actors.handles import ControllerHandle, ControlLoopHandle, DirectoryHandle, NodeHandle
 from cluster.core.config import CacheConfig
+from cluster.core.dataplane.connections import close_shared_pool
 from cluster.core.geometry import PageGeometry
 from cluster.core.membership import kv_nodes
 from cluster.core.registry import Registry
@@ -181,7 +182,9 @@ def _home_node(config: CacheConfig) -> NodeHandle:
 
 
 def stop(ray_namespace: str = "raykv") -> None:
-    """Kill the service's actors (their shared memory is released with them)."""
+    """Kill the service's actors (their shared memory is released with them, their page
+    servers closed) and close this process's data-plane connections."""
+    close_shared_pool()
     try:
         config = running_config(ray_namespace)
     except (RuntimeError, ray.exceptions.RayError):

@@ -23,6 +23,7 @@ from actors.metrics import Metrics
 from cluster.calls import Steps, Wait, Work, failed, run_async, run_sync
 from cluster.core.config import CacheConfig
 from cluster.core.copies import copy_pages
+from cluster.core.dataplane.transport import make_transport
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey, page_keys
 from cluster.core.kvcheck import check_kv, check_out, page_slices
@@ -46,7 +47,8 @@ class KVClient:
         self.geometry = PageGeometry.of(spec, config.page_tokens)
         slabs = LocalSlabs(home, self.geometry) if home.is_local else None
         self.view = CacheView(self.geometry, home, directory, PeerCache(config), slabs,
-                              namespace)
+                              namespace, make_transport(config.transport),
+                              config.call_timeout_s)
         self.timeout_s = config.call_timeout_s
 
     @property
@@ -144,6 +146,8 @@ class KVClient:
     # ---- the steps -----------------------------------------------------------------------
 
     def _put(self, tokens: object, kv: torch.Tensor) -> Steps[int]:
+        """reserve (one call) -> copy into the slots -> commit (one call; the node tells the
+        directory after it answers, so the put does not wait for that)."""
         keys = self.keys(tokens)
         check_kv(kv, self.spec, len(tokens))
         if not keys:
@@ -156,25 +160,37 @@ class KVClient:
             view.note_failures([reply])
             return 0
         epoch, reservation_id, slots = reply
-        mine = sum(slot is not None for slot in slots)
+        mine = [(p, slot) for p, slot in enumerate(slots) if slot is not None]
         if mine:
             if not (yield from view.slabs.ensure(epoch)):
                 view.home.abort(reservation_id)
                 return 0
-            pairs = [(view.slabs.page(*slot), kv[:, :, :, page_slices(p, self.page_tokens)])
-                     for p, slot in enumerate(slots) if slot is not None]
-            try:
-                yield Work(lambda: copy_pages(pairs))
-            except BaseException:
-                view.home.abort(reservation_id)
-                raise
-            (committed,) = yield Wait([view.home.commit(reservation_id)])
-            if failed(committed) or committed < mine:  # dead node, or our reservation lapsed
-                view.note_failures([committed])
-                slots = slots[: next(p for p, s in enumerate(slots) if s is not None)]
+            view.slabs.prefault()  # chunks the node readied ahead since the last put
+            slots = slots[: (yield from self._copy_in(keys, kv, reservation_id, mine))]
+            view.slabs.prefault()  # and the one it readied after this reserve
         stored_tokens = len(slots) * self.page_tokens  # the prefix that is stored now
         view.counters["put_tokens"] += stored_tokens
         return stored_tokens
+
+    def _copy_in(self, keys: list[PageKey], kv: torch.Tensor, reservation_id: int,
+                 mine: list) -> Steps[int]:
+        """Copy the reserved pages in and commit; returns how many leading pages of the put are
+        stored: all of them, or none past the first of ours when the commit failed."""
+        view, slabs = self.view, self.view.slabs
+        places = [(tier, slot, slabs.generation(tier, slot)) for _, (tier, slot) in mine]
+        pairs = [(slabs.page(tier, slot), kv[:, :, :, page_slices(p, self.page_tokens)])
+                 for p, (tier, slot) in mine]
+        try:
+            yield Work(lambda: copy_pages(pairs))
+        except BaseException:
+            view.home.abort(reservation_id)
+            raise
+        (committed,) = yield Wait([view.home.commit(reservation_id)])
+        if failed(committed) or committed < len(mine):  # dead node, or our reservation lapsed
+            view.note_failures([committed])
+            return mine[0][0]
+        slabs.remember([keys[p] for p, _ in mine], places)  # a later get reads them directly
+        return len(keys)
 
     def _put_remote(self, keys: list[PageKey], kv: torch.Tensor) -> Steps[int]:
         pages = [kv[:, :, :, page_slices(p, self.page_tokens)].contiguous().view(torch.uint8)
@@ -195,9 +211,14 @@ class KVClient:
         return located_prefix(self.view, keys, answers, positions)
 
     def _lookup(self, tokens: object) -> Steps[int]:
+        """The directory's prefix, or the pages this client saw on its own node (its puts are
+        in the directory once the node's next event flush lands)."""
         keys = self.keys(tokens)
         self.view.counters["lookups"] += 1
-        return len((yield from self._locate(keys))) * self.page_tokens
+        located = len((yield from self._locate(keys)))
+        slabs = self.view.slabs
+        hinted = slabs.num_unchanged(slabs.hinted(keys)) if slabs is not None else 0
+        return max(located, hinted) * self.page_tokens
 
     def _get(self, tokens: object, out: torch.Tensor | None) -> Steps[tuple]:
         keys = self.keys(tokens)

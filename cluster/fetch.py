@@ -1,20 +1,24 @@
-"""Fetching a cached prefix in one round trip's time (as steps: see cluster/calls.py).
+"""Fetching a cached prefix with at most one round trip on its path (as steps: calls.py).
 
-    this node     acquire(all keys)  --.   sent together
-    directory     prefix_runs(keys)  --'   local prefix L, global prefix P >= L
-    other nodes   export_pages(keys[L:P]) -> one Ray object per page
-    copies        slab -> out[:L] (generations checked after), objects -> out[L:P];
-                  release; this node adopts the objects
+    hinted pages   slab -> out[:h], no call at all (slots noted by earlier gets and puts;
+                   each copy checked against its slot's generation afterwards)
+    the rest       this node: acquire(keys[h:]) --.  sent together, before the hinted copy
+                   directory: prefix_runs(keys[h:]) -'  local prefix L, global prefix P
+                   slab -> out (generations checked); release
+                   other nodes: their page servers send pages P..  straight into out
+                   (cluster/core/dataplane/); this node pulls them too, off our path
 
 Any call that fails or times out is a miss: a dead local node leaves only remote pages, a dead
 directory only local ones, a dead peer none of its own. A local page whose slot generation
-changed during the copy (its lease ran out and the slot was reused) is a miss too.
+changed during the copy (its lease ran out and the slot was reused) is a miss too, and so is
+a remote page whose owner saw its slot change before the reader had it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,8 +26,8 @@ import torch
 from actors.handles import merge_shard_prefixes
 from cluster.calls import Steps, Wait, Work, failed
 from cluster.core.copies import copy_pages
+from cluster.core.dataplane.endpoint import PageRead, TensorPages, tensor_buffers
 from cluster.core.kvcheck import page_slices
-from cluster.core.tiers.memory import readonly_tensor
 from cluster.view import CacheView
 
 log = logging.getLogger("raykv.client")
@@ -55,29 +59,86 @@ def located_prefix(view: CacheView, keys: list, answers: list, positions: list) 
     return merge_shard_prefixes(len(keys), positions, answers)
 
 
+@dataclass(slots=True)
+class _Asked:
+    """The calls sent for keys[start:]: this node's acquire and the directory's match."""
+
+    start: int
+    acquired: list
+    positions: list
+    prefix_refs: list
+
+
 def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps[tuple]:
     """(pages that arrived, out) for the longest cached prefix of `keys`; (0, None) on a miss."""
+    hints = view.slabs.hinted(keys) if view.local is not None else []
+    if out is None and hints and len(hints) < len(keys):
+        hints = []  # out's size depends on the answers: no copy before them
+    asked = _ask(view, keys, len(hints)) if len(hints) < len(keys) else None
+    if out is None and hints:
+        out = view.empty(len(keys) * view.page_tokens)
+    good = (yield from _copy_hinted(view, keys, hints, out)) if hints else 0
+    if asked is None and good == len(keys):
+        return good, out
+    if asked is None or good < len(hints):  # a hint went stale: ask from there on
+        if asked is not None:
+            yield from _drop(view, asked)
+        asked = _ask(view, keys, good)
+    num_pages, out = yield from _answer(view, keys, asked, out)
+    return (num_pages, out) if num_pages else (0, None)
+
+
+def _ask(view: CacheView, keys: list, start: int) -> _Asked:
     local = view.local
-    acquired = [local.acquire(view.geometry, keys)] if local is not None else []
-    positions, prefix_refs = view.directory.prefix_refs(keys)
-    replies = yield Wait(acquired + prefix_refs)
-    epoch, lease_id, slots = _acquired(view, replies[: len(acquired)])
-    located = located_prefix(view, keys, replies[len(acquired):], positions)
-    sources = remote_sources(located, len(slots), local.node_id if local is not None else None)
-    total = len(slots) + len(sources)
-    if total == 0:
-        return 0, None
+    acquired = [local.acquire(view.geometry, keys[start:])] if local is not None else []
+    positions, prefix_refs = view.directory.prefix_refs(keys[start:])
+    return _Asked(start, acquired, positions, prefix_refs)
+
+
+def _drop(view: CacheView, asked: _Asked) -> Steps[None]:
+    """Let go of answers we will not use (release a lease they took)."""
+    replies = yield Wait(asked.acquired)
+    if replies and not failed(replies[0]) and replies[0][1]:
+        view.home.release(replies[0][1])
+
+
+def _copy_hinted(view: CacheView, keys: list, hints: list, out: torch.Tensor) -> Steps[int]:
+    """Copy pages from their noted slots; returns how many leading ones stayed valid."""
+    pairs = [(out[:, :, :, page_slices(p, view.page_tokens)], view.slabs.page(tier, slot))
+             for p, (tier, slot, _) in enumerate(hints)]
+    yield Work(lambda: copy_pages(pairs))
+    good = view.slabs.num_unchanged(hints)
+    if good < len(hints):
+        view.slabs.forget(keys[good : len(hints)])
+        view.counters["stale_hints"] += 1
+    view.note_touched(keys[:good])
+    view.counters["local_pages"] += good
+    view.counters["optimistic_pages"] += good
+    return good
+
+
+def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None) -> Steps[tuple]:
+    """The rest of the prefix from keys[asked.start:]: local slots, then other nodes."""
+    start, rest = asked.start, keys[asked.start:]
+    replies = yield Wait(asked.acquired + asked.prefix_refs)
+    epoch, lease_id, slots = _acquired(view, replies[: len(asked.acquired)])
+    located = located_prefix(view, rest, replies[len(asked.acquired):], asked.positions)
+    local_node = view.local.node_id if view.local is not None else None
+    sources = remote_sources(located, len(slots), local_node)
+    total = start + len(slots) + len(sources)
+    if total == start:  # nothing past the hinted pages (and so no lease was taken)
+        return start, out
     if out is None:
         out = view.empty(total * view.page_tokens)
     arrived = np.zeros(total, dtype=bool)
-    exports_started_s = time.perf_counter()
-    exports = yield from _start_exports(view, keys, group_positions(sources, len(slots)))
-    yield from _copy_local(view, epoch, lease_id, slots, out, arrived)
-    yield from _copy_remote(view, keys, exports, out, arrived)
-    view.fetch_s = time.perf_counter() - exports_started_s if exports else 0.0
+    arrived[:start] = True
+    yield from _copy_local(view, (epoch, lease_id, slots), keys, out, arrived)
+    groups = group_positions(sources, start + len(slots))
+    remote_started_s = time.perf_counter()
+    yield from _read_remote(view, keys, groups, out, arrived)
+    view.fetch_s = time.perf_counter() - remote_started_s if groups else 0.0
     misses = np.flatnonzero(~arrived)
-    num_pages = int(misses[0]) if misses.size else total
-    return (num_pages, out) if num_pages else (0, None)
+    return (int(misses[0]) if misses.size else total), out
 
 
 def _acquired(view: CacheView, replies: list) -> tuple:
@@ -90,64 +151,69 @@ def _acquired(view: CacheView, replies: list) -> tuple:
     return replies[0]
 
 
-def _start_exports(view: CacheView, keys: list, groups: dict[str, list[int]]) -> Steps[list]:
-    """[(node_id, positions, ref to the page refs)], for the peers that can be found."""
-    peers = yield Work(lambda: {node_id: view.peers.get(node_id) for node_id in groups})
-    return [(node_id, positions, peers[node_id].export_pages(view.geometry,
-                                                             [keys[p] for p in positions]))
-            for node_id, positions in groups.items() if peers[node_id] is not None]
-
-
-def _copy_local(view: CacheView, epoch, lease_id: int, slots: list, out: torch.Tensor,
+def _copy_local(view: CacheView, acquired: tuple, keys: list, out: torch.Tensor,
                 arrived: np.ndarray) -> Steps[None]:
+    epoch, lease_id, slots = acquired
     if not slots:
         return
+    start = int(np.flatnonzero(~arrived)[0])
     try:
         if not (yield from view.slabs.ensure(epoch)):
             return
-        pairs = [(out[:, :, :, page_slices(p, view.page_tokens)], view.slabs.page(tier, slot))
-                 for p, (tier, slot, _) in enumerate(slots)]
+        pairs = [(out[:, :, :, page_slices(start + p, view.page_tokens)],
+                  view.slabs.page(tier, slot)) for p, (tier, slot, _) in enumerate(slots)]
         yield Work(lambda: copy_pages(pairs))
     finally:
         if lease_id:
             view.home.release(lease_id)  # fire and forget: the copy is done
     # The pins may have lapsed mid-copy: a slot freed since (generation moved) is a miss.
-    for position, (tier, slot, generation) in enumerate(slots):
-        if view.slabs.generation(tier, slot) != generation:
-            view.counters["torn_reads"] += 1
-            break
-        arrived[position] = True
-    view.counters["local_pages"] += int(arrived[: len(slots)].sum())
+    good = view.slabs.num_unchanged(slots)
+    if good < len(slots):
+        view.counters["torn_reads"] += 1
+    arrived[start : start + good] = True
+    view.slabs.remember(keys[start : start + good], slots[:good])
+    view.counters["local_pages"] += good
 
 
-def _copy_remote(view: CacheView, keys: list, exports: list, out: torch.Tensor,
+def _read_remote(view: CacheView, keys: list, groups: dict[str, list[int]], out: torch.Tensor,
                  arrived: np.ndarray) -> Steps[None]:
-    if not exports:
+    """Pages from their owners' page servers, straight into out; this node pulls them too."""
+    if not groups:
         return
-    answers = yield Wait([ref for _, _, ref in exports])
-    view.note_failures(answers)
-    for (node_id, _, _), answer in zip(exports, answers, strict=True):
-        if failed(answer):
+    endpoints = yield from view.endpoints(list(groups))
+    reads, staged = [], []
+    for node_id, positions in groups.items():
+        if endpoints.get(node_id) is None:
+            continue
+        dests, stages = _destinations(view, out, positions)
+        staged.append(stages)
+        reads.append((node_id, positions, PageRead(endpoints[node_id], view.geometry,
+                                                   tuple(keys[p] for p in positions), dests)))
+    counts = yield Work(lambda: view.transport.read([r for _, _, r in reads],
+                                                    view.call_timeout_s))
+    for (node_id, positions, _), count, stages in zip(reads, counts, staged, strict=True):
+        if count is None:
+            view.counters["failed_calls"] += 1
             view.peers.forget(node_id)  # looked up afresh next time (a restarted actor)
-    live = [(node_id, positions, refs) for (node_id, positions, _), refs
-            in zip(exports, answers, strict=True) if not failed(refs) and refs]
-    pages = yield Wait([ref for _, _, refs in live for ref in refs])
-    view.note_failures(pages)
-    pairs, done = [], []
-    page_iter = iter(pages)
-    for node_id, positions, refs in live:
-        got = [next(page_iter) for _ in refs]
-        count = next((i for i, page in enumerate(got) if failed(page)), len(got))
-        if count < len(got):
-            view.peers.forget(node_id)
-        for position, page in zip(positions[:count], got[:count], strict=True):
-            pairs.append((out[:, :, :, page_slices(position, view.page_tokens)],
-                          readonly_tensor(page).view(view.geometry.torch_dtype())
-                          .view(view.geometry.shape)))
-            done.append(position)
+            continue
+        staged_pairs = [pair for pair in stages[:count] if pair is not None]
+        if staged_pairs:
+            yield Work(lambda pairs=staged_pairs: copy_pages(pairs))
+        arrived[positions[:count]] = True
+        view.counters["remote_pages"] += count
         if view.local is not None and count:  # keep a copy here for next time, off our path
-            view.local.adopt(view.geometry, [keys[p] for p in positions[:count]], refs[:count],
-                             view.namespace)
-    yield Work(lambda: copy_pages(pairs))
-    arrived[done] = True
-    view.counters["remote_pages"] += len(done)
+            view.local.pull(view.geometry, {node_id: [keys[p] for p in positions[:count]]},
+                            view.namespace)
+
+
+def _destinations(view: CacheView, out: torch.Tensor, positions: list[int]) -> tuple:
+    """Per page, the buffers its bytes land in: out's own rows where they can be described
+    (one copy, socket -> out; made as the reader reaches each page); else host staging pages
+    copied into out afterwards (a GPU tensor, or one whose rows do not flatten)."""
+    targets = [out[:, :, :, page_slices(p, view.page_tokens)] for p in positions]
+    if tensor_buffers(targets[0][:, :, :, :1]) is not None:
+        return TensorPages(out, targets), [None] * len(targets)
+    stages = [torch.empty(view.geometry.shape, dtype=view.geometry.torch_dtype())
+              for _ in targets]
+    return (tuple(tensor_buffers(stage) for stage in stages),
+            list(zip(targets, stages, strict=True)))

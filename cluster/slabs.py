@@ -1,16 +1,36 @@
 """A client's mappings of its node's shared-memory slabs, remapped when the node actor
-restarts (a new epoch means new slabs)."""
+restarts (a new epoch means new slabs), and the slots it last saw its pages in.
+
+    hints: key -> (tier, slot, generation)     learned from acquires and puts
+
+A hint lets a get read a page with no call to the node: copy the slot, then check that its
+generation is the one noted. The generation grows whenever the slot is freed, and a page's
+bytes never change while it holds its slot, so an unchanged generation means the copy is of
+that page; a changed one makes the page a miss and the get asks the node as usual.
+
+A hint is trusted for HINT_TTL_S after the node last confirmed it: a node actor that died
+frees nothing (generations stand still), and this bounds how long a client keeps reading a
+dead node's slabs, and keeps them mapped, without asking.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from actors.handles import NodeHandle
 from cluster.calls import Steps, Wait, failed
 from cluster.core.geometry import PageGeometry
+from cluster.core.keys import PageKey
 from cluster.core.tiers.memory import ArenaMapping
+
+MAX_HINTS = 1 << 16
+HINT_TTL_S = 1.0
+Place = tuple[int, int, int]  # (tier, slot, generation)
 
 
 class LocalSlabs:
@@ -21,7 +41,9 @@ class LocalSlabs:
         self.geometry = geometry
         self.epoch: int | None = None
         self._mappings: list[ArenaMapping] = []
+        self._hints: OrderedDict[PageKey, tuple[Place, float]] = OrderedDict()
         self._lock = threading.Lock()
+        self._prefaulting: Future | None = None
 
     def ensure(self, epoch: int) -> Steps[bool]:
         """Map the node's slabs of `epoch` unless already mapped; False if that failed."""
@@ -34,8 +56,21 @@ class LocalSlabs:
         with self._lock:
             if self.epoch != current:
                 self._mappings = [ArenaMapping(d) for d in descriptors]
+                self._hints.clear()  # slots of the old slabs
                 self.epoch = current
+        self.prefault()
         return self.epoch == epoch
+
+    def prefault(self) -> None:
+        """Fault in, in a background thread, the chunks the node holds that this client has
+        not touched yet (the node readies a chunk ahead of need: a put into fresh slots then
+        copies at memory speed)."""
+        with self._lock:
+            if self._prefaulting is not None and not self._prefaulting.done():
+                return
+            mappings = list(self._mappings)
+            self._prefaulting = _prefault_thread().submit(
+                lambda: sum(m.prefault_held() for m in mappings))
 
     def page(self, tier: int, slot: int) -> torch.Tensor:
         """The page in a slot, typed and shaped (a view into shared memory)."""
@@ -44,3 +79,51 @@ class LocalSlabs:
 
     def generation(self, tier: int, slot: int) -> int:
         return self._mappings[tier].generation(slot)
+
+    # ---- hints ----------------------------------------------------------------------------
+
+    def hinted(self, keys: list[PageKey]) -> list[Place]:
+        """Places of the longest prefix of `keys` with a live hint (mapped slabs only)."""
+        if self.epoch is None:
+            return []
+        places, oldest_s = [], time.monotonic() - HINT_TTL_S
+        for key in keys:
+            hint = self._hints.get(key)
+            if hint is None or hint[1] < oldest_s:
+                break
+            places.append(hint[0])
+        return places
+
+    def remember(self, keys: list[PageKey], places: list[Place]) -> None:
+        """Note where the node said (or a put found) these pages are, as of now."""
+        now_s = time.monotonic()
+        with self._lock:
+            for key, place in zip(keys, places, strict=False):
+                self._hints[key] = (place, now_s)
+                self._hints.move_to_end(key)
+            while len(self._hints) > MAX_HINTS:
+                self._hints.popitem(last=False)
+
+    def forget(self, keys: list[PageKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._hints.pop(key, None)
+
+    def num_unchanged(self, places: list[Place]) -> int:
+        """How many leading places still hold their generation (the rest are stale)."""
+        for position, (tier, slot, generation) in enumerate(places):
+            if self.generation(tier, slot) != generation:
+                return position
+        return len(places)
+
+
+_prefaulter: ThreadPoolExecutor | None = None
+_prefaulter_lock = threading.Lock()
+
+
+def _prefault_thread() -> ThreadPoolExecutor:
+    global _prefaulter
+    with _prefaulter_lock:
+        if _prefaulter is None:
+            _prefaulter = ThreadPoolExecutor(1, thread_name_prefix="raykv-prefault")
+        return _prefaulter

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from actors.handles import DirectoryHandle, NodeHandle, PeerCache
+from cluster.calls import Steps, Wait, Work, failed
+from cluster.core.dataplane.endpoint import Endpoint
+from cluster.core.dataplane.transport import TcpTransport, Transport
 from cluster.core.geometry import PageGeometry
+from cluster.core.keys import PageKey
 from cluster.slabs import LocalSlabs
+
+TOUCH_EVERY_S = 0.5  # how often pages read without a lease are reported to the node
 
 
 @dataclass(slots=True)
@@ -16,7 +23,8 @@ class CacheView:
     """One model's pages as a client sees them: its node, the directory and the peers.
 
     `home` is the node actor this client writes through: its own node's when there is one
-    (`slabs` then maps its shared memory), else a remote one (pages travel as Ray objects).
+    (`slabs` then maps its shared memory), else a remote one (puts travel as Ray objects).
+    Pages of other nodes come over `transport`, straight from their slabs.
     """
 
     geometry: PageGeometry
@@ -26,9 +34,13 @@ class CacheView:
     slabs: LocalSlabs | None = None
     namespace: str = ""
     fetch_s: float = 0.0  # the last get's time fetching remote pages (0: none fetched)
+    transport: Transport = field(default_factory=TcpTransport)
+    call_timeout_s: float = 10.0
     counters: dict[str, int] = field(default_factory=lambda: {
         "put_tokens": 0, "get_tokens": 0, "lookups": 0, "local_pages": 0, "remote_pages": 0,
-        "failed_calls": 0, "torn_reads": 0})
+        "optimistic_pages": 0, "stale_hints": 0, "failed_calls": 0, "torn_reads": 0})
+    _touched: list[PageKey] = field(default_factory=list)
+    _touched_at_s: float = field(default_factory=time.monotonic)
 
     @property
     def local(self) -> NodeHandle | None:
@@ -45,3 +57,30 @@ class CacheView:
 
     def note_failures(self, results: list) -> None:
         self.counters["failed_calls"] += sum(isinstance(r, BaseException) for r in results)
+
+    def note_touched(self, keys: list[PageKey]) -> None:
+        """Pages read without a lease: told to this node in batches, fire and forget."""
+        self._touched.extend(keys)
+        now_s = time.monotonic()
+        if self.local is None or now_s - self._touched_at_s < TOUCH_EVERY_S:
+            return
+        keys, self._touched, self._touched_at_s = self._touched, [], now_s
+        self.local.touch(self.geometry, list(dict.fromkeys(keys)))
+
+    def endpoints(self, node_ids: list[str]) -> Steps[dict[str, Endpoint | None]]:
+        """The data-plane endpoints of these nodes: cached, else asked of their actors."""
+        known = {node_id: self.peers.endpoint(node_id) for node_id in node_ids}
+        unknown = [node_id for node_id, endpoint in known.items() if endpoint is None]
+        if not unknown:
+            return known
+        handles = yield Work(lambda: {node_id: self.peers.get(node_id) for node_id in unknown})
+        asking = [node_id for node_id in unknown if handles[node_id] is not None]
+        replies = yield Wait([handles[node_id].dataplane() for node_id in asking])
+        self.note_failures(replies)
+        for node_id, reply in zip(asking, replies, strict=True):
+            if failed(reply):
+                self.peers.forget(node_id)
+                continue
+            self.peers.remember_endpoint(node_id, reply)
+            known[node_id] = reply
+        return known

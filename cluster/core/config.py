@@ -52,8 +52,8 @@ class CacheConfig(BaseModel):
     heartbeat_s: float = Field(1.0, gt=0)
     node_timeout_s: float = Field(4.0, gt=0)
     disk_threads: int = Field(4, ge=1, le=64)
-    export_cache_bytes: int = Field(64 * MiB, ge=0, description="recent pages kept as Ray "
-                                    "objects for other nodes, per node")
+    transport: Literal["tcp"] = Field("tcp", description="how pages move between nodes "
+                                      "(cluster/core/dataplane/transport.py registers them)")
     ray_namespace: str = "raykv"
     rebalance: bool = Field(True, description="run the control loop: hot prefixes replicated, "
                             "cold pages moved off hot nodes, kv nodes requested")

@@ -31,10 +31,20 @@ def copy_page(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def copy_pages(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy every (dst, src) page; large CPU batches are split across the copy threads."""
+    """Copy every (dst, src) page; large CPU batches are split across the copy threads.
+
+    Returns once every byte is in place, GPU copies included: callers commit or release the
+    slots right after, and a slot released under a copy still in flight could be reused.
+    """
     total_bytes = sum(src.numel() * src.element_size() for _, src in pairs)
-    on_cpu = not any(dst.is_cuda or src.is_cuda for dst, src in pairs)
-    if COPY_THREADS == 1 or len(pairs) < 2 or not on_cpu or total_bytes < PARALLEL_MIN_BYTES:
+    devices = {t.device for pair in pairs for t in pair if t.is_cuda}
+    if devices:
+        for dst, src in pairs:
+            copy_page(dst, src)
+        for device in devices:  # the copies were queued non-blocking on each device's stream
+            torch.cuda.synchronize(device)
+        return
+    if COPY_THREADS == 1 or len(pairs) < 2 or total_bytes < PARALLEL_MIN_BYTES:
         for dst, src in pairs:
             copy_page(dst, src)
         return

@@ -63,6 +63,7 @@ class PoolLimits:
     disk_codec: str = "none"
     use_cuda: bool = False
     shm_prefix: str = "raykv"
+    num_devices: int = 1  # GPUs the device tier spreads over (device_bytes is their total)
 
 
 @dataclass(slots=True)
@@ -87,7 +88,8 @@ class Pool:
         slot_bytes = geometry.slot_bytes
         self.memory = [
             MappedArena("device", limits.device_bytes, slot_bytes,
-                        ArenaOptions(limits.use_cuda, limits.shm_prefix, shares[DEVICE])),
+                        ArenaOptions(limits.use_cuda, limits.shm_prefix, shares[DEVICE],
+                                     limits.num_devices)),
             MappedArena("host", limits.host_bytes, slot_bytes,
                         ArenaOptions(False, limits.shm_prefix, shares[HOST])),
         ]
@@ -273,6 +275,17 @@ class Pool:
             return None
         self.policies[entry.tier].on_access(key)
         return entry.tier, entry.slot, self.memory[entry.tier].generation(entry.slot)
+
+    def touch(self, keys: list[PageKey]) -> int:
+        """Note an access to each ready memory page among `keys`; returns how many."""
+        self.last_access_s = time.monotonic()
+        found = 0
+        for key in keys:
+            entry = self.index.get(key)
+            if entry is not None and entry.state == State.READY and entry.tier != DISK:
+                self.policies[entry.tier].on_access(key)
+                found += 1
+        return found
 
     def release(self, keys: list[PageKey]) -> None:
         for key in keys:

@@ -12,6 +12,7 @@ actor sequences those events to the directory (cluster/core/events.py).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -83,7 +84,8 @@ class NodeStore:
         self._lease_ids = itertools.count(1)
         self.counters = {"puts": 0, "gets": 0, "hits_pages": 0, "misses_pages": 0,
                          "hits_device": 0, "hits_host": 0, "hits_disk": 0,
-                         "expired_reservations": 0, "expired_leases": 0}
+                         "expired_reservations": 0, "expired_leases": 0,
+                         "optimistic_hits_pages": 0}
 
     # ---- pools ---------------------------------------------------------------------------
 
@@ -162,6 +164,28 @@ class NodeStore:
             self.reservations[reservation_id] = Lease(geometry, mine, deadline_s)
         return reservation_id, slots
 
+    async def grow_ahead(self, geometry: PageGeometry) -> int:
+        """Ready one more memory chunk, ahead of need, for each tier of the geometry's pool
+        that is short of free slots, from free budget only: its memory is faulted in off the
+        event loop, so the next put into fresh slots finds them ready. A pool that puts
+        thus holds up to one chunk more than its pages, which other pools can reclaim (it
+        is empty) and which an idle pool gives back. Returns how many chunks were readied."""
+        grown = 0
+        pool = self.pools.get(geometry)
+        if pool is not None:
+            for arena in pool.memory:
+                chunk = arena.slots.take_ahead()
+                if chunk is None:
+                    continue
+                try:
+                    await asyncio.to_thread(arena.ready_chunk, chunk)
+                except BaseException:
+                    arena.slots.drop_ahead(chunk)
+                    raise
+                arena.slots.open_ahead(chunk)
+                grown += 1
+        return grown
+
     def has(self, geometry: PageGeometry, key: PageKey) -> bool:
         """Whether a ready copy of the page is here (any tier)."""
         pool = self.pools.get(geometry)
@@ -179,6 +203,15 @@ class NodeStore:
         lease = self.reservations.pop(reservation_id, None)
         if lease is not None:
             self.pool(lease.geometry).abort(lease.keys, reservation_id)
+
+    def truncate(self, reservation_id: int, keys: list[PageKey]) -> None:
+        """Abort these keys of a reservation (their bytes never arrived); keep the rest."""
+        lease = self.reservations.get(reservation_id)
+        if lease is None or not keys:
+            return
+        self.pool(lease.geometry).abort(keys, reservation_id)
+        dropped = set(keys)
+        lease.keys = [key for key in lease.keys if key not in dropped]
 
     async def put_pages(self, geometry: PageGeometry, keys: list[PageKey],
                         pages: list[np.ndarray], tier: int | None = None,
@@ -229,6 +262,19 @@ class NodeStore:
         lease = self.leases.pop(lease_id, None)
         if lease is not None:
             self.pool(lease.geometry).release(lease.keys)
+
+    async def touch(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+        """Count reads that clients made without a lease (optimistic, generation-checked):
+        the eviction policy sees them as accesses, and they move up a tier as an acquire's
+        pages do. Returns how many pages are still here."""
+        pool = self.pools.get(geometry)
+        if pool is None:
+            return 0
+        found = pool.touch(keys)
+        await pool.promote_many(keys)
+        self.counters["optimistic_hits_pages"] += found
+        self.counters["hits_pages"] += found
+        return found
 
     def expire(self, now_s: float | None = None) -> int:
         """Release read leases and abort reservations past their deadline; returns how many."""

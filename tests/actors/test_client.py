@@ -8,6 +8,7 @@ import torch
 
 from cluster import ModelSpec, connect
 from tests.kv import kv_for
+from tests.waiting import wait_until
 
 TINY = ModelSpec.preset("tiny-llama")
 
@@ -151,6 +152,15 @@ def test_stats_report_tiers_and_directory(client):
     client.put(list(range(6000, 6032)), kv_for(TINY, 32))
     stats = client.stats()
     assert set(stats["node"]["pages"]) == {"device", "host", "disk"}
-    assert stats["directory"][0]["num_keys"] >= 1
+    # The commit does not wait for the directory: it hears of the pages just after.
+    wait_until(lambda: client.stats()["directory"][0]["num_keys"] >= 1, 10, "the event flush")
     assert stats["client"]["put_tokens"] > 0
     assert ray.is_initialized()
+
+
+def test_the_node_actor_sees_the_node_gpus_and_serves_pages_on_its_address(client):
+    stats = client.stats()["node"]
+    assert stats["gpus"] == ["0", "1"]  # the node's 2 GPUs (labels here: no CUDA, no VRAM)
+    endpoint = ray.get(client.local.dataplane())
+    assert endpoint.transport == "tcp" and endpoint.host == ray.util.get_node_ip_address()
+    assert stats["dataplane"]["endpoint"] == f"{endpoint.host}:{endpoint.port}"

@@ -5,6 +5,7 @@ it; sampling parameters, stop strings and max_tokens are honoured."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -12,6 +13,7 @@ from cluster import ModelSpec, connect
 from cluster.serving import tokenizer
 from cluster.serving.engine import Engine, EngineConfig, GenerationRequest
 from cluster.serving.sampling import SamplingParams
+from cluster.slabs import HINT_TTL_S
 from tests.kv import kv_for
 
 TINY = ModelSpec.preset("tiny-llama")
@@ -76,6 +78,7 @@ def test_a_dead_cache_is_a_full_prefill_not_an_error(engine, service):
     client = engine.clients["default"]
     reference, _ = generate(engine, PROMPT, max_tokens=6)
     client.local.kill()
+    time.sleep(HINT_TTL_S)  # pages this client noted stay readable from its mapping until then
     text, chunks = generate(engine, PROMPT, max_tokens=6)
     assert chunks[0].cached_tokens == 0 and text == reference
     service()  # back to a working service for later modules

@@ -17,6 +17,7 @@ from cluster.api import running_config
 from cluster.calls import Wait, run_async, run_sync
 from cluster.core.config import CacheConfig
 from cluster.core.tiers.memory import SharedMemoryTooSmall, shm_free_bytes
+from cluster.slabs import HINT_TTL_S
 from tests.kv import kv_for
 
 TINY = ModelSpec.preset("tiny-llama")
@@ -48,6 +49,7 @@ def test_a_dead_local_node_actor_is_a_miss_not_an_error(service):
     tokens = list(range(100, 164))
     assert client.put(tokens, kv_for(TINY, 64, 1)) == 64
     local_node(client).kill()  # stays dead (no restart)
+    time.sleep(HINT_TTL_S)  # until then the client may read the slabs it maps, unasked
     started_s = time.monotonic()
     assert client.get(tokens) == (0, None)
     assert client.put(list(range(200, 232)), kv_for(TINY, 32)) == 0
@@ -66,6 +68,7 @@ def test_an_aget_on_a_dead_node_is_a_miss_too(service):
     num_tokens, got = asyncio.run(client.aget(tokens))
     assert num_tokens == 32 and got.equal(kv_for(TINY, 32, 3))
     local_node(client).kill()
+    time.sleep(HINT_TTL_S)
     assert asyncio.run(client.aget(tokens)) == (0, None)
     assert asyncio.run(client.aput(list(range(400, 432)), kv_for(TINY, 32))) == 0
     service()

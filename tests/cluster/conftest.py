@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 
 import pytest
 import ray
@@ -14,6 +13,7 @@ from ray.cluster_utils import Cluster
 from cluster import stop
 from cluster.core.tiers.memory import remove_stale_shm
 from cluster.core.tiers.node_slot import slot_shm_prefix
+from tests.waiting import wait_until  # noqa: F401  (re-exported for the cluster tests)
 
 OBJECT_STORE_BYTES = 120 * 1024 * 1024
 
@@ -51,13 +51,3 @@ def node_id_of(resource: str) -> str:
         if node["Alive"] and node["Resources"].get(resource):
             return node["NodeID"]
     raise AssertionError(f"no alive node offers {resource}")
-
-
-def wait_until(predicate, timeout_s: float, what: str, period_s: float = 0.1):
-    deadline_s = time.monotonic() + timeout_s
-    while time.monotonic() < deadline_s:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(period_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

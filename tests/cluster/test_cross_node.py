@@ -1,4 +1,5 @@
-"""Pages stored on one node are served on another: put on A, get on B, byte-exact."""
+"""Pages stored on one node are served on another: put on A, get on B, byte-exact, through
+the data plane (A's page server sends them straight from its slab into B's tensor)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,19 @@ def node_stats(node_id: str) -> dict:
     return ray.get(NodeHandle.lookup(node_id, CacheConfig()).stats())
 
 
+def served_pages(node_id: str) -> int:
+    return node_stats(node_id)["dataplane"]["served_pages"]
+
+
+def put_on(replica, tokens, kv) -> int:
+    """Put through a replica, then wait until the directory knows (the commit does not wait
+    for the node's event flush)."""
+    stored = ray.get(replica.put.remote(tokens, kv))
+    wait_until(lambda: len(ray.get(replica.located.remote(tokens))) * 16 >= stored, 10,
+               "the directory to hear of the put")
+    return stored
+
+
 def test_every_kv_node_has_an_actor(nodes):
     members = ray.get(ControllerHandle.lookup(CacheConfig()).stats())["members"]
     assert len(members) == 3 and {nodes["a"], nodes["b"]} <= set(members)
@@ -38,12 +52,14 @@ def test_every_kv_node_has_an_actor(nodes):
 
 def test_put_on_a_get_on_b_is_byte_exact(nodes):
     tokens, kv = list(range(64)), kv_for(TINY, 64, seed=1)
-    assert ray.get(nodes["ra"].put.remote(tokens, kv)) == 64
+    assert put_on(nodes["ra"], tokens, kv) == 64
     assert ray.get(nodes["rb"].lookup.remote(tokens)) == 64
+    served_before = served_pages(nodes["a"])
     num_tokens, got = ray.get(nodes["rb"].get.remote(tokens))
     assert num_tokens == 64 and torch.equal(got, kv)
     client = ray.get(nodes["rb"].stats.remote())["client"]
     assert client["remote_pages"] == 4
+    assert served_pages(nodes["a"]) >= served_before + 4  # the get's 4 (and B's pull of them)
 
     def on_both() -> bool:  # B keeps the pages it fetched (adopted off the critical path)
         located = ray.get(nodes["rb"].located.remote(tokens))
@@ -54,7 +70,7 @@ def test_put_on_a_get_on_b_is_byte_exact(nodes):
 
 def test_prefix_mixing_local_and_remote_pages(nodes):
     tokens, kv = list(range(100, 196)), kv_for(TINY, 96, seed=2)
-    assert ray.get(nodes["ra"].put.remote(tokens, kv)) == 96
+    assert put_on(nodes["ra"], tokens, kv) == 96
     assert ray.get(nodes["rb"].put.remote(tokens[:32], kv[:, :, :, :32])) == 32
     before = ray.get(nodes["rb"].stats.remote())["client"]
     num_tokens, got = ray.get(nodes["rb"].get.remote(tokens))
@@ -66,7 +82,7 @@ def test_prefix_mixing_local_and_remote_pages(nodes):
 
 def test_prefetch_pulls_remote_pages_into_local_host(nodes):
     tokens, kv = list(range(300, 364)), kv_for(TINY, 64, seed=3)
-    ray.get(nodes["ra"].put.remote(tokens, kv))
+    put_on(nodes["ra"], tokens, kv)
     assert ray.get(nodes["rb"].prefetch.remote(tokens)) == 64
 
     def on_b() -> bool:
@@ -74,35 +90,37 @@ def test_prefetch_pulls_remote_pages_into_local_host(nodes):
         return all((nodes["b"], 1) in places for places in located)
 
     wait_until(on_b, 10, "prefetched pages to appear in B's host tier")
-    calls_before = node_stats(nodes["a"])["export_calls"]
+    requests_before = node_stats(nodes["a"])["dataplane"]["requests"]
     num_tokens, got = ray.get(nodes["rb"].get.remote(tokens))
     assert num_tokens == 64 and torch.equal(got, kv)
-    assert node_stats(nodes["a"])["export_calls"] == calls_before  # all local now
+    assert node_stats(nodes["a"])["dataplane"]["requests"] == requests_before  # all local now
 
 
 def test_concurrent_requests_share_one_pull(nodes):
     tokens, kv = list(range(500, 628)), kv_for(TINY, 128, seed=4)
-    ray.get(nodes["ra"].put.remote(tokens, kv))
+    put_on(nodes["ra"], tokens, kv)
     keys = page_keys(TINY, "default", 16, tokens)
-    calls_before = node_stats(nodes["a"])["export_calls"]
+    requests_before = node_stats(nodes["a"])["dataplane"]["requests"]
     b_node = NodeHandle.lookup(nodes["b"], CacheConfig())
     pulled = ray.get([b_node.pull(GEOMETRY, {nodes["a"]: keys}) for _ in range(6)])
     assert sorted(pulled) == [0] * 5 + [8]  # one request pulled, five waited for it
-    assert node_stats(nodes["a"])["export_calls"] == calls_before + 1
+    assert node_stats(nodes["a"])["dataplane"]["requests"] == requests_before + 1
     num_tokens, got = ray.get(nodes["rb"].get.remote(tokens))
     assert num_tokens == 128 and torch.equal(got, kv)
 
 
-def test_concurrent_gets_from_replicas_export_remote_pages_once(nodes):
+def test_concurrent_gets_from_replicas_are_each_served_and_pulled_once(nodes):
     tokens, kv = list(range(700, 764)), kv_for(TINY, 64, seed=5)
-    ray.get(nodes["ra"].put.remote(tokens, kv))
-    exported_before = node_stats(nodes["a"])["exported_pages"]
+    put_on(nodes["ra"], tokens, kv)
     replicas = [replica_on(nodes["b"], TINY) for _ in range(3)]
     ray.get([r.node.remote() for r in replicas])  # all three up before the gets go out
     results = ray.get([r.get.remote(tokens) for r in replicas])
     assert all(n == 64 and torch.equal(got, kv) for n, got in results)
-    # Each page went into the object store once, however many replicas asked for it.
-    assert node_stats(nodes["a"])["exported_pages"] == exported_before + 4
+    # B's node keeps one copy, however many replicas fetched the pages.
+    wait_until(lambda: node_stats(nodes["b"])["pages"]["host"] >= 4, 10, "B's pull")
+    keys = page_keys(TINY, "default", 16, tokens)
+    b_node = NodeHandle.lookup(nodes["b"], CacheConfig())
+    assert ray.get(b_node.pull(GEOMETRY, {nodes["a"]: keys})) == 0  # all here already
 
 
 def test_a_node_that_joins_late_gets_an_actor(ray_cluster, nodes):

@@ -77,11 +77,17 @@ def replica(name: str, cache: dict):
     return cache[name][1]
 
 
+def wait_until_located(client, indexes) -> None:
+    wait_until(lambda: all(len(ray.get(client.located.remote(prompt(i)))) == 4
+                           for i in indexes), 10, "the directory to hear of the puts")
+
+
 def test_directory_recovers_from_redis(ray_cluster, disk_root, redis_server, replicas):
     start(config(disk_root, redis_server.url))
     ra = replica("a", replicas)
     for index in range(4):
         assert ray.get(ra.put.remote(prompt(index), kv_for(TINY, 64, index))) == 64
+    wait_until_located(ra, range(4))  # a commit does not wait for the directory
     assert all(ray.get(directory().flush_redis()))
     restart_directory()
     stats = shard_stats()
@@ -102,6 +108,7 @@ def test_directory_back_from_a_stale_redis_copy_resyncs_lost_events(redis_server
     try:
         for index in range(20, 24):  # acknowledged by the directory, never reach Redis
             assert ray.get(ra.put.remote(prompt(index), kv_for(TINY, 64, index))) == 64
+        wait_until_located(ra, range(20, 24))
         wait_until(lambda: not any(s["redis"]["healthy"] for s in shard_stats()), 15,
                    "the shards' write-behind to fail")
         restart_directory()

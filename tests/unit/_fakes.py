@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from actors.handles import split_by_shard
 from cluster.calls import Wait
+from cluster.core.dataplane.endpoint import Endpoint
 from cluster.core.directory_index import DirectoryIndex
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import KEY_BYTES, shard_of
@@ -73,16 +74,15 @@ class FakeNode:
     def descriptors(self, geometry: PageGeometry):
         return self._call("descriptors", (self.epoch, [a.descriptor() for a in self.arenas]))
 
-    def export_pages(self, geometry: PageGeometry, keys: list):
-        refs = []
-        for key in keys:
-            if key not in self.exported:
-                break
-            refs.append(FakeRef(self.exported[key]))
-        return self._call("export_pages", refs)
+    def dataplane(self):
+        return self._call("dataplane", Endpoint("fake", self.node_id, 1, self.epoch))
 
-    def adopt(self, geometry: PageGeometry, keys: list, refs: list, namespace: str = ""):
-        return self._call("adopt", len(keys))
+    def pull(self, geometry: PageGeometry, remote: dict, namespace: str = ""):
+        return self._call("pull", sum(len(keys) for keys in remote.values()))
+
+    def touch(self, geometry: PageGeometry, keys: list):
+        self.touched = getattr(self, "touched", []) + list(keys)
+        return self._call("touch", len(keys))
 
     # puts: reserve in the host arena (tier 1), commit makes the pages visible
     def reserve(self, geometry: PageGeometry, keys: list, namespace: str = ""):
@@ -142,9 +142,53 @@ class FakePeers:
     def __init__(self, nodes: dict):
         self.nodes = nodes
         self.forgotten: list[str] = []
+        self.endpoints: dict = {}
 
     def get(self, node_id: str):
         return self.nodes.get(node_id)
 
+    def endpoint(self, node_id: str):
+        return self.endpoints.get(node_id)
+
+    def remember_endpoint(self, node_id: str, endpoint) -> None:
+        self.endpoints[node_id] = endpoint
+
     def forget(self, node_id: str) -> None:
         self.forgotten.append(node_id)
+        self.endpoints.pop(node_id, None)
+
+
+class FakeTransport:
+    """Serves each read from the `exported` pages of the node its endpoint names: a node
+    with "serve" in its `fail` set is unreachable (None)."""
+
+    def __init__(self, nodes: dict):
+        self.nodes = nodes
+        self.reads: list = []
+
+    def read(self, reads: list, timeout_s: float) -> list:
+        counts = []
+        for read in reads:
+            self.reads.append(read)
+            node = self.nodes.get(read.endpoint.host)
+            if node is None or "serve" in node.fail:
+                counts.append(None)
+                continue
+            count = 0
+            for key, dest in zip(read.keys, read.dests, strict=True):
+                if key not in node.exported:
+                    break
+                _scatter(node.exported[key], dest)
+                count += 1
+            counts.append(count)
+        return counts
+
+    def close(self) -> None:
+        pass
+
+
+def _scatter(page, buffers) -> None:
+    raw, offset = memoryview(page.reshape(-1).view("uint8")), 0
+    for buffer in buffers:
+        buffer[:] = raw[offset : offset + len(buffer)]
+        offset += len(buffer)

@@ -3,6 +3,7 @@
 import pytest
 
 from cluster.tools.bench import directory, remote, tiers
+from cluster.tools.bench.remote_peer import prompt_tokens
 
 
 def test_tiers_plans_whole_token_pages_and_a_host_tier_for_every_put():
@@ -62,9 +63,10 @@ def test_directory_breakdown_without_ray_answers_one_run():
 
 def test_remote_sizes_host_tiers_for_every_prompt_and_suffixes_other_sizes():
     config = remote._service_config(4 << 20, 2, "/tmp")
-    assert config.host_bytes == (remote.PROMPTS_PER_REP * 3 + 1) * remote.PROMPT_BYTES
+    assert config.host_bytes == (2 + 4) * remote.PROMPT_BYTES  # reps + warm-up + 2, + spare
     assert config.page_tokens == 32
-    assert len(remote._prompt_tokens(1)) * remote.SPEC.bytes_per_token == remote.PROMPT_BYTES
+    tokens = prompt_tokens(1, remote.PROMPT_BYTES)
+    assert len(tokens) * remote.SPEC.bytes_per_token == remote.PROMPT_BYTES
     ratios = remote.ratios_of({"1MiB": {"ratios": {"remote_get_vs_ray": 0.5}},
                                "4MiB": {"ratios": {"remote_get_vs_ray": 0.7}}})
     assert ratios == {"remote_get_vs_ray": 0.7, "remote_get_vs_ray_1mib": 0.5}

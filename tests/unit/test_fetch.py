@@ -15,7 +15,7 @@ from cluster.core.tiers.memory import ArenaOptions, MappedArena
 from cluster.fetch import fetch_prefix, remote_sources
 from cluster.slabs import LocalSlabs
 from cluster.view import CacheView
-from tests.unit._fakes import FakeDirectory, FakeNode, FakePeers, drive
+from tests.unit._fakes import FakeDirectory, FakeNode, FakePeers, FakeTransport, drive
 from tests.unit._pages import unique_prefix
 
 SPEC = ModelSpec("tiny", 2, 2, 16, "float32")
@@ -44,8 +44,9 @@ class World:
         self.remote = FakeNode("b")
         self.directory = FakeDirectory(num_shards)
         self.peers = FakePeers({"b": self.remote})
+        self.transport = FakeTransport({"b": self.remote})
         self.view = CacheView(G, self.local, self.directory, self.peers,
-                              LocalSlabs(self.local, G))
+                              LocalSlabs(self.local, G), transport=self.transport)
 
     def put_local(self, pages: range) -> None:
         for p in pages:
@@ -87,17 +88,30 @@ def test_all_pages_local(world):
     assert num_pages == 4 and torch.equal(out, KV)
     assert world.local.calls.count("release") == 1
     assert world.view.counters["local_pages"] == 4 and world.view.counters["remote_pages"] == 0
-    assert "export_pages" not in world.remote.calls
+    assert world.transport.reads == []
 
 
-def test_local_prefix_then_remote_pages_are_adopted(world):
+def test_local_prefix_then_remote_pages_over_the_data_plane_then_pulled_here(world):
     world.put_local(range(2))
     world.put_remote(range(4))
     num_pages, out = world.get()
     assert num_pages == 4 and torch.equal(out, KV)
-    assert world.remote.calls == ["export_pages"]
-    assert "adopt" in world.local.calls
+    assert world.remote.calls == ["dataplane"]  # the endpoint, once; then the data plane
+    (read,) = world.transport.reads
+    assert read.keys == tuple(KEYS[2:4])
+    assert "pull" in world.local.calls  # this node keeps a copy, off the get's path
     assert world.view.counters["remote_pages"] == 2
+    world.get()
+    assert world.remote.calls == ["dataplane"]  # the endpoint is remembered
+
+
+def test_a_page_of_a_tensor_lands_in_its_rows_and_others_are_staged(world):
+    world.put_remote(range(4))
+    out = torch.zeros_like(KV)[:, :, :, :, :].transpose(0, 1).contiguous().transpose(0, 1)
+    num_pages, got = drive(fetch_prefix(world.view, KEYS, out))
+    assert num_pages == 4 and torch.equal(got, KV)  # rows that do not flatten: staged
+    plain = torch.zeros_like(KV)
+    assert drive(fetch_prefix(world.view, KEYS, plain))[0] == 4 and torch.equal(plain, KV)
 
 
 def test_a_dead_local_node_leaves_the_remote_pages(world):
@@ -123,17 +137,24 @@ def test_a_dead_directory_leaves_the_local_pages(world):
     num_pages, out = world.get()
     assert num_pages == 2 and torch.equal(out[:, :, :, : 2 * PAGE_TOKENS],
                                           KV[:, :, :, : 2 * PAGE_TOKENS])
-    assert "export_pages" not in world.remote.calls
+    assert world.transport.reads == []
 
 
 def test_a_dead_peer_is_a_miss_and_forgotten(world):
     world.put_local(range(1))
     world.put_remote(range(4))
-    world.remote.fail = {"export_pages"}
+    world.remote.fail = {"serve"}
     num_pages, _ = world.get()
     assert num_pages == 1
     assert world.peers.forgotten == ["b"]
-    assert "adopt" not in world.local.calls
+    assert "pull" not in world.local.calls
+
+
+def test_a_peer_without_an_endpoint_is_a_miss(world):
+    world.put_remote(range(4))
+    world.remote.fail = {"dataplane"}
+    assert world.get() == (0, None)
+    assert world.peers.forgotten == ["b"] and world.transport.reads == []
 
 
 def test_an_unknown_peer_is_a_miss(world):
@@ -164,6 +185,7 @@ def test_a_new_epoch_remaps_the_slabs(world):
     world.put_local(range(2))
     assert world.get()[0] == 2
     world.local.epoch = 2
+    world.view.slabs.forget(KEYS)  # no hints: the get asks the node, which has restarted
     assert world.get()[0] == 2
     assert world.local.calls.count("descriptors") == 2
     assert world.view.slabs.epoch == 2
@@ -172,6 +194,59 @@ def test_a_new_epoch_remaps_the_slabs(world):
 def test_nothing_cached_anywhere(world):
     assert world.get() == (0, None)
     assert world.local.calls == ["acquire"]
+
+
+# ---- optimistic reads: slots noted by earlier gets, checked by generation ------------------
+
+
+def test_a_second_get_of_local_pages_makes_no_call(world):
+    world.put_local(range(4))
+    world.get()
+    calls = list(world.local.calls)
+    num_pages, out = world.get()
+    assert num_pages == 4 and torch.equal(out, KV)
+    assert world.local.calls == calls and world.view.counters["optimistic_pages"] == 4
+
+
+def test_hinted_pages_are_copied_while_the_rest_is_asked_for(world):
+    world.put_local(range(2))
+    world.get()
+    world.put_local(range(2, 3))
+    world.put_remote(range(4))
+    out = torch.zeros_like(KV)
+    num_pages, got = drive(fetch_prefix(world.view, KEYS, out))
+    assert num_pages == 4 and torch.equal(got, KV)
+    assert world.view.counters["optimistic_pages"] == 2
+    assert world.transport.reads[-1].keys == (KEYS[3],)
+
+
+def test_a_stale_hint_is_a_miss_of_that_slot_and_the_node_is_asked(world):
+    world.put_local(range(3))
+    world.get()
+    _, slot = world.local.pages[KEYS[1]]
+    arena = world.arenas[HOST]
+    arena.free(slot)  # evicted: the slot's generation moves, the page is written elsewhere
+    new_slot = arena.alloc()
+    arena.view(new_slot).fill_(0x55)
+    fresh = arena.alloc()
+    arena.view(fresh)[: G.page_bytes].copy_(page(1).view(-1).view(torch.uint8))
+    world.local.pages[KEYS[1]] = (HOST, fresh)
+    out = torch.zeros_like(KV)
+    num_pages, got = drive(fetch_prefix(world.view, KEYS, out))
+    assert num_pages == 3 and torch.equal(got[:, :, :, : 3 * PAGE_TOKENS],
+                                          KV[:, :, :, : 3 * PAGE_TOKENS])
+    assert world.view.counters["stale_hints"] == 1
+    assert world.local.calls.count("acquire") == 3  # the first get, one dropped, one used
+
+
+def test_optimistic_reads_are_reported_to_the_node_in_batches(world, monkeypatch):
+    import cluster.view
+
+    monkeypatch.setattr(cluster.view, "TOUCH_EVERY_S", 0.0)
+    world.put_local(range(4))
+    world.get()
+    world.get()
+    assert world.local.touched == KEYS
 
 
 def test_two_shards_one_down_ends_the_prefix_at_its_first_key():
@@ -201,9 +276,10 @@ def test_put_copies_into_reserved_slots_and_commits(world):
     client = client_of(world)
     assert drive(client._put(TOKENS, torch.cat([KV, KV[:, :, :, :3]], dim=3))) == 64
     assert world.local.calls[-1] == "commit"
-    world.directory.place("local", KEYS, HOST)
-    assert drive(fetch_prefix(world.view, KEYS, None))[0] == 4
-    assert torch.equal(drive(fetch_prefix(world.view, KEYS, None))[1], KV)
+    calls = len(world.local.calls)
+    num_pages, out = drive(fetch_prefix(world.view, KEYS, None))  # read-your-writes, here
+    assert num_pages == 4 and torch.equal(out, KV)
+    assert len(world.local.calls) == calls  # from the slots the put noted: no call at all
 
 
 @pytest.mark.parametrize("failure, stored", [("reserve", 0), ("commit", 0), ("lapse", 0)])
@@ -212,6 +288,7 @@ def test_a_failed_put_stores_nothing_it_reports(world, failure, stored):
     world.local.fail = {failure}
     kv = torch.cat([KV, KV[:, :, :, :3]], dim=3)
     assert drive(client._put(TOKENS, kv)) == stored
+    assert world.view.slabs.hinted(KEYS) == []
 
 
 def test_a_lapsed_reservation_reports_only_the_pages_stored_before_it(world):

@@ -60,3 +60,68 @@ def test_another_process_maps_the_chunks_through_cuda_ipc(tmp_path):
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.strip()) == 7 * SLOT_BYTES
     arena.close()
+
+
+def test_vram_chunks_spread_over_every_gpu():
+    num_gpus = torch.cuda.device_count()
+    share = Share(TierBudget(2 * num_gpus * SLOT_BYTES), "model", SLOT_BYTES)
+    arena = MappedArena("device", 2 * num_gpus * SLOT_BYTES, SLOT_BYTES,
+                        ArenaOptions(use_cuda=True, shm_prefix="raykvgputest", share=share,
+                                     num_devices=num_gpus))
+    slots = [arena.alloc() for _ in range(2 * num_gpus)]
+    devices = {arena.view(slot).device.index for slot in slots}
+    assert devices == set(range(num_gpus))  # chunk c on GPU c % num_gpus
+    handles = arena.descriptor().cuda_handle["chunks"]
+    assert {device for device, _ in handles.values()} == devices
+    arena.close()
+
+
+def test_copies_into_vram_are_done_when_copy_pages_returns():
+    from cluster.core.copies import copy_pages
+
+    arena = gpu_arena(4, TierBudget(4 * SLOT_BYTES))
+    slots = [arena.alloc() for _ in range(4)]
+    pages = [torch.full((SLOT_BYTES,), i + 1, dtype=torch.uint8).pin_memory() for i in range(4)]
+    copy_pages([(arena.view(slot), page) for slot, page in zip(slots, pages, strict=True)])
+    # Nothing queued any more: a commit or a release right after cannot race the copies.
+    assert all(torch.cuda.current_stream(d).query() for d in range(torch.cuda.device_count()))
+    back = [torch.empty(SLOT_BYTES, dtype=torch.uint8) for _ in slots]
+    copy_pages([(out, arena.view(slot)) for out, slot in zip(back, slots, strict=True)])
+    assert [int(b[0]) for b in back] == [1, 2, 3, 4] and all(int(b[-1]) for b in back)
+    arena.close()
+
+
+def test_the_page_server_sends_vram_pages_through_host_staging():
+    from cluster.core.dataplane.connections import ConnectionPool
+    from cluster.core.dataplane.endpoint import PageRead, TensorPages
+    from cluster.core.dataplane.reader import read_pages
+    from cluster.core.dataplane.server import PageServer, ServedPages
+    from cluster.core.geometry import PageGeometry
+
+    geometry = PageGeometry((4, 2, 2, 16, 32), "bfloat16")
+    pages = [torch.randint(0, 256, (geometry.page_bytes,), dtype=torch.uint8, device="cuda")
+             for _ in range(2)]
+
+    class VramSource:
+        def open(self, request):
+            return ServedPages(tuple(pages), None)
+
+        def verify(self, served):
+            return len(served.pages)
+
+        def close(self, served):
+            pass
+
+    server = PageServer(VramSource(), "127.0.0.1", 5.0)
+    pool = ConnectionPool()
+    try:
+        out = torch.zeros(4, 2, 2, 32, 32, dtype=torch.bfloat16)
+        slices = [out[:, :, :, :16], out[:, :, :, 16:]]
+        read = PageRead(server.endpoint, geometry, (b"a" * 16, b"b" * 16),
+                        TensorPages(out, slices))
+        assert read_pages(pool, [read], 5.0) == [2]
+        for got, page in zip(slices, pages, strict=True):
+            assert torch.equal(got.contiguous().view(-1).view(torch.uint8), page.cpu())
+    finally:
+        pool.close()
+        server.close()

@@ -123,3 +123,40 @@ def test_arenas_of_two_page_sizes_share_one_budget_and_hand_memory_back():
     small.close()
     large.close()
     assert shm_files(prefix) == []
+
+
+def test_a_chunk_readied_ahead_is_used_after_the_warm_slots_and_clients_prefault_it():
+    prefix = unique_prefix()
+    chunk = 4 * 4096
+    budget = TierBudget(3 * chunk)
+    arena = MappedArena("host", 4 * chunk, 4096, ArenaOptions(
+        shm_prefix=prefix, share=Share(budget, "model", chunk)))
+    mapping = ArenaMapping(arena.descriptor())
+    first = [arena.alloc() for _ in range(2)]
+    assert first == [0, 1] and arena.held[0] > 0 and arena.held[1] == 0
+    ahead = arena.slots.take_ahead()  # 2 free slots left: less than a chunk's worth
+    assert ahead == 1 and budget.used_bytes == 2 * chunk and arena.slots.take_ahead() is None
+    assert arena.held[1] == 0 and mapping.prefault_held() == 1  # only chunk 0 is held
+    arena.ready_chunk(ahead)  # off the event loop in the node (asyncio.to_thread)
+    arena.slots.open_ahead(ahead)
+    assert [arena.alloc() for _ in range(4)] == [2, 3, 4, 5]  # warm slots first, in order
+    assert mapping.prefault_held() == 1 and mapping.prefault_held() == 0
+    arena.slots.release_empty()
+    for slot in range(6):
+        arena.free(slot)
+    assert arena.slots.release_empty() == 2 and list(arena.held[:2]) == [0, 0]
+    assert arena.slots.take_ahead() == 0  # no free slot held: ready the lowest chunk
+    arena.ready_chunk(0)
+    arena.slots.open_ahead(0)
+    assert mapping.prefault_held() == 1  # a new grant of chunk 0: faulted in again
+    arena.close()
+    assert shm_files(prefix) == []
+
+
+def test_a_chunk_taken_ahead_gives_its_bytes_back_when_readying_fails():
+    budget = TierBudget(2 * 4096)
+    slots = ChunkedSlots(4, 4096, Share(budget, "model", 4096))
+    chunk = slots.take_ahead()
+    assert chunk == 0 and budget.used_bytes == 4096
+    slots.drop_ahead(chunk)
+    assert budget.used_bytes == 0 and slots.alloc() == 0

@@ -380,6 +380,7 @@ def test_stats_figures(stores):
         "leases": 1, "reservations": 0, "puts": 5, "gets": 1, "hits_pages": 2,
         "hits_device": 2, "hits_host": 0, "hits_disk": 0,  # where each hit was found
         "misses_pages": 1, "expired_reservations": 0, "expired_leases": 0,
+            "optimistic_hits_pages": 0,
         "disk_bytes_read": 0, "disk_bytes_written": DISK_SLOT_BYTES,  # one page, header incl.
         "evictions": {"device": 3, "host": 1, "disk": 0}, "disk_read_us_per_token": 0.0,
     }
@@ -568,3 +569,21 @@ def test_a_slot_generation_changes_when_its_page_moves_out(stores):
     before = pool.memory[tier].generation(slot)
     store.abort(reservation_id)
     assert pool.memory[tier].generation(slot) == before + 1
+
+
+def test_a_chunk_is_readied_ahead_for_the_pool_that_puts_only(stores):
+    import dataclasses
+
+    other = PageGeometry((2, 2, 2, 16, 32), "float32")
+    config = dataclasses.replace(stores.config(device_pages=0, host_pages=4),
+                                 chunk_bytes=2 * PAGE_BYTES)
+    store = stores.make(config)
+    store.pool(other)
+    assert run(store_put(store, [0])) == 1
+    host = store.pool(G).memory[HOST]
+    assert host.slots.num_held_chunks == 1
+    assert run(store.grow_ahead(G)) == 1  # one free slot left: less than a chunk's worth
+    assert host.slots.num_held_chunks == 2 and host.held[1] > 0
+    assert run(store.grow_ahead(G)) == 0  # three free slots now: enough
+    assert store.pool(other).memory[HOST].slots.num_held_chunks == 0
+    assert run(store_put(store, [1, 2, 3])) == 3  # the readied slots are used

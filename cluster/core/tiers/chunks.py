@@ -106,6 +106,7 @@ class ChunkedSlots:
         self._free: list[int] = []
         self._used_per_chunk: dict[int, int] = {}  # held chunk -> used slots
         self._used: set[int] = set()
+        self._arriving: set[int] = set()  # taken from the budget, memory being readied
 
     # ---- slots -----------------------------------------------------------------------------
 
@@ -144,8 +145,37 @@ class ChunkedSlots:
 
     def grow(self) -> bool:
         """Hold one more chunk (the lowest not held); False if none is left or no budget."""
-        chunk = next((c for c in range(self.num_chunks) if c not in self._used_per_chunk), None)
+        chunk = self._next_chunk()
         return chunk is not None and self._hold(chunk)
+
+    def _next_chunk(self) -> int | None:
+        return next((c for c in range(self.num_chunks)
+                     if c not in self._used_per_chunk and c not in self._arriving), None)
+
+    def take_ahead(self) -> int | None:
+        """Take the next chunk from the budget ahead of need, when the held chunks have fewer
+        than a chunk's worth of free slots; its memory is readied by the caller (off the
+        event loop), then open_ahead(chunk) hands out its slots. None: no need, or no room."""
+        if len(self._free) >= self.slots_per_chunk or self._arriving:
+            return None
+        chunk = self._next_chunk()
+        if chunk is None or not self.budget.take(self.holder, self.chunk_bytes):
+            return None
+        self._arriving.add(chunk)
+        return chunk
+
+    def open_ahead(self, chunk: int) -> None:
+        """The chunk taken ahead is ready: its slots join the free list (after the others)."""
+        self._arriving.remove(chunk)
+        self._used_per_chunk[chunk] = 0
+        start = chunk * self.slots_per_chunk
+        stop = min(start + self.slots_per_chunk, self.num_slots)
+        self._free[:0] = range(stop - 1, start - 1, -1)  # used after the warm free slots
+
+    def drop_ahead(self, chunk: int) -> None:
+        """Readying the chunk failed: give its bytes back."""
+        self._arriving.remove(chunk)
+        self.budget.give(self.holder, self.chunk_bytes)
 
     def _hold(self, chunk: int) -> bool:
         if not self.budget.take(self.holder, self.chunk_bytes):

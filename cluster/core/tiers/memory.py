@@ -21,6 +21,7 @@ freed (its lease ran out) and perhaps reused while the copy ran, so the copy is 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import uuid
@@ -120,6 +121,19 @@ def _advise(mapping: mmap.mmap, advice: int, start: int, length: int) -> bool:
         return False
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.madvise.restype = ctypes.c_int
+
+
+def _populate_range(address: int, length: int) -> bool:
+    """MADV_POPULATE_WRITE over [address, address + length), without holding the GIL
+    (mmap.madvise holds it for the whole call: tens of ms for a chunk, which would stall every
+    other thread of the process, the actor's event loop included). False where the kernel
+    lacks it (before 5.14)."""
+    return _libc.madvise(address, length, MADV_POPULATE_WRITE) == 0
+
+
 class _ShmSlab:
     """The CPU backing of an arena: one sparse shared-memory file over the whole capacity.
     A granted chunk is populated (faulted in) at once; a released one is punched out, so
@@ -134,7 +148,7 @@ class _ShmSlab:
         return self.tensor[offset : offset + nbytes]
 
     def grant(self, offset: int, nbytes: int) -> None:
-        if not _advise(self.file.mmap, MADV_POPULATE_WRITE, offset, nbytes):
+        if not _populate_range(self.tensor.data_ptr() + offset, nbytes):
             self.tensor[offset : offset + nbytes].zero_()  # older kernels: touch it
 
     def release(self, offset: int, nbytes: int) -> None:
@@ -150,40 +164,48 @@ class _ShmSlab:
 class _CudaChunks:
     """The GPU backing of an arena: one VRAM allocation per granted chunk, taken from cupy's
     memory pool (so a released chunk is VRAM other models and the engine can use), each
-    shared with same-node clients through a CUDA IPC handle. Written for real, guarded: it
-    runs only where cupy and a GPU are present."""
+    shared with same-node clients through a CUDA IPC handle. Chunks go round-robin over the
+    node's GPUs (chunk c on GPU c % num_devices): a VRAM pool on every GPU. Written for real,
+    guarded: it runs only where cupy and a GPU are present."""
 
-    def __init__(self, chunk_bytes: int):
+    def __init__(self, chunk_bytes: int, num_devices: int = 1):
         import cupy
 
         self.cupy = cupy
         self.chunk_bytes = chunk_bytes
+        self.num_devices = max(1, num_devices)
         self.chunks: dict[int, tuple[object, torch.Tensor]] = {}
         self.version = 0
+
+    def device_of(self, chunk: int) -> int:
+        return chunk % self.num_devices
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         chunk, within = divmod(offset, self.chunk_bytes)
         return self.chunks[chunk][1][within : within + nbytes]
 
     def grant(self, offset: int, nbytes: int) -> None:
-        memory = self.cupy.cuda.alloc(nbytes)
-        array = self.cupy.ndarray((nbytes,), dtype=self.cupy.uint8, memptr=memory)
-        array.fill(0)
-        self.cupy.cuda.Device().synchronize()  # a client mapping it sees initialized memory
-        self.chunks[offset // self.chunk_bytes] = (memory, torch.as_tensor(array,
-                                                                            device="cuda"))
+        chunk = offset // self.chunk_bytes
+        with self.cupy.cuda.Device(self.device_of(chunk)) as device:
+            memory = self.cupy.cuda.alloc(nbytes)
+            array = self.cupy.ndarray((nbytes,), dtype=self.cupy.uint8, memptr=memory)
+            array.fill(0)
+            device.synchronize()  # a client mapping it sees initialized memory
+            self.chunks[chunk] = (memory, torch.as_tensor(array, device=f"cuda:{device.id}"))
         self.version += 1
 
     def release(self, offset: int, nbytes: int) -> None:
-        self.cupy.cuda.Device().synchronize()  # no copy may still read it
-        self.chunks.pop(offset // self.chunk_bytes, None)  # back to cupy's pool
+        chunk = offset // self.chunk_bytes
+        with self.cupy.cuda.Device(self.device_of(chunk)) as device:
+            device.synchronize()  # no copy may still read it
+        self.chunks.pop(chunk, None)  # back to cupy's pool
         self.version += 1
 
     def descriptor_fields(self) -> dict:
-        handles = {chunk: self.cupy.cuda.runtime.ipcGetMemHandle(memory.ptr)
+        handles = {chunk: (self.device_of(chunk),
+                           self.cupy.cuda.runtime.ipcGetMemHandle(memory.ptr))
                    for chunk, (memory, _) in self.chunks.items()}
         return {"cuda_handle": {"chunk_bytes": self.chunk_bytes, "chunks": handles,
-                                "device": self.cupy.cuda.Device().id,
                                 "version": self.version}}
 
     def close(self) -> None:
@@ -198,6 +220,7 @@ class ArenaOptions:
     use_cuda: bool = False
     shm_prefix: str = "raykv"
     share: Share | None = None
+    num_devices: int = 1  # GPUs the VRAM chunks spread over
 
 
 class MappedArena:
@@ -212,18 +235,33 @@ class MappedArena:
         self.num_slots = capacity_bytes // slot_bytes
         self.slots = ChunkedSlots(self.num_slots, slot_bytes, options.share)
         self.chunk_bytes = self.slots.chunk_bytes
-        self.slots.on_grant = lambda chunk: self._backing.grant(*self._chunk_range(chunk))
-        self.slots.on_release = lambda chunk: self._backing.release(*self._chunk_range(chunk))
+        self._grants: dict[int, int] = {}
+        self.slots.on_grant = self.ready_chunk
+        self.slots.on_release = self._release_chunk
         tag = f"{options.shm_prefix}-{tier}-{uuid.uuid4().hex[:12]}"
-        self._backing = (_CudaChunks(self.chunk_bytes) if options.use_cuda
+        self._backing = (_CudaChunks(self.chunk_bytes, options.num_devices) if options.use_cuda
                          else _ShmSlab(tag, self.num_slots * slot_bytes))
-        self._generations_file = _SharedFile(tag + "-gen",
-                                             round_up(max(1, self.num_slots) * GEN_BYTES))
-        self.generations = np.frombuffer(self._generations_file.mmap, dtype=np.uint64)
+        # One file: a uint64 generation per slot, then a "held" byte per chunk (clients
+        # pre-fault their mapping of held chunks, off their puts' path).
+        table_bytes = max(1, self.num_slots) * GEN_BYTES + self.slots.num_chunks
+        self._generations_file = _SharedFile(tag + "-gen", round_up(table_bytes))
+        table = np.frombuffer(self._generations_file.mmap, dtype=np.uint8)
+        self.generations = table[: self.num_slots * GEN_BYTES].view(np.uint64)
+        self.held = table[self.num_slots * GEN_BYTES :][: self.slots.num_chunks]
 
     def _chunk_range(self, chunk: int) -> tuple[int, int]:
         start = chunk * self.chunk_bytes
         return start, min(self.chunk_bytes, self.num_slots * self.slot_bytes - start)
+
+    def ready_chunk(self, chunk: int) -> None:
+        """Back a chunk with memory, faulted in (any thread: it touches no slot state)."""
+        self._backing.grant(*self._chunk_range(chunk))
+        self._grants[chunk] = self._grants.get(chunk, 0) + 1
+        self.held[chunk] = self._grants[chunk] % 255 + 1  # changes with every grant
+
+    def _release_chunk(self, chunk: int) -> None:
+        self.held[chunk] = 0
+        self._backing.release(*self._chunk_range(chunk))
 
     def alloc(self) -> int | None:
         return self.slots.alloc()
@@ -266,8 +304,12 @@ class ArenaMapping:
 
     def __init__(self, descriptor: ArenaDescriptor):
         self.descriptor = descriptor
-        self.generations = np.frombuffer(_map_file(descriptor.generations_path), dtype=np.uint64)
-        self._populated: set[int] = set()
+        table = np.frombuffer(_map_file(descriptor.generations_path), dtype=np.uint8)
+        num_chunks = -(-descriptor.num_slots * descriptor.slot_bytes
+                       // max(1, descriptor.chunk_bytes))
+        self.generations = table[: descriptor.num_slots * GEN_BYTES].view(np.uint64)
+        self.held = table[descriptor.num_slots * GEN_BYTES :][:num_chunks]
+        self._populated: dict[int, int] = {}  # chunk -> the grant it was faulted in for
         self._mmap: mmap.mmap | None = None
         if descriptor.cuda_handle is not None:
             self._cuda = _map_cuda_chunks(descriptor.cuda_handle)
@@ -280,30 +322,46 @@ class ArenaMapping:
         if self._mmap is None:
             chunk, within = divmod(start, self.descriptor.chunk_bytes)
             return self._cuda[chunk][within : within + self.descriptor.slot_bytes]
-        chunk = start // self.descriptor.chunk_bytes
-        if chunk not in self._populated:
-            self._populated.add(chunk)
-            _advise(self._mmap, MADV_POPULATE_WRITE, chunk * self.descriptor.chunk_bytes,
-                    min(self.descriptor.chunk_bytes, len(self._mmap)
-                        - chunk * self.descriptor.chunk_bytes))
+        # A chunk the background pre-fault has not reached yet is faulted in here, in one
+        # call: far cheaper than a page fault per 4 KiB under the copy.
+        self._fault_in(start // self.descriptor.chunk_bytes)
         return self.tensor[start : start + self.descriptor.slot_bytes]
+
+    def _fault_in(self, chunk: int) -> bool:
+        grant = int(self.held[chunk])
+        if not grant or self._populated.get(chunk) == grant:
+            return False
+        self._populated[chunk] = grant
+        chunk_bytes = self.descriptor.chunk_bytes
+        length = min(chunk_bytes, len(self._mmap) - chunk * chunk_bytes)
+        _populate_range(self.tensor.data_ptr() + chunk * chunk_bytes, length)
+        return True
+
+    def prefault_held(self) -> int:
+        """Fault in this mapping's pages of every chunk the node holds (and has populated)
+        that this mapping has not faulted yet: a first write then runs at memory speed.
+        Returns how many chunks it did. Chunks not held are never touched (the file is
+        sparse: touching them would take memory outside the node's budget)."""
+        if self._mmap is None:
+            return 0
+        return sum(self._fault_in(chunk) for chunk in np.flatnonzero(self.held).tolist())
 
     def generation(self, slot: int) -> int:
         return int(self.generations[slot])
 
 
 def _map_cuda_chunks(handle: dict) -> dict[int, torch.Tensor]:
-    """Open each chunk's CUDA IPC handle (cupy) as a uint8 tensor on the node's GPU."""
+    """Open each chunk's CUDA IPC handle (cupy), on the GPU that holds it, as a uint8 tensor."""
     import cupy
 
     chunks = {}
-    with cupy.cuda.Device(handle["device"]):
-        for chunk, ipc in handle["chunks"].items():
+    for chunk, (device, ipc) in handle["chunks"].items():
+        with cupy.cuda.Device(device):
             pointer = cupy.cuda.runtime.ipcOpenMemHandle(ipc)
             memory = cupy.cuda.UnownedMemory(pointer, handle["chunk_bytes"], owner=None)
             array = cupy.ndarray((handle["chunk_bytes"],), dtype=cupy.uint8,
                                  memptr=cupy.cuda.MemoryPointer(memory, 0))
-            chunks[chunk] = torch.as_tensor(array, device="cuda")
+            chunks[chunk] = torch.as_tensor(array, device=f"cuda:{device}")
     return chunks
 
 
@@ -324,6 +382,11 @@ def _advise_hugepages(mapping: mmap.mmap) -> None:
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def num_cuda_devices() -> int:
+    """GPUs this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def remove_stale_shm(shm_prefix: str) -> int:

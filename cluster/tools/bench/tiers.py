@@ -3,11 +3,13 @@
 For each page size (1, 4, 16 MiB), in one run, the same batch of pages (BATCH_BYTES) moves:
 
     memcpy            np.copyto page by page, touched buffers       (limit of a host get/put)
-    raykv host get    client.get(tokens, out=out) from this process: keys; the node's acquire
-                      and the directory match sent together; np.copyto of each page from the
-                      /dev/shm slab into `out`; release (not awaited)
+    raykv host get    client.get(tokens, out=out) from this process, of a batch it read before:
+                      keys; np.copyto of each page from the slot the client noted into `out`;
+                      each slot's generation checked after (no call to the node on the path)
+    raykv leased get  the same with the client's notes dropped first: the node's acquire and
+                      the directory match sent together, the copies, release (not awaited)
     raykv host put    client.put(tokens, kv) of fresh pages: keys, reserve RPC, np.copyto of
-                      each page into its slot, commit RPC (which flushes to the directory)
+                      each page into its slot, commit RPC (the directory is told after it)
     fio read/write    O_DIRECT psync, block = page, numjobs = disk_threads     (disk limit)
     disk tier         DiskArena.write_pages / read_pages, same page, batch and threads, into
                       4096-aligned buffers: what demotion and promotion run (see disk.py)
@@ -61,12 +63,12 @@ OBJECT_STORE_BYTES = 768 * MiB
 DISK_HEADER_BYTES = 4096
 SPEC = common.LLAMA_8B_KV  # pages of 8, 32 and 128 tokens
 GOALS = {
-    "host_get_vs_memcpy": {"min": 0.6},
-    "host_put_vs_memcpy": {"min": 0.5},
+    "host_get_vs_memcpy": {"min": 0.9},
+    "host_put_vs_memcpy": {"min": 0.8},
     "disk_read_vs_raw": {"min": 0.85},
     "disk_write_vs_raw": {"min": 0.85},
     "host_get_vs_redis": {"min": 10.0},
-    "host_get_vs_ray": {"min": 1.5},
+    "host_get_vs_ray": {"min": 1.0},
 }
 
 
@@ -141,6 +143,11 @@ class Session:
         num_tokens, _ = self.client.get(_tokens(self.plan, batch), out=self.out)
         if num_tokens != self.plan.batch_tokens:
             raise RuntimeError(f"get returned {num_tokens} of {self.plan.batch_tokens} tokens")
+
+    def get_leased(self, batch: int) -> None:
+        """A get that asks the node (acquire + match): the client's slot notes dropped."""
+        self.client.view.slabs.forget(self.client.keys(_tokens(self.plan, batch)))
+        self.get_batch(batch)
 
     def check_batch(self, batch: int) -> None:
         """Get a batch into a zeroed out and compare every byte with what was put."""
@@ -253,6 +260,7 @@ def _host_round(session: Session) -> dict[str, float]:
     plan = session.plan
     memcpy = peers.memcpy_gbps(plan.page_bytes, plan.num_pages)
     get_s = common.median_s(lambda: session.get_batch(0), GET_REPS)
+    leased_s = common.median_s(lambda: session.get_leased(0), GET_REPS)
     put_s = common.median_s(session.put_batch, PUT_REPS)
     phases = get_phases_s(session)
     put_phases = [put_phases_s(session) for _ in range(PUT_REPS)]
@@ -260,6 +268,7 @@ def _host_round(session: Session) -> dict[str, float]:
                    for name in put_phases[0]})
     return {"memcpy": memcpy, "get": plan.batch_bytes / get_s / 1e9,
             "put": plan.batch_bytes / put_s / 1e9, "get_ms": get_s * 1e3,
+            "leased_get": plan.batch_bytes / leased_s / 1e9, "leased_get_ms": leased_s * 1e3,
             "put_ms": put_s * 1e3, **{f"{name}_ms": s * 1e3 for name, s in phases.items()}}
 
 
@@ -350,6 +359,7 @@ def summarise(per_size: dict[str, dict]) -> tuple[dict, dict]:
 # ---- report --------------------------------------------------------------------------------
 
 GBPS_ROWS = [("memcpy", "memcpy (limit)"), ("host_get", "raykv host get"),
+             ("leased_get", "raykv host get, leased (acquire + match)"),
              ("host_put", "raykv host put"), ("fio_read", "fio O_DIRECT randread"),
              ("arena_read", "raykv disk tier read"), ("fio_write", "fio O_DIRECT randwrite"),
              ("arena_write", "raykv disk tier write"),
@@ -357,7 +367,8 @@ GBPS_ROWS = [("memcpy", "memcpy (limit)"), ("host_get", "raykv host get"),
              ("disk_e2e_put", "raykv put + demote (e2e)"), ("redis_get", "redis GET + copy"),
              ("redis_set", "redis SET"), ("ray_get", "ray.get + copy (same proc)"),
              ("ray_remote_get", "ray.get + copy (other worker)"), ("ray_put", "ray.put")]
-MS_ROWS = [("get_ms", "host get of one batch"), ("keys_ms", "  keys"),
+MS_ROWS = [("get_ms", "host get of one batch"), ("leased_get_ms", "leased get of one batch"),
+           ("keys_ms", "  keys"),
            ("acquire_ms", "  acquire RPC alone"), ("match_ms", "  directory match alone"),
            ("acquire_and_match_ms", "  acquire + match together"),
            ("get_copies_ms", "  copies slab -> out"),
@@ -365,16 +376,18 @@ MS_ROWS = [("get_ms", "host get of one batch"), ("keys_ms", "  keys"),
            ("put_ms", "host put of one batch"), ("put_keys_ms", "  keys"),
            ("reserve_ms", "  reserve RPC"), ("put_copies_ms", "  copies kv -> fresh slots"),
            ("put_copies_rewrite_ms", "    same copies again (touched)"),
-           ("commit_ms", "  commit RPC (+ flush)"), ("arena_checksum_ms", "disk: checksums")]
+           ("commit_ms", "  commit RPC"), ("arena_checksum_ms", "disk: checksums")]
 
 NOTES = [
     f"ratios are taken at the {RATIO_PAGE_MIB} MiB page size (ratios_geomean: the geometric "
     "mean over the page sizes run)",
     "host_get/put_vs_memcpy: median over rounds of (raykv GB/s / peers.memcpy_gbps GB/s), "
     "memcpy timed right before raykv in each round; a get is one client.get(tokens, out=out) "
-    "of a whole batch into a touched tensor, timed in this client process; a put is one "
-    "client.put of fresh pages (reserve RPC, copies, commit RPC, which flushes to the "
-    "directory)",
+    "of a whole batch into a touched tensor, timed in this client process, of a batch the "
+    "client read before (optimistic: copies from the slots it noted, generations checked "
+    "after, no call to the node); leased_get: the same get with those notes dropped first "
+    "(acquire + match, copies, release); a put is one client.put of fresh pages (reserve "
+    "RPC, copies, commit RPC; the node tells the directory after answering)",
     "phases (*_ms, medians): each step of the get of batch 0 and of fresh puts, timed alone "
     "through the calls the client makes: keys; the node's acquire RPC; the directory match; "
     "both sent together (what the get waits for); np.copyto of the pages slab -> out "
