@@ -33,9 +33,9 @@ class CacheView:
     peers: PeerCache
     slabs: LocalSlabs | None = None
     namespace: str = ""
-    fetch_s: float = 0.0  # the last get's time fetching remote pages (0: none fetched)
     transport: Transport = field(default_factory=TcpTransport)
     call_timeout_s: float = 10.0
+    fetch_s: float = 0.0  # the last get's time fetching remote pages (0: none fetched)
     counters: dict[str, int] = field(default_factory=lambda: {
         "put_tokens": 0, "get_tokens": 0, "lookups": 0, "local_pages": 0, "remote_pages": 0,
         "optimistic_pages": 0, "stale_hints": 0, "failed_calls": 0, "torn_reads": 0})
