@@ -55,14 +55,16 @@ def default_policy(config: CacheConfig) -> Policy:
 
 
 def node_load(node_id: str, stats: dict, config: CacheConfig) -> NodeLoad:
-    """A node actor's stats as the policies see them: requests served (local gets and exports
-    to other nodes), and its memory tiers' use against their budget.
+    """A node actor's stats as the policies see them: requests served (gets through the actor,
+    gets its clients made straight from shared memory, and requests its page server served
+    other nodes), and its memory tiers' use against their budget.
 
     With the elastic pool, the node reports its tiers' capacity and what is held
     (stats["memory"]["tiers"]). Without it, every page geometry (pool) gets the whole
     per-tier budgets, so the budget is `num_pools` times the configured one.
     """
-    num_requests = stats["gets"] + stats.get("export_calls", 0)
+    num_requests = (stats["gets"] + stats.get("optimistic_reads", 0)
+                    + stats.get("dataplane", {}).get("requests", 0))
     tiers = (stats.get("memory") or {}).get("tiers")
     if tiers:
         memory = [tiers[name] for name in ("device", "host") if name in tiers]

@@ -194,9 +194,9 @@ class NodeHandle:
         """A ref to the node's data-plane Endpoint (where its page server listens)."""
         return self.actor.dataplane.remote()
 
-    def touch(self, geometry: PageGeometry, keys: list[PageKey]):
+    def touch(self, geometry: PageGeometry, keys: list[PageKey], num_reads: int = 1):
         """Report pages read optimistically (without a lease), for eviction and hit counts."""
-        return self.actor.touch.remote(geometry, keys)
+        return self.actor.touch.remote(geometry, keys, num_reads)
 
     def set_registry(self, registry):
         return self.actor.set_registry.remote(registry)

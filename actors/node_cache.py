@@ -211,11 +211,12 @@ class NodeCacheActor:
         await self.ready()
         self.store.release(lease_id)
 
-    async def touch(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+    async def touch(self, geometry: PageGeometry, keys: list[PageKey], num_reads: int = 1) -> int:
         """Accesses that clients read without a lease (optimistic reads, generation-checked):
-        the eviction policy and the hit counters hear of them, after the fact."""
+        the eviction policy and the hit counters hear of them, after the fact; `num_reads`
+        gets made them (the requests this node served)."""
         await self.ready()
-        return await self.store.touch(geometry, keys)
+        return await self.store.touch(geometry, keys, num_reads)
 
     # ---- other nodes (the data plane) and clients without shared memory (Ray objects) ----
 

@@ -238,15 +238,25 @@ def _tier_totals(nodes: list[dict]) -> dict:
     return totals
 
 
-def _top_prefixes(config: CacheConfig) -> list[dict]:
+def _top_prefixes(config: CacheConfig, limit: int = 10) -> list[dict]:
+    """The prefixes asked for most lately, over all shards: deepest key, pages, requests and
+    how many nodes hold all of it."""
     directory = DirectoryHandle.lookup(config)
-    hot = getattr(directory, "hot_prefixes", None)
-    if hot is None:
-        return []
     try:
-        return ray.get(hot(), timeout=START_TIMEOUT_S)
+        loads = [load for shard in ray.get(directory.hot_prefixes(limit),
+                                           timeout=START_TIMEOUT_S) for load in shard]
     except (ray.exceptions.RayError, TimeoutError):
         return []
+    merged: dict[bytes, dict] = {}
+    for load in loads:  # a prefix's keys are spread over the shards: add its shares up
+        row = merged.setdefault(load.prefix_id, {"key": load.prefix_id.hex(), "pages": 0,
+                                                 "requests": 0, "nodes": None})
+        row["pages"] += len(load.keys)
+        row["requests"] = max(row["requests"], load.num_requests)
+        holders = set(load.holders)
+        row["nodes"] = holders if row["nodes"] is None else row["nodes"] & holders
+    rows = sorted(merged.values(), key=lambda r: -r["requests"])[:limit]
+    return [{**row, "nodes": len(row["nodes"])} for row in rows]
 
 
 def _registry_use(config: CacheConfig, nodes: list[dict]) -> dict:

@@ -246,6 +246,7 @@ class KVClient:
         return len(located) * self.page_tokens
 
     def _stats(self) -> Steps[dict]:
+        self.view.flush_touched()  # so that the node's hits include this client's reads
         refs = [self.view.home.stats(), *self.view.directory.stats()]
         node, *directory = yield Wait(refs)
         return {"client": dict(self.counters), "node": _or_error(node),

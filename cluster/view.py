@@ -41,6 +41,7 @@ class CacheView:
         "optimistic_pages": 0, "stale_hints": 0, "failed_calls": 0, "torn_reads": 0})
     _touched: list[PageKey] = field(default_factory=list)
     _touched_at_s: float = field(default_factory=time.monotonic)
+    _touched_reads: int = 0  # gets whose pages are in _touched
 
     @property
     def local(self) -> NodeHandle | None:
@@ -61,11 +62,17 @@ class CacheView:
     def note_touched(self, keys: list[PageKey]) -> None:
         """Pages read without a lease: told to this node in batches, fire and forget."""
         self._touched.extend(keys)
-        now_s = time.monotonic()
-        if self.local is None or now_s - self._touched_at_s < TOUCH_EVERY_S:
+        self._touched_reads += 1 if keys else 0
+        if time.monotonic() - self._touched_at_s >= TOUCH_EVERY_S:
+            self.flush_touched()
+
+    def flush_touched(self) -> None:
+        """Tell this node of the pages read without a lease so far (fire and forget)."""
+        if self.local is None or not self._touched:
             return
-        keys, self._touched, self._touched_at_s = self._touched, [], now_s
-        self.local.touch(self.geometry, list(dict.fromkeys(keys)))
+        keys, self._touched, self._touched_at_s = self._touched, [], time.monotonic()
+        reads, self._touched_reads = self._touched_reads, 0
+        self.local.touch(self.geometry, list(dict.fromkeys(keys)), reads)
 
     def endpoints(self, node_ids: list[str]) -> Steps[dict[str, Endpoint | None]]:
         """The data-plane endpoints of these nodes: cached, else asked of their actors."""

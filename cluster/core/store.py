@@ -85,7 +85,7 @@ class NodeStore:
         self.counters = {"puts": 0, "gets": 0, "hits_pages": 0, "misses_pages": 0,
                          "hits_device": 0, "hits_host": 0, "hits_disk": 0,
                          "expired_reservations": 0, "expired_leases": 0,
-                         "optimistic_hits_pages": 0}
+                         "optimistic_hits_pages": 0, "optimistic_reads": 0}
 
     # ---- pools ---------------------------------------------------------------------------
 
@@ -263,16 +263,20 @@ class NodeStore:
         if lease is not None:
             self.pool(lease.geometry).release(lease.keys)
 
-    async def touch(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
+    async def touch(self, geometry: PageGeometry, keys: list[PageKey], num_reads: int = 1) -> int:
         """Count reads that clients made without a lease (optimistic, generation-checked):
         the eviction policy sees them as accesses, and they move up a tier as an acquire's
         pages do. Returns how many pages are still here."""
         pool = self.pools.get(geometry)
         if pool is None:
             return 0
-        found = pool.touch(keys)
+        tiers = pool.touch(keys)
         await pool.promote_many(keys)
+        for tier in tiers:
+            self.counters[f"hits_{TIER_NAMES[tier]}"] += 1
+        found = len(tiers)
         self.counters["optimistic_hits_pages"] += found
+        self.counters["optimistic_reads"] += num_reads
         self.counters["hits_pages"] += found
         return found
 

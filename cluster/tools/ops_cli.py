@@ -125,10 +125,10 @@ def _prefix_table(report: dict) -> Table | None:
     if not prefixes:
         return None
     table = Table(title="top prefixes (by recent lookups)")
-    for column in ("prefix (last key)", "pages", "lookups/s", "nodes"):
+    for column in ("prefix (last key)", "pages", "requests", "nodes"):
         table.add_column(column, justify="left" if column.startswith("prefix") else "right")
     for prefix in prefixes:
-        table.add_row(prefix["key"][:16], str(prefix["pages"]), f"{prefix['rate']:.2f}",
+        table.add_row(prefix["key"][:16], str(prefix["pages"]), str(prefix["requests"]),
                       str(prefix["nodes"]))
     return table
 

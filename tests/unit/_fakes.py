@@ -80,7 +80,7 @@ class FakeNode:
     def pull(self, geometry: PageGeometry, remote: dict, namespace: str = ""):
         return self._call("pull", sum(len(keys) for keys in remote.values()))
 
-    def touch(self, geometry: PageGeometry, keys: list):
+    def touch(self, geometry: PageGeometry, keys: list, num_reads: int = 1):
         self.touched = getattr(self, "touched", []) + list(keys)
         return self._call("touch", len(keys))
 

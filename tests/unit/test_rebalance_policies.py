@@ -252,7 +252,8 @@ def test_node_load_reads_the_elastic_pool_or_the_per_pool_budgets():
     from cluster.core.config import CacheConfig
 
     config = CacheConfig(device_bytes=2 * MiB, host_bytes=8 * MiB)
-    per_pool = {"gets": 7, "export_calls": 3, "num_pools": 2,
+    # Gets through the actor, gets straight from shared memory, the page server's requests.
+    per_pool = {"gets": 5, "optimistic_reads": 2, "dataplane": {"requests": 3}, "num_pools": 2,
                 "bytes": {"device": 1 * MiB, "host": 5 * MiB, "disk": 9 * MiB}}
     assert node_load("a", per_pool, config) == NodeLoad("a", 10, 6 * MiB, 20 * MiB)
     elastic = {**per_pool, "memory": {"tiers": {

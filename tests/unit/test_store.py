@@ -380,7 +380,7 @@ def test_stats_figures(stores):
         "leases": 1, "reservations": 0, "puts": 5, "gets": 1, "hits_pages": 2,
         "hits_device": 2, "hits_host": 0, "hits_disk": 0,  # where each hit was found
         "misses_pages": 1, "expired_reservations": 0, "expired_leases": 0,
-            "optimistic_hits_pages": 0,
+            "optimistic_hits_pages": 0, "optimistic_reads": 0,
         "disk_bytes_read": 0, "disk_bytes_written": DISK_SLOT_BYTES,  # one page, header incl.
         "evictions": {"device": 3, "host": 1, "disk": 0}, "disk_read_us_per_token": 0.0,
     }
