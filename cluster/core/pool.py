@@ -276,16 +276,17 @@ class Pool:
         self.policies[entry.tier].on_access(key)
         return entry.tier, entry.slot, self.memory[entry.tier].generation(entry.slot)
 
-    def touch(self, keys: list[PageKey]) -> int:
-        """Note an access to each ready memory page among `keys`; returns how many."""
+    def touch(self, keys: list[PageKey]) -> list[int]:
+        """Note an access to each ready memory page among `keys`; returns the tier of each
+        one found."""
         self.last_access_s = time.monotonic()
-        found = 0
+        tiers: list[int] = []
         for key in keys:
             entry = self.index.get(key)
             if entry is not None and entry.state == State.READY and entry.tier != DISK:
                 self.policies[entry.tier].on_access(key)
-                found += 1
-        return found
+                tiers.append(entry.tier)
+        return tiers
 
     def release(self, keys: list[PageKey]) -> None:
         for key in keys:

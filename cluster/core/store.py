@@ -270,8 +270,11 @@ class NodeStore:
         pool = self.pools.get(geometry)
         if pool is None:
             return 0
-        found = pool.touch(keys)
+        tiers = pool.touch(keys)
         await pool.promote_many(keys)
+        for tier in tiers:
+            self.counters[f"hits_{TIER_NAMES[tier]}"] += 1
+        found = len(tiers)
         self.counters["optimistic_hits_pages"] += found
         self.counters["hits_pages"] += found
         return found

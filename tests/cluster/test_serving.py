@@ -194,3 +194,15 @@ def test_a_body_past_the_limit_is_refused_unread(secure):
     chunked = requests.post(secure + "/v1/completions", headers=headers, timeout=60,
                             data=(big[i:i + 1000] for i in range(0, len(big), 1000)))
     assert chunked.status_code == 413, chunked.text
+
+
+def test_http_fuzz_gets_only_documented_statuses_and_the_app_lives(secure):
+    """Malformed JSON, wrong types, unknown models, huge prompts, odd methods, paths, keys and
+    namespaces (cluster/tools/fuzz.py): every reply a documented status in OpenAI's error shape,
+    never a 500 or a hang, and a good request still served at the end."""
+    from cluster.tools.fuzz import run_http_fuzz
+
+    assert run_http_fuzz(secure, "key-a", HTTP_FUZZ_CASES) >= HTTP_FUZZ_CASES * 0.95
+
+
+HTTP_FUZZ_CASES = 2500
