@@ -17,6 +17,7 @@ import logging
 import ray
 
 from actors.handles import DirectoryHandle, NodeHandle
+from cluster.core import secrets
 from cluster.core.config import CacheConfig
 from cluster.core.loops import BackgroundLoops
 from cluster.core.membership import dead_nodes, kv_nodes
@@ -43,6 +44,10 @@ class Controller:
         self._registry = Registry(self.config.page_tokens)
         for namespace in self.config.namespaces:
             self._registry.add_namespace(namespace)
+        self._master, source = secrets.load_master(
+            self.config.disk_dir, self.config.redis_url,
+            f"raykv:{self.config.ray_namespace}:key-secret")
+        log.info("key chain's master secret from %s", source)
 
     async def sync_members(self) -> dict:
         """One membership pass now (start() waits on it); starts the loop once.
@@ -105,6 +110,12 @@ class Controller:
         self._registry.add_namespace(name, quota)
         await self._push()
         return self._registry.describe()
+
+    async def namespace_secret(self, name: str) -> bytes:
+        """The namespace's key-chain secret (for its clients and the ingress that serves it);
+        ValueError for a namespace not registered."""
+        self._registry.check_namespace(name)
+        return secrets.namespace_secret(self._master, name)
 
     async def _push(self) -> None:
         replies = await asyncio.gather(*(node.set_registry(self._registry)

@@ -276,6 +276,9 @@ class ControllerHandle:
     def add_namespace(self, name: str, quota):
         return self.actor.add_namespace.remote(name, quota)
 
+    def namespace_secret(self, name: str):
+        return self.actor.namespace_secret.remote(name)
+
     def stats(self):
         return self.actor.stats.remote()
 

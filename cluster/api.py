@@ -11,6 +11,7 @@ from actors.handles import ControllerHandle, ControlLoopHandle, DirectoryHandle,
 from cluster.core.config import CacheConfig
 from cluster.core.dataplane.connections import close_shared_pool
 from cluster.core.geometry import PageGeometry
+from cluster.core.keys import KeyChain
 from cluster.core.membership import kv_nodes
 from cluster.core.registry import Registry
 from cluster.core.spec import ModelSpec
@@ -111,7 +112,18 @@ def connect(spec: ModelSpec, namespace: str = "default"):
         _unwrap(_controller(config).register_model(spec, None))
     home = _home_node(config)
     _unwrap(home.open_pool(PageGeometry.of(spec, config.page_tokens)))
-    return KVClient(spec, namespace, config, DirectoryHandle.lookup(config), home)
+    secret = _unwrap(_controller(config).namespace_secret(namespace))
+    return KVClient(spec, namespace, config, DirectoryHandle.lookup(config), home, secret)
+
+
+def key_chain(spec: ModelSpec, namespace: str = "default",
+              page_tokens: int | None = None) -> KeyChain:
+    """The page keys of one model and namespace on the running service, its secret included
+    (what the ingress and routers key prompts with); `page_tokens` defaults to the service's.
+    ValueError for an unknown namespace."""
+    config = running_config()
+    secret = _unwrap(_controller(config).namespace_secret(namespace))
+    return KeyChain.of(spec, namespace, page_tokens or config.page_tokens, secret)
 
 
 def _unwrap(ref):

@@ -25,7 +25,7 @@ from cluster.core.config import CacheConfig
 from cluster.core.copies import copy_pages
 from cluster.core.dataplane.transport import make_transport
 from cluster.core.geometry import PageGeometry
-from cluster.core.keys import PageKey, page_keys
+from cluster.core.keys import KeyChain, PageKey
 from cluster.core.kvcheck import check_kv, check_out, page_slices
 from cluster.core.spec import ModelSpec
 from cluster.fetch import fetch_prefix, located_prefix
@@ -39,9 +39,12 @@ class KVClient:
     """put / lookup / get / prefetch / stats for one model and namespace (and a*-variants)."""
 
     def __init__(self, spec: ModelSpec, namespace: str, config: CacheConfig,
-                 directory: DirectoryHandle, home: NodeHandle):
+                 directory: DirectoryHandle, home: NodeHandle, secret: bytes = b""):
+        """`secret`: the namespace's key-chain secret (connect() gets it from the controller;
+        see cluster/core/secrets.py)."""
         self.spec = spec
         self.namespace = namespace
+        self.chain = KeyChain.of(spec, namespace, config.page_tokens, secret)
         self.config = config
         self.page_tokens = config.page_tokens
         self.geometry = PageGeometry.of(spec, config.page_tokens)
@@ -75,7 +78,8 @@ class KVClient:
         return run_sync(self._locate(keys), self.timeout_s)
 
     def keys(self, tokens: object) -> list[PageKey]:
-        return page_keys(self.spec, self.namespace, self.page_tokens, tokens)
+        """The page keys of `tokens` in this client's namespace (its secret included)."""
+        return self.chain.keys(tokens)
 
     # ---- the public calls ----------------------------------------------------------------
 

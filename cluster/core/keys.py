@@ -1,8 +1,14 @@
 """Page keys: one chained hash over full pages of tokens.
 
-    ns      = H("raykv-ns-v1" | model geometry | namespace | page_tokens)
+    ns      = H("raykv-ns-v2" | namespace secret | model geometry | namespace | page_tokens)
     key_0   = H(ns     | tokens[0:T])
     key_i   = H(key_i-1 | tokens[i*T:(i+1)*T])
+
+The namespace secret (cluster/core/secrets.py) is a MAC of the namespace's name under the
+service's master secret: without it no one can compute a tenant's keys, so no one can probe
+whether a tenant holds a prefix. A running service always keys with it (a client gets its
+namespace's secret from the controller when it connects); b"" is for tools and tests that key
+pages offline.
 
 H is blake3 truncated to 16 bytes over canonical bytes (tokens as little-endian uint32), so
 every process and node computes the same keys regardless of PYTHONHASHSEED. Only full pages
@@ -17,6 +23,7 @@ written and read, and a mismatch is merely a miss, so it takes the fastest good 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NewType
 
 import blake3
@@ -37,10 +44,13 @@ def page_hash(*parts: bytes) -> PageKey:
     return PageKey(hasher.digest(KEY_BYTES))
 
 
-def namespace_key(spec: ModelSpec, namespace: str, page_tokens: int) -> PageKey:
-    """The chain's root: model geometry, tenant namespace and page size."""
+def namespace_key(spec: ModelSpec, namespace: str, page_tokens: int,
+                  secret: bytes = b"") -> PageKey:
+    """The chain's root: the namespace's secret, model geometry, namespace and page size."""
     return page_hash(
-        b"raykv-ns-v1|",
+        b"raykv-ns-v2|",
+        len(secret).to_bytes(2, "little"),
+        secret,
         spec.canonical_bytes(),
         b"|",
         namespace.encode(),
@@ -103,12 +113,28 @@ def chain_keys(tokens: np.ndarray, root: PageKey, page_tokens: int) -> list[Page
     return keys
 
 
-def page_keys(spec: ModelSpec, namespace: str, page_tokens: int, tokens: object) -> list[PageKey]:
+def page_keys(spec: ModelSpec, namespace: str, page_tokens: int, tokens: object,
+              secret: bytes = b"") -> list[PageKey]:
     """Validate `tokens` and return the keys of their full pages."""
-    if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens <= 0:
-        raise ValueError(f"page_tokens must be a positive int, got {page_tokens!r}")
-    return chain_keys(canonical_tokens(tokens), namespace_key(spec, namespace, page_tokens),
-                      page_tokens)
+    return KeyChain.of(spec, namespace, page_tokens, secret).keys(tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyChain:
+    """The keys of one model, namespace (with its secret) and page size: the root once."""
+
+    page_tokens: int
+    root: PageKey
+
+    @staticmethod
+    def of(spec: ModelSpec, namespace: str, page_tokens: int, secret: bytes = b"") -> KeyChain:
+        if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens <= 0:
+            raise ValueError(f"page_tokens must be a positive int, got {page_tokens!r}")
+        return KeyChain(page_tokens, namespace_key(spec, namespace, page_tokens, secret))
+
+    def keys(self, tokens: object) -> list[PageKey]:
+        """Validate `tokens` and return the keys of their full pages."""
+        return chain_keys(canonical_tokens(tokens), self.root, self.page_tokens)
 
 
 def shard_of(key: PageKey, num_shards: int) -> int:

@@ -17,6 +17,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -29,8 +30,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.api import quotas, running_config
-from cluster.core.keys import page_keys
+from cluster.api import key_chain, running_config
+from cluster.core.keys import KeyChain
 from cluster.core.spec import ModelSpec
 from cluster.serving import access, protocol, tokenizer
 from cluster.serving.access import Access
@@ -42,6 +43,8 @@ log = logging.getLogger("raykv.ingress")
 app = FastAPI(title="raykv", docs_url=None, redoc_url=None)
 app.add_middleware(access.AccessMiddleware)
 RETRY_AFTER_S = 1
+NAMESPACE_REFRESH_S = 1.0
+MAX_UNKNOWN_NAMESPACES = 4096
 RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
@@ -180,7 +183,8 @@ class Ingress:
         self.engine = engine.options(stream=True)
         self.spec = spec
         self.config = running_config()
-        self.namespaces = set(self.config.namespaces)
+        self.chains: dict[str, KeyChain] = {}  # namespace -> its key chain (secret inside)
+        self.unknown: dict[str, float] = {}  # namespace -> when the controller refused it
         self.max_context_tokens = settings.max_context_tokens
         self.default_max_tokens = settings.default_max_tokens
         admission = settings.admission
@@ -237,11 +241,7 @@ class Ingress:
                            f"serves `{self.spec.name}`.", "invalid_request_error",
                            "model_not_found", "model")
         namespace = _namespace(request)
-        if namespace not in self.namespaces:  # added at run time? ask once more
-            self.namespaces = set((await asyncio.to_thread(quotas))["namespaces"])
-        if namespace not in self.namespaces:
-            raise ApiError(400, f"unknown namespace {namespace!r}", "invalid_request_error",
-                           "unknown_namespace")
+        chain = await self._chain(namespace)
         tokens = tokenizer.encode(prompt)
         params = body.sampling(self.default_max_tokens)
         if len(tokens) + params.max_tokens > self.max_context_tokens:
@@ -249,9 +249,30 @@ class Ingress:
                            f"{self.max_context_tokens} tokens; the prompt has {len(tokens)} "
                            f"and max_tokens asks for {params.max_tokens}.",
                            "invalid_request_error", "context_length_exceeded", "messages")
-        keys = page_keys(self.spec, namespace, self.config.page_tokens, tokens)
+        keys = chain.keys(tokens)
         return GenerationRequest(prompt, tokens, params, namespace, b"".join(keys),
                                  body.user or "")
+
+    async def _chain(self, namespace: str) -> KeyChain:
+        """The namespace's key chain, asked of the controller the first time; an unknown
+        namespace is a 400 (and is not asked about again for NAMESPACE_REFRESH_S: one added
+        at run time is served within that)."""
+        chain = self.chains.get(namespace)
+        if chain is not None:
+            return chain
+        now_s = time.monotonic()
+        if now_s - self.unknown.get(namespace, -NAMESPACE_REFRESH_S) >= NAMESPACE_REFRESH_S:
+            try:
+                chain = await asyncio.to_thread(key_chain, self.spec, namespace)
+            except ValueError:
+                if len(self.unknown) >= MAX_UNKNOWN_NAMESPACES:
+                    self.unknown.clear()
+                self.unknown[namespace] = now_s
+        if chain is None:
+            raise ApiError(400, f"unknown namespace {namespace!r}", "invalid_request_error",
+                           "unknown_namespace")
+        self.chains[namespace] = chain
+        return chain
 
     def _call(self, generation: GenerationRequest):
         try:

@@ -4,21 +4,50 @@ front of Ray Serve LLM's vLLM engines (their requests have `.prompt` or `.messag
 The prompt is tokenized as vLLM does it: a completion's text with the tokenizer's own special
 tokens, a chat rendered by the tokenizer's chat template (with the generation prompt) and then
 encoded without adding any; its full pages are keyed with the model's KV geometry and the
-namespace, exactly as RaykvConnector keys them, so the router finds the connector's pages.
+namespace, exactly as RaykvConnector keys them, so the router finds the connector's pages:
+with the namespace's secret, asked of the running service the first time (when it cannot be
+had, requests are routed without keys).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from functools import cached_property
 
-from cluster.core.keys import page_keys
+from cluster.core.keys import KeyChain
 from cluster.core.spec import ModelSpec
+
+log = logging.getLogger("raykv.router")
+RETRY_S = 10.0
 
 
 class PromptKeys:
-    def __init__(self, tokenizer_dir: str, spec: ModelSpec, namespace: str, page_tokens: int):
+    def __init__(self, tokenizer_dir: str, spec: ModelSpec, namespace: str, page_tokens: int,
+                 secret: bytes | None = None):
+        """`secret`: the namespace's key-chain secret; None asks the running service."""
         self.tokenizer_dir, self.spec = tokenizer_dir, spec
         self.namespace, self.page_tokens = namespace, page_tokens
+        self.secret = secret
+        self._chain: KeyChain | None = None
+        self._failed_s = -RETRY_S
+
+    @property
+    def chain(self) -> KeyChain | None:
+        """The key chain; None while the service cannot give the secret (asked again after
+        RETRY_S)."""
+        if self._chain is None and self.secret is not None:
+            self._chain = KeyChain.of(self.spec, self.namespace, self.page_tokens, self.secret)
+        if self._chain is None and time.monotonic() - self._failed_s >= RETRY_S:
+            from cluster.api import key_chain
+
+            try:
+                self._chain = key_chain(self.spec, self.namespace, self.page_tokens)
+            except Exception as error:  # raykv not running here: route without keys
+                self._failed_s = time.monotonic()
+                log.warning("no key chain for namespace %r (%s): routing without keys",
+                            self.namespace, error)
+        return self._chain
 
     @cached_property
     def tokenizer(self):
@@ -49,5 +78,5 @@ class PromptKeys:
             ids = self.token_ids(request)
         except Exception:  # a prompt the tokenizer cannot take: route without keys
             return b""
-        return b"".join(page_keys(self.spec, self.namespace, self.page_tokens, ids)) if ids \
-            else b""
+        chain = self.chain
+        return b"".join(chain.keys(ids)) if ids and chain is not None else b""

@@ -11,7 +11,6 @@ import torch
 from cluster import ModelSpec, connect
 from cluster.calls import run_sync
 from cluster.core.geometry import PageGeometry
-from cluster.core.keys import page_keys
 from tests.kv import kv_for
 
 TINY = ModelSpec.preset("tiny-llama")
@@ -88,7 +87,7 @@ def test_pinned_page_survives_pressure(service):
     client = connect(TINY)
     fill(client, 2)  # 4 pages: host is full
     geometry = PageGeometry.of(TINY, 16)
-    keys = page_keys(TINY, "default", 16, prompt(0))
+    keys = client.keys(prompt(0))
     epoch, lease_id, slots = ray.get(client.local.acquire(geometry, keys))
     assert run_sync(client.view.slabs.ensure(epoch), 10)
     assert len(slots) == 2

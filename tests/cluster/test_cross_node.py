@@ -10,7 +10,7 @@ import torch
 from actors.handles import ControllerHandle, NodeHandle
 from cluster import CacheConfig, ModelSpec, start
 from cluster.core.geometry import PageGeometry
-from cluster.core.keys import page_keys
+from cluster.api import key_chain
 from tests.cluster.conftest import node_args, node_id_of, wait_until
 from tests.cluster.replica import replica_on
 from tests.kv import kv_for
@@ -99,7 +99,7 @@ def test_prefetch_pulls_remote_pages_into_local_host(nodes):
 def test_concurrent_requests_share_one_pull(nodes):
     tokens, kv = list(range(500, 628)), kv_for(TINY, 128, seed=4)
     put_on(nodes["ra"], tokens, kv)
-    keys = page_keys(TINY, "default", 16, tokens)
+    keys = key_chain(TINY).keys(tokens)
     requests_before = node_stats(nodes["a"])["dataplane"]["requests"]
     b_node = NodeHandle.lookup(nodes["b"], CacheConfig())
     pulled = ray.get([b_node.pull(GEOMETRY, {nodes["a"]: keys}) for _ in range(6)])
@@ -118,7 +118,7 @@ def test_concurrent_gets_from_replicas_are_each_served_and_pulled_once(nodes):
     assert all(n == 64 and torch.equal(got, kv) for n, got in results)
     # B's node keeps one copy, however many replicas fetched the pages.
     wait_until(lambda: node_stats(nodes["b"])["pages"]["host"] >= 4, 10, "B's pull")
-    keys = page_keys(TINY, "default", 16, tokens)
+    keys = key_chain(TINY).keys(tokens)
     b_node = NodeHandle.lookup(nodes["b"], CacheConfig())
     assert ray.get(b_node.pull(GEOMETRY, {nodes["a"]: keys})) == 0  # all here already
 

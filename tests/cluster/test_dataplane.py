@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.handles import NodeHandle
 from cluster import CacheConfig, ModelSpec, start, stop
 from cluster.core.geometry import PageGeometry
-from cluster.core.keys import page_keys
+from cluster.api import key_chain
 from tests.cluster.conftest import node_id_of, wait_until
 from tests.cluster.replica import replica_on
 from tests.kv import kv_for
@@ -96,7 +96,7 @@ def test_gets_go_through_the_data_plane_on_reused_connections(nodes):
 
 def test_replication_pulls_through_the_page_servers(nodes):
     tokens, kv = put_on_a(nodes, 20_000, seed=7)
-    keys = page_keys(TINY, "default", 16, tokens)
+    keys = key_chain(TINY).keys(tokens)
     c = node_id_of("node_c")
     assert ray.get(node(c).pull(GEOMETRY, {nodes["a"]: keys})) == 4
     assert stats(c)["pulled_pages"] >= 4

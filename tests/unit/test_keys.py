@@ -52,13 +52,17 @@ def test_keys_identical_across_processes_with_different_hash_seeds():
 
 
 def test_key_matches_the_documented_formula():
-    root = blake3.blake3(b"raykv-ns-v1|tiny|2|2|16|float32|default|4").digest(KEY_BYTES)
-    assert namespace_key(SPEC, "default", PAGE_TOKENS) == root
+    secret = bytes(range(32))
+    root = blake3.blake3(b"raykv-ns-v2|\x20\x00" + secret +
+                         b"tiny|2|2|16|float32|default|4").digest(KEY_BYTES)
+    assert namespace_key(SPEC, "default", PAGE_TOKENS, secret) == root
+    unkeyed = blake3.blake3(b"raykv-ns-v2|\x00\x00tiny|2|2|16|float32|default|4")
+    assert namespace_key(SPEC, "default", PAGE_TOKENS) == unkeyed.digest(KEY_BYTES)
     page0 = np.arange(100, 104, dtype="<u4").tobytes()
     page1 = np.arange(104, 108, dtype="<u4").tobytes()
     key0 = blake3.blake3(root + page0).digest(KEY_BYTES)
     key1 = blake3.blake3(key0 + page1).digest(KEY_BYTES)
-    keys = keys_of(TOKENS)
+    keys = page_keys(SPEC, "default", PAGE_TOKENS, TOKENS, secret)
     assert keys[:2] == [key0, key1]
     assert all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys)
     assert page_hash(b"a", b"bc") == page_hash(b"abc")

@@ -42,11 +42,11 @@ def test_the_raykv_router_is_configured_from_the_model_dir(model_dir):
 
 def test_prompts_and_chats_are_keyed_like_the_connector(model_dir):
     spec = ModelSpec("tiny-llama", 2, 2, 16, "float32")
-    keys = PromptKeys(model_dir, spec, "team", 128)
+    keys = PromptKeys(model_dir, spec, "team", 128, secret=b"s" * 32)
     text = "x" * 300
     ids = keys.token_ids(Completion(text))
     assert ids == list(text.encode())  # the byte tokenizer: one id per byte
-    assert keys.of(Completion(text)) == b"".join(page_keys(spec, "team", 128, ids))
+    assert keys.of(Completion(text)) == b"".join(page_keys(spec, "team", 128, ids, b"s" * 32))
     assert len(keys.of(Completion([text]))) == 2 * 16  # two full pages
     chat = keys.token_ids(Chat([{"role": "user", "content": "y" * 200}]))
     assert bytes(chat).decode().startswith("user: yyy") and bytes(chat).decode().endswith(
