@@ -302,6 +302,15 @@ def test_one_redis_for_gcs_fault_tolerance_and_the_directory():
             assert _secret_ref(env[variable]) == secret_ref, (label, group)
 
 
+def test_the_key_secret_comes_from_a_secret_never_a_literal():
+    """RAYKV_KEY_SECRET (cluster/core/secrets.py) on every Ray pod, from a Kubernetes Secret."""
+    for label, spec in cluster_specs():
+        for group, _, pod_spec in pod_groups(spec):
+            entry = env_of(pod_spec["containers"][0])["RAYKV_KEY_SECRET"]
+            assert "value" not in entry, (label, group)
+            assert _secret_ref(entry) == ("raykv-key-secret", "secret"), (label, group)
+
+
 # ---- one Ray, one raykv -----------------------------------------------------------------------
 
 
