@@ -239,8 +239,13 @@ class NodeHandle:
     def flush(self):
         return self.actor.flush.remote()
 
-    def shutdown(self):
-        return self.actor.shutdown.remote()
+    def shutdown(self, purge: bool = False):
+        """Release the node's memory; with `purge`, remove its disk slabs too."""
+        return self.actor.shutdown.remote(purge)
+
+    def inject_fault(self, kind: str, **params):
+        """Test-only: turn a fault on in the node actor (cluster/core/faults.py)."""
+        return self.actor.inject_fault.remote(kind, **params)
 
     def kill(self) -> None:
         ray.kill(self.actor, no_restart=True)

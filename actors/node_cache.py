@@ -10,8 +10,10 @@ resent until acknowledged, resynced on request: cluster/core/events.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import shutil
 import time
 
 import ray
@@ -26,7 +28,8 @@ from cluster.core.dataplane.endpoint import Endpoint
 from cluster.core.dataplane.pull import pull_pages
 from cluster.core.dataplane.source import StoreSource
 from cluster.core.dataplane.transport import make_transport
-from cluster.core.events import EventStream
+from cluster.core.events import APPLIED, EventStream
+from cluster.core.faults import NodeFaults, apply_fault
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.loops import BackgroundLoops
@@ -77,6 +80,7 @@ class NodeCacheActor:
         self.publisher = NodePublisher(Metrics(node_id))
         self.recovered_pages = 0
         self.counters = {"pulled_pages": 0, "failed_sends": 0, "discarded_pages": 0}
+        self.faults = NodeFaults()  # test-only: off (see inject_fault)
 
     async def ready(self) -> dict:
         """Check shared memory, recover disk pages, register with the directory, start the
@@ -122,6 +126,8 @@ class NodeCacheActor:
         async with self._flush_lock:
             answered = [await self._resync(index) for index in self.stream.resync_needed()]
             outgoing = self.stream.outgoing(heartbeat)
+            if self.faults.events is not None:
+                outgoing = self._lose_batches(outgoing)
             replies = await self._send([self.directory.apply(i, b) for i, b in outgoing])
             for (index, batch), reply in zip(outgoing, replies, strict=True):
                 if isinstance(reply, BaseException):
@@ -133,6 +139,17 @@ class NodeCacheActor:
             answered += [await self._resync(i) for i in self.stream.resync_needed()
                          if i in {index for index, _ in outgoing}]
         return any(answered)
+
+    def _lose_batches(self, outgoing: list) -> list:
+        """Test-only (event_batches fault): drop and reorder this flush's batches. A batch
+        that timed out is resent; one that vanished is believed delivered, so only the
+        directory's acked_upto and digest checks (a resync) can repair it."""
+        sent, timed_out, vanished = self.faults.events.mangle(outgoing)
+        for index, _ in timed_out:
+            self.stream.on_failure(index)
+        for index, batch in vanished:
+            self.stream.on_status(index, batch.seq, APPLIED)
+        return sent
 
     async def _resync(self, index: int) -> bool:
         inventory = self.stream.split_inventory(self.store.inventory())[index]
@@ -321,6 +338,17 @@ class NodeCacheActor:
         await self.flush()
         return dropped
 
+    # ---- test-only fault injection (cluster/core/faults.py) -------------------------------
+
+    async def inject_fault(self, kind: str, **params) -> dict:
+        """Turn on a fault (slow_disk, full_disk, event_batches) or all off (clear); returns
+        the faults now on. Off by default; for tests and `raykv bench faults` only."""
+        await self.ready()
+        apply_fault(self.faults, kind, params)
+        self.store.set_disk_faults(self.faults.disk)
+        log.warning("raykv node %s: fault %s %s", self.node_id[:12], kind, params)
+        return self.faults.describe()
+
     # ---- introspection -------------------------------------------------------------------
 
     async def inventory(self) -> list[tuple[PageKey, int]]:
@@ -333,21 +361,27 @@ class NodeCacheActor:
                 "pid": os.getpid(), "gpus": list(self.gpu_ids), **self.store.stats(),
                 "num_pools": len(self.store.pools), **self.counters,
                 "dataplane": self._dataplane_stats(),
-                "events": self.stream.stats(), "loops": self.loops.running()}
+                "events": self.stream.stats(), "loops": self.loops.running(),
+                "faults": self.faults.describe()}
 
     def _dataplane_stats(self) -> dict:
         server = self.server.stats() if self.server is not None else {}
         return {**server, "client": {**shared_pool().counters,
                                      "open": shared_pool().num_open}}
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, purge: bool = False) -> None:
         """Stop serving pages, close every data-plane connection, release the shared-memory
-        slabs (disk slabs stay, for the next start)."""
+        slabs. Disk slabs stay for the next start, unless `purge`: then this node's slot
+        directory (slab files, manifests) and its lock file are removed too."""
         self.loops.cancel_all()
         if self.server is not None:
             self.server.close()
         self.transport.close()
         self.store.close()
+        if purge:
+            shutil.rmtree(self.slot.disk_dir, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.slot.disk_dir + ".lock")
 
     async def ping(self) -> str:
         await self.ready()

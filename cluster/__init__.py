@@ -28,11 +28,12 @@ def connect(spec: ModelSpec, namespace: str = "default"):
     return _connect(spec, namespace)
 
 
-def stop() -> None:
-    """Stop the service's actors on the current Ray cluster."""
+def stop(purge: bool = False) -> None:
+    """Stop the service's actors on the current Ray cluster; disk pages stay for the next
+    start unless `purge` (then every live node removes its slab files)."""
     from cluster.api import stop as _stop
 
-    _stop()
+    _stop(purge=purge)
 
 
 def register_model(spec: ModelSpec, quota: Quota | None = None) -> dict:

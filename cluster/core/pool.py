@@ -373,7 +373,8 @@ class Pool:
             payload = self._encode(self.index[key])
             items.append((slot, bytes(key), self.codec_id, payload))
             moved.append(key)
-        await asyncio.to_thread(self.disk.write_pages, items)
+        if not await asyncio.to_thread(self.disk.write_or_free, items):
+            return []  # a full or failing disk: these pages are dropped instead
         for (slot, _, codec, _), key in zip(items, moved, strict=True):
             entry = self.index[key]
             self._relocate(key, entry, DISK, slot)

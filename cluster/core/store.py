@@ -26,6 +26,7 @@ from typing import TypeVar
 import numpy as np
 
 from cluster.core.elastic import ElasticMemory
+from cluster.core.faults import DiskFaults
 from cluster.core.geometry import DEVICE, DISK, HOST, TIER_NAMES, PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.pool import EventSink, Pool, PoolLimits, State
@@ -82,6 +83,7 @@ class NodeStore:
         self.reservations: dict[int, Lease] = {}
         self._on_event = on_event
         self._lease_ids = itertools.count(1)
+        self.disk_faults: DiskFaults | None = None  # test-only (cluster/core/faults.py)
         self.counters = {"puts": 0, "gets": 0, "hits_pages": 0, "misses_pages": 0,
                          "hits_device": 0, "hits_host": 0, "hits_disk": 0,
                          "expired_reservations": 0, "expired_leases": 0,
@@ -128,7 +130,15 @@ class NodeStore:
             make_private_dir(path)
             disk = DiskArena(*args)
         _write_pool_file(path, geometry)
+        disk.faults = self.disk_faults
         return disk
+
+    def set_disk_faults(self, faults: DiskFaults | None) -> None:
+        """Test-only: inject disk latency or write errors into every pool (None: off)."""
+        self.disk_faults = faults
+        for pool in self.pools.values():
+            if pool.disk is not None:
+                pool.disk.faults = faults
 
     def recover_disk(self) -> int:
         """Re-open every pool found on disk and index its verified pages."""

@@ -44,6 +44,7 @@ BENCHMARKS = {
     "tax": "cluster.tools.tax",
     "vllm": "cluster.tools.bench.vllm",
     "burst": "cluster.tools.bench.burst",
+    "faults": "cluster.tools.bench.faults",
 }
 
 JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
@@ -83,6 +84,9 @@ _register_plotted("serve", "One chat trace through the Serve app with raykv's, S
 _register("tax", "The paging tax (`raykv tax` with its defaults; a PNG beside the JSON).")
 _register("vllm", "vLLM TTFT with RaykvConnector vs LMCache's and no connector (run from "
           ".venv-vllm; `make bench-vllm`).")
+_register("faults", "Faults under load on 3 simulated nodes (nodes, actors, directory, Redis, "
+                   "clients, replicas, damaged, full and slow disks, lost event batches), "
+                   "the fuzzers, a soak: wrong bytes, client errors, recovery seconds.")
 _register_plotted("burst", "A spiky multi-model trace on 3 simulated nodes, rebalancing on and "
                            "off: p99 fetch latency, hit ratio, memory per model over time.")
 

@@ -64,13 +64,18 @@ def start_command(
                     f"`raykv status` shows it")
 
 
-def stop_command(address: Address = None) -> None:
-    """Stop the cache service's actors on the cluster (disk pages stay for the next start)."""
+def stop_command(
+    address: Address = None,
+    purge: Annotated[bool, typer.Option("--purge", help="also remove every node's disk slab "
+                                                        "files (their pages are lost)")] = False,
+) -> None:
+    """Stop the cache service's actors on the cluster (disk pages stay for the next start,
+    unless --purge)."""
     from cluster import stop
 
     _attach(address)
-    stop()
-    Console().print("raykv stopped")
+    stop(purge=purge)
+    Console().print("raykv stopped" + (", disk slabs removed" if purge else ""))
 
 
 def status_command(

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from cluster.core.faults import DiskFaults
 from cluster.core.keys import KEY_BYTES
 from cluster.core.tiers.aligned import (
     ALIGN_BYTES,
@@ -149,6 +150,7 @@ class DiskArena:
         self._staging = AlignedBufferPool(self._span_bytes, max_buffers=2 * num_threads)
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="raykv-disk")
         self._closed = False
+        self.faults: DiskFaults | None = None  # test-only (cluster/core/faults.py)
 
     def _geometry(self) -> dict[str, int | str]:
         return {"format": "raykv-disk-slabs", "version": FORMAT_VERSION,
@@ -288,6 +290,18 @@ class DiskArena:
         self._count(written_bytes=sum(written for _, written in results))
         return [meta for meta, _ in results]
 
+    def write_or_free(self, items: list[tuple[int, bytes, int, np.ndarray]]) -> bool:
+        """write_pages; on an I/O error (a full disk) free the items' slots and return False."""
+        try:
+            self.write_pages(items)
+            return True
+        except OSError as error:
+            logger.warning("disk tier in %s: writing %d pages failed: %s", self.dir_path,
+                           len(items), error)
+            for slot, *_ in items:
+                self.free(slot)
+            return False
+
     def _check_write_item(self, slot: int, key: bytes, codec: int, payload: np.ndarray) -> None:
         self._check_slot(slot)
         if not isinstance(key, bytes):
@@ -303,6 +317,8 @@ class DiskArena:
 
     def _write_one(self, slot: int, key: bytes, codec: int,
                    payload: np.ndarray) -> tuple[DiskPageMeta, int]:
+        if self.faults is not None:
+            self.faults.before_io(writing=True)
         fd, offset = self._locate(slot)
         if is_aligned(payload):
             return self._write_in_place(fd, offset, DiskPageMeta(
@@ -354,6 +370,8 @@ class DiskArena:
         fd, offset = self._locate(slot)
         span_bytes = min(round_up(out.nbytes), self._span_bytes)
         try:
+            if self.faults is not None:
+                self.faults.before_io(writing=False)
             if is_aligned(out):
                 return self._read_in_place(fd, offset, out, span_bytes)
             return self._read_copy(fd, offset, out, span_bytes)

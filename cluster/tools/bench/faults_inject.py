@@ -1,0 +1,220 @@
+"""The faults of `raykv bench faults`, a registry: name -> (inject, the workload's operation
+kinds whose success means "recovered"). Each inject function does the damage (and, for a
+fault that lasts, holds it for `hold_s` and undoes it), and returns extra figures.
+
+    node                 remove a worker node (a raylet and its node actor); add one back
+    node_actor           kill the head node's actor (the put threads' home); Ray restarts it
+    directory            kill every directory shard; Ray restarts them (recovery from Redis)
+    redis                stop redis-server, then start it again on the same port
+    client_mid_put       a client process reserves, writes half a page, exits
+    serve_replica        kill one engine replica of the Serve app; Serve replaces it
+    flipped_disk_bytes   flip a payload byte of every page in the head node's slab files
+    torn_write           truncate the head node's slab in the middle of a page
+    full_disk            every disk write fails with ENOSPC, for hold_s
+    slow_disk            20 ms before every disk read and write, for hold_s
+    event_batches        half the head node's event batches lost, the rest reordered, hold_s
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import ray
+
+from actors.handles import DirectoryHandle, NodeHandle
+from cluster.core.config import CacheConfig
+from cluster.tools.bench.faults_workload import Record, Workload, page_sums, wrong_pages
+from cluster.tools.doomed_writer import DoomedWriter, known_kv
+from cluster.tools.slab_faults import flip_page_bytes, tear_slab
+
+CALL_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Context:
+    """What the faults act on."""
+
+    cluster: object  # ray.cluster_utils.Cluster
+    node_args: dict
+    victim: object  # the worker node that "node" removes
+    head_id: str
+    config: CacheConfig
+    redis: object  # cluster.tools.redis_server.RedisServer
+    workload: Workload
+    hold_s: float
+    spec: object
+    extra: dict = field(default_factory=dict)
+
+
+def _head(ctx: Context) -> NodeHandle:
+    handle = NodeHandle.lookup(ctx.head_id, ctx.config)
+    assert handle is not None, "the head node has no node actor"
+    return handle
+
+
+def _node(ctx: Context) -> dict:
+    ctx.cluster.remove_node(ctx.victim)
+    time.sleep(ctx.hold_s)
+    ctx.victim = ctx.cluster.add_node(**ctx.node_args)
+    ctx.cluster.wait_for_nodes()
+    return {}
+
+
+def _node_actor(ctx: Context) -> dict:
+    ray.kill(_head(ctx).actor, no_restart=False)
+    return {}
+
+
+def _directory(ctx: Context) -> dict:
+    for shard in DirectoryHandle.lookup(ctx.config).shards:
+        ray.kill(shard, no_restart=False)
+    return {}
+
+
+def _redis(ctx: Context) -> dict:
+    ctx.redis.stop()
+    time.sleep(ctx.hold_s)
+    ctx.redis.start()
+    return {}
+
+
+def _client_mid_put(ctx: Context) -> dict:
+    """A writer dies mid-put; then (as a workload op, every 0.2 s) put the same prompt again
+    until it is stored, and read it back checked. Before that, any hit is a half page."""
+    from cluster import connect
+
+    tokens = [7_000_000 + i for i in range(64)]
+    kv = known_kv(ctx.spec, 64, 424242)
+    sums = page_sums(kv, ctx.config.page_tokens)
+    doomed = DoomedWriter.options(scheduling_strategy=_on(ctx.head_id)).remote(ctx.spec)
+    try:
+        ray.get(doomed.reserve_then_die.remote(tokens, kv), timeout=CALL_TIMEOUT_S)
+    except ray.exceptions.RayActorError:
+        pass  # it died, as it should
+    client = connect(ctx.spec)
+    deadline_s = time.monotonic() + ctx.config.reserve_lease_s + 30
+    while time.monotonic() < deadline_s:
+        start_s = time.monotonic()
+        num_tokens, got = client.get(tokens)
+        wrong = wrong_pages(got, num_tokens, sums, ctx.config.page_tokens)
+        stored = client.put(tokens, kv) if not num_tokens else 64
+        ctx.workload.add(Record("mid_put", start_s, time.monotonic(),
+                                stored == 64 and not wrong, wrong))
+        if stored == 64:
+            break
+        time.sleep(0.2)
+    num_tokens, got = client.get(tokens)
+    wrong = wrong_pages(got, num_tokens, sums, ctx.config.page_tokens)
+    ctx.workload.add(Record("mid_put", time.monotonic(), time.monotonic(),
+                            num_tokens == 64 and not wrong, wrong))
+    return {"reserve_lease_s": ctx.config.reserve_lease_s}
+
+
+def _on(node_id: str):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+def _serve_replica(ctx: Context) -> dict:
+    from ray._private.state import actors
+
+    def engines() -> list[dict]:
+        return [a for a in actors().values() if a["State"] == "ALIVE"
+                and "EngineDeployment" in a.get("ActorClassName", "")]
+
+    before = len(engines())
+    victim = engines()[0]
+    killed_s = time.monotonic()
+    ray.kill(ray.get_actor(victim["Name"], namespace="serve"), no_restart=True)
+    deadline_s = killed_s + 120
+    while len(engines()) < before and time.monotonic() < deadline_s:
+        time.sleep(0.5)
+    return {"replaced_s": time.monotonic() - killed_s}
+
+
+def _disk_dir(ctx: Context) -> str:
+    return ray.get(_head(ctx).stats(), timeout=CALL_TIMEOUT_S)["disk_dir"]
+
+
+def _flipped_disk_bytes(ctx: Context) -> dict:
+    return {"damaged_pages": flip_page_bytes(_disk_dir(ctx))}
+
+
+def _torn_write(ctx: Context) -> dict:
+    return {"torn_pages": tear_slab(_disk_dir(ctx))}
+
+
+def _held(kind: str, **params) -> Callable[[Context], dict]:
+    def inject(ctx: Context) -> dict:
+        head = _head(ctx)
+        ray.get(head.inject_fault(kind, **params), timeout=CALL_TIMEOUT_S)
+        time.sleep(ctx.hold_s)
+        described = ray.get(head.inject_fault("clear"), timeout=CALL_TIMEOUT_S)
+        stats = ray.get(head.stats(), timeout=CALL_TIMEOUT_S)
+        return {"node_faults_after": described, "events": stats["events"]}
+
+    return inject
+
+
+KV_KINDS = ("put", "remote")
+FAULTS: dict[str, tuple[Callable[[Context], dict], tuple[str, ...]]] = {
+    "node": (_node, KV_KINDS),
+    "node_actor": (_node_actor, KV_KINDS),
+    "directory": (_directory, KV_KINDS),
+    "redis": (_redis, KV_KINDS),
+    "client_mid_put": (_client_mid_put, ("mid_put",)),
+    "serve_replica": (_serve_replica, ("http",)),
+    "flipped_disk_bytes": (_flipped_disk_bytes, KV_KINDS),
+    "torn_write": (_torn_write, KV_KINDS),
+    "full_disk": (_held("full_disk"), KV_KINDS),
+    "slow_disk": (_held("slow_disk", delay_s=0.02), KV_KINDS),
+    "event_batches": (_held("event_batches", drop_fraction=0.5, reorder=True, seed=1),
+                      KV_KINDS),
+}
+
+
+def http_loop(url: str, model: str, expected: dict[str, str]):
+    """A workload thread: greedy completions of fixed prompts over HTTP; the text must be the
+    one answered before any fault. An OpenAI-shaped error is a clear error (not ok, not an
+    unhandled error)."""
+    import requests
+
+    def loop(work: Workload) -> None:
+        prompts = list(expected)
+        index = 0
+        while work.running():
+            text_prompt = prompts[index % len(prompts)]
+            index += 1
+            start_s = time.monotonic()
+            work.add(_http_record(requests, url, model, text_prompt, expected[text_prompt],
+                                  start_s))
+            time.sleep(0.05)
+
+    return loop
+
+
+def completion(requests_module, url: str, model: str, text_prompt: str):
+    return requests_module.post(f"{url}/v1/completions", timeout=60, json={
+        "model": model, "prompt": text_prompt, "max_tokens": 4, "temperature": 0})
+
+
+def _http_record(requests_module, url, model, text_prompt, expected, start_s) -> Record:
+    try:
+        reply = completion(requests_module, url, model, text_prompt)
+    except requests_module.RequestException as error:
+        return Record("http", start_s, time.monotonic(), False, 0, repr(error))
+    end_s = time.monotonic()
+    try:
+        body = reply.json()
+    except ValueError:
+        return Record("http", start_s, end_s, False, 0, f"HTTP {reply.status_code}, not JSON")
+    if reply.status_code == 200:
+        text = body["choices"][0]["text"]
+        return Record("http", start_s, end_s, text == expected, int(text != expected))
+    clear = isinstance(body.get("error"), dict) and "message" in body["error"]
+    return Record("http", start_s, end_s, False, 0,
+                  "" if clear else f"HTTP {reply.status_code}: {str(body)[:200]}")
+
