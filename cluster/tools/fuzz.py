@@ -30,7 +30,7 @@ from cluster.core.spec import ModelSpec
 # ---- the client API ---------------------------------------------------------------------
 
 REFUSED = (TypeError, ValueError)
-MAX_FUZZ_TOKENS = 6 * 16  # a few pages at the page sizes the tests and benches use
+MAX_FUZZ_PAGES = 5
 
 
 def expected_kv(spec: ModelSpec, tokens: list[int]) -> torch.Tensor:
@@ -50,9 +50,13 @@ def expected_kv(spec: ModelSpec, tokens: list[int]) -> torch.Tensor:
     return torch.from_numpy(values.astype(np.float32)).to(spec.torch_dtype())
 
 
-def _token_lists(vocab: int) -> st.SearchStrategy:
-    # A small vocabulary so that cases share prefixes (and hit what earlier ones put).
-    good = st.lists(st.integers(0, vocab), max_size=MAX_FUZZ_TOKENS)
+def _token_lists(page_tokens: int, vocab: int) -> st.SearchStrategy:
+    # Whole pages from a few fixed blocks, then a tail: cases share prefixes (and hit what
+    # earlier ones put), whatever the page size.
+    blocks = [list(range(b * page_tokens, (b + 1) * page_tokens)) for b in range(vocab)]
+    good = st.tuples(st.lists(st.sampled_from(blocks), max_size=MAX_FUZZ_PAGES),
+                     st.lists(st.integers(0, 2**32 - 1), max_size=page_tokens)).map(
+        lambda parts: [t for block in parts[0] for t in block] + parts[1])
     wide = st.lists(st.integers(0, 2**32 - 1), max_size=40)
     bad_items = st.one_of(st.floats(), st.text(max_size=3), st.booleans(), st.none(),
                           st.integers(max_value=-1), st.integers(min_value=2**32),
@@ -134,7 +138,7 @@ def _client_case(client, op: str, tokens: object, kv_case: tuple, out_kind: str)
 
 
 def run_client_fuzz(client, max_examples: int, random_seed: int = 0,
-                    vocab: int = 7) -> int:
+                    vocab: int = 3) -> int:
     """Fuzz `client` (a KVClient on the running service) with `max_examples` cases; returns
     how many ran. Raises AssertionError (with Hypothesis's shrunk example) on a wrong byte or
     an error that is not a clear refusal."""
@@ -144,7 +148,7 @@ def run_client_fuzz(client, max_examples: int, random_seed: int = 0,
     @settings(max_examples=max_examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(op=st.sampled_from(["put", "put", "get", "get", "lookup", "prefetch"]),
-           tokens=_token_lists(vocab), kv_case=_kv_cases(client.spec),
+           tokens=_token_lists(client.page_tokens, vocab), kv_case=_kv_cases(client.spec),
            out_kind=st.sampled_from(["none", "fits", "wrong"]))
     def case(op, tokens, kv_case, out_kind):
         ran[0] += 1

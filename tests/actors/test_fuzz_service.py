@@ -5,18 +5,16 @@ prefix; no node actor dies."""
 
 from __future__ import annotations
 
-import ray
-
 from cluster import ModelSpec, connect
 from cluster.tools.fuzz import run_api_fuzz, run_client_fuzz
+from tests.actors.test_isolation import alive_actors
 
 CLIENT_CASES = 2500
 API_CASES = 300
 
 
 def node_actor_pids() -> set[int]:
-    return {a["pid"] for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
-            if a["class_name"] == "NodeCacheActor"}
+    return {a["pid"] for a in alive_actors(("NodeCacheActor",))}
 
 
 def test_the_client_api_refuses_bad_input_and_returns_only_what_was_put(service):

@@ -16,6 +16,7 @@ import torch
 
 from cluster import ModelSpec, Quota, add_namespace, connect, start, stop
 from cluster.core.keys import namespace_key, page_keys
+from cluster.core.tiers.node_slot import slot_shm_prefix
 from tests.kv import kv_for
 
 TINY = ModelSpec.preset("tiny-llama")  # 16 tokens a page here: 8 KiB pages
@@ -89,13 +90,13 @@ def test_quotas_hold_under_concurrent_pressure(service):
 
 
 FILE_NAMES = re.compile(r"^(node-\d+(\.lock)?|\d+(x\d+)+-[a-z0-9]+|slab-\d{5}\.bin|"
-                        r"manifest\.json|key-secret)$")
+                        r"manifest\.json|pool\.json|key-secret)$")
 SHM_NAMES = re.compile(r"^raykv-[0-9a-f]{8}-\d+-(device|host)-[0-9a-f]{12}(-gen)?$")
 
 
 def test_no_file_name_comes_from_user_input(service, disk_root):
     service(host_bytes=8 * PAGE, device_bytes=0)  # small: pages go to disk
-    hostile = ["../../etc/evil", "a/b", "x" * 200, "ünï\u202ecode", "..", "spaced name"]
+    hostile = ["../../etc/evil", "a/b", "x" * 120, "ünï\u202ecode", "..", "spaced name"]
     for name in hostile:
         add_namespace(name)
         spec = ModelSpec("../" + name, 2, 2, 16, "float32")
@@ -103,10 +104,11 @@ def test_no_file_name_comes_from_user_input(service, disk_root):
         for index in range(3):
             client.put(list(range(index * 32, index * 32 + 32)), kv_for(spec, 32, index))
     names = [n for _, dirs, files in os.walk(disk_root) for n in dirs + files]
-    assert names and all(FILE_NAMES.match(n) for n in names), names
+    assert names and [n for n in names if not FILE_NAMES.match(n)] == []
     assert any(n.startswith("slab-") for n in names)
-    ours = [n for n in os.listdir("/dev/shm") if n.startswith("raykv-")]
-    assert ours and all(SHM_NAMES.match(n) for n in ours), ours
+    prefix = slot_shm_prefix(disk_root)  # this service's segments (other runs have theirs)
+    ours = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    assert ours and [n for n in ours if not SHM_NAMES.match(n)] == []
     for path in (os.path.join(root, n) for root, dirs, files in os.walk(disk_root)
                  for n in files):
         assert os.stat(path).st_mode & 0o077 == 0, path  # nothing readable by others
@@ -120,6 +122,16 @@ class Plain:
         return os.getpid()
 
 
+def alive_actors(class_names: tuple[str, ...]) -> list[dict]:
+    """{"class_name", "pid"} of the live actors of these classes (from the GCS's actor table:
+    the state API needs the dashboard, which these tests do not start)."""
+    from ray._private import state
+
+    return [{"class_name": a["ActorClassName"], "pid": a["Pid"]}
+            for a in state.actors().values()
+            if a["State"] == "ALIVE" and a["ActorClassName"] in class_names]
+
+
 def listening(pid: int) -> list[tuple[str, int]]:
     return sorted((c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("inet")
                   if c.status == psutil.CONN_LISTEN)
@@ -130,9 +142,7 @@ def test_raykv_listens_only_where_ray_does_and_on_its_page_servers(service):
     client = connect(TINY)
     client.put(TOKENS, kv_for(TINY, 64, 4))
     baseline = len(listening(ray.get(Plain.remote().pid.remote())))
-    actors = [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
-              if a["class_name"] in ("NodeCacheActor", "DirectoryShard", "Controller",
-                                     "ControlLoop")]
+    actors = alive_actors(("NodeCacheActor", "DirectoryShard", "Controller", "ControlLoop"))
     assert {a["class_name"] for a in actors} >= {"NodeCacheActor", "DirectoryShard",
                                                  "Controller"}
     page_server = client.stats()["node"]["dataplane"]["endpoint"]
