@@ -27,7 +27,8 @@ class StreamServer:
 
     def __init__(self, host: str, pages: np.ndarray):
         self.pages = pages
-        self.file = tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="raykv-bench-tcp-")
+        # Unnamed (unlinked at once): nothing is left in /dev/shm when the actor is killed.
+        self.file = tempfile.TemporaryFile(dir="/dev/shm", prefix="raykv-bench-tcp-")
         self.file.write(pages.tobytes())
         self.file.flush()
         self.listener = socket.create_server((host, 0))
