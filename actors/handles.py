@@ -239,9 +239,13 @@ class NodeHandle:
     def flush(self):
         return self.actor.flush.remote()
 
-    def shutdown(self, purge: bool = False):
-        """Release the node's memory; with `purge`, remove its disk slabs too."""
-        return self.actor.shutdown.remote(purge)
+    def shutdown(self):
+        """Release the node's memory (its disk slabs stay for the next start)."""
+        return self.actor.shutdown.remote()
+
+    def purge(self):
+        """Release the node's memory and remove its disk slabs."""
+        return self.actor.purge.remote()
 
     def inject_fault(self, kind: str, **params):
         """Test-only: turn a fault on in the node actor (cluster/core/faults.py)."""

@@ -369,19 +369,22 @@ class NodeCacheActor:
         return {**server, "client": {**shared_pool().counters,
                                      "open": shared_pool().num_open}}
 
-    async def shutdown(self, purge: bool = False) -> None:
+    async def shutdown(self) -> None:
         """Stop serving pages, close every data-plane connection, release the shared-memory
-        slabs. Disk slabs stay for the next start, unless `purge`: then this node's slot
-        directory (slab files, manifests) and its lock file are removed too."""
+        slabs. Disk slabs stay for the next start."""
         self.loops.cancel_all()
         if self.server is not None:
             self.server.close()
         self.transport.close()
         self.store.close()
-        if purge:
-            shutil.rmtree(self.slot.disk_dir, ignore_errors=True)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.slot.disk_dir + ".lock")
+
+    async def purge(self) -> None:
+        """shutdown(), then remove this node's slot directory (slab files, manifests) and its
+        lock file."""
+        await self.shutdown()
+        await asyncio.to_thread(shutil.rmtree, self.slot.disk_dir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.slot.disk_dir + ".lock")
 
     async def ping(self) -> str:
         await self.ready()

@@ -10,8 +10,8 @@ from cluster.config import CacheConfig
 from cluster.core.spec import ModelSpec
 from policies.quota import Quota
 
-__all__ = ["CacheConfig", "ModelSpec", "Quota", "start", "connect", "stop", "register_model",
-           "add_namespace", "quotas"]
+__all__ = ["CacheConfig", "ModelSpec", "Quota", "start", "connect", "stop", "purge",
+           "register_model", "add_namespace", "quotas"]
 
 
 def start(config: CacheConfig | None = None) -> dict:
@@ -28,12 +28,19 @@ def connect(spec: ModelSpec, namespace: str = "default"):
     return _connect(spec, namespace)
 
 
-def stop(purge: bool = False) -> None:
+def stop() -> None:
     """Stop the service's actors on the current Ray cluster; disk pages stay for the next
-    start unless `purge` (then every live node removes its slab files)."""
+    start (which recovers them)."""
     from cluster.api import stop as _stop
 
-    _stop(purge=purge)
+    _stop()
+
+
+def purge() -> None:
+    """Stop the service and remove every live node's disk slabs: nothing is left behind."""
+    from cluster.api import purge as _purge
+
+    _purge()
 
 
 def register_model(spec: ModelSpec, quota: Quota | None = None) -> dict:

@@ -193,13 +193,22 @@ def _home_node(config: CacheConfig) -> NodeHandle:
     raise RuntimeError("no raykv node actor is running; call start() first")
 
 
-def stop(ray_namespace: str = "raykv", purge: bool = False) -> None:
+def stop(ray_namespace: str = "raykv") -> None:
     """Kill the service's actors (their shared memory is released with them, their page
-    servers closed) and close this process's data-plane connections.
+    servers closed) and close this process's data-plane connections. Disk pages stay for the
+    next start, which recovers them."""
+    _stop(ray_namespace, NodeHandle.shutdown)
 
-    Disk pages stay for the next start (they are recovered), unless `purge`: then each live
-    node actor removes its slab files and slot directory first. A node that is gone cannot
-    purge; its files stay until a start and a purging stop on that disk."""
+
+def purge(ray_namespace: str = "raykv") -> None:
+    """stop(), with each live node removing its slab files and slot directory first: nothing
+    of the service is left on disk or in /dev/shm. A node that is gone cannot purge; its files
+    stay until a start and a purge on that disk."""
+    _stop(ray_namespace, NodeHandle.purge)
+
+
+def _stop(ray_namespace: str, release) -> None:
+    """`release(node handle)`: the node's last call (shutdown or purge)."""
     close_shared_pool()
     try:
         config = running_config(ray_namespace)
@@ -213,7 +222,7 @@ def stop(ray_namespace: str = "raykv", purge: bool = False) -> None:
         if handle is None:
             continue
         try:
-            ray.get(handle.shutdown(purge), timeout=10)
+            ray.get(release(handle), timeout=10)
         except (ray.exceptions.RayError, TimeoutError):
             pass  # a dead node's slabs went with it; a restarted actor cleans up stale ones
         handle.kill()

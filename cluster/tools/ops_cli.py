@@ -71,10 +71,11 @@ def stop_command(
 ) -> None:
     """Stop the cache service's actors on the cluster (disk pages stay for the next start,
     unless --purge)."""
+    from cluster import purge as purge_service
     from cluster import stop
 
     _attach(address)
-    stop(purge=purge)
+    (purge_service if purge else stop)()
     Console().print("raykv stopped" + (", disk slabs removed" if purge else ""))
 
 

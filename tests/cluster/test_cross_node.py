@@ -9,8 +9,8 @@ import torch
 
 from actors.handles import ControllerHandle, NodeHandle
 from cluster import CacheConfig, ModelSpec, start
-from cluster.core.geometry import PageGeometry
 from cluster.api import key_chain
+from cluster.core.geometry import PageGeometry
 from tests.cluster.conftest import node_args, node_id_of, wait_until
 from tests.cluster.replica import replica_on
 from tests.kv import kv_for

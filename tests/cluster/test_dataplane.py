@@ -18,8 +18,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.handles import NodeHandle
 from cluster import CacheConfig, ModelSpec, start, stop
-from cluster.core.geometry import PageGeometry
 from cluster.api import key_chain
+from cluster.core.geometry import PageGeometry
 from tests.cluster.conftest import node_id_of, wait_until
 from tests.cluster.replica import replica_on
 from tests.kv import kv_for

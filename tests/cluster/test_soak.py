@@ -1,7 +1,7 @@
 """The soak, bounded to 60 s here (the full 2 minutes runs in `raykv bench faults`): a
 concurrent workload on a 3-node cluster; after a warm-up the node actors' and this client's
 RSS grow by under 5 %, no lease or reservation is left, no page comes back wrong, a plain
-stop() leaves no /dev/shm segment, and stop(purge=True) leaves no file at all."""
+stop() leaves no /dev/shm segment, and purge() leaves no file at all."""
 
 from __future__ import annotations
 

@@ -173,14 +173,15 @@ def _alive(names: list[str], namespace: str) -> list[str]:
     return alive
 
 
-def stop_service(purge: bool = False) -> None:
-    """stop() (node actors release their /dev/shm slabs; with `purge` their disk slabs too),
-    then wait until the named actors are gone, so that the next start() creates fresh ones."""
+def stop_service(stop_fn: Callable[[], None] | None = None) -> None:
+    """stop() (node actors release their /dev/shm slabs), or `stop_fn` (cluster.purge: their
+    disk slabs too), then wait until the named actors are gone, so that the next start()
+    creates fresh ones."""
     from cluster import stop
     from cluster.core.config import CacheConfig
 
     names = _service_actor_names()
-    stop(purge=purge)
+    (stop_fn or stop)()
     namespace = CacheConfig().ray_namespace
     deadline_s = time.monotonic() + STOP_TIMEOUT_S
     while (alive := _alive(names, namespace)) and time.monotonic() < deadline_s:

@@ -16,7 +16,7 @@ RECOVERY_WAIT_S). Then the fuzzers (cluster/tools/fuzz.py, when present) and the
     recovery_s_<fault>     injection -> the workload succeeds again                 <= 30 s
     soak_rss_growth        max over node actors and the client, after warm-up       < 5 %
     soak_leases, soak_reservations   left after the soak                            0
-    soak_files_left        shm after stop + files and shm after stop(purge=True)    0
+    soak_files_left        shm after stop + files and shm after purge()    0
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
                      the end of a warm-up (the tiers full, every buffer pool grown) to the end
     leases, reservations   every node's count once the workload stopped (back to 0)
     files left       /dev/shm segments of the service after a plain stop(); and after a
-                     stop(purge=True), every file under the disk root and every segment
+                     purge(), every file under the disk root and every segment
 
 Used by `raykv bench faults` (2 minutes) and tests/cluster/test_soak.py.
 """
@@ -73,7 +73,7 @@ def _wait_quiet(config: CacheConfig) -> dict:
 def leftovers_after_stop(config: CacheConfig) -> dict:
     """Stop (shared memory must go), start again (the disk pages are recovered), stop with
     purge (the slab files must go too); what is left after each."""
-    from cluster import start
+    from cluster import purge, start
     from cluster.tools.bench.common import stop_service
 
     prefix = slot_shm_prefix(config.disk_dir)
@@ -82,7 +82,7 @@ def leftovers_after_stop(config: CacheConfig) -> dict:
     slab_files_kept = [f for f in files_under(config.disk_dir) if "slab-" in f]
     start(config)
     recovered = sum(s.get("recovered_pages", 0) for s in _ready(config))
-    stop_service(purge=True)
+    stop_service(purge)
     files_after_purge = files_under(config.disk_dir)
     shm_after_purge = shm_segments(prefix)
     return {"shm_after_stop": shm_after_stop, "slab_files_kept_by_stop": len(slab_files_kept),
