@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -14,8 +13,7 @@ from cluster.core.dataplane.transport import TcpTransport, Transport
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.slabs import LocalSlabs
-
-TOUCH_EVERY_S = 0.5  # how often pages read without a lease are reported to the node
+from cluster.touches import TouchBatch
 
 
 @dataclass(slots=True)
@@ -39,9 +37,12 @@ class CacheView:
     counters: dict[str, int] = field(default_factory=lambda: {
         "put_tokens": 0, "get_tokens": 0, "lookups": 0, "local_pages": 0, "remote_pages": 0,
         "optimistic_pages": 0, "stale_hints": 0, "failed_calls": 0, "torn_reads": 0})
-    _touched: list[PageKey] = field(default_factory=list)
-    _touched_at_s: float = field(default_factory=time.monotonic)
-    _touched_reads: int = 0  # gets whose pages are in _touched
+    touches: TouchBatch | None = None  # set in __post_init__ when the slabs are mapped
+
+    def __post_init__(self) -> None:
+        if self.slabs is not None:
+            self.touches = TouchBatch(lambda keys, reads: self.home.touch(self.geometry, keys,
+                                                                          reads))
 
     @property
     def local(self) -> NodeHandle | None:
@@ -61,18 +62,12 @@ class CacheView:
 
     def note_touched(self, keys: list[PageKey]) -> None:
         """Pages read without a lease: told to this node in batches, fire and forget."""
-        self._touched.extend(keys)
-        self._touched_reads += 1 if keys else 0
-        if time.monotonic() - self._touched_at_s >= TOUCH_EVERY_S:
-            self.flush_touched()
+        if self.touches is not None:
+            self.touches.note(keys)
 
     def flush_touched(self) -> None:
-        """Tell this node of the pages read without a lease so far (fire and forget)."""
-        if self.local is None or not self._touched:
-            return
-        keys, self._touched, self._touched_at_s = self._touched, [], time.monotonic()
-        reads, self._touched_reads = self._touched_reads, 0
-        self.local.touch(self.geometry, list(dict.fromkeys(keys)), reads)
+        if self.touches is not None:
+            self.touches.flush()
 
     def endpoints(self, node_ids: list[str]) -> Steps[dict[str, Endpoint | None]]:
         """The data-plane endpoints of these nodes: cached, else asked of their actors."""

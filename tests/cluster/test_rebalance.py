@@ -92,9 +92,9 @@ def test_scale_out_under_pressure_then_in_when_idle(nodes, ray_cluster):
     policy = functools.partial(rebalance.decide, settings=rebalance.RebalanceSettings(
         scaling=scaling))
     request_bundles([])
+    load = Load(nodes[0])  # under way before the loop's first look (else it sees idle first)
     loop = ControlLoopHandle.create(config, policy, name="raykv-control-loop-scaling")
     ray.get(loop.start())
-    load = Load(nodes[0])
     fourth = None
     try:
         wait_until(lambda: requested_bundles() == [{"kv_node": 1.0}] * 4, 60,

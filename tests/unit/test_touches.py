@@ -1,0 +1,35 @@
+"""Optimistic reads told to the node: the first at once, a burst gathered into one report by a
+timer, nothing left untold."""
+
+from __future__ import annotations
+
+import time
+
+from cluster.touches import TOUCH_EVERY_S, TouchBatch
+
+
+def test_first_read_at_once_then_a_burst_in_one_report():
+    sent: list[tuple[list, int]] = []
+    batch = TouchBatch(lambda keys, reads: sent.append((keys, reads)))
+    batch.note([b"a", b"b"])
+    assert sent == [([b"a", b"b"], 1)]  # the first after a quiet spell: at once
+    batch.note([b"b", b"c"])
+    batch.note([b"c"])
+    batch.note([])  # a read of nothing is no read
+    assert len(sent) == 1
+    deadline_s = time.monotonic() + 10 * TOUCH_EVERY_S
+    while len(sent) < 2 and time.monotonic() < deadline_s:
+        time.sleep(0.01)
+    assert sent[1] == ([b"b", b"c"], 2)  # the timer sent the burst, keys once each
+
+
+def test_flush_sends_what_gathered_and_cancels_the_timer():
+    sent: list[tuple[list, int]] = []
+    batch = TouchBatch(lambda keys, reads: sent.append((keys, reads)))
+    batch.note([b"a"])
+    batch.note([b"d"])
+    batch.flush()
+    assert sent == [([b"a"], 1), ([b"d"], 1)]
+    time.sleep(2 * TOUCH_EVERY_S)
+    batch.flush()  # nothing left: nothing sent
+    assert len(sent) == 2
