@@ -44,10 +44,10 @@ class Controller:
         self._registry = Registry(self.config.page_tokens)
         for namespace in self.config.namespaces:
             self._registry.add_namespace(namespace)
-        self._master, source = secrets.load_master(
-            self.config.disk_dir, self.config.redis_url,
-            f"raykv:{self.config.ray_namespace}:key-secret")
-        log.info("key chain's master secret from %s", source)
+        self._secret_key = f"raykv:{self.config.ray_namespace}:key-secret"
+        self._master, self._master_source = secrets.load_master(
+            self.config.disk_dir, self.config.redis_url, self._secret_key)
+        log.info("key chain's master secret from %s", self._master_source)
 
     async def sync_members(self) -> dict:
         """One membership pass now (start() waits on it); starts the loop once.
@@ -116,6 +116,11 @@ class Controller:
         ValueError for a namespace not registered."""
         self._registry.check_namespace(name)
         return secrets.namespace_secret(self._master, name)
+
+    async def purge(self) -> None:
+        """Forget the master secret this service made (the service's pages are being purged)."""
+        await asyncio.to_thread(secrets.forget_master, self._master_source, self.config.disk_dir,
+                                self.config.redis_url, self._secret_key)
 
     async def _push(self) -> None:
         replies = await asyncio.gather(*(node.set_registry(self._registry)

@@ -288,6 +288,10 @@ class ControllerHandle:
     def namespace_secret(self, name: str):
         return self.actor.namespace_secret.remote(name)
 
+    def purge(self):
+        """Forget the master secret the service made (its pages are being purged)."""
+        return self.actor.purge.remote()
+
     def stats(self):
         return self.actor.stats.remote()
 

@@ -204,17 +204,24 @@ def purge(ray_namespace: str = "raykv") -> None:
     """stop(), with each live node removing its slab files and slot directory first: nothing
     of the service is left on disk or in /dev/shm. A node that is gone cannot purge; its files
     stay until a start and a purge on that disk."""
-    _stop(ray_namespace, NodeHandle.purge)
+    _stop(ray_namespace, NodeHandle.purge, ControllerHandle.purge)
 
 
-def _stop(ray_namespace: str, release) -> None:
-    """`release(node handle)`: the node's last call (shutdown or purge)."""
+def _stop(ray_namespace: str, release, forget=None) -> None:
+    """`release(node handle)`: the node's last call (shutdown or purge); `forget(controller)`:
+    the controller's (a purge's: the key secret goes too)."""
     close_shared_pool()
     try:
         config = running_config(ray_namespace)
     except (RuntimeError, ray.exceptions.RayError):
         return
-    for loop in (ControllerHandle.lookup(config), ControlLoopHandle.lookup(config)):
+    controller = ControllerHandle.lookup(config)
+    if controller is not None and forget is not None:
+        try:
+            ray.get(forget(controller), timeout=10)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # a dead controller: its secret stays (pages keyed by it are purged anyway)
+    for loop in (controller, ControlLoopHandle.lookup(config)):
         if loop is not None:
             loop.kill()
     for node in ray.nodes():

@@ -20,6 +20,7 @@ runs with Redis; the file is for one machine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -59,6 +60,22 @@ def load_master(disk_dir: str, redis_url: str | None, redis_key: str,
         except Exception as error:  # Redis down: a file one (pages stay right, may miss)
             log.warning("key secret: Redis unreachable (%s); using the disk dir's file", error)
     return _from_file(os.path.join(disk_dir, FILE_NAME)), "file"
+
+
+def forget_master(source: str, disk_dir: str, redis_url: str | None, redis_key: str) -> None:
+    """Remove a master that the service made (a purge: its pages are gone with it). One from
+    the environment is the operator's, and stays."""
+    if source == "file":
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(disk_dir, FILE_NAME))
+    elif source == "redis" and redis_url:
+        import redis
+
+        client = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=1.0)
+        try:
+            client.delete(redis_key)
+        finally:
+            client.close()
 
 
 def _from_redis(url: str, key: str) -> bytes:

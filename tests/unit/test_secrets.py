@@ -16,6 +16,7 @@ from cluster.core.secrets import (
     ENV_VAR,
     FILE_NAME,
     SECRET_BYTES,
+    forget_master,
     from_passphrase,
     load_master,
     namespace_secret,
@@ -78,3 +79,12 @@ def test_the_first_master_set_in_redis_wins_and_a_dead_redis_falls_back(tmp_path
         redis.Redis.from_url(url).delete(key)
     dead = load_master(str(tmp_path), "redis://127.0.0.1:1/0", key, {})
     assert dead[1] == "file"
+
+
+def test_a_purge_forgets_a_made_master_but_never_the_operators(tmp_path):
+    master, source = load_master(str(tmp_path), None, "k", {})
+    forget_master(source, str(tmp_path), None, "k")
+    assert not (tmp_path / FILE_NAME).exists()
+    assert load_master(str(tmp_path), None, "k", {})[0] != master  # a new one next time
+    forget_master("env", str(tmp_path), None, "k")  # the operator's: nothing to remove
+    assert (tmp_path / FILE_NAME).exists()
