@@ -11,7 +11,6 @@ or moving between tiers is never chosen as a victim.
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -22,9 +21,11 @@ import torch
 
 from cluster.core import quant
 from cluster.core.claims import InflightClaims
+from cluster.core.disk_loads import DiskLoads
 from cluster.core.elastic import guarded_victims, within_namespace_max
 from cluster.core.geometry import DEVICE, DISK, HOST, PageGeometry
 from cluster.core.keys import PageKey
+from cluster.core.pool_entry import Entry, State
 from cluster.core.tiers.chunks import ChunkedSlots, Share
 from cluster.core.tiers.disk import DiskArena
 from cluster.core.tiers.memory import ArenaOptions, MappedArena, readonly_tensor
@@ -33,23 +34,6 @@ from policies.quota import Guard
 
 EventSink = Callable[[PageKey, int | None], None]
 MAX_LOAD_ROUNDS = 3
-
-
-class State(enum.IntEnum):
-    PENDING = 0  # reserved by a put; invisible until committed
-    READY = 1
-    MOVING = 2  # between tiers; treated as pinned
-
-
-@dataclass(slots=True)
-class Entry:
-    tier: int
-    slot: int
-    state: State
-    codec: int = 0
-    pins: int = 0
-    owner: int = 0  # the reservation a PENDING page belongs to
-    namespace: str = ""  # whose page it is, for namespace quotas ("" when not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +62,7 @@ class Elastic:
     room: Callable[[int, str], int | None] | None = None
 
 
-class Pool:
+class Pool(DiskLoads):
     """Pages of one geometry on one node."""
 
     def __init__(self, geometry: PageGeometry, limits: PoolLimits, disk: DiskArena | None,
@@ -415,64 +399,6 @@ class Pool:
         entry = self.index.get(key)
         return (entry is not None and entry.tier == HOST and entry.state == State.READY
                 and entry.pins <= own_pins)
-
-    async def load_from_disk(self, keys: list[PageKey]) -> None:
-        """Read the disk-resident pages among `keys` up into host, in one batched read.
-
-        A page another request is already loading is awaited, not read twice (no convoy).
-        """
-        wanted = [k for k in keys if k in self._loads or self._on_disk_ready(k)]
-        todo, waits, done = self._loads.claim(wanted)
-        for key in todo:
-            self.index[key].state = State.MOVING
-        try:
-            if todo:
-                await self._read_disk_batch(todo)
-        finally:
-            for key in todo:
-                if key in self.index:
-                    self.index[key].state = State.READY
-            self._loads.finish(todo, done)
-        await self._loads.wait(waits)
-
-    def _on_disk_ready(self, key: PageKey) -> bool:
-        entry = self.index.get(key)
-        return entry is not None and entry.tier == DISK and entry.state == State.READY
-
-    async def _read_disk_batch(self, keys: list[PageKey]) -> None:
-        await self.make_room(HOST, min(len(keys), self._num_slots(HOST)))
-        keys = keys[: self._free_slots(HOST)]  # the rest stay on disk for now
-        if not keys:
-            return
-        slots = [self.memory[HOST].alloc() for _ in keys]
-        outs = [self._read_target(self.index[k], s) for k, s in zip(keys, slots, strict=True)]
-        disk_slots = [self.index[k].slot for k in keys]
-        start_s = time.perf_counter()
-        metas = await asyncio.to_thread(self.disk.read_pages, disk_slots, outs)
-        sample = (time.perf_counter() - start_s) * 1e6 / (len(keys) * self.geometry.shape[3])
-        self.disk_read_us_per_token = 0.8 * self.disk_read_us_per_token + 0.2 * sample
-        for key, slot, out, meta in zip(keys, slots, outs, metas, strict=True):
-            entry = self.index[key]
-            if meta is None or meta.key != bytes(key):
-                self.memory[HOST].free(slot)
-                self.drop(key)  # corrupt or overwritten page: a miss from now on
-                continue
-            if entry.codec != 0:
-                self._decode_into(self.memory[HOST].view(slot), out[: meta.payload_bytes],
-                                  entry.codec)
-            self._relocate(key, entry, HOST, slot)
-            entry.codec = 0
-
-    def _read_target(self, entry: Entry, host_slot: int) -> np.ndarray:
-        # Raw pages land straight in the (4096-aligned) host slot; quantized ones need staging.
-        if entry.codec == 0:
-            return self.memory[HOST].view(host_slot).numpy()
-        return np.empty(self.geometry.slot_bytes, dtype=np.uint8)
-
-    def _decode_into(self, view: torch.Tensor, payload: np.ndarray, codec: int) -> None:
-        dtype = self.geometry.torch_dtype()
-        out = view[: self.geometry.page_bytes].view(dtype).view(self.geometry.shape)
-        quant.decode_page(payload, quant.codec_name(codec), self.geometry.shape, dtype, out)
 
     def drop(self, key: PageKey) -> None:
         """Forget a page entirely (evicted from the last tier, or corrupt)."""

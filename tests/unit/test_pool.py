@@ -113,6 +113,18 @@ def test_data_is_byte_exact_after_disk_and_back(harness):
     assert_slots_consistent(pool)
 
 
+def test_a_disk_read_into_a_full_host_overlaps_the_demotions_and_stays_exact(harness):
+    pool = harness.make(disk_pages=8)
+    run(put_each(pool, range(7)))
+    assert tiers(pool) == {"device": [5, 6], "host": [3, 4], "disk": [0, 1, 2]}
+    run(pool.load_from_disk([key(0), key(1)]))  # host full: read into staging, demote 3, 4
+    assert tiers(pool) == {"device": [5, 6], "host": [0, 1], "disk": [2, 3, 4]}
+    for i in range(7):
+        got = run(read(pool, [i]))
+        assert got[0].view(torch.uint8).equal(page(i).view(torch.uint8)), f"page {i}"
+    assert_slots_consistent(pool)
+
+
 def test_acquire_promotes_a_disk_page_to_the_top_tier(harness):
     pool = harness.make()
     run(put_each(pool, range(7)))
