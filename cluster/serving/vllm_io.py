@@ -106,11 +106,8 @@ class KVMover:
 
     def _put(self, token_ids: list[int], kv: torch.Tensor) -> None:
         start_s = time.perf_counter()
-        start_s = time.perf_counter()
         try:
             self.stats.saved_tokens += self.client.put(token_ids, kv)
-            self.stats.put_s += time.perf_counter() - start_s
-            self.stats.num_puts += 1
             self.stats.put_s += time.perf_counter() - start_s
             self.stats.num_puts += 1
         except Exception:  # a lost save is a future miss, never the engine's problem

@@ -17,10 +17,12 @@ from ray import serve  # noqa: E402
 
 from cluster import CacheConfig, ModelSpec, connect, stop  # noqa: E402
 from cluster.serving.vllm_app import VllmAppArgs, build_vllm_app, router_settings  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 MODEL_ID = "small-llama"
 PREFIX_BYTES = 700  # byte tokens: 5 full blocks of 128, and a partial one
 START_TIMEOUT_S = 300
+SAVE_TIMEOUT_S = 30
 
 
 def free_port() -> int:
@@ -85,16 +87,17 @@ def _complete(url: str, prompt: str) -> dict:
 def test_second_request_loads_the_prefix_from_raykv(base_url):
     prefix = "".join(chr(97 + (i * 7) % 26) for i in range(PREFIX_BYTES))
     first = _complete(base_url, prefix + " first question")
-    second = _complete(base_url, prefix + " second question")
     assert first["usage"]["prompt_tokens"] > PREFIX_BYTES
-    cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-    # The 5 full blocks of the shared prefix were saved by the first request and loaded by
-    # the second (vLLM's own prefix cache is off).
-    assert cached is not None and cached >= 5 * 128, second["usage"]
-    # raykv holds those pages under the model's name: any client of that geometry finds them.
+    # The connector saves in the background, off the response's path: raykv holds the 5 full
+    # blocks under the model's name once that put lands (any client of the geometry finds them).
     client = connect(ModelSpec(MODEL_ID, 4, 2, 64, "float32"))
     prompt_ids = first["choices"][0]["prompt_token_ids"]
-    assert client.lookup(prompt_ids) == 5 * 128
+    wait_until(lambda: client.lookup(prompt_ids) == 5 * 128, SAVE_TIMEOUT_S,
+             "the first request's pages in raykv")
+    second = _complete(base_url, prefix + " second question")
+    cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    # The second request loaded them (vLLM's own prefix cache is off).
+    assert cached is not None and cached >= 5 * 128, second["usage"]
 
 
 def test_llm_config_runs_the_connector_on_cpu_with_a_chosen_router():
