@@ -7,8 +7,11 @@ Per request:
     4. decode (greedy by default), streaming text as it comes
     5. store the new full pages of prompt + output, off the response path
 
-Model compute runs in a worker thread, so the replica's event loop keeps serving; a cache
-failure is a miss (a full prefill), never a failed request.
+Model compute runs on the engine's one compute thread, so the replica's event loop keeps
+serving: one model stream per replica, as an engine's step loop is, whose thread (and its torch
+and OpenMP state) stays warm between requests, and whose prefills and decode steps of
+concurrent requests take turns instead of fighting over the replica's cores. A cache failure
+is a miss (a full prefill), never a failed request.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -94,13 +98,23 @@ class Engine:
         shape = self.spec.page_shape(config.max_context_tokens)
         self.buffers = BufferPool(shape, self.spec.torch_dtype(), config.max_buffers)
         self._background: set[asyncio.Task] = set()
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-compute")
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0,
                          "completion_tokens": 0, "failed_stores": 0}
 
     def warm_up(self) -> None:
-        """One short prefill and decode step, so the first request does not pay for them."""
-        logits, cache = prefill_from(self.model, None, tokenizer.encode("warm up"))
-        decode_step(self.model, cache, int(logits.argmax()), len(tokenizer.encode("warm up")))
+        """One short prefill and decode step on the compute thread, so the first request
+        does not pay for them."""
+        def steps() -> None:
+            logits, cache = prefill_from(self.model, None, tokenizer.encode("warm up"))
+            decode_step(self.model, cache, int(logits.argmax()),
+                        len(tokenizer.encode("warm up")))
+
+        self._compute.submit(steps).result()
+
+    async def _computed(self, function, *args):
+        """`function(*args)` on the compute thread, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute, function, *args)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         tokens = request.token_ids
@@ -110,7 +124,7 @@ class Engine:
             fetch_s, kv_prefix = await _timed(self._fetch(client, tokens, buffer))
             cached = 0 if kv_prefix is None else kv_prefix.shape[3]
             prefill_s, (logits, cache) = await _timed(
-                asyncio.to_thread(prefill_from, self.model, kv_prefix, tokens))
+                self._computed(prefill_from, self.model, kv_prefix, tokens))
         finally:
             self.buffers.give(buffer)
         if (len(tokens) // client.page_tokens) * client.page_tokens > cached:
@@ -152,7 +166,7 @@ class Engine:
             if delta:
                 yield self._chunk(head, delta, len(generated))
             if len(generated) < request.params.max_tokens:
-                logits = await asyncio.to_thread(decode_step, self.model, cache, token, position)
+                logits = await self._computed(decode_step, self.model, cache, token, position)
                 position += 1
         tail = "" if stop.stopped else stop.push(text.flush()) + stop.finish()
         self.counters["completion_tokens"] += len(generated)
