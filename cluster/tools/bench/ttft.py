@@ -29,8 +29,10 @@ PAGE_TOKENS = 256
 REPS, QUICK_REPS = 9, 3
 GOALS = {"ttft_host_vs_ideal": {"max": 1.15}, "ttft_disk_vs_ideal": {"max": 1.5}}
 NOTES = ("TTFT = Engine.generate to its first token (fetch of the cached prefix into a "
-         "preallocated buffer + prefill of the rest + sampling); ideal = prefill of the rest "
-         "with the prefix's KV already in memory; medians.")
+         "preallocated buffer + prefill of the rest + sampling), on one event loop kept for the "
+         "whole run as a replica's is, the request already tokenized (the ingress does it); "
+         "ideal = prefill of the rest with the prefix's KV already in memory; medians. "
+         "engine_phases_ms: the engine's own fetch_s and prefill_s of each timed request.")
 
 
 def prompt_text(index: int, num_chars: int) -> str:
@@ -48,8 +50,17 @@ def _config(disk_dir: str):
 
 
 class Bench:
+    """The engine driven as a replica drives it: one event loop for the whole run (so its
+    worker threads, and their torch/OpenMP state, persist across requests), and requests that
+    arrive tokenized (the ingress tokenizes; the ideal is given tokens too)."""
+
     def __init__(self, engine, client):
         self.engine, self.client = engine, client
+        self.loop = asyncio.new_event_loop()
+        self.phases_ms: dict[str, dict[str, list[float]]] = {}
+
+    def close(self) -> None:
+        self.loop.close()
 
     def request(self, text: str):
         from cluster.serving import tokenizer
@@ -58,20 +69,28 @@ class Bench:
 
         return GenerationRequest(text, tokenizer.encode(text), SamplingParams(max_tokens=1))
 
-    def ttft_s(self, text: str) -> tuple[float, int]:
-        """(seconds to the first token, cached tokens used)."""
+    def ttft_s(self, text: str, case: str = "") -> tuple[float, int]:
+        """(seconds to the first token, cached tokens used); the engine's own fetch and
+        prefill seconds are kept under `case`."""
+        request = self.request(text)
+
         async def run():
             start_s = time.perf_counter()
-            cached = 0
-            async for chunk in self.engine.generate(self.request(text)):
-                cached = chunk.cached_tokens
+            head = None
+            async for chunk in self.engine.generate(request):
+                head = head or chunk
                 if chunk.text or chunk.finish_reason:
                     elapsed_s = time.perf_counter() - start_s
                     break
             await self.engine.drain()
-            return elapsed_s, cached
+            return elapsed_s, head
 
-        return asyncio.run(run())
+        elapsed_s, head = self.loop.run_until_complete(run())
+        if case:
+            phases = self.phases_ms.setdefault(case, {"fetch": [], "prefill": []})
+            phases["fetch"].append(head.fetch_s * 1e3)
+            phases["prefill"].append(head.prefill_s * 1e3)
+        return elapsed_s, head.cached_tokens
 
     def cache(self, text: str) -> None:
         """Store the first CACHED_TOKENS tokens' pages (a full prefill, untimed)."""
@@ -112,20 +131,21 @@ def measure(bench: Bench, reps: int, steps) -> dict:
         text = prompt_text(rep, PROMPT_TOKENS)
         # A prompt of its own: the engine stores what it computed, and a recompute of a text
         # sharing `text`'s prefix would cache more of `text` than the host case is meant to.
-        times["recompute"].append(bench.ttft_s(prompt_text(500 + rep, PROMPT_TOKENS))[0])
+        times["recompute"].append(
+            bench.ttft_s(prompt_text(500 + rep, PROMPT_TOKENS), "recompute")[0])
         times["ideal"].append(bench.ideal_s(text))
         bench.cache(text)
-        elapsed_s, used = bench.ttft_s(text)
+        elapsed_s, used = bench.ttft_s(text, "host")
         times["host"].append(elapsed_s)
         cached["host"].append(used)
         disk_text = prompt_text(1000 + rep, PROMPT_TOKENS)
         bench.cache(disk_text)
         bench.push_to_disk(rep)
-        elapsed_s, used = bench.ttft_s(disk_text)
+        elapsed_s, used = bench.ttft_s(disk_text, "disk")
         times["disk"].append(elapsed_s)
         cached["disk"].append(used)
     return {"ttft_ms": {k: [t * 1e3 for t in v] for k, v in times.items()},
-            "cached_tokens": cached}
+            "cached_tokens": cached, "engine_phases_ms": bench.phases_ms}
 
 
 def ratios_of(figures: dict) -> dict[str, float]:
@@ -154,8 +174,12 @@ def run(json_path: str | None, quick: bool) -> dict:
         client = connect(ModelSpec.preset(MODEL))
         engine = Engine(EngineConfig(MODEL, max_context_tokens=PROMPT_TOKENS + 64),
                         {"default": client})
-        with Progress() as progress:
-            figures = measure(Bench(engine, client), reps, common.Steps(progress, "ttft", reps))
+        bench = Bench(engine, client)
+        try:
+            with Progress() as progress:
+                figures = measure(bench, reps, common.Steps(progress, "ttft", reps))
+        finally:
+            bench.close()
         stats = client.stats()["node"]
     finally:
         stop()
@@ -172,6 +196,10 @@ def run(json_path: str | None, quick: bool) -> dict:
               "machine": common.machine_info(), **figures, "ttft_ms_median": medians,
               "node_disk_bytes_read": stats.get("disk_bytes_read"),
               "ratios": ratios_of(figures), "goals": GOALS, "notes": NOTES}
-    common.print_tables([common.table("TTFT (ms), median", ["case", "ms"],
-                                      [[k, f"{v:.1f}"] for k, v in medians.items()])])
+    phases = {case: {name: statistics.median(v) for name, v in p.items()}
+              for case, p in figures["engine_phases_ms"].items()}
+    rows = [[k, f"{v:.1f}", f"{phases[k]['fetch']:.1f}" if k in phases else "",
+             f"{phases[k]['prefill']:.1f}" if k in phases else ""] for k, v in medians.items()]
+    common.print_tables([common.table("TTFT (ms), median", ["case", "ms", "engine fetch",
+                                                           "engine prefill"], rows)])
     return common.finish(result, json_path)
