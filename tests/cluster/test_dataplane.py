@@ -31,8 +31,10 @@ TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def nodes(ray_cluster, disk_root):
+    # No control loop: its replication would pull pages too, and these tests count them.
     start(CacheConfig(page_tokens=16, device_bytes=0, host_bytes=256 * 8192,
-                      disk_bytes=1 << 20, disk_dir=disk_root, call_timeout_s=TIMEOUT_S))
+                      disk_bytes=1 << 20, disk_dir=disk_root, call_timeout_s=TIMEOUT_S,
+                      rebalance=False))
     a, b = node_id_of("node_a"), node_id_of("node_b")
     return {"a": a, "b": b, "ra": replica_on(a, TINY), "rb": replica_on(b, TINY)}
 
