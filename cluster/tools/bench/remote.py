@@ -65,9 +65,11 @@ def _service_config(page_bytes: int, num_reps: int, disk_dir: str) -> CacheConfi
     """Host tiers that hold every prompt of the run: A stores them all, B pulls each one."""
     page_tokens = page_bytes // SPEC.bytes_per_token
     assert SPEC.page_bytes(page_tokens) == page_bytes, "a page must be whole tokens"
+    # No control loop: its replication would copy prompts to B on its own, in the middle of
+    # the timings, and before the explicit pull of the replicated case.
     return CacheConfig(page_tokens=page_tokens, device_bytes=0,
                        host_bytes=(num_reps + 4) * PROMPT_BYTES, disk_bytes=0,
-                       eviction="lru", call_timeout_s=30.0,
+                       eviction="lru", call_timeout_s=30.0, rebalance=False,
                        disk_dir=os.path.join(disk_dir, f"{page_bytes // MiB}mib"))
 
 
