@@ -58,10 +58,6 @@ def _token_lists(page_tokens: int, vocab: int) -> st.SearchStrategy:
                      st.lists(st.integers(0, 2**32 - 1), max_size=page_tokens)).map(
         lambda parts: [t for block in parts[0] for t in block] + parts[1])
     wide = st.lists(st.integers(0, 2**32 - 1), max_size=40)
-    bad_items = st.one_of(st.floats(), st.text(max_size=3), st.booleans(), st.none(),
-                          st.integers(max_value=-1), st.integers(min_value=2**32),
-                          st.lists(st.integers(0, 9), max_size=2))
-    bad = st.lists(bad_items, min_size=1, max_size=5).map(lambda xs: [0, *xs])
     arrays = st.one_of(
         good.map(lambda xs: np.array(xs, dtype=np.int64)),
         good.map(lambda xs: torch.tensor(xs, dtype=torch.int64)),
@@ -69,7 +65,16 @@ def _token_lists(page_tokens: int, vocab: int) -> st.SearchStrategy:
                          np.array([True, False]), np.array(["a"]), np.zeros(3, np.uint8),
                          torch.zeros(2, 3, dtype=torch.int32), torch.tensor([0.5])]))
     others = st.sampled_from(["text", 42, None, {1: 2}, b"bytes", 3.5, range(5), (1, 2)])
-    return st.one_of(good, good, wide, bad, arrays, others)
+    return st.one_of(good, good, wide, bad_token_lists(), arrays, others)
+
+
+def bad_token_lists() -> st.SearchStrategy:
+    """Token lists with at least one item that is no uint32 token (a float, text, a bool,
+    None, a negative or too large int, a nested list), after a good first token."""
+    items = st.one_of(st.floats(), st.text(max_size=3), st.booleans(), st.none(),
+                      st.integers(max_value=-1), st.integers(min_value=2**32),
+                      st.lists(st.integers(0, 9), max_size=2))
+    return st.lists(items, min_size=1, max_size=5).map(lambda xs: [0, *xs])
 
 
 def _plain(tokens: object) -> list[int] | None:

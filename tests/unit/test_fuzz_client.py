@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from cluster.client import KVClient
 from cluster.core.config import CacheConfig
 from cluster.core.spec import ModelSpec
+from cluster.tools.fuzz import bad_token_lists
 from tests.unit._fakes import FakeDirectory, FakeNode, drive
 
 SPEC = ModelSpec("fuzz", 2, 2, 8, "float16")
@@ -31,10 +32,7 @@ def client():
 
 def tokens_strategy():
     good = st.lists(st.integers(0, 2**32 - 1), max_size=40)
-    bad_items = st.one_of(st.floats(), st.text(max_size=3), st.booleans(), st.none(),
-                          st.integers(max_value=-1), st.integers(min_value=2**32),
-                          st.lists(st.integers(0, 9), max_size=2))
-    bad = st.lists(bad_items, min_size=1, max_size=5).map(lambda xs: [0, *xs])
+    bad = bad_token_lists()
     arrays = st.one_of(
         st.lists(st.integers(0, 1000), max_size=20).map(np.array),
         st.sampled_from([np.zeros((2, 2), np.int64), np.array([1.5, 2.5]),
