@@ -6,7 +6,7 @@ tiny-llama). The workload (faults_workload.py) runs through every fault: put thr
 client each on the head node, a remote reader on a worker node, an HTTP thread. Each fault
 (faults_inject.py) is injected in turn; its window runs from the injection until the
 workload's operations succeed again (3 in a row of each kind that matters, at most
-RECOVERY_WAIT_S). Then the fuzzers (cluster/tools/fuzz.py, when present) and the soak
+RECOVERY_WAIT_S). Then the fuzzers (cluster/tools/fuzz.py) and the soak
 (soak.py) on a fresh service.
 
     wrong_bytes            pages (or HTTP texts) that came back other than put      goal 0
@@ -87,12 +87,9 @@ def run_fault(ctx: Context, name: str) -> dict:
 
 
 def run_fuzz(client, url: str, quick: bool) -> dict:
-    """The fuzzers of cluster/tools/fuzz.py against the client and the HTTP app, if present."""
-    try:
-        from cluster.tools import fuzz
-    except ImportError:
-        return {"cases": 0, "failures": 0, "note": "cluster/tools/fuzz.py is not on this "
-                                                   "branch: no fuzz case ran"}
+    """The fuzzers of cluster/tools/fuzz.py against the client and the HTTP app."""
+    from cluster.tools import fuzz
+
     num_client, num_http = FUZZ_CASES["quick" if quick else "full"]
     cases, failures = 0, []
     for name, call in (("client", lambda: fuzz.run_client_fuzz(client, num_client)),
@@ -215,6 +212,4 @@ def run(json_path: str | None, quick: bool) -> dict:
     result.update({"faults": faults, "soak": soak})
     result["ratios"] = ratios_of(faults, soak)
     result["goals"] = goals_for(result["ratios"])
-    if "note" in faults["fuzz"]:
-        result["notes"] += "; " + faults["fuzz"]["note"]
     return common.finish(result, json_path)

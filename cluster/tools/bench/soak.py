@@ -27,9 +27,14 @@ from cluster.tools.slab_faults import files_under, shm_segments
 SETTLE_S = 10.0
 
 
-def node_stats(config: CacheConfig) -> list[dict]:
+def node_handles(config: CacheConfig) -> list[NodeHandle]:
+    """The node actors of the cluster's kv nodes that are running now."""
     handles = [NodeHandle.lookup(n, config) for n in kv_nodes(config.node_resource, ray.nodes())]
-    return ray.get([h.stats() for h in handles if h is not None], timeout=60)
+    return [h for h in handles if h is not None]
+
+
+def node_stats(config: CacheConfig) -> list[dict]:
+    return ray.get([h.stats() for h in node_handles(config)], timeout=60)
 
 
 def rss_bytes(pids: list[int]) -> dict[int, int]:
@@ -92,5 +97,4 @@ def leftovers_after_stop(config: CacheConfig) -> dict:
 
 
 def _ready(config: CacheConfig) -> list[dict]:
-    handles = [NodeHandle.lookup(n, config) for n in kv_nodes(config.node_resource, ray.nodes())]
-    return ray.get([h.ready() for h in handles if h is not None], timeout=120)
+    return ray.get([h.ready() for h in node_handles(config)], timeout=120)
