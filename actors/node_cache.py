@@ -36,7 +36,7 @@ from cluster.core.loops import BackgroundLoops
 from cluster.core.pool import PoolLimits
 from cluster.core.registry import Registry
 from cluster.core.store import NodeStore, StoreConfig, shm_bytes_per_node
-from cluster.core.tiers.memory import check_shm_room, num_cuda_devices
+from cluster.core.tiers.memory import SlabStamp, check_shm_room, num_cuda_devices
 from cluster.core.tiers.node_slot import NodeSlot, claim_node_slot
 from cluster.core.tiers.report import describe_tiers
 
@@ -175,12 +175,19 @@ class NodeCacheActor:
 
     # ---- same-node clients (shared memory) -----------------------------------------------
 
-    # Replies carry the epoch: a client whose mapping is from an earlier incarnation of this
-    # actor (whose slabs are gone) must map the new slabs before touching any slot.
+    # Replies carry a SlabStamp: the epoch (a client whose mapping is from an earlier
+    # incarnation of this actor, whose slabs are gone, must map the new slabs) and the pool's
+    # layout version (device chunks granted or released since: map them again) before it
+    # touches any slot of the reply.
+
+    def _stamp(self, geometry: PageGeometry) -> SlabStamp:
+        return SlabStamp(self.epoch, self.store.layout_version(geometry))
 
     async def descriptors(self, geometry: PageGeometry):
+        """(stamp, [ArenaDescriptor per memory tier]): what a same-node client maps."""
         await self.ready()
-        return self.epoch, self.store.descriptors(geometry)
+        descriptors = self.store.descriptors(geometry)
+        return SlabStamp(self.epoch, sum(d.layout_version for d in descriptors)), descriptors
 
     async def open_pool(self, geometry: PageGeometry) -> int:
         """Create (or find) the pool of a geometry; ValueError past max_geometries."""
@@ -188,12 +195,12 @@ class NodeCacheActor:
         return self.store.pool(geometry).geometry.page_bytes
 
     async def reserve(self, geometry: PageGeometry, keys: list[PageKey], namespace: str = ""):
-        """(epoch, reservation_id, slots): see NodeStore.reserve. Then, after answering, the
+        """(stamp, reservation_id, slots): see NodeStore.reserve. Then, after answering, the
         next memory chunk is readied ahead of the puts that will need it."""
         await self.ready()
-        reply = self.epoch, *await self.store.reserve(geometry, keys, None, namespace)
+        reservation_id, slots = await self.store.reserve(geometry, keys, None, namespace)
         self._grow_soon(geometry)
-        return reply
+        return self._stamp(geometry), reservation_id, slots
 
     def _grow_soon(self, geometry: PageGeometry) -> None:
         if self._pending_grow is None or self._pending_grow.done():
@@ -220,9 +227,10 @@ class NodeCacheActor:
 
     async def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
         """Pin the longest local prefix of `keys`:
-        (epoch, lease_id, [(tier, slot, generation), ...])."""
+        (stamp, lease_id, [(tier, slot, generation), ...])."""
         await self.ready()
-        return self.epoch, *await self.store.acquire(geometry, keys)
+        lease_id, located = await self.store.acquire(geometry, keys)
+        return self._stamp(geometry), lease_id, located
 
     async def release(self, lease_id: int) -> None:
         await self.ready()

@@ -163,10 +163,10 @@ class KVClient:
         if failed(reply):
             view.note_failures([reply])
             return 0
-        epoch, reservation_id, slots = reply
+        stamp, reservation_id, slots = reply
         mine = [(p, slot) for p, slot in enumerate(slots) if slot is not None]
         if mine:
-            if not (yield from view.slabs.ensure(epoch)):
+            if not (yield from view.slabs.ensure(stamp)):
                 view.home.abort(reservation_id)
                 return 0
             view.slabs.prefault()  # chunks the node readied ahead since the last put
@@ -181,9 +181,14 @@ class KVClient:
         """Copy the reserved pages in and commit; returns how many leading pages of the put are
         stored: all of them, or none past the first of ours when the commit failed."""
         view, slabs = self.view, self.view.slabs
+        pages = slabs.pages([place for _, place in mine])
+        if len(pages) < len(mine):  # a chunk this process cannot map: nothing written
+            view.home.abort(reservation_id)
+            view.counters["unmapped_pages"] += 1
+            return mine[0][0]
         places = [(tier, slot, slabs.generation(tier, slot)) for _, (tier, slot) in mine]
-        pairs = [(slabs.page(tier, slot), kv[:, :, :, page_slices(p, self.page_tokens)])
-                 for p, (tier, slot) in mine]
+        pairs = [(page, kv[:, :, :, page_slices(p, self.page_tokens)])
+                 for (p, _), page in zip(mine, pages, strict=True)]
         try:
             yield Work(lambda: copy_pages(pairs))
         except BaseException:

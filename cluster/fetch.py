@@ -103,11 +103,13 @@ def _drop(view: CacheView, asked: _Asked) -> Steps[None]:
 
 
 def _copy_hinted(view: CacheView, keys: list, hints: list, out: torch.Tensor) -> Steps[int]:
-    """Copy pages from their noted slots; returns how many leading ones stayed valid."""
-    pairs = [(out[:, :, :, page_slices(p, view.page_tokens)], view.slabs.page(tier, slot))
-             for p, (tier, slot, _) in enumerate(hints)]
+    """Copy pages from their noted slots; returns how many leading ones stayed valid (a slot
+    whose chunk is no longer mapped here ends them)."""
+    pages = view.slabs.pages(hints)
+    pairs = [(out[:, :, :, page_slices(p, view.page_tokens)], page)
+             for p, page in enumerate(pages)]
     yield Work(lambda: copy_pages(pairs))
-    good = view.slabs.num_unchanged(hints)
+    good = view.slabs.num_unchanged(hints[: len(pages)])
     if good < len(hints):
         view.slabs.forget(keys[good : len(hints)])
         view.counters["stale_hints"] += 1
@@ -153,15 +155,19 @@ def _acquired(view: CacheView, replies: list) -> tuple:
 
 def _copy_local(view: CacheView, acquired: tuple, keys: list, out: torch.Tensor,
                 arrived: np.ndarray) -> Steps[None]:
-    epoch, lease_id, slots = acquired
+    stamp, lease_id, slots = acquired
     if not slots:
         return
     start = int(np.flatnonzero(~arrived)[0])
     try:
-        if not (yield from view.slabs.ensure(epoch)):
+        if not (yield from view.slabs.ensure(stamp)):
             return
-        pairs = [(out[:, :, :, page_slices(start + p, view.page_tokens)],
-                  view.slabs.page(tier, slot)) for p, (tier, slot, _) in enumerate(slots)]
+        pages = view.slabs.pages(slots)  # a chunk not mapped here (another GPU) ends them
+        if len(pages) < len(slots):
+            view.counters["unmapped_pages"] += 1
+            slots = slots[: len(pages)]
+        pairs = [(out[:, :, :, page_slices(start + p, view.page_tokens)], page)
+                 for p, page in enumerate(pages)]
         yield Work(lambda: copy_pages(pairs))
     finally:
         if lease_id:

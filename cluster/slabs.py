@@ -1,5 +1,10 @@
-"""A client's mappings of its node's shared-memory slabs, remapped when the node actor
-restarts (a new epoch means new slabs), and the slots it last saw its pages in.
+"""A client's mappings of its node's shared-memory slabs, and the slots it last saw its pages in.
+
+Every reserve and acquire reply carries a SlabStamp: the node actor's epoch (a restarted
+actor has new slabs: map them all again) and its pool's layout version (device chunks come
+and go, each granted chunk a new allocation: map the new ones, drop the old). A client whose
+mappings are older asks for the descriptors before it copies; a slot in a chunk it cannot
+map (a GPU it does not see) is a miss, never a write through a stale mapping.
 
     hints: key -> (tier, slot, generation)     learned from acquires and puts
 
@@ -15,6 +20,7 @@ dead node's slabs, and keeps them mapped, without asking.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -26,8 +32,9 @@ from actors.handles import NodeHandle
 from cluster.calls import Steps, Wait, failed
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
-from cluster.core.tiers.memory import ArenaMapping
+from cluster.core.tiers.memory import ArenaMapping, SlabStamp
 
+log = logging.getLogger("raykv.client")
 MAX_HINTS = 1 << 16
 HINT_TTL_S = 1.0
 Place = tuple[int, int, int]  # (tier, slot, generation)
@@ -45,21 +52,37 @@ class LocalSlabs:
         self._lock = threading.Lock()
         self._prefaulting: Future | None = None
 
-    def ensure(self, epoch: int) -> Steps[bool]:
-        """Map the node's slabs of `epoch` unless already mapped; False if that failed."""
-        if self.epoch == epoch:
+    @property
+    def layout_version(self) -> int:
+        """The layout version of the node's pool that these mappings reach."""
+        return sum(mapping.layout_version for mapping in self._mappings)
+
+    def ensure(self, stamp: SlabStamp) -> Steps[bool]:
+        """Map the node's slabs as of `stamp` (from a reserve or acquire reply) unless the
+        mappings already reach it; False if that failed (the reply's slots then miss)."""
+        if stamp.covered_by(self.epoch, self.layout_version):
             return True
         (reply,) = yield Wait([self.node.descriptors(self.geometry)])
         if failed(reply):
             return False
         current, descriptors = reply
+        try:
+            self._remap(current, descriptors)
+        except OSError as error:  # the slabs went away meanwhile (the actor restarted)
+            log.warning("could not map the node's slabs (a miss): %s", error)
+            return False
+        self.prefault()
+        return stamp.covered_by(self.epoch, self.layout_version)
+
+    def _remap(self, current: SlabStamp, descriptors: list) -> None:
         with self._lock:
-            if self.epoch != current:
+            if self.epoch != current.epoch:
                 self._mappings = [ArenaMapping(d) for d in descriptors]
                 self._hints.clear()  # slots of the old slabs
-                self.epoch = current
-        self.prefault()
-        return self.epoch == epoch
+                self.epoch = current.epoch
+                return
+            for mapping, descriptor in zip(self._mappings, descriptors, strict=True):
+                mapping.update(descriptor)
 
     def prefault(self) -> None:
         """Fault in, in a background thread, the chunks the node holds that this client has
@@ -72,10 +95,25 @@ class LocalSlabs:
             self._prefaulting = _prefault_thread().submit(
                 lambda: sum(m.prefault_held() for m in mappings))
 
-    def page(self, tier: int, slot: int) -> torch.Tensor:
-        """The page in a slot, typed and shaped (a view into shared memory)."""
-        raw = self._mappings[tier].view(slot)[: self.geometry.page_bytes]
+    def page(self, tier: int, slot: int) -> torch.Tensor | None:
+        """The page in a slot, typed and shaped (a view into shared memory or VRAM); None
+        where its chunk is not mapped here (a GPU this process does not see): a miss."""
+        raw = self._mappings[tier].view(slot)
+        if raw is None:
+            return None
+        raw = raw[: self.geometry.page_bytes]
         return raw.view(self.geometry.torch_dtype()).view(self.geometry.shape)
+
+    def pages(self, places: list) -> list[torch.Tensor]:
+        """The pages of the leading places whose chunks are mapped here (tier and slot
+        first in each place); the list stops at the first that is not."""
+        pages = []
+        for tier, slot, *_ in places:
+            page = self.page(tier, slot)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
 
     def generation(self, tier: int, slot: int) -> int:
         return self._mappings[tier].generation(slot)

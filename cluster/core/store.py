@@ -158,6 +158,12 @@ class NodeStore:
     def descriptors(self, geometry: PageGeometry) -> list[ArenaDescriptor]:
         return [arena.descriptor() for arena in self.pool(geometry).memory]
 
+    def layout_version(self, geometry: PageGeometry) -> int:
+        """Grows whenever a client must map the pool's arenas again (a device chunk granted
+        or released); clients compare it with what they mapped (cluster/slabs.py)."""
+        pool = self.pools.get(geometry)
+        return sum(arena.layout_version for arena in pool.memory) if pool is not None else 0
+
     # ---- puts ----------------------------------------------------------------------------
 
     async def reserve(self, geometry: PageGeometry, keys: list[PageKey],

@@ -12,6 +12,7 @@ from cluster.core.dataplane.endpoint import Endpoint
 from cluster.core.directory_index import DirectoryIndex
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import KEY_BYTES, shard_of
+from cluster.core.tiers.memory import SlabStamp
 
 
 @dataclass
@@ -52,6 +53,11 @@ class FakeNode:
     is_local: bool = False
     fail: set = field(default_factory=set)
     calls: list = field(default_factory=list)
+    put_tier: int = 1
+
+    def stamp(self) -> SlabStamp:
+        """The epoch and the layout version of the arenas, as the node actor's replies."""
+        return SlabStamp(self.epoch, sum(a.layout_version for a in self.arenas))
 
     def _call(self, name: str, value: object) -> FakeRef:
         self.calls.append(name)
@@ -66,13 +72,13 @@ class FakeNode:
                 break
             tier, slot = self.pages[key]
             located.append((tier, slot, self.arenas[tier].generation(slot)))
-        return self._call("acquire", (self.epoch, 7 if located else 0, located))
+        return self._call("acquire", (self.stamp(), 7 if located else 0, located))
 
     def release(self, lease_id: int):
         return self._call("release", None)
 
     def descriptors(self, geometry: PageGeometry):
-        return self._call("descriptors", (self.epoch, [a.descriptor() for a in self.arenas]))
+        return self._call("descriptors", (self.stamp(), [a.descriptor() for a in self.arenas]))
 
     def dataplane(self):
         return self._call("dataplane", Endpoint("fake", self.node_id, 1, self.epoch))
@@ -84,19 +90,19 @@ class FakeNode:
         self.touched = getattr(self, "touched", []) + list(keys)
         return self._call("touch", len(keys))
 
-    # puts: reserve in the host arena (tier 1), commit makes the pages visible
+    # puts: reserve in `put_tier` (the host arena unless told), commit makes them visible
     def reserve(self, geometry: PageGeometry, keys: list, namespace: str = ""):
         slots = []
         for key in keys:
             if key in self.pages:
                 slots.append(None)
                 continue
-            slot = self.arenas[1].alloc()
+            slot = self.arenas[self.put_tier].alloc()
             if slot is None:
                 break
-            slots.append((1, slot))
+            slots.append((self.put_tier, slot))
         self.reserved = dict(zip(keys, slots, strict=False))
-        return self._call("reserve", (self.epoch, 42, slots))
+        return self._call("reserve", (self.stamp(), 42, slots))
 
     def commit(self, reservation_id: int):
         placed = {k: s for k, s in self.reserved.items() if s is not None}
@@ -105,6 +111,10 @@ class FakeNode:
         return self._call("commit", 0 if "lapse" in self.fail else len(placed))
 
     def abort(self, reservation_id: int):
+        for slot in getattr(self, "reserved", {}).values():
+            if slot is not None:
+                self.arenas[slot[0]].free(slot[1])
+        self.reserved = {}
         return self._call("abort", None)
 
     def put_pages(self, geometry: PageGeometry, keys: list, pages: list, namespace: str = ""):

@@ -412,13 +412,15 @@ def test_mapped_arena_and_client_mapping_share_bytes(stores):
     assert (device.tier, host.tier) == ("device", "host")
     assert device.slot_bytes == host.slot_bytes == round_up(PAGE_BYTES)
     assert device.num_slots == host.num_slots == 2
-    assert device.shm_path.startswith(SHM_DIR + "/") and device.cuda_handle is None
-    assert device.generations_path == device.shm_path + "-gen"
+    # the device tier: a shm file per chunk (the CPU stand-in of VRAM chunks); host: one slab
+    assert device.shm_path is None and host.shm_path.startswith(SHM_DIR + "/")
+    assert [c.shm_path.startswith(SHM_DIR + "/") for c in device.device_layout.chunks] == [True]
+    assert device.generations_path.startswith(SHM_DIR + "/")
     mapping = ArenaMapping(device)
     slot = store.pool(G).index[key(0)].slot
     assert as_page(mapping.view(slot)).equal(page(0))
-    mapping.view(1)[:4].copy_(torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
-    assert store.pool(G).memory[DEVICE].view(1)[:4].tolist() == [1, 2, 3, 4]
+    mapping.view(slot)[:4].copy_(torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
+    assert store.pool(G).memory[DEVICE].view(slot)[:4].tolist() == [1, 2, 3, 4]
 
 
 def test_new_store_removes_stale_slabs_of_its_prefix(stores):
@@ -435,7 +437,9 @@ def test_close_unlinks_every_slab(stores):
     run(store_put(store, [0]))
     store.pool(PageGeometry((1, 2, 1, 16, 16), "float32"))
     prefix = store.config.limits.shm_prefix
-    assert len(shm_files(prefix)) == 8  # 2 pools x 2 arenas x (slab + generation table)
+    # 2 pools x 2 arenas x (slab + generation table), less the device chunk that the second
+    # pool has not been granted yet (a device chunk is a file of its own)
+    assert len(shm_files(prefix)) == 7
     store.close()
     assert shm_files(prefix) == []
 

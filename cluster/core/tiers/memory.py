@@ -5,14 +5,15 @@
     generations: | g0 | g1 | g2 | ... |                                uint64, one per slot
 
 An arena spans its pool's whole possible capacity, but holds memory only for the chunks its
-pool was granted from the tier's node-wide budget (chunks.py): the shared-memory file is sparse,
-a granted chunk is populated, a released one punched out; on a GPU each chunk is its own VRAM
-allocation from cupy's pool. That is how models share one budget elastically.
+pool was granted from the tier's node-wide budget (chunks.py). That is how models share one
+budget elastically.
 
-The host tier is a file in /dev/shm mapped by the node actor and by every client on the node,
-so a get is one copy from the slab into the caller's tensor, with no hop through Ray.
-The device tier is a CUDA allocation when a GPU is visible (clients map it through a CUDA
-IPC handle); without one it is a CPU stand-in with the same shared-memory mechanics.
+The host tier is one sparse file in /dev/shm mapped by the node actor and by every client on
+the node (a granted chunk is populated, a released one punched out), so a get is one copy from
+the slab into the caller's tensor, with no hop through Ray. The device tier is one separate
+allocation per chunk (device_chunks.py): VRAM with a CUDA IPC handle where a GPU is visible,
+else a shared-memory file per chunk, its CPU stand-in. A chunk granted again is a new
+allocation, so clients remap when the arena's layout version changes.
 
 A slot's generation grows each time the slot is freed. A reader notes it when the node pins
 the page for it and checks it again after its copy: a changed generation means the slot was
@@ -21,7 +22,6 @@ freed (its lease ran out) and perhaps reused while the copy ran, so the copy is 
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import uuid
@@ -33,8 +33,9 @@ import torch
 
 from cluster.core.tiers.aligned import ALIGN_BYTES, round_up
 from cluster.core.tiers.chunks import ChunkedSlots, Share
+from cluster.core.tiers.device_chunks import CudaChunks, DeviceLayout, DeviceMaps, ShmChunks
+from cluster.core.tiers.shm import SHM_DIR, SharedFile, map_file, populate_range
 
-SHM_DIR = os.environ.get("RAYKV_SHM_DIR", "/dev/shm")
 GEN_BYTES = 8
 
 
@@ -44,16 +45,34 @@ class SharedMemoryTooSmall(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class ArenaDescriptor:
-    """What a client needs to map an arena: a shm path or a CUDA IPC handle, and the
-    generation table's shm path."""
+    """What a client needs to map an arena: a shm path (host) or the layout of its chunks
+    (device), and the generation table's shm path."""
 
     tier: str
     slot_bytes: int
     num_slots: int
     shm_path: str | None = None
-    cuda_handle: object | None = None
+    device_layout: DeviceLayout | None = None
     generations_path: str | None = None
     chunk_bytes: int = 0
+
+    @property
+    def layout_version(self) -> int:
+        return self.device_layout.version if self.device_layout is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
+class SlabStamp:
+    """Which slabs the slots of a node's reply refer to: the node actor's epoch (a restarted
+    actor has new slabs) and its pool's layout version (grows as device chunks, each a new
+    allocation, come and go). Every reserve, acquire and descriptors reply carries one."""
+
+    epoch: int
+    layout_version: int = 0
+
+    def covered_by(self, epoch: int | None, layout_version: int) -> bool:
+        """Whether mappings of `epoch` at `layout_version` reach every slot of the reply."""
+        return epoch == self.epoch and layout_version >= self.layout_version
 
 
 def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
@@ -81,38 +100,6 @@ def _gib_ceil(num_bytes: int) -> int:
     return -(-int(num_bytes * 1.1) // 2**30)
 
 
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-
-
-class _SharedFile:
-    """A file in shared memory, mapped read-write; unlinked by close(). Sparse: memory is
-    taken only for what is written (or populated)."""
-
-    def __init__(self, name: str, nbytes: int, populate: bool = True):
-        self.path = os.path.join(SHM_DIR, name)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            flags = mmap.MAP_SHARED | (_populate() if populate else 0)
-            self.mmap = mmap.mmap(fd, nbytes, flags=flags)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        if os.path.exists(self.path):
-            os.unlink(self.path)
-
-
-def _map_file(path: str, populate: bool = True) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        flags = mmap.MAP_SHARED | (_populate() if populate else 0)
-        return mmap.mmap(fd, os.fstat(fd).st_size, flags=flags)
-    finally:
-        os.close(fd)
-
-
 def _advise(mapping: mmap.mmap, advice: int, start: int, length: int) -> bool:
     try:
         mapping.madvise(advice, start, length)
@@ -121,26 +108,13 @@ def _advise(mapping: mmap.mmap, advice: int, start: int, length: int) -> bool:
         return False
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_libc.madvise.restype = ctypes.c_int
-
-
-def _populate_range(address: int, length: int) -> bool:
-    """MADV_POPULATE_WRITE over [address, address + length), without holding the GIL
-    (mmap.madvise holds it for the whole call: tens of ms for a chunk, which would stall every
-    other thread of the process, the actor's event loop included). False where the kernel
-    lacks it (before 5.14)."""
-    return _libc.madvise(address, length, MADV_POPULATE_WRITE) == 0
-
-
 class _ShmSlab:
     """The CPU backing of an arena: one sparse shared-memory file over the whole capacity.
     A granted chunk is populated (faulted in) at once; a released one is punched out, so
     the memory goes back to the machine while the file keeps its size."""
 
     def __init__(self, name: str, nbytes: int):
-        self.file = _SharedFile(name, max(nbytes, ALIGN_BYTES), populate=False)
+        self.file = SharedFile(name, max(nbytes, ALIGN_BYTES), populate=False)
         _advise_hugepages(self.file.mmap)
         self.tensor = torch.frombuffer(self.file.mmap, dtype=torch.uint8)
 
@@ -148,7 +122,7 @@ class _ShmSlab:
         return self.tensor[offset : offset + nbytes]
 
     def grant(self, offset: int, nbytes: int) -> None:
-        if not _populate_range(self.tensor.data_ptr() + offset, nbytes):
+        if not populate_range(self.tensor.data_ptr() + offset, nbytes):
             self.tensor[offset : offset + nbytes].zero_()  # older kernels: touch it
 
     def release(self, offset: int, nbytes: int) -> None:
@@ -157,59 +131,21 @@ class _ShmSlab:
     def descriptor_fields(self) -> dict:
         return {"shm_path": self.file.path}
 
+    version = 0  # one file for good: a client's mapping never goes stale
+
     def close(self) -> None:
         self.file.close()
 
 
-class _CudaChunks:
-    """The GPU backing of an arena: one VRAM allocation per granted chunk, taken from cupy's
-    memory pool (so a released chunk is VRAM other models and the engine can use), each
-    shared with same-node clients through a CUDA IPC handle. Chunks go round-robin over the
-    node's GPUs (chunk c on GPU c % num_devices): a VRAM pool on every GPU. Written for real,
-    guarded: it runs only where cupy and a GPU are present."""
-
-    def __init__(self, chunk_bytes: int, num_devices: int = 1):
-        import cupy
-
-        self.cupy = cupy
-        self.chunk_bytes = chunk_bytes
-        self.num_devices = max(1, num_devices)
-        self.chunks: dict[int, tuple[object, torch.Tensor]] = {}
-        self.version = 0
-
-    def device_of(self, chunk: int) -> int:
-        return chunk % self.num_devices
-
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        chunk, within = divmod(offset, self.chunk_bytes)
-        return self.chunks[chunk][1][within : within + nbytes]
-
-    def grant(self, offset: int, nbytes: int) -> None:
-        chunk = offset // self.chunk_bytes
-        with self.cupy.cuda.Device(self.device_of(chunk)) as device:
-            memory = self.cupy.cuda.alloc(nbytes)
-            array = self.cupy.ndarray((nbytes,), dtype=self.cupy.uint8, memptr=memory)
-            array.fill(0)
-            device.synchronize()  # a client mapping it sees initialized memory
-            self.chunks[chunk] = (memory, torch.as_tensor(array, device=f"cuda:{device.id}"))
-        self.version += 1
-
-    def release(self, offset: int, nbytes: int) -> None:
-        chunk = offset // self.chunk_bytes
-        with self.cupy.cuda.Device(self.device_of(chunk)) as device:
-            device.synchronize()  # no copy may still read it
-        self.chunks.pop(chunk, None)  # back to cupy's pool
-        self.version += 1
-
-    def descriptor_fields(self) -> dict:
-        handles = {chunk: (self.device_of(chunk),
-                           self.cupy.cuda.runtime.ipcGetMemHandle(memory.ptr))
-                   for chunk, (memory, _) in self.chunks.items()}
-        return {"cuda_handle": {"chunk_bytes": self.chunk_bytes, "chunks": handles,
-                                "version": self.version}}
-
-    def close(self) -> None:
-        self.chunks.clear()
+def _backing(tier: str, chunk_bytes: int, capacity_bytes: int, tag: str,
+             options: ArenaOptions):
+    """The device tier: one allocation per chunk (VRAM, or its CPU stand-in); the host tier:
+    one sparse shared-memory file."""
+    if tier != "device":
+        return _ShmSlab(tag, capacity_bytes)
+    if options.use_cuda:
+        return CudaChunks(chunk_bytes, options.num_devices)
+    return ShmChunks(chunk_bytes, tag)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,12 +175,12 @@ class MappedArena:
         self.slots.on_grant = self.ready_chunk
         self.slots.on_release = self._release_chunk
         tag = f"{options.shm_prefix}-{tier}-{uuid.uuid4().hex[:12]}"
-        self._backing = (_CudaChunks(self.chunk_bytes, options.num_devices) if options.use_cuda
-                         else _ShmSlab(tag, self.num_slots * slot_bytes))
+        self._backing = _backing(tier, self.chunk_bytes, self.num_slots * slot_bytes, tag,
+                                 options)
         # One file: a uint64 generation per slot, then a "held" byte per chunk (clients
         # pre-fault their mapping of held chunks, off their puts' path).
         table_bytes = max(1, self.num_slots) * GEN_BYTES + self.slots.num_chunks
-        self._generations_file = _SharedFile(tag + "-gen", round_up(table_bytes))
+        self._generations_file = SharedFile(tag + "-gen", round_up(table_bytes))
         table = np.frombuffer(self._generations_file.mmap, dtype=np.uint8)
         self.generations = table[: self.num_slots * GEN_BYTES].view(np.uint64)
         self.held = table[self.num_slots * GEN_BYTES :][: self.slots.num_chunks]
@@ -280,13 +216,14 @@ class MappedArena:
     def descriptor(self) -> ArenaDescriptor:
         fields = self._backing.descriptor_fields()
         return ArenaDescriptor(self.tier, self.slot_bytes, self.num_slots,
-                               fields.get("shm_path"), fields.get("cuda_handle"),
+                               fields.get("shm_path"), fields.get("device_layout"),
                                self._generations_file.path, self.chunk_bytes)
 
     @property
     def layout_version(self) -> int:
-        """Changes when clients must map the arena again (new VRAM chunks); 0 on CPU."""
-        return getattr(self._backing, "version", 0)
+        """Grows whenever clients must map the arena again: a device chunk granted or
+        released (each grant is a new allocation); 0 for the host slab."""
+        return self._backing.version
 
     @property
     def used_bytes(self) -> int:
@@ -299,29 +236,42 @@ class MappedArena:
 
 
 class ArenaMapping:
-    """A client's mapping of a node arena, opened once and reused. Shared memory is mapped
-    without populating the (sparse) file; a chunk is faulted in the first time it is used."""
+    """A client's mapping of a node arena, opened once and reused. The host slab is mapped
+    without populating the (sparse) file: a chunk is faulted in the first time it is used.
+    The device tier's chunks are mapped one by one (device_chunks.DeviceMaps), and mapped
+    again by `update` when the node's layout moved on."""
 
     def __init__(self, descriptor: ArenaDescriptor):
         self.descriptor = descriptor
-        table = np.frombuffer(_map_file(descriptor.generations_path), dtype=np.uint8)
+        table = np.frombuffer(map_file(descriptor.generations_path), dtype=np.uint8)
         num_chunks = -(-descriptor.num_slots * descriptor.slot_bytes
                        // max(1, descriptor.chunk_bytes))
         self.generations = table[: descriptor.num_slots * GEN_BYTES].view(np.uint64)
         self.held = table[descriptor.num_slots * GEN_BYTES :][:num_chunks]
         self._populated: dict[int, int] = {}  # chunk -> the grant it was faulted in for
         self._mmap: mmap.mmap | None = None
-        if descriptor.cuda_handle is not None:
-            self._cuda = _map_cuda_chunks(descriptor.cuda_handle)
+        self.device: DeviceMaps | None = None
+        if descriptor.device_layout is not None:
+            self.device = DeviceMaps(descriptor.device_layout)
             return
-        self._mmap = _map_file(descriptor.shm_path, populate=False)
+        self._mmap = map_file(descriptor.shm_path, populate=False)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
 
-    def view(self, slot: int) -> torch.Tensor:
+    @property
+    def layout_version(self) -> int:
+        return self.device.version if self.device is not None else 0
+
+    def update(self, descriptor: ArenaDescriptor) -> None:
+        """Map the chunks of a newer layout of the same arena (device tier; the host slab
+        is one file for good)."""
+        if self.device is not None and descriptor.device_layout is not None:
+            self.device.update(descriptor.device_layout)
+
+    def view(self, slot: int) -> torch.Tensor | None:
+        """The slot's bytes; None where this process cannot map its chunk (a miss)."""
         start = slot * self.descriptor.slot_bytes
-        if self._mmap is None:
-            chunk, within = divmod(start, self.descriptor.chunk_bytes)
-            return self._cuda[chunk][within : within + self.descriptor.slot_bytes]
+        if self.device is not None:
+            return self.device.view(start, self.descriptor.slot_bytes)
         # A chunk the background pre-fault has not reached yet is faulted in here, in one
         # call: far cheaper than a page fault per 4 KiB under the copy.
         self._fault_in(start // self.descriptor.chunk_bytes)
@@ -334,7 +284,7 @@ class ArenaMapping:
         self._populated[chunk] = grant
         chunk_bytes = self.descriptor.chunk_bytes
         length = min(chunk_bytes, len(self._mmap) - chunk * chunk_bytes)
-        _populate_range(self.tensor.data_ptr() + chunk * chunk_bytes, length)
+        populate_range(self.tensor.data_ptr() + chunk * chunk_bytes, length)
         return True
 
     def prefault_held(self) -> int:
@@ -342,32 +292,12 @@ class ArenaMapping:
         that this mapping has not faulted yet: a first write then runs at memory speed.
         Returns how many chunks it did. Chunks not held are never touched (the file is
         sparse: touching them would take memory outside the node's budget)."""
-        if self._mmap is None:
-            return 0
+        if self.device is not None:
+            return self.device.prefault()
         return sum(self._fault_in(chunk) for chunk in np.flatnonzero(self.held).tolist())
 
     def generation(self, slot: int) -> int:
         return int(self.generations[slot])
-
-
-def _map_cuda_chunks(handle: dict) -> dict[int, torch.Tensor]:
-    """Open each chunk's CUDA IPC handle (cupy), on the GPU that holds it, as a uint8 tensor."""
-    import cupy
-
-    chunks = {}
-    for chunk, (device, ipc) in handle["chunks"].items():
-        with cupy.cuda.Device(device):
-            pointer = cupy.cuda.runtime.ipcOpenMemHandle(ipc)
-            memory = cupy.cuda.UnownedMemory(pointer, handle["chunk_bytes"], owner=None)
-            array = cupy.ndarray((handle["chunk_bytes"],), dtype=cupy.uint8,
-                                 memptr=cupy.cuda.MemoryPointer(memory, 0))
-            chunks[chunk] = torch.as_tensor(array, device=f"cuda:{device}")
-    return chunks
-
-
-def _populate() -> int:
-    # Pre-fault the mapping: a fresh page costs a fault on first touch, which halves copy speed.
-    return getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _advise_hugepages(mapping: mmap.mmap) -> None:
