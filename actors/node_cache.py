@@ -36,7 +36,8 @@ from cluster.core.loops import BackgroundLoops
 from cluster.core.pool import PoolLimits
 from cluster.core.registry import Registry
 from cluster.core.store import NodeStore, StoreConfig, shm_bytes_per_node
-from cluster.core.tiers.memory import SlabStamp, check_shm_room, num_cuda_devices
+from cluster.core.tiers.gpus import describe_budget, measure_gpus, vram_budget
+from cluster.core.tiers.memory import SlabStamp, check_shm_room, cupy_available, num_cuda_devices
 from cluster.core.tiers.node_slot import NodeSlot, claim_node_slot
 from cluster.core.tiers.report import describe_tiers
 
@@ -44,8 +45,9 @@ log = logging.getLogger("raykv.node")
 
 
 def store_config(config: CacheConfig, slot: NodeSlot) -> StoreConfig:
-    """The store's settings; on a GPU node the device tier is VRAM, device_bytes per GPU."""
-    num_gpus = num_cuda_devices()
+    """The store's settings; on a GPU node the device tier is VRAM, device_bytes per GPU
+    (without a GPU, or without cupy, one CPU stand-in of device_bytes)."""
+    num_gpus = num_cuda_devices() if config.device_bytes and cupy_available() else 0
     device_bytes = config.device_bytes * max(1, num_gpus)
     limits = PoolLimits(device_bytes, config.host_bytes, config.disk_bytes, config.eviction,
                         config.disk_codec, num_gpus > 0, slot.shm_prefix, max(1, num_gpus))
@@ -79,6 +81,7 @@ class NodeCacheActor:
         self.registry: Registry | None = None
         self.publisher = NodePublisher(Metrics(node_id))
         self.recovered_pages = 0
+        self.vram: list = []  # raykv's share of each GPU (cluster/core/tiers/gpus.py)
         self.counters = {"pulled_pages": 0, "failed_sends": 0, "discarded_pages": 0}
         self.faults = NodeFaults()  # test-only: off (see inject_fault)
 
@@ -95,6 +98,9 @@ class NodeCacheActor:
     async def _start(self) -> None:
         limits = store_config(self.config, self.slot).limits
         check_shm_room(shm_bytes_per_node(limits))
+        if limits.use_cuda:  # refuse, naming the fix, before taking any VRAM
+            self.vram = vram_budget(self.config.device_bytes, measure_gpus())
+            log.warning("raykv node %s VRAM: %s", self.node_id[:12], describe_budget(self.vram))
         self.recovered_pages = await asyncio.to_thread(self.store.recover_disk)
         source = StoreSource(self.store, asyncio.get_running_loop(), self._transfer_timeout_s())
         self.server = self.transport.serve(source, ray.util.get_node_ip_address(),
@@ -367,6 +373,9 @@ class NodeCacheActor:
         await self.ready()
         return {"node_id": self.node_id, "epoch": self.epoch, "disk_dir": self.slot.disk_dir,
                 "pid": os.getpid(), "gpus": list(self.gpu_ids), **self.store.stats(),
+                "vram": [{"uuid": s.uuid, "device_bytes": s.device_bytes,
+                          "max_gpu_memory_utilization": s.max_gpu_memory_utilization}
+                         for s in self.vram],
                 "num_pools": len(self.store.pools), **self.counters,
                 "dataplane": self._dataplane_stats(),
                 "events": self.stream.stats(), "loops": self.loops.running(),

@@ -20,12 +20,22 @@ def default_disk_dir() -> str:
 
 
 class CacheConfig(BaseModel):
-    """Settings for one raykv service on a Ray cluster. Capacities are per node."""
+    """Settings for one raykv service on a Ray cluster. Capacities are per node, except
+    `device_bytes`, which is per GPU.
+
+    `device_bytes` is the VRAM each GPU of a node gives raykv's device tier (a node with 8
+    GPUs holds 8 x device_bytes; a node without a GPU holds one CPU stand-in of
+    device_bytes in shared memory). The node actor asks Ray for no GPU, so this VRAM, and
+    its CUDA context (~512 MiB per GPU), are outside vLLM's accounting: at start the node
+    refuses when a GPU has less free memory than device_bytes, and logs the largest
+    `gpu_memory_utilization` the engines on its GPUs may then use (also in `raykv status`).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     page_tokens: int = Field(256, gt=0, le=65536, description="tokens per page")
-    device_bytes: int = Field(256 * MiB, ge=0, description="VRAM pool per node (CPU stand-in)")
+    device_bytes: int = Field(256 * MiB, ge=0, description="device (VRAM) tier per GPU; a "
+                              "CPU stand-in of this size on a node without GPUs")
     host_bytes: int = Field(1 * GiB, ge=0, description="host DRAM (shared memory) per node")
     disk_bytes: int = Field(4 * GiB, ge=0, description="NVMe slab bytes per node")
     disk_dir: str = Field(default_factory=default_disk_dir)

@@ -3,8 +3,9 @@
     device (VRAM)  --demote-->  host (/dev/shm)  --demote-->  disk (O_DIRECT)  --> dropped
           ^------------promote on access--------------------------'
 
-Each page lives in exactly one tier. Memory copies happen inline on the owner's event loop;
-disk I/O runs in the disk arena's threads and is awaited. A page that is pinned (being read)
+Each page lives in exactly one tier. Copies between the memory tiers run in a copy thread (on
+a CUDA stream where the device tier is VRAM: tiers/device_copy.py) and disk I/O in the disk
+arena's threads; both are awaited, off the owner's event loop. A page that is pinned (being read)
 or moving between tiers is never chosen as a victim.
 """
 
@@ -27,6 +28,7 @@ from cluster.core.geometry import DEVICE, DISK, HOST, PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.pool_entry import Entry, State
 from cluster.core.tiers.chunks import ChunkedSlots, Share
+from cluster.core.tiers.device_copy import tier_copies
 from cluster.core.tiers.disk import DiskArena
 from cluster.core.tiers.memory import ArenaOptions, MappedArena, readonly_tensor
 from policies.eviction import make_policy
@@ -310,8 +312,9 @@ class Pool(DiskLoads):
             for key in keys:
                 if key in self.index:
                     self.index[key].state = State.READY
-        for key in remaining:
-            self.drop(key)
+        for key in remaining:  # a page a reader pinned while it was moving stays where it is
+            if key in self.index and self.index[key].pins == 0:
+                self.drop(key)
 
     async def _move_down(self, keys: list[PageKey], below: int) -> list[PageKey]:
         """Move what fits into `below`; returns the keys left over."""
@@ -321,17 +324,35 @@ class Pool(DiskLoads):
         if below == DISK:
             moved = set(await self._write_disk(batch))
         else:
-            moved = {key for key in batch if self._move_memory(key, below)}
+            moved = set(await self._move_memory(batch, below))
         return [key for key in batch if key not in moved] + rest
 
-    def _move_memory(self, key: PageKey, tier: int) -> bool:
-        entry = self.index[key]
-        slot = self.memory[tier].alloc()
-        if slot is None:
-            return False
-        self.memory[tier].view(slot).copy_(self.view(entry))
-        self._relocate(key, entry, tier, slot)
-        return True
+    async def _move_memory(self, keys: list[PageKey], tier: int) -> list[PageKey]:
+        """Copy pages into `tier` in one batch, off the event loop, then move those that no
+        reader pinned meanwhile (moving one would free its slot under the reader); returns
+        the keys moved."""
+        moves = []
+        for key in keys:
+            slot = self.memory[tier].alloc()
+            if slot is None:
+                break
+            entry = self.index[key]
+            moves.append((key, entry, slot, entry.pins))
+        pairs = [(self.memory[tier].view(slot), self.view(entry)) for _, entry, slot, _ in moves]
+        try:
+            await tier_copies().copy(pairs)
+        except BaseException:
+            for _, _, slot, _ in moves:
+                self.memory[tier].free(slot)
+            raise
+        moved = []
+        for key, entry, slot, pins in moves:
+            if self.index.get(key) is entry and entry.pins <= pins:
+                self._relocate(key, entry, tier, slot)
+                moved.append(key)
+            else:
+                self.memory[tier].free(slot)
+        return moved
 
     def _relocate(self, key: PageKey, entry: Entry, tier: int, slot: int) -> None:
         self.policies[entry.tier].on_remove(key)
@@ -388,8 +409,7 @@ class Pool(DiskLoads):
             self.index[key].state = State.MOVING
         try:
             await self.make_room(DEVICE, min(len(movable), self._num_slots(DEVICE)))
-            for key in movable[: self._free_slots(DEVICE)]:
-                self._move_memory(key, DEVICE)
+            await self._move_memory(movable[: self._free_slots(DEVICE)], DEVICE)
         finally:
             for key in movable:
                 if key in self.index:

@@ -29,7 +29,10 @@ def _attach(address: str | None) -> None:
 def start_command(
     address: Address = None,
     host_bytes: Annotated[str, typer.Option(help="host (shared memory) tier per node")] = "1GiB",
-    device_bytes: Annotated[str, typer.Option(help="device (VRAM) tier per node")] = "256MiB",
+    device_bytes: Annotated[str, typer.Option(
+        help="device (VRAM) tier per GPU, outside vLLM's gpu_memory_utilization (the node "
+             "logs the largest the engines may use); a CPU stand-in on GPU-less nodes")]
+    = "256MiB",
     disk_bytes: Annotated[str, typer.Option(help="disk tier per node")] = "4GiB",
     disk_dir: Annotated[str | None, typer.Option(help="disk tier directory on every node "
                                                       "(default: RAYKV_DISK_DIR, else per user)")]

@@ -314,6 +314,13 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def cupy_available() -> bool:
+    """Whether cupy (the VRAM chunks' CUDA runtime bindings) can be imported here."""
+    import importlib.util
+
+    return importlib.util.find_spec("cupy") is not None
+
+
 def num_cuda_devices() -> int:
     """GPUs this process sees (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

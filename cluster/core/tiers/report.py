@@ -17,7 +17,7 @@ def describe_tiers(limits: PoolLimits, disk_dir: str, gpu_ids: tuple[str, ...]) 
         device = (f"device=VRAM on GPUs {','.join(gpu_ids) or '?'} "
                   f"({limits.num_devices} x {per_gpu} MiB, cupy)")
     else:
-        why = "no GPU visible" if not gpu_ids else "GPUs seen but no CUDA in torch"
+        why = "no GPU visible" if not gpu_ids else "GPUs seen but no CUDA in torch, or no cupy"
         device = f"device=CPU stand-in in {SHM_DIR} ({limits.device_bytes // MiB} MiB; {why})"
     host = f"host={SHM_DIR} {limits.host_bytes // MiB} MiB" if limits.host_bytes else "host=none"
     disk = f"disk={disk_dir} {limits.disk_bytes // MiB} MiB" if limits.disk_bytes else "disk=none"
