@@ -1,6 +1,7 @@
-"""The CUDA path of the device tier: VRAM chunks from cupy's pool, granted and released
-against the tier's budget, and mapped by another process through CUDA IPC. Marked `gpu`:
-skipped where there is no CUDA device or no cupy."""
+"""The CUDA path of the device tier: one cudaMalloc per VRAM chunk, granted and released
+against the tier's budget, and mapped by another process through CUDA IPC (by GPU UUID).
+Marked `gpu`: skipped where there is no CUDA device or no cupy. `make gpu-check` runs the
+same paths without pytest or Ray (cluster/tools/gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from cluster.core.tiers.chunks import Share, TierBudget
+from cluster.core.tiers.gpus import local_gpu_uuids
 from cluster.core.tiers.memory import ArenaOptions, MappedArena
 
 cupy = pytest.importorskip("cupy", reason="the GPU path needs cupy (pip install raykv[gpu])")
@@ -70,9 +72,25 @@ def test_vram_chunks_spread_over_every_gpu():
                                      num_devices=num_gpus))
     slots = [arena.alloc() for _ in range(2 * num_gpus)]
     devices = {arena.view(slot).device.index for slot in slots}
-    assert devices == set(range(num_gpus))  # chunk c on GPU c % num_gpus
-    handles = arena.descriptor().cuda_handle["chunks"]
-    assert {device for device, _ in handles.values()} == devices
+    assert devices == set(range(num_gpus))  # each chunk on the least-filled GPU
+    chunks = arena.descriptor().device_layout.chunks
+    assert {c.gpu_uuid for c in chunks} == set(local_gpu_uuids())  # named by UUID
+    assert all(c.nbytes == SLOT_BYTES and c.ipc_handle for c in chunks)
+    arena.close()
+
+
+def test_a_released_chunk_goes_back_to_the_driver():
+    arena = gpu_arena(4, TierBudget(4 * SLOT_BYTES), slots_per_chunk=4)
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info()
+    slots = [arena.alloc() for _ in range(4)]
+    held, _ = torch.cuda.mem_get_info()
+    for slot in slots:
+        arena.free(slot)
+    arena.slots.release_empty()
+    free_after, _ = torch.cuda.mem_get_info()
+    assert free_before - held >= 4 * SLOT_BYTES  # a cudaMalloc of its own ...
+    assert free_after >= free_before - SLOT_BYTES  # ... and cudaFree on release
     arena.close()
 
 

@@ -222,7 +222,7 @@ class DevicePointer:
     @property
     def __cuda_array_interface__(self) -> dict:
         return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.pointer, False),
-                "version": 2}
+                "strides": None, "version": 2}
 
 
 # ---- the client's side --------------------------------------------------------------------

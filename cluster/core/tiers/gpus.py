@@ -76,7 +76,7 @@ def local_gpu_uuids() -> list[str]:
         runtime = cupy.cuda.runtime
         return [format_uuid(runtime.getDeviceProperties(i)["uuid"])
                 for i in range(runtime.getDeviceCount())]
-    except ImportError:
+    except (ImportError, KeyError):  # no cupy, or one too old to report UUIDs: ask torch
         pass
     except RuntimeError:  # no driver, or no device visible
         return []
