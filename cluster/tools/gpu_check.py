@@ -15,6 +15,8 @@ It exits non-zero on any FAIL; without CUDA every check is a SKIP and it exits 0
     regrant_remap     grant, release and grant again: the second process remaps the new
                       allocation, and its old mapping is never written
     stream_copies     host<->VRAM page moves in the copy thread on a CUDA stream, off the loop
+    vram_budget       the node's start-up check on these GPUs: the engines' largest
+                      gpu_memory_utilization next to raykv's default device_bytes
     device_get        a get from mapped VRAM chunks into a KV tensor, against one cudaMemcpy
                       of the same bytes (torch copy), as a ratio
     connector/<name>  cluster.core.kv_layout.selfcheck("cuda"): gather/scatter per layout
@@ -36,7 +38,13 @@ import torch
 
 from cluster.core.tiers.chunks import Share, TierBudget
 from cluster.core.tiers.device_copy import TierCopies
-from cluster.core.tiers.gpus import local_gpu_uuids, visible_gpus
+from cluster.core.tiers.gpus import (
+    describe_budget,
+    local_gpu_uuids,
+    measure_gpus,
+    visible_gpus,
+    vram_budget,
+)
 from cluster.core.tiers.memory import ArenaDescriptor, ArenaMapping, ArenaOptions, MappedArena
 
 SLOT_BYTES = 4 << 20
@@ -360,13 +368,23 @@ def check_connector_layouts(report: Report, device: str) -> None:
         report.check(f"connector/{name}", ok, detail)
 
 
+def check_vram_budget(report: Report) -> None:
+    """The node's start-up check on this machine's GPUs, with the default device_bytes."""
+    gpus = measure_gpus()
+    shares = vram_budget(256 << 20, gpus)
+    report.figures["max_gpu_memory_utilization"] = [s.max_gpu_memory_utilization
+                                                    for s in shares]
+    ok = bool(shares) and all(0 < s.max_gpu_memory_utilization < 1 for s in shares)
+    report.check("vram_budget", ok, describe_budget(shares))
+
+
 def _sync(tensor: torch.Tensor) -> None:
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
 
 
-CUDA_CHECKS = ("chunks_ipc[cuda]", "regrant_remap[cuda]", "stream_copies", "device_get",
-               "connector layouts")
+CUDA_CHECKS = ("vram_budget", "chunks_ipc[cuda]", "regrant_remap[cuda]", "stream_copies",
+               "device_get", "connector layouts")
 
 
 def run_checks(report: Report) -> None:
@@ -375,7 +393,7 @@ def run_checks(report: Report) -> None:
         for name in CUDA_CHECKS:
             report.line("SKIP", name, "no CUDA device here")
         return
-    steps = (lambda: check_chunks_ipc(report, "cuda"),
+    steps = (lambda: check_vram_budget(report), lambda: check_chunks_ipc(report, "cuda"),
              lambda: check_regrant_remap(report, "cuda"),
              lambda: check_stream_copies(report), lambda: check_device_get(report),
              lambda: check_connector_layouts(report, "cuda"))
