@@ -177,29 +177,35 @@ def child_main() -> None:
 # ---- the checks -----------------------------------------------------------------------------
 
 
-def device_arena(device: str, num_chunks: int = 3, prefix: str = "raykvgpucheck") -> MappedArena:
-    """A device arena of `num_chunks` chunks (the last one short), budget for all of them."""
+def device_arena(device: str, num_chunks: int = 3, num_gpus: int = 1) -> MappedArena:
+    """A device arena of `num_chunks` chunks (the last one short) over `num_gpus` GPUs,
+    budget for all of them."""
     chunk_bytes = SLOTS_PER_CHUNK * SLOT_BYTES
     num_slots = (num_chunks - 1) * SLOTS_PER_CHUNK + 1
     share = Share(TierBudget(num_chunks * chunk_bytes), "gpu-check", chunk_bytes)
-    options = ArenaOptions(use_cuda=device == "cuda", shm_prefix=prefix, share=share)
+    options = ArenaOptions(use_cuda=device == "cuda", shm_prefix="raykvgpucheck", share=share,
+                           num_devices=num_gpus)
     return MappedArena("device", num_slots * SLOT_BYTES, SLOT_BYTES, options)
 
 
-def peer_visibility(device: str) -> tuple[str | None, list[str]]:
-    """The narrowed CUDA_VISIBLE_DEVICES for the peer (the last GPU, named by its UUID) and
-    the UUIDs the peer should then see, by visible_gpus over this process's GPUs."""
+def peer_visibility(device: str, gpu: int = 0) -> tuple[str | None, list[str]]:
+    """The narrowed CUDA_VISIBLE_DEVICES for the peer (this process's GPU `gpu` (-1: the
+    last), named by a UUID prefix) and the UUIDs the peer should then see, by visible_gpus
+    over this process's GPUs."""
     if device != "cuda":
         return None, []
     mine = local_gpu_uuids()
-    narrowed = mine[-1][:12]  # a unique UUID prefix, as CUDA_VISIBLE_DEVICES allows
+    narrowed = mine[gpu][:12]  # a unique UUID prefix, as CUDA_VISIBLE_DEVICES allows
     return narrowed, visible_gpus(narrowed, list(enumerate(mine)))
 
 
 def check_chunks_ipc(report: Report, device: str) -> None:
-    """The peer maps every chunk and sees the node's bytes; the node sees the peer's."""
-    arena = device_arena(device)
-    narrowed, expected = peer_visibility(device)
+    """The chunks spread over every GPU; the peer sees only the last one (renumbered as its
+    cuda:0), maps the chunks there and sees the node's bytes, and the node sees the peer's;
+    the chunks on the other GPUs are misses for it."""
+    num_gpus = len(local_gpu_uuids()) if device == "cuda" else 1
+    arena = device_arena(device, num_chunks=max(3, num_gpus), num_gpus=num_gpus)
+    narrowed, expected = peer_visibility(device, -1)
     peer = Peer(narrowed)
     try:
         slots = [arena.alloc() for _ in range(arena.num_slots)]
@@ -209,16 +215,20 @@ def check_chunks_ipc(report: Report, device: str) -> None:
         short = layout.chunks[-1]
         sizes_ok = (short.nbytes == SLOT_BYTES
                     and short.offset_bytes == (len(layout.chunks) - 1) * arena.chunk_bytes)
+        seen_chunks = {c.chunk for c in layout.chunks if device == "cpu" or c.gpu_uuid in expected}
         mapped = peer.ask("map", arena.descriptor())
         reads = [peer.ask("read", slot) for slot in slots]
-        wrote = peer.ask("write", slots[-1], 0x5A)
-        _sync(arena.view(slots[-1]))
-        seen = int(arena.view(slots[-1])[0]) == 0x5A and wrote
+        mine = [slot for slot in slots if slot // SLOTS_PER_CHUNK in seen_chunks]
+        wrote = peer.ask("write", mine[-1], 0x5A)
+        _sync(arena.view(mine[-1]))
+        seen = int(arena.view(mine[-1])[0]) == 0x5A and wrote
         uuids = peer.ask("uuids")
-        ok = (sizes_ok and len(mapped) == len(layout.chunks) and seen
-              and reads == [[slot + 1, slot + 1] for slot in slots] and uuids == expected)
+        expected_reads = [[slot + 1, slot + 1] if slot in mine else None for slot in slots]
+        ok = (sizes_ok and set(mapped) == seen_chunks and seen and reads == expected_reads
+              and uuids == expected)
         report.check(f"chunks_ipc[{device}]", ok,
-                     f"{len(mapped)} chunks mapped by a peer with CUDA_VISIBLE_DEVICES="
+                     f"{len(mapped)} of {len(layout.chunks)} chunks mapped by a peer with "
+                     "CUDA_VISIBLE_DEVICES="
                      f"{narrowed}, sees {uuids} (expected {expected}); short last chunk "
                      f"{short.nbytes} bytes at {short.offset_bytes}; peer's write seen: {seen}")
         if device == "cuda":
