@@ -188,10 +188,12 @@ class NodeCacheActor:
         return self.store.pool(geometry).geometry.page_bytes
 
     async def reserve(self, geometry: PageGeometry, keys: list[PageKey], namespace: str = ""):
-        """(epoch, reservation_id, slots): see NodeStore.reserve. Then, after answering, the
-        next memory chunk is readied ahead of the puts that will need it."""
+        """(epoch, reservation_id, slots): see NodeStore.reserve; each slot as (tier, slot,
+        generation), which the client's copy checks under the slot's write fence. Then, after
+        answering, the next memory chunk is readied ahead of the puts that will need it."""
         await self.ready()
-        reply = self.epoch, *await self.store.reserve(geometry, keys, None, namespace)
+        reservation_id, slots = await self.store.reserve(geometry, keys, None, namespace)
+        reply = self.epoch, reservation_id, self.store.pool(geometry).places(slots)
         self._grow_soon(geometry)
         return reply
 

@@ -6,6 +6,10 @@
 Each page lives in exactly one tier. Memory copies happen inline on the owner's event loop;
 disk I/O runs in the disk arena's threads and is awaited. A page that is pinned (being read)
 or moving between tiers is never chosen as a victim.
+
+A reserved memory slot is written by someone else (a client, a pull's thread), so it goes back
+only through its write fence (tiers/fence.py): a slot whose writer may still be copying in
+when its reservation ends is quarantined, and freed once that writer is done or dead.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from cluster.core.keys import PageKey
 from cluster.core.pool_entry import Entry, State
 from cluster.core.tiers.chunks import ChunkedSlots, Share
 from cluster.core.tiers.disk import DiskArena
+from cluster.core.tiers.fence import SlotFence
 from cluster.core.tiers.memory import ArenaOptions, MappedArena, readonly_tensor
 from policies.eviction import make_policy
 from policies.quota import Guard
@@ -90,6 +95,12 @@ class Pool(DiskLoads):
         self._on_event = on_event
         self._loads = InflightClaims()
         self.top_tier = DEVICE if self.memory[DEVICE].num_slots else HOST
+        # Two opens of each memory tier's generation file: the node's fence on reserved slots
+        # that go back, and its own writers' locks (a pull's thread): distinct lock owners.
+        self.fences = [SlotFence(arena.descriptor().generations_path) for arena in self.memory]
+        self.own_writes = [SlotFence(arena.descriptor().generations_path)
+                           for arena in self.memory]
+        self.quarantined: list[tuple[int, int]] = []  # (tier, slot) a late writer may hold
 
     def _num_slots(self, tier: int) -> int:
         if tier == DISK:
@@ -189,13 +200,43 @@ class Pool(DiskLoads):
         return committed
 
     def abort(self, keys: list[PageKey], owner: int) -> None:
-        """Drop `owner`'s reserved-but-uncommitted pages (a failed or abandoned put)."""
+        """Drop `owner`'s reserved-but-uncommitted pages (a failed, abandoned or expired put).
+
+        Their writer may still be copying in (a stalled client, a pull's thread): each slot
+        is fenced (its generation moves, so a writer that has not locked it writes nothing)
+        and freed only when no writer holds its lock; else it is quarantined until then.
+        """
         for key in keys:
             entry = self._owned(key, owner)
             if entry is not None:
-                self.memory[entry.tier].free(entry.slot)
                 self._count(entry, -1)
                 del self.index[key]
+                self._release_written(entry.tier, entry.slot)
+
+    def _release_written(self, tier: int, slot: int) -> None:
+        arena = self.memory[tier]
+        arena.generations[slot] += 1  # the fence, before looking for a writer
+        if self.fences[tier].try_claim(slot):
+            arena.free(slot)
+        else:
+            self.quarantined.append((tier, slot))
+
+    def release_quarantined(self) -> int:
+        """Free the quarantined slots whose late writers are done (or dead); returns how many."""
+        held = []
+        for tier, slot in self.quarantined:
+            if self.fences[tier].try_claim(slot):
+                self.memory[tier].free(slot)
+            else:
+                held.append((tier, slot))
+        freed = len(self.quarantined) - len(held)
+        self.quarantined = held
+        return freed
+
+    def places(self, slots: list[tuple[int, int] | None]) -> list[tuple[int, int, int] | None]:
+        """Reserved (tier, slot)s with their generation now, (tier, slot, generation): what a
+        writer checks under its fence before it copies in (None stays None)."""
+        return [None if s is None else (*s, self.memory[s[0]].generation(s[1])) for s in slots]
 
     def write_page(self, key: PageKey, page: np.ndarray) -> None:
         """Copy bytes of a reserved page in (puts that arrive through Ray, not shm).
@@ -440,6 +481,8 @@ class Pool(DiskLoads):
         return {"device": counts[0], "host": counts[1], "disk": counts[2]}
 
     def close(self) -> None:
+        for fence in self.fences + self.own_writes:
+            fence.close()
         for arena in self.memory:
             arena.close()
         if self.disk is not None:

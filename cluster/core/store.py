@@ -87,6 +87,7 @@ class NodeStore:
         self.counters = {"puts": 0, "gets": 0, "hits_pages": 0, "misses_pages": 0,
                          "hits_device": 0, "hits_host": 0, "hits_disk": 0,
                          "expired_reservations": 0, "expired_leases": 0,
+                         "quarantine_freed_slots": 0,
                          "optimistic_hits_pages": 0, "optimistic_reads": 0}
 
     # ---- pools ---------------------------------------------------------------------------
@@ -298,7 +299,9 @@ class NodeStore:
         for lease_id in leases:
             self.release(lease_id)
         for reservation_id in reservations:
-            self.abort(reservation_id)
+            self.abort(reservation_id)  # its slots are fenced; a late writer's quarantined
+        for pool in self.pools.values():
+            self.counters["quarantine_freed_slots"] += pool.release_quarantined()
         self.counters["expired_leases"] += len(leases)
         self.counters["expired_reservations"] += len(reservations)
         return len(leases) + len(reservations)
@@ -364,6 +367,7 @@ class NodeStore:
                 "memory": self.elastic.stats(), "models": self.memory_by_model(),
                 "evictions": evictions, "disk_read_us_per_token": tax_us,
                 "reservations": len(self.reservations),
+                "quarantined_slots": sum(len(p.quarantined) for p in self.pools.values()),
                 "disk_bytes_read": sum(d.bytes_read for d in disks),
                 "disk_bytes_written": sum(d.bytes_written for d in disks), **self.counters}
 

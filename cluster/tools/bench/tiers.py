@@ -241,7 +241,7 @@ def put_phases_s(session: Session) -> dict[str, float]:
     common.map_slabs(client, epoch)
 
     def copies() -> None:
-        for page, (tier, slot) in enumerate(slots):
+        for page, (tier, slot, _) in enumerate(slots):
             copy_page(client.view.slabs.page(tier, slot),
                       kv[:, :, :, page_slices(page, client.page_tokens)])
 
