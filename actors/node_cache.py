@@ -50,7 +50,8 @@ def store_config(config: CacheConfig, slot: NodeSlot) -> StoreConfig:
     limits = PoolLimits(device_bytes, config.host_bytes, config.disk_bytes, config.eviction,
                         config.disk_codec, num_gpus > 0, slot.shm_prefix, max(1, num_gpus))
     return StoreConfig(limits, slot.disk_dir, config.pin_lease_s, config.disk_threads,
-                       config.max_geometries, config.reserve_lease_s, config.chunk_bytes)
+                       config.max_geometries, config.reserve_lease_s, config.chunk_bytes,
+                       config.disk_durability)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)

@@ -325,6 +325,8 @@ class Pool(DiskLoads):
         """Free up to `num_pages` slots in `tier`: first by taking chunks the node's budget can
         give (from other pools, per the quotas), then by demoting this pool's own unpinned
         victims, as the namespace quotas allow. True when all of it is free."""
+        if tier == DISK:  # slots freed since the last flush come back once their headers are zeroed
+            await self.flush_disk_frees()
         shortfall = num_pages - self._free_slots(tier)
         if shortfall > 0 and self.elastic.reclaim is not None:
             await self.elastic.reclaim(self, tier, shortfall)
@@ -353,6 +355,15 @@ class Pool(DiskLoads):
                     self.index[key].state = State.READY
         for key in remaining:
             self.drop(key)
+        if tier == DISK:  # so that the room (or a chunk) they held is free at once
+            await self.flush_disk_frees()
+
+    async def flush_disk_frees(self) -> int:
+        """Zero the headers of the disk slots freed since the last flush (in a thread), so
+        their pages do not come back after a restart, and hand the slots out again."""
+        if self.disk is None or not self.disk.num_freed:
+            return 0
+        return await asyncio.to_thread(self.disk.flush_freed)
 
     async def _move_down(self, keys: list[PageKey], below: int) -> list[PageKey]:
         """Move what fits into `below`; returns the keys left over."""
@@ -398,7 +409,10 @@ class Pool(DiskLoads):
             payload = self._encode(self.index[key])
             items.append((slot, bytes(key), self.codec_id, payload))
             moved.append(key)
-        if not await asyncio.to_thread(self.disk.write_or_free, items):
+        namespaces = [self.index[key].namespace for key in moved]  # restored after a restart
+        # Durable mode: the batch is fdatasynced before this returns, so the page is on disk
+        # for good before _relocate tells anyone so.
+        if not await asyncio.to_thread(self.disk.write_or_free, items, namespaces):
             return []  # a full or failing disk: these pages are dropped instead
         for (slot, _, codec, _), key in zip(items, moved, strict=True):
             entry = self.index[key]
@@ -455,10 +469,11 @@ class Pool(DiskLoads):
     # ---- restart and stats -------------------------------------------------------------
 
     def adopt_disk_pages(self, found: list[tuple[int, object]]) -> int:
-        """Index pages found on the disk slabs after a restart (already checksum-verified).
+        """Index pages found on the disk slabs after a restart (already checksum-verified),
+        each in the namespace its header names (its quotas apply again).
 
-        A key found twice (a freed slot keeps its old copy) is indexed once; returns how many
-        pages were indexed.
+        A key found twice (a crash before a freed slot's header was zeroed) is indexed once;
+        returns how many pages were indexed.
         """
         adopted = 0
         for slot, meta in found:
@@ -466,7 +481,8 @@ class Pool(DiskLoads):
             if key in self.index:
                 self.disk.free(slot)
                 continue
-            entry = self.index[key] = Entry(DISK, slot, State.READY, codec=meta.codec)
+            entry = self.index[key] = Entry(DISK, slot, State.READY, codec=meta.codec,
+                                            namespace=meta.namespace)
             self._count(entry, 1)
             self.policies[DISK].on_insert(key)
             self._on_event(key, DISK)

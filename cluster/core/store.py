@@ -51,6 +51,7 @@ class StoreConfig:
     max_geometries: int = 16
     reserve_lease_s: float = 30.0
     chunk_bytes: int = 64 << 20
+    disk_durability: str = "durable"  # or "volatile": see cluster/core/tiers/disk.py
 
 
 @dataclass(slots=True)
@@ -131,6 +132,7 @@ class NodeStore:
             make_private_dir(path)
             disk = DiskArena(*args)
         _write_pool_file(path, geometry)
+        disk.set_durability(self.config.disk_durability)
         disk.faults = self.disk_faults
         return disk
 
@@ -378,7 +380,11 @@ class NodeStore:
         self.model_names = dict(model_names or {})
 
     async def shrink_idle(self, idle_s: float) -> int:
-        """Pools unused for `idle_s` give their memory chunks back; returns how many."""
+        """Pools unused for `idle_s` give their memory chunks back; returns how many. First,
+        every pool zeroes the headers of the disk slots it freed since its last flush (the
+        node's periodic tidy): a page discarded a moment ago stays gone after a restart."""
+        for pool in list(self.pools.values()):
+            await pool.flush_disk_frees()
         return await self.elastic.shrink_idle(time.monotonic(), idle_s)
 
     def memory_by_model(self) -> dict[str, int]:
