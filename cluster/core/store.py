@@ -5,6 +5,7 @@ client that dies mid-call cannot hold anything forever:
 
     read lease     acquire() pins pages   -> release(lease_id), or expiry unpins them
     reservation    reserve() holds slots  -> commit/abort(reservation_id), or expiry aborts
+                   (a slot whose writer may still copy in is quarantined: pool.abort)
 
 Every change of what the node holds is reported to `on_event(key, tier or None)`; the node
 actor sequences those events to the directory (cluster/core/events.py).
