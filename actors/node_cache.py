@@ -52,7 +52,8 @@ def store_config(config: CacheConfig, slot: NodeSlot) -> StoreConfig:
     limits = PoolLimits(device_bytes, config.host_bytes, config.disk_bytes, config.eviction,
                         config.disk_codec, num_gpus > 0, slot.shm_prefix, max(1, num_gpus))
     return StoreConfig(limits, slot.disk_dir, config.pin_lease_s, config.disk_threads,
-                       config.max_geometries, config.reserve_lease_s, config.chunk_bytes)
+                       config.max_geometries, config.reserve_lease_s, config.chunk_bytes,
+                       config.disk_durability)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -201,12 +202,14 @@ class NodeCacheActor:
         return self.store.pool(geometry).geometry.page_bytes
 
     async def reserve(self, geometry: PageGeometry, keys: list[PageKey], namespace: str = ""):
-        """(stamp, reservation_id, slots): see NodeStore.reserve. Then, after answering, the
-        next memory chunk is readied ahead of the puts that will need it."""
+        """(stamp, reservation_id, slots): see NodeStore.reserve; each slot as (tier, slot,
+        generation), which the client's copy checks under the slot's write fence. Then, after
+        answering, the next memory chunk is readied ahead of the puts that will need it."""
         await self.ready()
         reservation_id, slots = await self.store.reserve(geometry, keys, None, namespace)
+        places = self.store.pool(geometry).places(slots)
         self._grow_soon(geometry)
-        return self._stamp(geometry), reservation_id, slots
+        return self._stamp(geometry), reservation_id, places
 
     def _grow_soon(self, geometry: PageGeometry) -> None:
         if self._pending_grow is None or self._pending_grow.done():

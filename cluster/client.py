@@ -178,22 +178,26 @@ class KVClient:
 
     def _copy_in(self, keys: list[PageKey], kv: torch.Tensor, reservation_id: int,
                  mine: list) -> Steps[int]:
-        """Copy the reserved pages in and commit; returns how many leading pages of the put are
-        stored: all of them, or none past the first of ours when the commit failed."""
+        """Copy the reserved pages in (fenced: only into slots still ours) and commit; returns
+        how many leading pages of the put are stored: all of them, or none past the first of
+        ours when the copy was fenced off or the commit failed."""
         view, slabs = self.view, self.view.slabs
-        pages = slabs.pages([place for _, place in mine])
+        places = [place for _, place in mine]  # (tier, slot, generation) as reserved
+        pages = slabs.pages(places)
         if len(pages) < len(mine):  # a chunk this process cannot map: nothing written
             view.home.abort(reservation_id)
             view.counters["unmapped_pages"] += 1
             return mine[0][0]
-        places = [(tier, slot, slabs.generation(tier, slot)) for _, (tier, slot) in mine]
         pairs = [(page, kv[:, :, :, page_slices(p, self.page_tokens)])
                  for (p, _), page in zip(mine, pages, strict=True)]
         try:
-            yield Work(lambda: copy_pages(pairs))
+            copied = yield Work(lambda: fenced_copy(slabs, places, pairs))
         except BaseException:
             view.home.abort(reservation_id)
             raise
+        if not copied:  # the reservation lapsed before the copy: its slots are not ours
+            view.home.abort(reservation_id)
+            return mine[0][0]
         (committed,) = yield Wait([view.home.commit(reservation_id)])
         if failed(committed) or committed < len(mine):  # dead node, or our reservation lapsed
             view.note_failures([committed])
@@ -262,6 +266,30 @@ class KVClient:
                 "directory": [_or_error(shard) for shard in directory],
                 "namespace": self.namespace, "model": self.spec.name,
                 "page_tokens": self.page_tokens}
+
+
+def fenced_copy(slabs: LocalSlabs, places: list[tuple[int, int, int]], pairs: list) -> bool:
+    """Copy `pairs` into reserved slots only while they are still this put's: under the
+    slots' write locks, with their generations unmoved since the reserve. False (nothing
+    copied) when a lock is held elsewhere or a generation moved: the reservation lapsed, and
+    the node may have given the slot to another put. Holding the locks through the copy is
+    what keeps the node from reusing a slot under a copy that stalls (tiers/fence.py)."""
+    by_tier: dict[int, list[int]] = {}
+    for tier, slot, _ in places:
+        by_tier.setdefault(tier, []).append(slot)
+    locked: list[int] = []
+    try:
+        for tier, slots in by_tier.items():
+            if not slabs.fence(tier).lock(slots):
+                return False
+            locked.append(tier)
+        if slabs.num_unchanged(places) < len(places):
+            return False
+        copy_pages(pairs)
+        return True
+    finally:
+        for tier in locked:
+            slabs.fence(tier).unlock(by_tier[tier])
 
 
 def _or_error(result: object) -> object:

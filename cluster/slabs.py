@@ -32,6 +32,7 @@ from actors.handles import NodeHandle
 from cluster.calls import Steps, Wait, failed
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
+from cluster.core.tiers.fence import SlotFence
 from cluster.core.tiers.memory import ArenaMapping, SlabStamp
 
 log = logging.getLogger("raykv.client")
@@ -48,6 +49,7 @@ class LocalSlabs:
         self.geometry = geometry
         self.epoch: int | None = None
         self._mappings: list[ArenaMapping] = []
+        self._fences: list[SlotFence] = []  # per tier: this client's slot write locks
         self._hints: OrderedDict[PageKey, tuple[Place, float]] = OrderedDict()
         self._lock = threading.Lock()
         self._prefaulting: Future | None = None
@@ -78,6 +80,9 @@ class LocalSlabs:
         with self._lock:
             if self.epoch != current.epoch:
                 self._mappings = [ArenaMapping(d) for d in descriptors]
+                for fence in self._fences:
+                    fence.close()
+                self._fences = [SlotFence(d.generations_path) for d in descriptors]
                 self._hints.clear()  # slots of the old slabs
                 self.epoch = current.epoch
                 return
@@ -117,6 +122,10 @@ class LocalSlabs:
 
     def generation(self, tier: int, slot: int) -> int:
         return self._mappings[tier].generation(slot)
+
+    def fence(self, tier: int) -> SlotFence:
+        """This client's write locks on a tier's slots (see cluster/core/tiers/fence.py)."""
+        return self._fences[tier]
 
     # ---- hints ----------------------------------------------------------------------------
 

@@ -62,6 +62,11 @@ class CacheConfig(BaseModel):
     heartbeat_s: float = Field(1.0, gt=0)
     node_timeout_s: float = Field(4.0, gt=0)
     disk_threads: int = Field(4, ge=1, le=64)
+    disk_durability: Literal["durable", "volatile"] = Field(
+        "durable", description="durable: each batch of pages written to disk is fdatasynced "
+        "before the node reports them on disk, so a power cut loses no page reported there; "
+        "volatile: no fdatasync (faster writes), a power cut may lose pages written shortly "
+        "before it (a process crash loses none either way; never wrong bytes)")
     transport: Literal["tcp"] = Field("tcp", description="how pages move between nodes "
                                       "(cluster/core/dataplane/transport.py registers them)")
     ray_namespace: str = "raykv"

@@ -7,6 +7,10 @@ Each page lives in exactly one tier. Copies between the memory tiers run in a co
 a CUDA stream where the device tier is VRAM: tiers/device_copy.py) and disk I/O in the disk
 arena's threads; both are awaited, off the owner's event loop. A page that is pinned (being read)
 or moving between tiers is never chosen as a victim.
+
+A reserved memory slot is written by someone else (a client, a pull's thread), so it goes back
+only through its write fence (tiers/fence.py): a slot whose writer may still be copying in
+when its reservation ends is quarantined, and freed once that writer is done or dead.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from cluster.core.pool_entry import Entry, State
 from cluster.core.tiers.chunks import ChunkedSlots, Share
 from cluster.core.tiers.device_copy import tier_copies
 from cluster.core.tiers.disk import DiskArena
+from cluster.core.tiers.fence import SlotFence
 from cluster.core.tiers.memory import ArenaOptions, MappedArena, readonly_tensor
 from policies.eviction import make_policy
 from policies.quota import Guard
@@ -92,6 +97,12 @@ class Pool(DiskLoads):
         self._on_event = on_event
         self._loads = InflightClaims()
         self.top_tier = DEVICE if self.memory[DEVICE].num_slots else HOST
+        # Two opens of each memory tier's generation file: the node's fence on reserved slots
+        # that go back, and its own writers' locks (a pull's thread): distinct lock owners.
+        self.fences = [SlotFence(arena.descriptor().generations_path) for arena in self.memory]
+        self.own_writes = [SlotFence(arena.descriptor().generations_path)
+                           for arena in self.memory]
+        self.quarantined: list[tuple[int, int]] = []  # (tier, slot) a late writer may hold
 
     def _num_slots(self, tier: int) -> int:
         if tier == DISK:
@@ -191,13 +202,43 @@ class Pool(DiskLoads):
         return committed
 
     def abort(self, keys: list[PageKey], owner: int) -> None:
-        """Drop `owner`'s reserved-but-uncommitted pages (a failed or abandoned put)."""
+        """Drop `owner`'s reserved-but-uncommitted pages (a failed, abandoned or expired put).
+
+        Their writer may still be copying in (a stalled client, a pull's thread): each slot
+        is fenced (its generation moves, so a writer that has not locked it writes nothing)
+        and freed only when no writer holds its lock; else it is quarantined until then.
+        """
         for key in keys:
             entry = self._owned(key, owner)
             if entry is not None:
-                self.memory[entry.tier].free(entry.slot)
                 self._count(entry, -1)
                 del self.index[key]
+                self._release_written(entry.tier, entry.slot)
+
+    def _release_written(self, tier: int, slot: int) -> None:
+        arena = self.memory[tier]
+        arena.generations[slot] += 1  # the fence, before looking for a writer
+        if self.fences[tier].try_claim(slot):
+            arena.free(slot)
+        else:
+            self.quarantined.append((tier, slot))
+
+    def release_quarantined(self) -> int:
+        """Free the quarantined slots whose late writers are done (or dead); returns how many."""
+        held = []
+        for tier, slot in self.quarantined:
+            if self.fences[tier].try_claim(slot):
+                self.memory[tier].free(slot)
+            else:
+                held.append((tier, slot))
+        freed = len(self.quarantined) - len(held)
+        self.quarantined = held
+        return freed
+
+    def places(self, slots: list[tuple[int, int] | None]) -> list[tuple[int, int, int] | None]:
+        """Reserved (tier, slot)s with their generation now, (tier, slot, generation): what a
+        writer checks under its fence before it copies in (None stays None)."""
+        return [None if s is None else (*s, self.memory[s[0]].generation(s[1])) for s in slots]
 
     def write_page(self, key: PageKey, page: np.ndarray) -> None:
         """Copy bytes of a reserved page in (puts that arrive through Ray, not shm).
@@ -286,6 +327,8 @@ class Pool(DiskLoads):
         """Free up to `num_pages` slots in `tier`: first by taking chunks the node's budget can
         give (from other pools, per the quotas), then by demoting this pool's own unpinned
         victims, as the namespace quotas allow. True when all of it is free."""
+        if tier == DISK:  # slots freed since the last flush come back once their headers are zeroed
+            await self.flush_disk_frees()
         shortfall = num_pages - self._free_slots(tier)
         if shortfall > 0 and self.elastic.reclaim is not None:
             await self.elastic.reclaim(self, tier, shortfall)
@@ -315,6 +358,15 @@ class Pool(DiskLoads):
         for key in remaining:  # a page a reader pinned while it was moving stays where it is
             if key in self.index and self.index[key].pins == 0:
                 self.drop(key)
+        if tier == DISK:  # so that the room (or a chunk) they held is free at once
+            await self.flush_disk_frees()
+
+    async def flush_disk_frees(self) -> int:
+        """Zero the headers of the disk slots freed since the last flush (in a thread), so
+        their pages do not come back after a restart, and hand the slots out again."""
+        if self.disk is None or not self.disk.num_freed:
+            return 0
+        return await asyncio.to_thread(self.disk.flush_freed)
 
     async def _move_down(self, keys: list[PageKey], below: int) -> list[PageKey]:
         """Move what fits into `below`; returns the keys left over."""
@@ -378,7 +430,10 @@ class Pool(DiskLoads):
             payload = self._encode(self.index[key])
             items.append((slot, bytes(key), self.codec_id, payload))
             moved.append(key)
-        if not await asyncio.to_thread(self.disk.write_or_free, items):
+        namespaces = [self.index[key].namespace for key in moved]  # restored after a restart
+        # Durable mode: the batch is fdatasynced before this returns, so the page is on disk
+        # for good before _relocate tells anyone so.
+        if not await asyncio.to_thread(self.disk.write_or_free, items, namespaces):
             return []  # a full or failing disk: these pages are dropped instead
         for (slot, _, codec, _), key in zip(items, moved, strict=True):
             entry = self.index[key]
@@ -434,10 +489,11 @@ class Pool(DiskLoads):
     # ---- restart and stats -------------------------------------------------------------
 
     def adopt_disk_pages(self, found: list[tuple[int, object]]) -> int:
-        """Index pages found on the disk slabs after a restart (already checksum-verified).
+        """Index pages found on the disk slabs after a restart (already checksum-verified),
+        each in the namespace its header names (its quotas apply again).
 
-        A key found twice (a freed slot keeps its old copy) is indexed once; returns how many
-        pages were indexed.
+        A key found twice (a crash before a freed slot's header was zeroed) is indexed once;
+        returns how many pages were indexed.
         """
         adopted = 0
         for slot, meta in found:
@@ -445,7 +501,8 @@ class Pool(DiskLoads):
             if key in self.index:
                 self.disk.free(slot)
                 continue
-            entry = self.index[key] = Entry(DISK, slot, State.READY, codec=meta.codec)
+            entry = self.index[key] = Entry(DISK, slot, State.READY, codec=meta.codec,
+                                            namespace=meta.namespace)
             self._count(entry, 1)
             self.policies[DISK].on_insert(key)
             self._on_event(key, DISK)
@@ -460,6 +517,8 @@ class Pool(DiskLoads):
         return {"device": counts[0], "host": counts[1], "disk": counts[2]}
 
     def close(self) -> None:
+        for fence in self.fences + self.own_writes:
+            fence.close()
         for arena in self.memory:
             arena.close()
         if self.disk is not None:

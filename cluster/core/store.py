@@ -5,6 +5,7 @@ client that dies mid-call cannot hold anything forever:
 
     read lease     acquire() pins pages   -> release(lease_id), or expiry unpins them
     reservation    reserve() holds slots  -> commit/abort(reservation_id), or expiry aborts
+                   (a slot whose writer may still copy in is quarantined: pool.abort)
 
 Every change of what the node holds is reported to `on_event(key, tier or None)`; the node
 actor sequences those events to the directory (cluster/core/events.py).
@@ -51,6 +52,7 @@ class StoreConfig:
     max_geometries: int = 16
     reserve_lease_s: float = 30.0
     chunk_bytes: int = 64 << 20
+    disk_durability: str = "durable"  # or "volatile": see cluster/core/tiers/disk.py
 
 
 @dataclass(slots=True)
@@ -87,6 +89,7 @@ class NodeStore:
         self.counters = {"puts": 0, "gets": 0, "hits_pages": 0, "misses_pages": 0,
                          "hits_device": 0, "hits_host": 0, "hits_disk": 0,
                          "expired_reservations": 0, "expired_leases": 0,
+                         "quarantine_freed_slots": 0,
                          "optimistic_hits_pages": 0, "optimistic_reads": 0}
 
     # ---- pools ---------------------------------------------------------------------------
@@ -130,6 +133,7 @@ class NodeStore:
             make_private_dir(path)
             disk = DiskArena(*args)
         _write_pool_file(path, geometry)
+        disk.set_durability(self.config.disk_durability)
         disk.faults = self.disk_faults
         return disk
 
@@ -304,7 +308,9 @@ class NodeStore:
         for lease_id in leases:
             self.release(lease_id)
         for reservation_id in reservations:
-            self.abort(reservation_id)
+            self.abort(reservation_id)  # its slots are fenced; a late writer's quarantined
+        for pool in self.pools.values():
+            self.counters["quarantine_freed_slots"] += pool.release_quarantined()
         self.counters["expired_leases"] += len(leases)
         self.counters["expired_reservations"] += len(reservations)
         return len(leases) + len(reservations)
@@ -370,6 +376,7 @@ class NodeStore:
                 "memory": self.elastic.stats(), "models": self.memory_by_model(),
                 "evictions": evictions, "disk_read_us_per_token": tax_us,
                 "reservations": len(self.reservations),
+                "quarantined_slots": sum(len(p.quarantined) for p in self.pools.values()),
                 "disk_bytes_read": sum(d.bytes_read for d in disks),
                 "disk_bytes_written": sum(d.bytes_written for d in disks), **self.counters}
 
@@ -380,7 +387,11 @@ class NodeStore:
         self.model_names = dict(model_names or {})
 
     async def shrink_idle(self, idle_s: float) -> int:
-        """Pools unused for `idle_s` give their memory chunks back; returns how many."""
+        """Pools unused for `idle_s` give their memory chunks back; returns how many. First,
+        every pool zeroes the headers of the disk slots it freed since its last flush (the
+        node's periodic tidy): a page discarded a moment ago stays gone after a restart."""
+        for pool in list(self.pools.values()):
+            await pool.flush_disk_frees()
         return await self.elastic.shrink_idle(time.monotonic(), idle_s)
 
     def memory_by_model(self) -> dict[str, int]:

@@ -1,17 +1,24 @@
-"""A client process that dies in the middle of a put (test-only): the fault "kill a client
-mid-put". Its reservation must lapse after `reserve_lease_s`, and no half-written page may
-ever be served."""
+"""Client processes that fail in the middle of a put (test-only).
+
+    DoomedWriter.reserve_then_die    "kill a client mid-put": its reservation must lapse after
+                                     `reserve_lease_s`, and no half-written page be served
+    DoomedWriter.put_stalled         "a stalled writer": a put that stalls past its lease,
+                                     before its copy or in the middle of it, until released;
+                                     its late bytes must never land in another page's slot
+"""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Callable
 
 import ray
 import torch
 
 from cluster import connect
-from cluster.calls import run_sync
+from cluster.calls import Wait, run_sync
 from cluster.core.kvcheck import page_slices
 from cluster.core.spec import ModelSpec
 
@@ -36,12 +43,29 @@ class DoomedWriter:
         epoch, _, slots = reply
         if not run_sync(client.view.slabs.ensure(epoch), client.timeout_s):
             os._exit(2)
-        tier, slot = next(s for s in slots if s is not None)
+        tier, slot, _ = next(s for s in slots if s is not None)
         target = client.view.slabs.page(tier, slot).reshape(-1).view(torch.uint8)
         source = kv[:, :, :, page_slices(0, client.page_tokens)].contiguous()
         half_bytes = target.numel() // 2
         target[:half_bytes].copy_(source.reshape(-1).view(torch.uint8)[:half_bytes])
         os._exit(1)
+
+    def put_stalled(self, tokens: list[int], kv: torch.Tensor, stall: str,
+                    marker_dir: str) -> int:
+        """client.put(tokens, kv) with a stall (a key of STALLS) after its reserve: it writes
+        `marker_dir`/stalled once stalled and waits for `marker_dir`/release. Returns the
+        tokens the put reports stored."""
+        import cluster.client as client_module
+
+        hook = _Stall(marker_dir)
+        real_copy = client_module.copy_pages
+        if stall == "mid_copy":  # inside the copy (and its fence, where there is one)
+            client_module.copy_pages = lambda pairs: (hook.wait(), real_copy(pairs))[1]
+        try:
+            return _drive(self.client._put(tokens, kv), self.client.timeout_s,
+                          hook.wait if stall == "before_copy" else None)
+        finally:
+            client_module.copy_pages = real_copy
 
     def put_in_background(self, prompts: list[list[int]], seeds: list[int],
                           num_tokens: int) -> None:
@@ -58,3 +82,50 @@ def known_kv(spec: ModelSpec, num_tokens: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     shape = (spec.num_layers, 2, spec.num_kv_heads, num_tokens, spec.head_dim)
     return torch.randn(shape, generator=generator).to(spec.torch_dtype())
+
+
+STALLS = ("before_copy", "mid_copy")
+RELEASE_WAIT_S = 120.0
+
+
+class _Stall:
+    """Marks the stall with a file, then waits for the release file (once)."""
+
+    def __init__(self, marker_dir: str):
+        self.marker_dir = marker_dir
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        with open(os.path.join(self.marker_dir, "stalled"), "w"):
+            pass
+        deadline_s = time.monotonic() + RELEASE_WAIT_S
+        while (not os.path.exists(os.path.join(self.marker_dir, "release"))
+               and time.monotonic() < deadline_s):
+            time.sleep(0.02)
+
+
+def _drive(steps, timeout_s: float, before_first_work: Callable[[], None] | None):
+    """run_sync's loop, with a hook before the first Work step (the put's copy)."""
+    reply = None
+    try:
+        while True:
+            step = steps.send(reply)
+            if isinstance(step, Wait):
+                reply = [_result(ref, timeout_s) for ref in step.refs]
+                continue
+            if before_first_work is not None:
+                before_first_work()
+                before_first_work = None
+            reply = step.fn()
+    except StopIteration as done:
+        return done.value
+
+
+def _result(ref, timeout_s: float):
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except (ray.exceptions.RayError, TimeoutError) as error:  # a miss, as run_sync has it
+        return error

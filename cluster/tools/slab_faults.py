@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from cluster.core.tiers.disk import HEADER_BYTES, MAGIC, MANIFEST_NAME
+from cluster.core.tiers.disk_format import HEADER_BYTES, MAGIC, MANIFEST_NAME
 
 
 def pool_dirs(disk_dir: str) -> list[str]:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from actors.handles import NodeHandle
 from cluster import ModelSpec, connect, start, stop
@@ -18,7 +19,9 @@ from cluster.calls import Wait, run_async, run_sync
 from cluster.core.config import CacheConfig
 from cluster.core.tiers.memory import SharedMemoryTooSmall, shm_free_bytes
 from cluster.slabs import HINT_TTL_S
+from cluster.tools.doomed_writer import STALLS, DoomedWriter
 from tests.kv import kv_for
+from tests.waiting import wait_until
 
 TINY = ModelSpec.preset("tiny-llama")
 
@@ -143,3 +146,31 @@ def test_slab_files_are_private(service):
     assert checked >= 3  # lock, manifest, pool file, slab
     shm = [n for n in os.listdir("/dev/shm") if n.startswith("raykv-")]
     assert shm and all(stat.S_IMODE(os.stat(f"/dev/shm/{n}").st_mode) == 0o600 for n in shm)
+
+
+@pytest.mark.parametrize("stall", STALLS)
+def test_a_writer_stalled_past_its_lease_leaves_every_other_page_exact(service, stall,
+                                                                        tmp_path):
+    """A real client process (a Ray actor) reserves, stalls past reserve_lease_s (before its
+    copy, or inside it), and writes only after other puts have filled the host tier, the
+    lapsed slots included where they were reused. No page may change under the late write."""
+    service(reserve_lease_s=1.0, device_bytes=0, host_bytes=16 * 8192, disk_bytes=1 << 20)
+    client = connect(TINY)
+    writer = DoomedWriter.options(num_cpus=0).remote(TINY)
+    late = writer.put_stalled.remote(list(range(9000, 9032)), kv_for(TINY, 32, 99), stall,
+                                     str(tmp_path))
+    wait_until(lambda: (tmp_path / "stalled").exists(), 60, "the writer to stall")
+    wait_until(lambda: client.stats()["node"]["expired_reservations"] >= 1, 30,
+               "the stalled writer's reservation to lapse")
+    prompts = [(list(range(i * 1000, i * 1000 + 64)), kv_for(TINY, 64, i)) for i in range(8)]
+    for tokens, kv in prompts:  # 32 pages through a 16-page host tier: every slot reused
+        assert client.put(tokens, kv) == 64
+    (tmp_path / "release").touch()
+    assert ray.get(late, timeout=60) == 0  # its reservation lapsed: nothing stored
+    for tokens, kv in prompts:
+        num_tokens, got = client.get(tokens)
+        assert num_tokens == 64 and torch.equal(got, kv), "a page changed under a late write"
+    # a slot held by the late copy was quarantined, and goes back once the copy is done
+    wait_until(lambda: client.stats()["node"]["quarantined_slots"] == 0, 10,
+               "the quarantined slots to go back")
+    ray.kill(writer)

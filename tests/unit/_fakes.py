@@ -100,12 +100,12 @@ class FakeNode:
             slot = self.arenas[self.put_tier].alloc()
             if slot is None:
                 break
-            slots.append((self.put_tier, slot))
+            slots.append((self.put_tier, slot, self.arenas[self.put_tier].generation(slot)))
         self.reserved = dict(zip(keys, slots, strict=False))
         return self._call("reserve", (self.stamp(), 42, slots))
 
     def commit(self, reservation_id: int):
-        placed = {k: s for k, s in self.reserved.items() if s is not None}
+        placed = {k: s[:2] for k, s in self.reserved.items() if s is not None}
         if "commit" not in self.fail and "lapse" not in self.fail:
             self.pages.update(placed)
         return self._call("commit", 0 if "lapse" in self.fail else len(placed))

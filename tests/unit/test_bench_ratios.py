@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.tools.bench import directory, remote, tiers
+from cluster.tools.bench import common, directory, faults, remote, tiers
 from cluster.tools.bench.remote_peer import prompt_tokens
 
 
@@ -21,13 +21,17 @@ def test_tiers_plans_whole_token_pages_and_a_host_tier_for_every_put():
 
 def test_tiers_ratios_pair_rounds_and_summarise_prefers_the_ratio_size():
     host = {"get": [3.0, 4.0, 2.0], "put": [1.0, 1.0, 1.0], "memcpy": [6.0, 8.0, 4.0]}
-    disk = {"arena_read": [1.0], "fio_read": [1.0], "arena_write": [0.9], "fio_write": [1.0]}
+    disk = {"arena_read": [1.0], "fio_read": [1.0], "arena_write": [0.9], "fio_write": [1.0],
+            "arena_durable_write": [0.6], "fio_durable_write": [0.5]}
     raw = {"host_get": 3.0, "redis_get": 0.5, "ray_remote_get": 6.0, "ray_get": 3.0,
            "disk_e2e_get": 0.5, "disk_e2e_put": 0.5, "fio_read": 1.0, "fio_write": 1.0}
     ratios = tiers.size_ratios(host, disk, raw)
     assert ratios["host_get_vs_memcpy"] == 0.5
     assert ratios["host_get_vs_redis"] == 6.0 and ratios["host_get_vs_ray"] == 0.5
     assert ratios["disk_write_vs_raw"] == pytest.approx(0.9)
+    assert ratios["durable_write_vs_raw"] == pytest.approx(1.2)
+    assert ratios["durable_write_vs_volatile"] == pytest.approx(0.6 / 0.9)
+    assert "durable_write_vs_raw" in tiers.GOALS
     main, geomean = tiers.summarise({"1MiB": {"ratios": {"r": 1.0}},
                                      "4MiB": {"ratios": {"r": 4.0}}})
     assert main == {"r": 4.0} and geomean["r"] == pytest.approx(2.0)
@@ -93,3 +97,19 @@ def test_vllm_workload_alternates_engines_and_counts_cross_engine_tokens():
     assert expected[2] == (SYSTEM_TOKENS, first_turn - SYSTEM_TOKENS)
     assert expected[3] == expected[2]  # session 1's first turn was engine 1's
     assert len(requests[3].prompt) == first_turn + TURN_TOKENS
+
+
+@pytest.mark.parametrize("stalled_writes, wrong, met", [(2, 0, True), (0, 0, False),
+                                                        (2, 1, False)])
+def test_the_stalled_writer_fault_fails_on_wrong_bytes_and_when_nothing_stalled(
+        stalled_writes, wrong, met):
+    fault = {"wrong_bytes": 0, "client_errors": 0, "recovery_s": 1.0}
+    per_fault = {"node": dict(fault), "stalled_writer": {
+        **fault, "wrong_bytes": wrong, "stalled_writes": stalled_writes}}
+    soak = {"wrong_bytes": 0, "client_errors": 0, "rss_growth": 0.0, "leases": 0,
+            "reservations": 0, "files_left": 0}
+    ratios = faults.ratios_of({"per_fault": per_fault, "fuzz": {"cases": 10_000,
+                                                                "failures": 0}}, soak)
+    assert ratios["stalled_writer_wrong_bytes"] == wrong
+    verdict = common.goals_met(ratios, faults.goals_for(ratios))
+    assert (verdict["stalled_writer_wrong_bytes"] and verdict["stalled_writes"]) is met

@@ -194,8 +194,11 @@ def test_alloc_free_and_exhaustion(disk_dir):
         slots = [arena.alloc() for _ in range(3)]
         assert sorted(slots) == [0, 1, 2]
         assert arena.alloc() is None
-        arena.free(slots[1])
-        assert (arena.num_used, arena.num_free) == (2, 1)
+        arena.free(slots[1])  # handed out again only once its header is zeroed
+        assert (arena.num_used, arena.num_free, arena.num_freed) == (2, 0, 1)
+        assert arena.alloc() is None
+        assert arena.flush_freed() == 1
+        assert (arena.num_used, arena.num_free, arena.num_freed) == (2, 1, 0)
         assert arena.alloc() == slots[1]
 
 

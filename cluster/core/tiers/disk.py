@@ -3,13 +3,26 @@
     slab-00000.bin: | slot 0 | slot 1 | ... | slot k-1 |   k = slots_per_file (files <= ~1 GiB)
     slab-00001.bin: | slot k | slot k+1 | ...          |
     slot:           | header block 4096 | payload, rounded up to 4096 |
-    header:         magic | version | codec | key[16] | payload_bytes | xxh3(payload) | xxh3(header)
+    header:         the page's key, codec, sizes, checksums and namespace (disk_format.py)
 
 A batch of pages goes out (or comes back) in parallel: os.pwritev/os.preadv in a small thread
 pool, which release the GIL, through pooled 4096-aligned buffers. A page whose header or payload
-fails its checksum reads as None, a miss. free() writes nothing, so a freed page whose slot was
-not reused comes back from scan() after a restart: still a valid page, which the owner may keep
-or free. manifest.json pins the geometry; reopening with another one raises ValueError.
+fails its checksum reads as None, a miss. manifest.json pins the geometry; reopening with
+another one raises ValueError.
+
+Durability (set_durability): "durable" fdatasyncs the slab files a batch wrote before
+write_pages returns, so a page its caller then reports on disk survives a power cut;
+"volatile" leaves write-back to the device, so a power cut may lose pages written shortly
+before it (a torn page fails its checksum: a miss, never wrong bytes). Either way the writes
+have reached the kernel, so a crash of the process loses nothing.
+
+    free(slot) -> freed [s, s]  --flush_freed() (a thread): zero the headers-->  free slots
+
+A freed slot is not handed out again until its header is zeroed, so that a page discarded
+or evicted does not come back from scan() after a restart (nor can the zeroing land on a new
+page). The zeroing is batched: the pool flushes before it needs disk room, the store on its
+periodic tidy, close() at the end; a crash in between may bring back a page freed just
+before it (whose bytes are still that page's).
 
 The slab files are sparse. A chunk of slots gets real blocks (fallocate) when the disk tier's
 node-wide budget grants it to this arena, and gives them back (a punched hole) when released,
@@ -19,24 +32,21 @@ so every model's pages share one disk budget (see chunks.py).
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
-import struct
 import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from cluster.core.faults import DiskFaults
 from cluster.core.keys import KEY_BYTES
 from cluster.core.tiers.aligned import (
     ALIGN_BYTES,
     AlignedBufferPool,
+    aligned_empty,
     allocate_range,
     direct_reads_work,
     is_aligned,
@@ -45,72 +55,46 @@ from cluster.core.tiers.aligned import (
     punch_hole,
     pwritev_all,
     round_up,
-    write_private_text,
 )
 from cluster.core.tiers.chunks import ChunkedSlots, Share
+from cluster.core.tiers.disk_format import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAX_CODEC,
+    DiskPageMeta,
+    check_bytes,
+    check_namespace,
+    ensure_manifest,
+    pack_header,
+    parse_header,
+)
+from cluster.core.tiers.disk_format import checksum as _checksum
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"RKVP"
-FORMAT_VERSION = 1
-HEADER_BYTES = 4096
-
-MAX_CODEC = 0xFFFF
 MAX_SLAB_FILE_BYTES = 1 << 30
-MANIFEST_NAME = "manifest.json"
 SCAN_CHUNK_SLOTS = 64
-_HEADER = struct.Struct("<4sHH16sQQ")  # magic, version, codec, key, payload_bytes, checksum
-_HEADER_SUM = struct.Struct("<Q")  # xxh3 of the _HEADER bytes, stored right after them
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-@dataclass(frozen=True, slots=True)
-class DiskPageMeta:
-    key: bytes
-    payload_bytes: int
-    codec: int
-    checksum: int  # xxh3_64 of the payload bytes
+DURABILITY_MODES = ("durable", "volatile")
 
 
-def _checksum(data: np.ndarray) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+def _fdatasync_all(fds: set[int]) -> int:
+    for fd in fds:
+        os.fdatasync(fd)
+    return 1
+
+
+def _no_sync(fds: set[int]) -> int:
+    return 0
+
+
+SYNCS = {"durable": _fdatasync_all, "volatile": _no_sync}
 
 
 def _open_file(path: str, flags: int) -> int:
     return open_private(path, flags)
-
-
-def _pack_header(header: np.ndarray, meta: DiskPageMeta) -> None:
-    _HEADER.pack_into(header, 0, MAGIC, FORMAT_VERSION, meta.codec, meta.key,
-                      meta.payload_bytes, meta.checksum)
-    _HEADER_SUM.pack_into(header, _HEADER.size, _checksum(header[: _HEADER.size]))
-
-
-def _ensure_manifest(dir_path: str, geometry: dict[str, int | str]) -> None:
-    """Check the manifest against `geometry` (ValueError naming each mismatch), or write one."""
-    path = os.path.join(dir_path, MANIFEST_NAME)
-    if os.path.exists(path):
-        try:
-            with open(path) as file:
-                found = json.load(file)
-        except (OSError, ValueError) as error:
-            raise ValueError(f"unreadable disk arena manifest {path}: {error}") from error
-        mismatches = [f"{name}: on disk {found.get(name)!r}, asked for {wanted!r}"
-                      for name, wanted in geometry.items() if found.get(name) != wanted]
-        if mismatches:
-            raise ValueError(f"disk arena geometry mismatch in {dir_path}: {'; '.join(mismatches)}")
-        return
-    stray = sorted(name for name in os.listdir(dir_path) if name.startswith("slab-"))
-    if stray:
-        raise ValueError(f"{dir_path} holds slab files {stray[:3]} but no {MANIFEST_NAME}")
-    write_private_text(path, json.dumps(geometry, indent=2))
-
-
-def _check_bytes(name: str, array: np.ndarray) -> None:
-    if not isinstance(array, np.ndarray) or array.dtype != np.uint8:
-        raise TypeError(f"{name} must be a uint8 numpy array, got {type(array).__name__}")
-    if array.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
 
 
 class DiskArena:
@@ -144,13 +128,25 @@ class DiskArena:
         self.bytes_read = 0  # bytes moved from disk, headers and 4096 padding included
         self.bytes_written = 0  # bytes moved to disk, likewise
         make_private_dir(self.dir_path)
-        _ensure_manifest(self.dir_path, self._geometry())
+        ensure_manifest(self.dir_path, self._geometry())
         self._fds = self._open_slabs()
         self._small = AlignedBufferPool(2 * HEADER_BYTES, max_buffers=2 * num_threads)
         self._staging = AlignedBufferPool(self._span_bytes, max_buffers=2 * num_threads)
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="raykv-disk")
         self._closed = False
+        self._freed: list[int] = []  # freed slots whose headers are not zeroed yet
+        self._zero_header = aligned_empty(HEADER_BYTES)  # all zeros
+        self.durability = "durable"
+        self._sync = SYNCS["durable"]
+        self.num_syncs = 0  # fdatasync batches (durable mode)
         self.faults: DiskFaults | None = None  # test-only (cluster/core/faults.py)
+
+    def set_durability(self, mode: str) -> None:
+        """"durable": fdatasync each write batch's slab files before write_pages returns;
+        "volatile": never (see the module's docstring). ValueError for another mode."""
+        if mode not in SYNCS:
+            raise ValueError(f"disk durability must be one of {DURABILITY_MODES}, got {mode!r}")
+        self.durability, self._sync = mode, SYNCS[mode]
 
     def _geometry(self) -> dict[str, int | str]:
         return {"format": "raykv-disk-slabs", "version": FORMAT_VERSION,
@@ -243,8 +239,39 @@ class DiskArena:
             return self._slots.release_empty()
 
     def free(self, slot: int) -> None:
+        """Let a slot go; it is handed out again once flush_freed() has zeroed its header."""
         with self._lock:
-            self._slots.free(slot)
+            assert slot not in self._freed, f"double free of disk slot {slot}"
+            self._freed.append(slot)
+
+    @property
+    def num_freed(self) -> int:
+        """Freed slots waiting for flush_freed()."""
+        return len(self._freed)
+
+    def flush_freed(self) -> int:
+        """Zero the headers of the freed slots (a page there no longer comes back from scan()),
+        then hand the slots out again; returns how many. A header that cannot be written is
+        logged: its slot is still handed out (the next page written there replaces it)."""
+        with self._lock:
+            freed, self._freed = self._freed, []
+        if not freed:
+            return 0
+        assert not self._closed, "disk arena is closed"
+        self._run(self._zero_one, [(slot,) for slot in freed])
+        self._count(written_bytes=HEADER_BYTES * len(freed))
+        with self._lock:
+            for slot in freed:
+                self._slots.free(slot)
+        return len(freed)
+
+    def _zero_one(self, slot: int) -> None:
+        fd, offset = self._locate(slot)
+        try:
+            pwritev_all(fd, [self._zero_header], offset)
+        except OSError as error:
+            logger.warning("disk tier: zeroing the header of freed slot %d failed: %s", slot,
+                           error)
 
     @property
     def slots(self) -> ChunkedSlots:
@@ -253,7 +280,8 @@ class DiskArena:
 
     @property
     def num_used(self) -> int:
-        return self._slots.num_used
+        """Slots holding a page (freed ones waiting for flush_freed() are not)."""
+        return self._slots.num_used - len(self._freed)
 
     @property
     def num_free(self) -> int:
@@ -275,25 +303,38 @@ class DiskArena:
             return [func(*args) for args in args_list]
         return list(self._executor.map(lambda args: func(*args), args_list))
 
-    def write_pages(self, items: list[tuple[int, bytes, int, np.ndarray]]) -> list[DiskPageMeta]:
-        """Write (slot, key, codec, payload) pages; all are validated before any is written.
+    def write_pages(self, items: list[tuple[int, bytes, int, np.ndarray]],
+                    namespaces: list[str] | None = None) -> list[DiskPageMeta]:
+        """Write (slot, key, codec, payload) pages, each item's namespace in its header ("" when
+        `namespaces` is None); all are validated before any is written. In durable mode the
+        slab files written are fdatasynced before this returns.
 
         Raises TypeError/ValueError for a bad item (nothing written) and OSError on I/O failure.
         """
+        namespaces = [""] * len(items) if namespaces is None else list(namespaces)
+        if len(namespaces) != len(items):
+            raise ValueError(f"{len(items)} items but {len(namespaces)} namespaces")
         seen: set[int] = set()
-        for slot, key, codec, payload in items:
+        for (slot, key, codec, payload), namespace in zip(items, namespaces, strict=True):
             self._check_write_item(slot, key, codec, payload)
+            check_namespace(namespace)
             if slot in seen:
                 raise ValueError(f"slot {slot} appears twice in one write batch")
             seen.add(slot)
-        results = self._run(self._write_one, list(items))
+        results = self._run(self._write_one, [(*item, namespace) for item, namespace
+                                              in zip(items, namespaces, strict=True)])
         self._count(written_bytes=sum(written for _, written in results))
+        if items:
+            synced = self._sync({self._locate(slot)[0] for slot in seen})
+            with self._lock:
+                self.num_syncs += synced
         return [meta for meta, _ in results]
 
-    def write_or_free(self, items: list[tuple[int, bytes, int, np.ndarray]]) -> bool:
+    def write_or_free(self, items: list[tuple[int, bytes, int, np.ndarray]],
+                      namespaces: list[str] | None = None) -> bool:
         """write_pages; on an I/O error (a full disk) free the items' slots and return False."""
         try:
-            self.write_pages(items)
+            self.write_pages(items, namespaces)
             return True
         except OSError as error:
             logger.warning("disk tier in %s: writing %d pages failed: %s", self.dir_path,
@@ -310,25 +351,26 @@ class DiskArena:
             raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
         if not isinstance(codec, (int, np.integer)) or not 0 <= codec <= MAX_CODEC:
             raise ValueError(f"codec must be an int in [0, {MAX_CODEC}], got {codec!r}")
-        _check_bytes("payload", payload)
+        check_bytes("payload", payload)
         if payload.nbytes > self.slot_payload_bytes:
             raise ValueError(f"payload of {payload.nbytes} bytes exceeds the slot payload of "
                              f"{self.slot_payload_bytes} bytes")
 
-    def _write_one(self, slot: int, key: bytes, codec: int,
-                   payload: np.ndarray) -> tuple[DiskPageMeta, int]:
+    def _write_one(self, slot: int, key: bytes, codec: int, payload: np.ndarray,
+                   namespace: str) -> tuple[DiskPageMeta, int]:
         if self.faults is not None:
             self.faults.before_io(writing=True)
         fd, offset = self._locate(slot)
         if is_aligned(payload):
             return self._write_in_place(fd, offset, DiskPageMeta(
-                key, payload.nbytes, int(codec), _checksum(payload)), payload)
+                key, payload.nbytes, int(codec), _checksum(payload), namespace), payload)
         num_bytes = payload.nbytes
         with self._staging.borrow() as staging:
             body = staging[: round_up(num_bytes)]
             body[:num_bytes] = payload
             body[num_bytes:] = 0
-            meta = DiskPageMeta(key, num_bytes, int(codec), _checksum(body[:num_bytes]))
+            meta = DiskPageMeta(key, num_bytes, int(codec), _checksum(body[:num_bytes]),
+                                namespace)
             return self._write_in_place(fd, offset, meta, body)
 
     def _write_in_place(self, fd: int, offset: int, meta: DiskPageMeta,
@@ -339,7 +381,7 @@ class DiskArena:
         tail_bytes = payload.nbytes - head_bytes
         with self._small.borrow() as buffer:
             header, tail = buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]
-            _pack_header(header, meta)
+            pack_header(header, meta)
             iovecs = [header, payload[:head_bytes]] if head_bytes else [header]
             if tail_bytes:
                 tail[:tail_bytes] = payload[head_bytes:]
@@ -359,7 +401,7 @@ class DiskArena:
             raise ValueError(f"{len(slots)} slots but {len(outs)} outs")
         for slot, out in zip(slots, outs, strict=True):
             self._check_slot(slot)
-            _check_bytes("out", out)
+            check_bytes("out", out)
             if not out.flags.writeable:
                 raise ValueError("out must be writeable")
         results = self._run(self._read_one, list(zip(slots, outs, strict=True)))
@@ -408,15 +450,7 @@ class DiskArena:
         return None, read_bytes
 
     def _parse_header(self, header: np.ndarray) -> DiskPageMeta | None:
-        magic, version, codec, key, payload_bytes, checksum = _HEADER.unpack_from(header, 0)
-        (header_sum,) = _HEADER_SUM.unpack_from(header, _HEADER.size)
-        if magic != MAGIC or version != FORMAT_VERSION:
-            return None
-        if header_sum != _checksum(header[: _HEADER.size]):
-            return None
-        if payload_bytes > self.slot_payload_bytes:
-            return None
-        return DiskPageMeta(key, payload_bytes, codec, checksum)
+        return parse_header(header, self.slot_payload_bytes)
 
     def scan(self, progress: Callable[[int, int], None] | None = None
              ) -> list[tuple[int, DiskPageMeta]]:
@@ -475,9 +509,11 @@ class DiskArena:
         return page, probe_bytes + read_bytes
 
     def close(self) -> None:
-        """Wait for in-flight I/O, fsync and close the slab files. Idempotent."""
+        """Zero the freed slots' headers, wait for in-flight I/O, fsync and close the slab
+        files. Idempotent."""
         if self._closed:
             return
+        self.flush_freed()
         self._closed = True
         self._executor.shutdown(wait=True)
         fds, self._fds = self._fds, []

@@ -1,12 +1,18 @@
 """The disk tier itself next to fio, for `raykv bench tiers`: DiskArena.write_pages and
 read_pages (what demotion and promotion run) against fio O_DIRECT psync at the same block
-size and thread count, interleaved in rounds, on files in the same directory (a real disk)."""
+size and thread count, interleaved in rounds, on files in the same directory (a real disk).
+
+Writes run twice: in the volatile mode against plain fio randwrite (disk_write_vs_raw), and
+in the durable mode (an fdatasync per batch before write_pages returns) against fio
+randwrite with --fdatasync=1 (an fdatasync after every write of every job), the limit of
+durable writes at that block size and queue depth (durable_write_vs_raw)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 
 import numpy as np
@@ -70,7 +76,10 @@ class ArenaBench:
 
         return common.warm_median_s(checksums, DISK_REPS) * 1e3
 
-    def write_gbps(self) -> float:
+    def write_gbps(self, durability: str = "volatile") -> float:
+        """Write batches in that durability mode (disk.py's set_durability)."""
+        self.arena.set_durability(durability)
+
         def write(_: int) -> None:
             slots = self.rng.choice(self.arena.num_slots, self.num_pages, replace=False).tolist()
             self.arena.write_pages([(s, k, 0, p) for s, k, p in
@@ -95,25 +104,49 @@ class ArenaBench:
         return gbps
 
 
+def fio_durable_write_gbps(dir_path: str, block_bytes: int, num_jobs: int,
+                           size_bytes: int) -> float:
+    """fio randwrite as peers.fio_gbps runs it, plus --fdatasync=1 (each job fdatasyncs after
+    every write): durable writes at that block size and queue depth (num_jobs)."""
+    file_path = os.path.join(dir_path, f"raykv-fio-{uuid.uuid4().hex}.dat")
+    argv = peers._fio_argv(file_path, "write", block_bytes, num_jobs, size_bytes)
+    try:
+        report = peers._run_fio_json([*argv, "--fdatasync=1"])
+    finally:
+        if os.path.exists(file_path):
+            os.remove(file_path)
+    return report["jobs"][0]["write"]["bw_bytes"] / 1e9
+
+
+DISK_ROUND_NAMES = ("fio_write", "arena_write", "fio_durable_write", "arena_durable_write",
+                    "fio_read", "arena_read", "arena_checksum_ms")
+
+
 def measure_disk(disk_dir: str, page_bytes: int, num_pages: int,
                  num_rounds: int) -> dict[str, list[float]]:
-    """Per round: fio write, the arena's write, fio read, the arena's read, in disk_dir."""
+    """Per round, in disk_dir: fio write, the arena's (volatile) write, fio durable write, the
+    arena's durable write, fio read, the arena's read."""
     from cluster.core.tiers.disk import DiskArena
 
     threads = CacheConfig().disk_threads
     fio_bytes = DISK_FILE_BYTES // page_bytes * page_bytes
     arena_dir = os.path.join(disk_dir, "arena")
-    rounds: dict[str, list[float]] = {n: [] for n in ("fio_write", "arena_write", "fio_read",
-                                                      "arena_read", "arena_checksum_ms")}
+    rounds: dict[str, list[float]] = {n: [] for n in DISK_ROUND_NAMES}
     with DiskArena(arena_dir, DISK_FILE_BYTES, page_bytes, threads) as arena:
         if not arena.direct_io:
             raise RuntimeError(f"O_DIRECT does not work in {disk_dir}")
         bench = ArenaBench(arena, page_bytes, num_pages)
+        pairs = (("write", lambda: peers.fio_gbps(disk_dir, "write", page_bytes, threads,
+                                                  fio_bytes), bench.write_gbps),
+                 ("durable_write", lambda: fio_durable_write_gbps(disk_dir, page_bytes,
+                                                                  threads, fio_bytes),
+                  lambda: bench.write_gbps("durable")),
+                 ("read", lambda: peers.fio_gbps(disk_dir, "read", page_bytes, threads,
+                                                 fio_bytes), bench.read_gbps))
         for _ in range(num_rounds):
-            for rw, arena_gbps in (("write", bench.write_gbps), ("read", bench.read_gbps)):
-                rounds[f"fio_{rw}"].append(
-                    peers.fio_gbps(disk_dir, rw, page_bytes, threads, fio_bytes))
-                rounds[f"arena_{rw}"].append(arena_gbps())
+            for name, fio_gbps, arena_gbps in pairs:
+                rounds[f"fio_{name}"].append(fio_gbps())
+                rounds[f"arena_{name}"].append(arena_gbps())
             rounds["arena_checksum_ms"].append(bench.checksum_ms())
     shutil.rmtree(arena_dir, ignore_errors=True)
     return rounds

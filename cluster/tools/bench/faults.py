@@ -14,6 +14,10 @@ RECOVERY_WAIT_S). Then the fuzzers (cluster/tools/fuzz.py) and the soak
                            errors, fuzz failures
     fuzz_cases             client + HTTP fuzz cases run                             >= 10,000
     recovery_s_<fault>     injection -> the workload succeeds again                 <= 30 s
+    stalled_writer_wrong_bytes  pages that changed under a writer stalled past its    goal 0
+                           lease (the stalled_writer fault's window)
+    stalled_writes         late writes that ran after their lease lapsed            >= 2
+                           (none: the fault proved nothing, and the bench fails)
     soak_rss_growth        max over node actors and the client, after warm-up       < 5 %
     soak_leases, soak_reservations   left after the soak                            0
     soak_files_left        shm after stop + files and shm after purge()    0
@@ -167,6 +171,9 @@ def ratios_of(faults: dict, soak: dict) -> dict[str, float]:
                                + soak["client_errors"] + faults["fuzz"]["failures"]),
         "fuzz_cases": float(faults["fuzz"]["cases"])}
     ratios.update({f"recovery_s_{name}": f["recovery_s"] for name, f in per_fault.items()})
+    stalled = per_fault["stalled_writer"]
+    ratios.update({"stalled_writer_wrong_bytes": float(stalled["wrong_bytes"]),
+                   "stalled_writes": float(stalled["stalled_writes"])})
     ratios.update({"soak_rss_growth": soak["rss_growth"], "soak_leases": float(soak["leases"]),
                    "soak_reservations": float(soak["reservations"]),
                    "soak_files_left": float(soak["files_left"])})
@@ -177,7 +184,8 @@ def goals_for(ratios: dict) -> dict:
     goals = {"wrong_bytes": {"max": 0}, "client_errors": {"max": 0},
              "fuzz_cases": {"min": 10_000}, "soak_rss_growth": {"max": 0.05},
              "soak_leases": {"max": 0}, "soak_reservations": {"max": 0},
-             "soak_files_left": {"max": 0}}
+             "soak_files_left": {"max": 0}, "stalled_writer_wrong_bytes": {"max": 0},
+             "stalled_writes": {"min": 2}}
     goals.update({name: {"max": 30.0} for name in ratios if name.startswith("recovery_s_")})
     return goals
 

@@ -7,6 +7,8 @@ fault that lasts, holds it for `hold_s` and undoes it), and returns extra figure
     directory            kill every directory shard; Ray restarts them (recovery from Redis)
     redis                stop redis-server, then start it again on the same port
     client_mid_put       a client process reserves, writes half a page, exits
+    stalled_writer       a client process stalls past its lease (before, then inside its
+                         copy) while a burst of puts reuses the host tier (faults_stalled.py)
     serve_replica        kill one engine replica of the Serve app; Serve replaces it
     flipped_disk_bytes   flip a payload byte of every page in the head node's slab files
     torn_write           truncate the head node's slab in the middle of a page
@@ -25,6 +27,7 @@ import ray
 
 from actors.handles import DirectoryHandle, NodeHandle
 from cluster.core.config import CacheConfig
+from cluster.tools.bench.faults_stalled import stalled_writer
 from cluster.tools.bench.faults_workload import Record, Workload, page_sums, wrong_pages
 from cluster.tools.doomed_writer import DoomedWriter, known_kv
 from cluster.tools.slab_faults import flip_page_bytes, tear_slab
@@ -166,6 +169,7 @@ FAULTS: dict[str, tuple[Callable[[Context], dict], tuple[str, ...]]] = {
     "directory": (_directory, KV_KINDS),
     "redis": (_redis, KV_KINDS),
     "client_mid_put": (_client_mid_put, ("mid_put",)),
+    "stalled_writer": (stalled_writer, KV_KINDS),
     "serve_replica": (_serve_replica, ("http",)),
     "flipped_disk_bytes": (_flipped_disk_bytes, KV_KINDS),
     "torn_write": (_torn_write, KV_KINDS),
