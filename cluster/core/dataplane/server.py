@@ -254,6 +254,7 @@ class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True  # a restarted node actor takes its port back (Linux: never
     block_on_close = False      # two listeners on one port)
+    request_queue_size = 128  # connects past the backlog wait seconds on SYN retries
     owner: PageServer
 
 
