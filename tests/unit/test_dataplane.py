@@ -240,7 +240,7 @@ def test_a_store_is_served_from_its_loop_and_pulled_into_another(stores, loop):
         assert key(9) not in pool.index and not reader.reservations
         wait_until(lambda: not owner.leases, 5, "the owner to release its pins")
         assert on(loop, pull_pages(reader, transport, server.endpoint,
-                                   (GEOMETRY, keys[:3], "", NODE_AUTH), 2.0)) == 0  # all held already
+                                   (GEOMETRY, keys[:3], "", NODE_AUTH), 2.0)) == 0  # all held
     finally:
         transport.close()
         server.close()

@@ -16,7 +16,7 @@ import pytest
 
 import cluster.core.dataplane.server as server_module
 from cluster.core.dataplane import auth, wire
-from cluster.core.dataplane.auth import Authority, AuthFailed, Guard, client_handshake
+from cluster.core.dataplane.auth import AuthFailed, Authority, Guard, client_handshake
 from cluster.core.dataplane.connections import ConnectionPool
 from cluster.core.dataplane.endpoint import PageRead
 from cluster.core.dataplane.reader import read_pages
