@@ -110,6 +110,9 @@ def _finish(pool: ConnectionPool, read: PageRead, sock: socket.socket,
             deadline_s: float) -> int | None:
     try:
         status, num_pages, page_bytes = wire.REPLY.unpack(wire.recv_exact(sock, wire.REPLY.size))
+        if status == wire.STATUS_REFUSED:
+            log.warning("the page server %s:%d refused a read in namespace %r (its MAC)",
+                        read.endpoint.host, read.endpoint.port, read.authority.namespace)
         if status != wire.STATUS_OK or num_pages == 0:
             pool.give(read.endpoint, read.authority.peer_key, sock)
             return 0
