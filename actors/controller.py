@@ -7,6 +7,11 @@ catches and logs every error and never dies: a failed pass is retried on the nex
 whose actor cannot start (say, /dev/shm too small) is reported by sync_members(), so start()
 can say so. A registry change is pushed to every node; a restarted controller takes the
 registry back from a node (the newest version it finds).
+
+It alone holds the master secret (cluster/core/secrets.py: from the environment, a mounted
+Kubernetes Secret, or a 0600 file on its node; never Redis). It hands out what derives from
+it over Ray: a namespace's secret to that namespace's clients, the data plane's peer key to
+clients, and the node key to node actors.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import ray
 from actors.handles import DirectoryHandle, NodeHandle
 from cluster.core import secrets
 from cluster.core.config import CacheConfig
+from cluster.core.dataplane import auth
 from cluster.core.loops import BackgroundLoops
 from cluster.core.membership import dead_nodes, kv_nodes
 from cluster.core.registry import Registry
@@ -44,10 +50,21 @@ class Controller:
         self._registry = Registry(self.config.page_tokens)
         for namespace in self.config.namespaces:
             self._registry.add_namespace(namespace)
-        self._secret_key = f"raykv:{self.config.ray_namespace}:key-secret"
-        self._master, self._master_source = secrets.load_master(
-            self.config.disk_dir, self.config.redis_url, self._secret_key)
+        self._master, self._master_source = secrets.load_master(self.config.disk_dir)
         log.info("key chain's master secret from %s", self._master_source)
+        self._forget_legacy_redis_master()
+
+    def _forget_legacy_redis_master(self) -> None:
+        """Delete the master an older raykv kept in Redis (it is never used again)."""
+        if not self.config.redis_url:
+            return
+        key = f"raykv:{self.config.ray_namespace}:key-secret"
+        try:
+            if secrets.delete_legacy_redis_master(self.config.redis_url, key):
+                log.warning("deleted the master secret an older raykv stored in Redis (%s); "
+                            "pages keyed by it will miss", key)
+        except Exception as error:  # Redis down: it is tried again at the next start
+            log.warning("could not check Redis for an old master secret: %s", error)
 
     async def sync_members(self) -> dict:
         """One membership pass now (start() waits on it); starts the loop once.
@@ -117,10 +134,18 @@ class Controller:
         self._registry.check_namespace(name)
         return secrets.namespace_secret(self._master, name)
 
+    async def peer_key(self) -> bytes:
+        """The data plane's connection credential (clients and node actors prove it)."""
+        return auth.peer_key(self._master)
+
+    async def node_keys(self) -> tuple[bytes, bytes]:
+        """(peer key, node key): what a node actor's page server and pulls need."""
+        return auth.peer_key(self._master), auth.node_key(self._master)
+
     async def purge(self) -> None:
         """Forget the master secret this service made (the service's pages are being purged)."""
-        await asyncio.to_thread(secrets.forget_master, self._master_source, self.config.disk_dir,
-                                self.config.redis_url, self._secret_key)
+        await asyncio.to_thread(secrets.forget_master, self._master_source,
+                                self.config.disk_dir)
 
     async def _push(self) -> None:
         replies = await asyncio.gather(*(node.set_registry(self._registry)

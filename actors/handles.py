@@ -207,6 +207,10 @@ class NodeHandle:
     def prefetch(self, geometry: PageGeometry, keys: list[PageKey], remote: dict | None = None):
         return self.actor.prefetch.remote(geometry, keys, remote)
 
+    def namespaces(self, geometry: PageGeometry, keys: list[PageKey]):
+        """Whose each of these pages is on that node (None: not held there)."""
+        return self.actor.namespaces.remote(geometry, keys)
+
     def pull(self, geometry: PageGeometry, remote: dict, namespace: str = ""):
         """Copy pages from other nodes (node_id -> keys) into this node's host tier, over the
         data plane."""
@@ -287,6 +291,14 @@ class ControllerHandle:
 
     def namespace_secret(self, name: str):
         return self.actor.namespace_secret.remote(name)
+
+    def peer_key(self):
+        """The data plane's connection credential (for a client's reads)."""
+        return self.actor.peer_key.remote()
+
+    def node_keys(self):
+        """(peer key, node key): a node actor's data-plane credentials."""
+        return self.actor.node_keys.remote()
 
     def purge(self):
         """Forget the master secret the service made (its pages are being purged)."""

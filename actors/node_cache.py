@@ -19,13 +19,15 @@ import time
 import ray
 
 from actors.devices import expose_node_gpus
-from actors.handles import DirectoryHandle, PeerCache
+from actors.handles import ControllerHandle, DirectoryHandle, PeerCache
 from actors.metrics import Metrics, NodePublisher
 from cluster.core.claims import InflightClaims
 from cluster.core.config import CacheConfig
+from cluster.core.dataplane.auth import Authority, Guard
 from cluster.core.dataplane.connections import shared_pool
 from cluster.core.dataplane.endpoint import Endpoint
 from cluster.core.dataplane.pull import pull_pages
+from cluster.core.dataplane.server import Listen
 from cluster.core.dataplane.source import StoreSource
 from cluster.core.dataplane.transport import make_transport
 from cluster.core.events import APPLIED, EventStream
@@ -42,6 +44,7 @@ from cluster.core.tiers.node_slot import NodeSlot, claim_node_slot
 from cluster.core.tiers.report import describe_tiers
 
 log = logging.getLogger("raykv.node")
+CREDENTIALS_WAIT_S = 60.0
 
 
 def store_config(config: CacheConfig, slot: NodeSlot) -> StoreConfig:
@@ -70,6 +73,7 @@ class NodeCacheActor:
         self.store = NodeStore(store_config(self.config, self.slot), self.stream.record)
         self.transport = make_transport(self.config.transport)
         self.server = None  # the page server, started with the loop (ready)
+        self._keys: tuple[bytes, bytes] | None = None  # (peer key, node key), from ready
         self.directory = DirectoryHandle.lookup(self.config)
         self.peers = PeerCache(self.config)
         self.pulls = InflightClaims()
@@ -103,9 +107,13 @@ class NodeCacheActor:
             self.vram = vram_budget(self.config.device_bytes, measure_gpus())
             log.warning("raykv node %s VRAM: %s", self.node_id[:12], describe_budget(self.vram))
         self.recovered_pages = await asyncio.to_thread(self.store.recover_disk)
-        source = StoreSource(self.store, asyncio.get_running_loop(), self._transfer_timeout_s())
-        self.server = self.transport.serve(source, ray.util.get_node_ip_address(),
-                                           self._transfer_timeout_s(), self.epoch)
+        loop = asyncio.get_running_loop()
+        source = StoreSource(self.store, loop, self._transfer_timeout_s())
+        self._keys = await self._node_keys()
+        guard = Guard(*self._keys, lambda name: self._namespace_secret_from(loop, name))
+        listen = Listen(ray.util.get_node_ip_address(), self.config.page_port, guard)
+        self.server = self.transport.serve(source, listen, self._transfer_timeout_s(),
+                                           self.epoch)
         log.warning("raykv node %s: %s; data plane %s://%s:%d", self.node_id[:12],
                     describe_tiers(limits, self.slot.disk_dir, self.gpu_ids),
                     self.server.endpoint.transport, *self.server.endpoint.address)
@@ -114,6 +122,40 @@ class NodeCacheActor:
 
     def _transfer_timeout_s(self) -> float:
         return self.config.call_timeout_s
+
+    async def _node_keys(self) -> tuple[bytes, bytes]:
+        """(peer key, node key) from the controller, which may be starting or restarting."""
+        deadline_s = time.monotonic() + CREDENTIALS_WAIT_S
+        while True:
+            controller = ControllerHandle.lookup(self.config)
+            try:
+                if controller is not None:
+                    return await asyncio.wait_for(controller.node_keys(),
+                                                  self.config.call_timeout_s)
+            except (ray.exceptions.RayError, asyncio.TimeoutError) as error:
+                if time.monotonic() > deadline_s:
+                    raise RuntimeError(f"no data-plane credentials from the controller: "
+                                       f"{error}") from error
+            if time.monotonic() > deadline_s:
+                raise RuntimeError("no raykv controller to get data-plane credentials from")
+            await asyncio.sleep(0.5)
+
+    def _namespace_secret_from(self, loop: asyncio.AbstractEventLoop, name: str) -> bytes | None:
+        """A namespace's secret, asked of the controller (from a page server's thread); None
+        for a namespace it does not know, or when it does not answer (the read is refused)."""
+        future = asyncio.run_coroutine_threadsafe(self._namespace_secret(name), loop)
+        try:
+            return future.result(self.config.call_timeout_s)
+        except Exception as error:  # a refusal, never a crash of the connection thread
+            log.warning("namespace %r: no secret from the controller: %s", name[:64], error)
+            return None
+
+    async def _namespace_secret(self, name: str) -> bytes:
+        controller = ControllerHandle.lookup(self.config)
+        if controller is None:
+            raise RuntimeError("no raykv controller")
+        return await asyncio.wait_for(controller.namespace_secret(name),
+                                      self.config.call_timeout_s)
 
     async def _tick(self) -> None:
         self.store.expire()
@@ -298,7 +340,12 @@ class NodeCacheActor:
             endpoint = await self._endpoint(node_id) if keys else None
             if endpoint is None:
                 return 0
-            pulled = await pull_pages(self.store, self.transport, endpoint, request,
+            geometry, _, namespace = request
+            if not namespace:  # replication: the pages keep their owner's namespace
+                namespace = await self._namespace_at(node_id, geometry, keys)
+            authority = Authority.of_node(*self._keys, namespace)
+            pulled = await pull_pages(self.store, self.transport, endpoint,
+                                      (geometry, keys, namespace, authority),
                                       self._transfer_timeout_s())
             if pulled is None:  # unreachable, died or stalled: look it up afresh next time
                 self.peers.forget(node_id)
@@ -307,6 +354,19 @@ class NodeCacheActor:
             return pulled
         finally:
             self.pulls.finish(keys, done)
+
+    async def _namespace_at(self, node_id: str, geometry: PageGeometry,
+                            keys: list[PageKey]) -> str:
+        """The namespace of the first of these pages at their owner ("" when it cannot
+        say: the pull then asks for pages of any namespace)."""
+        peer = await self.peers.aget(node_id)
+        try:
+            names = await asyncio.wait_for(peer.namespaces(geometry, keys[:1]),
+                                           self.config.call_timeout_s) if peer else []
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as error:
+            log.warning("no namespaces from %s: %s", node_id[:8], error)
+            return ""
+        return (names[0] or "") if names else ""
 
     async def _endpoint(self, node_id: str) -> Endpoint | None:
         endpoint = self.peers.endpoint(node_id)
@@ -346,6 +406,13 @@ class NodeCacheActor:
         replicates a prefix needs to pull it."""
         await self.ready()
         return [self.store.geometry_of(key) for key in keys]
+
+    async def namespaces(self, geometry: PageGeometry, keys: list[PageKey]) -> list[str | None]:
+        """Whose each page held here is (None where it is not held; "" when not known)."""
+        await self.ready()
+        pool = self.store.pools.get(geometry)
+        entries = [pool.index.get(key) if pool is not None else None for key in keys]
+        return [None if entry is None else entry.namespace for entry in entries]
 
     async def discard(self, geometry: PageGeometry, keys: list[PageKey]) -> int:
         """Drop these pages here (a copy lives on elsewhere); pinned ones stay."""

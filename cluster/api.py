@@ -9,6 +9,7 @@ import ray
 
 from actors.handles import ControllerHandle, ControlLoopHandle, DirectoryHandle, NodeHandle
 from cluster.core.config import CacheConfig
+from cluster.core.dataplane.auth import ClientSecrets
 from cluster.core.dataplane.connections import close_shared_pool
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import KeyChain
@@ -112,8 +113,10 @@ def connect(spec: ModelSpec, namespace: str = "default"):
         _unwrap(_controller(config).register_model(spec, None))
     home = _home_node(config)
     _unwrap(home.open_pool(PageGeometry.of(spec, config.page_tokens)))
-    secret = _unwrap(_controller(config).namespace_secret(namespace))
-    return KVClient(spec, namespace, config, DirectoryHandle.lookup(config), home, secret)
+    controller = _controller(config)
+    secrets = ClientSecrets(_unwrap(controller.namespace_secret(namespace)),
+                            _unwrap(controller.peer_key()))
+    return KVClient(spec, namespace, config, DirectoryHandle.lookup(config), home, secrets)
 
 
 def key_chain(spec: ModelSpec, namespace: str = "default",

@@ -23,6 +23,7 @@ from actors.metrics import Metrics
 from cluster.calls import Steps, Wait, Work, failed, run_async, run_sync
 from cluster.core.config import CacheConfig
 from cluster.core.copies import copy_pages
+from cluster.core.dataplane.auth import ClientSecrets
 from cluster.core.dataplane.transport import make_transport
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import KeyChain, PageKey
@@ -39,19 +40,21 @@ class KVClient:
     """put / lookup / get / prefetch / stats for one model and namespace (and a*-variants)."""
 
     def __init__(self, spec: ModelSpec, namespace: str, config: CacheConfig,
-                 directory: DirectoryHandle, home: NodeHandle, secret: bytes = b""):
-        """`secret`: the namespace's key-chain secret (connect() gets it from the controller;
-        see cluster/core/secrets.py)."""
+                 directory: DirectoryHandle, home: NodeHandle,
+                 secrets: ClientSecrets | None = None):
+        """`secrets`: the namespace's key-chain secret and the data plane's peer key
+        (connect() gets them from the controller; see cluster/core/secrets.py)."""
+        secrets = secrets or ClientSecrets()
         self.spec = spec
         self.namespace = namespace
-        self.chain = KeyChain.of(spec, namespace, config.page_tokens, secret)
+        self.chain = KeyChain.of(spec, namespace, config.page_tokens, secrets.namespace_secret)
         self.config = config
         self.page_tokens = config.page_tokens
         self.geometry = PageGeometry.of(spec, config.page_tokens)
         slabs = LocalSlabs(home, self.geometry) if home.is_local else None
         self.view = CacheView(self.geometry, home, directory, PeerCache(config), slabs,
                               namespace, make_transport(config.transport),
-                              config.call_timeout_s)
+                              config.call_timeout_s, authority=secrets.authority(namespace))
         self.timeout_s = config.call_timeout_s
 
     @property

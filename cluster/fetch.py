@@ -194,7 +194,8 @@ def _read_remote(view: CacheView, keys: list, groups: dict[str, list[int]], out:
         dests, stages = _destinations(view, out, positions)
         staged.append(stages)
         reads.append((node_id, positions, PageRead(endpoints[node_id], view.geometry,
-                                                   tuple(keys[p] for p in positions), dests)))
+                                                   tuple(keys[p] for p in positions), dests,
+                                                   view.authority)))
     counts = yield Work(lambda: view.transport.read([r for _, _, r in reads],
                                                     view.call_timeout_s))
     for (node_id, positions, _), count, stages in zip(reads, counts, staged, strict=True):

@@ -8,6 +8,7 @@ import torch
 
 from actors.handles import DirectoryHandle, NodeHandle, PeerCache
 from cluster.calls import Steps, Wait, Work, failed
+from cluster.core.dataplane.auth import Authority
 from cluster.core.dataplane.endpoint import Endpoint
 from cluster.core.dataplane.transport import TcpTransport, Transport
 from cluster.core.geometry import PageGeometry
@@ -39,6 +40,7 @@ class CacheView:
         "optimistic_pages": 0, "stale_hints": 0, "failed_calls": 0, "torn_reads": 0,
         "unmapped_pages": 0})
     touches: TouchBatch | None = None  # set in __post_init__ when the slabs are mapped
+    authority: Authority | None = None  # what remote reads prove (None: they miss)
 
     def __post_init__(self) -> None:
         if self.slabs is not None:

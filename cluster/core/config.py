@@ -69,6 +69,10 @@ class CacheConfig(BaseModel):
         "before it (a process crash loses none either way; never wrong bytes)")
     transport: Literal["tcp"] = Field("tcp", description="how pages move between nodes "
                                       "(cluster/core/dataplane/transport.py registers them)")
+    page_port: int = Field(7460, ge=0, le=65535 - 15, description="the data plane's port: "
+                           "a node actor takes the first free one of [page_port, page_port "
+                           "+ 16) on its node's address (several simulated nodes share a "
+                           "host); 0: any free port")
     ray_namespace: str = "raykv"
     rebalance: bool = Field(True, description="run the control loop: hot prefixes replicated, "
                             "cold pages moved off hot nodes, kv nodes requested")

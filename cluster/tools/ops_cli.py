@@ -43,6 +43,8 @@ def start_command(
     shards: Annotated[int, typer.Option(help="directory shards")] = 1,
     namespaces: Annotated[str, typer.Option(help="comma-separated namespaces to start with")]
     = "default",
+    page_port: Annotated[int, typer.Option(help="the data plane's first port (each node "
+                                                "takes the first free of 16); 0: any")] = 7460,
 ) -> None:
     """Start the cache service (directory, node actors, controller) on a running Ray cluster
     and return. Idempotent; a service already running with another config is an error."""
@@ -52,7 +54,7 @@ def start_command(
         settings = dict(host_bytes=parse_bytes(host_bytes),
                         device_bytes=parse_bytes(device_bytes),
                         disk_bytes=parse_bytes(disk_bytes), page_tokens=page_tokens,
-                        num_directory_shards=shards,
+                        num_directory_shards=shards, page_port=page_port,
                         namespaces=tuple(n.strip() for n in namespaces.split(",") if n.strip()))
         if disk_dir:
             settings["disk_dir"] = disk_dir

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from cluster.core.dataplane import wire
+from cluster.core.dataplane.auth import Authority, Guard, server_handshake
 from cluster.core.dataplane.connections import ConnectionPool
 from cluster.core.dataplane.endpoint import Endpoint, PageRead, TensorPages, tensor_buffers
 from cluster.core.dataplane.pull import pull_pages
 from cluster.core.dataplane.reader import read_pages
-from cluster.core.dataplane.server import PageServer, ServedPages
+from cluster.core.dataplane.server import Listen, PageServer, ServedPages
 from cluster.core.dataplane.source import StoreSource
 from cluster.core.dataplane.transport import TcpTransport, make_transport
 from cluster.core.geometry import PageGeometry
@@ -31,6 +32,14 @@ from tests.waiting import wait_until
 G = PageGeometry((4, 2, 2, 16, 32), "bfloat16")  # 16 KiB pages, 16 rows of 1 KiB in a KV
 HOST = "127.0.0.1"
 KEYS = tuple(bytes([i]) * 16 for i in range(8))
+PEER, NODE, TENANT_SECRET = b"p" * 32, b"n" * 32, b"t" * 32
+AUTH = Authority.of_namespace(PEER, "tenant", TENANT_SECRET)
+NODE_AUTH = Authority.of_node(PEER, NODE)
+
+
+def listen(first_port: int = 0) -> Listen:
+    """Loopback, readers proving PEER; namespace "tenant" known."""
+    return Listen(HOST, first_port, Guard(PEER, NODE, {"tenant": TENANT_SECRET}.get))
 
 
 def raw_page(i: int) -> torch.Tensor:
@@ -66,7 +75,7 @@ class DictSource:
 
 def kv_reads(endpoint: Endpoint, out: torch.Tensor, num_pages: int) -> list[PageRead]:
     pages = TensorPages(out, [out[:, :, :, p * 16 : (p + 1) * 16] for p in range(num_pages)])
-    return [PageRead(endpoint, G, KEYS[:num_pages], pages)]
+    return [PageRead(endpoint, G, KEYS[:num_pages], pages, AUTH)]
 
 
 def as_raw(out: torch.Tensor, p: int) -> torch.Tensor:
@@ -76,7 +85,7 @@ def as_raw(out: torch.Tensor, p: int) -> torch.Tensor:
 @pytest.fixture
 def served():
     source = DictSource(6)
-    server = PageServer(source, HOST, timeout_s=2.0)
+    server = PageServer(source, listen(), timeout_s=2.0)
     pool = ConnectionPool()
     yield source, server, pool
     pool.close()
@@ -114,7 +123,7 @@ def listening(pid: int) -> set[tuple[str, int]]:
 
 def test_the_server_listens_on_one_socket_on_its_address_and_stops():
     before = listening(psutil.Process().pid)
-    server = PageServer(DictSource(1), HOST, timeout_s=1.0)
+    server = PageServer(DictSource(1), listen(), timeout_s=1.0)
     assert listening(psutil.Process().pid) - before == {(HOST, server.endpoint.port)}
     server.close()
     assert listening(psutil.Process().pid) == before
@@ -127,7 +136,7 @@ def fake_owner(behaviour) -> tuple[Endpoint, threading.Thread]:
 
     def serve():
         sock, _ = listener.accept()
-        wire.read_request(sock)
+        wire.read_request(sock, server_handshake(sock, PEER, time.monotonic() + 2.0))
         behaviour(sock)
         listener.close()
 
@@ -216,12 +225,12 @@ def on(loop, coro):
 def test_a_store_is_served_from_its_loop_and_pulled_into_another(stores, loop):
     owner, reader = stores.make(), stores.make(host_pages=4)
     on(loop, store_put(owner, [0, 1, 2]))
-    server = PageServer(StoreSource(owner, loop, 2.0), HOST, 2.0)
+    server = PageServer(StoreSource(owner, loop, 2.0), listen(), 2.0)
     transport = _PrivateTcp()
     try:
         keys = [key(0), key(1), key(2), key(9)]
         pulled = on(loop, pull_pages(reader, transport, server.endpoint,
-                                     (GEOMETRY, keys, "tenant"), 2.0))
+                                     (GEOMETRY, keys, "tenant", NODE_AUTH), 2.0))
         assert pulled == 3
         pool = reader.pool(GEOMETRY)
         for i in range(3):
@@ -231,7 +240,7 @@ def test_a_store_is_served_from_its_loop_and_pulled_into_another(stores, loop):
         assert key(9) not in pool.index and not reader.reservations
         wait_until(lambda: not owner.leases, 5, "the owner to release its pins")
         assert on(loop, pull_pages(reader, transport, server.endpoint,
-                                   (GEOMETRY, keys[:3], ""), 2.0)) == 0  # all held already
+                                   (GEOMETRY, keys[:3], "", NODE_AUTH), 2.0)) == 0  # all held
     finally:
         transport.close()
         server.close()
@@ -239,7 +248,7 @@ def test_a_store_is_served_from_its_loop_and_pulled_into_another(stores, loop):
 
 def test_a_geometry_the_owner_never_held_is_a_miss(stores, loop):
     owner = stores.make()
-    server = PageServer(StoreSource(owner, loop, 2.0), HOST, 2.0)
+    server = PageServer(StoreSource(owner, loop, 2.0), listen(), 2.0)
     pool = ConnectionPool()
     try:
         out = torch.zeros(4, 2, 2, 16, 32, dtype=torch.bfloat16)
@@ -268,7 +277,7 @@ def test_a_large_read_is_split_over_two_connections_and_joined_in_order(monkeypa
 
     monkeypatch.setattr(reader, "LANE_MIN_BYTES", 4 * G.page_bytes)
     source = DictSource(6)
-    server = PageServer(source, HOST, timeout_s=2.0)
+    server = PageServer(source, listen(), timeout_s=2.0)
     pool = ConnectionPool()
     try:
         out = torch.zeros(4, 2, 2, 16 * 8, 32, dtype=torch.bfloat16)

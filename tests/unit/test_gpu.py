@@ -110,10 +110,11 @@ def test_copies_into_vram_are_done_when_copy_pages_returns():
 
 
 def test_the_page_server_sends_vram_pages_through_host_staging():
+    from cluster.core.dataplane.auth import Authority, Guard
     from cluster.core.dataplane.connections import ConnectionPool
     from cluster.core.dataplane.endpoint import PageRead, TensorPages
     from cluster.core.dataplane.reader import read_pages
-    from cluster.core.dataplane.server import PageServer, ServedPages
+    from cluster.core.dataplane.server import Listen, PageServer, ServedPages
     from cluster.core.geometry import PageGeometry
 
     geometry = PageGeometry((4, 2, 2, 16, 32), "bfloat16")
@@ -130,13 +131,15 @@ def test_the_page_server_sends_vram_pages_through_host_staging():
         def close(self, served):
             pass
 
-    server = PageServer(VramSource(), "127.0.0.1", 5.0)
+    guard = Guard(b"p" * 32, b"n" * 32, {"t": b"t" * 32}.get)
+    server = PageServer(VramSource(), Listen("127.0.0.1", 0, guard), 5.0)
     pool = ConnectionPool()
     try:
         out = torch.zeros(4, 2, 2, 32, 32, dtype=torch.bfloat16)
         slices = [out[:, :, :, :16], out[:, :, :, 16:]]
         read = PageRead(server.endpoint, geometry, (b"a" * 16, b"b" * 16),
-                        TensorPages(out, slices))
+                        TensorPages(out, slices),
+                        Authority.of_namespace(b"p" * 32, "t", b"t" * 32))
         assert read_pages(pool, [read], 5.0) == [2]
         for got, page in zip(slices, pages, strict=True):
             assert torch.equal(got.contiguous().view(-1).view(torch.uint8), page.cpu())

@@ -1,6 +1,7 @@
 """The key chain's secrets: a namespace's secret is a MAC of its name under the master (not
-derivable from the name), the master comes from RAYKV_KEY_SECRET, Redis or a 0600 file (and
-is the same the next time), and it changes every key of the namespace."""
+derivable from the name), the master comes from RAYKV_KEY_SECRET, RAYKV_KEY_SECRET_FILE or a
+0600 file (and is the same the next time), never from Redis (an old one there is deleted),
+and it changes every key of the namespace."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import redis
 from cluster.core.keys import KeyChain, namespace_key, page_keys
 from cluster.core.secrets import (
     ENV_VAR,
+    FILE_ENV_VAR,
     FILE_NAME,
     SECRET_BYTES,
+    delete_legacy_redis_master,
     forget_master,
     from_passphrase,
     load_master,
@@ -49,42 +52,61 @@ def test_the_secret_changes_every_key_of_the_namespace():
 
 
 def test_the_master_comes_from_the_environment_first(tmp_path):
-    master, source = load_master(str(tmp_path), None, "k", {ENV_VAR: "correct horse"})
+    master, source = load_master(str(tmp_path), {ENV_VAR: "correct horse"})
     assert (master, source) == (from_passphrase("correct horse"), "env")
     assert len(master) == SECRET_BYTES and not os.listdir(tmp_path)
     with pytest.raises(ValueError):
         from_passphrase("")
 
 
+def test_the_master_comes_from_a_mounted_secret_file(tmp_path):
+    mounted = tmp_path / "raykv-key-secret"
+    mounted.write_text("correct horse\n")  # as kubectl create secret --from-file writes it
+    master, source = load_master(str(tmp_path / "disk"), {FILE_ENV_VAR: str(mounted)})
+    assert (master, source) == (from_passphrase("correct horse"), "env-file")
+    assert not (tmp_path / "disk").exists()
+    for bad in (tmp_path / "missing", tmp_path / "empty"):
+        if bad.name == "empty":
+            bad.write_text("  \n")
+        with pytest.raises(ValueError, match=FILE_ENV_VAR):
+            load_master(str(tmp_path), {FILE_ENV_VAR: str(bad)})
+
+
 def test_the_file_master_is_private_and_kept(tmp_path):
-    master, source = load_master(str(tmp_path / "disk"), None, "k", {})
+    master, source = load_master(str(tmp_path / "disk"), {})
     path = tmp_path / "disk" / FILE_NAME
     assert source == "file" and path.read_bytes() == master
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert load_master(str(tmp_path / "disk"), None, "k", {}) == (master, "file")
+    path.chmod(0o644)
+    assert load_master(str(tmp_path / "disk"), {}) == (master, "file")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # made private again
     path.write_bytes(b"torn")
     with pytest.raises(ValueError, match="remove it"):
-        load_master(str(tmp_path / "disk"), None, "k", {})
+        load_master(str(tmp_path / "disk"), {})
 
 
-def test_the_first_master_set_in_redis_wins_and_a_dead_redis_falls_back(tmp_path):
+def test_a_master_an_older_raykv_kept_in_redis_is_deleted_never_used(tmp_path):
     url = os.environ.get("RAYKV_TEST_REDIS_URL")
     if not url:
         pytest.skip("no test redis-server (make test starts one)")
     key = f"raykv-test:{os.getpid()}:key-secret"
+    old = os.urandom(SECRET_BYTES)
+    client = redis.Redis.from_url(url)
     try:
-        first = load_master(str(tmp_path), url, key, {})
-        assert first[1] == "redis" and load_master(str(tmp_path), url, key, {}) == first
+        client.set(key, old)
+        master, source = load_master(str(tmp_path), {})
+        assert source == "file" and master != old
+        assert delete_legacy_redis_master(url, key) and client.get(key) is None
+        assert not delete_legacy_redis_master(url, key)
     finally:
-        redis.Redis.from_url(url).delete(key)
-    dead = load_master(str(tmp_path), "redis://127.0.0.1:1/0", key, {})
-    assert dead[1] == "file"
+        client.delete(key)
+        client.close()
 
 
 def test_a_purge_forgets_a_made_master_but_never_the_operators(tmp_path):
-    master, source = load_master(str(tmp_path), None, "k", {})
-    forget_master(source, str(tmp_path), None, "k")
+    master, source = load_master(str(tmp_path), {})
+    forget_master(source, str(tmp_path))
     assert not (tmp_path / FILE_NAME).exists()
-    assert load_master(str(tmp_path), None, "k", {})[0] != master  # a new one next time
-    forget_master("env", str(tmp_path), None, "k")  # the operator's: nothing to remove
+    assert load_master(str(tmp_path), {})[0] != master  # a new one next time
+    forget_master("env", str(tmp_path))  # the operator's: nothing to remove
     assert (tmp_path / FILE_NAME).exists()

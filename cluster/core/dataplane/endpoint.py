@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.core.dataplane.auth import Authority
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 
@@ -36,12 +37,15 @@ class PageRead:
     """Pages to read from one owner into `dests`: dests[i] gives page i's writable buffers,
     which its bytes fill in order (one for a contiguous slot; one per row for a page of a KV
     tensor). Any indexable works: TensorPages makes each page's buffers only when the reader
-    comes to it, so building them overlaps the bytes already arriving."""
+    comes to it, so building them overlaps the bytes already arriving. `authority` is what
+    the reader proves to the owner (auth.py): the peer key and its namespace's request key
+    (None: the reader holds no credential, and the read is a miss without a connection)."""
 
     endpoint: Endpoint
     geometry: PageGeometry
     keys: tuple[PageKey, ...]
     dests: Sequence[Buffers]
+    authority: Authority | None
 
 
 class TensorPages(Sequence):

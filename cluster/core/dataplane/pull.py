@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 
+from cluster.core.dataplane.auth import Authority
 from cluster.core.dataplane.endpoint import Endpoint, PageRead
 from cluster.core.dataplane.transport import Transport
 from cluster.core.geometry import HOST, PageGeometry
@@ -25,13 +26,14 @@ from cluster.core.store import NodeStore
 
 
 async def pull_pages(store: NodeStore, transport: Transport, endpoint: Endpoint,
-                     request: tuple[PageGeometry, list[PageKey], str],
+                     request: tuple[PageGeometry, list[PageKey], str, Authority],
                      timeout_s: float) -> int | None:
     """Pages now held here that came over the wire; None when the owner could not be read.
 
-    `request` is (geometry, keys, namespace).
+    `request` is (geometry, keys, namespace the pages are kept under, the authority the
+    owner is asked with: the node's).
     """
-    geometry, keys, namespace = request
+    geometry, keys, namespace, authority = request
     reservation_id, slots = await store.reserve(geometry, keys, HOST, namespace)
     wanted = [(key, slot) for key, slot in zip(keys, slots, strict=False) if slot is not None]
     if not wanted:
@@ -39,7 +41,7 @@ async def pull_pages(store: NodeStore, transport: Transport, endpoint: Endpoint,
     pool = store.pools[geometry]
     dests = tuple((memoryview(pool.memory[tier].view(slot)[: geometry.page_bytes].numpy()),)
                   for _, (tier, slot) in wanted)
-    read = PageRead(endpoint, geometry, tuple(key for key, _ in wanted), dests)
+    read = PageRead(endpoint, geometry, tuple(key for key, _ in wanted), dests, authority)
     timeout_s = min(timeout_s, store.config.reserve_lease_s / 2)
     fence, slot_ids = pool.own_writes[HOST], [slot for _, (_, slot) in wanted]
     locked = fence.lock(slot_ids)

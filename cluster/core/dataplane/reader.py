@@ -63,7 +63,7 @@ def _lanes(read: PageRead) -> list[PageRead]:
         return [read]
     bounds = [len(read.keys) * lane // num_lanes for lane in range(num_lanes + 1)]
     return [PageRead(read.endpoint, read.geometry, read.keys[start:stop],
-                     read.dests[start:stop])
+                     read.dests[start:stop], read.authority)
             for start, stop in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
@@ -91,12 +91,17 @@ def _lane_threads() -> ThreadPoolExecutor:
 def _start(pool: ConnectionPool, read: PageRead, timeout_s: float) -> socket.socket | None:
     if not read.keys:
         return None
+    if read.authority is None:
+        log.warning("data plane read of %d pages skipped: this reader holds no credential "
+                    "(connect() gets it)", len(read.keys))
+        return None
     sock = None
     try:
-        sock = pool.take(read.endpoint, timeout_s)
-        sock.sendall(wire.encode_request(wire.ReadRequest(read.geometry, read.keys)))
+        sock = pool.take(read.endpoint, read.authority.peer_key, timeout_s)
+        request = wire.ReadRequest(read.geometry, read.keys)
+        sock.sendall(wire.encode_request(request, read.authority, pool.session(sock)))
         return sock
-    except OSError as error:
+    except (OSError, KeyError) as error:  # KeyError: the pool was closed under us
         _failed(pool, read, sock, error)
         return None
 
@@ -105,8 +110,11 @@ def _finish(pool: ConnectionPool, read: PageRead, sock: socket.socket,
             deadline_s: float) -> int | None:
     try:
         status, num_pages, page_bytes = wire.REPLY.unpack(wire.recv_exact(sock, wire.REPLY.size))
+        if status == wire.STATUS_REFUSED:
+            log.warning("the page server %s:%d refused a read in namespace %r (its MAC)",
+                        read.endpoint.host, read.endpoint.port, read.authority.namespace)
         if status != wire.STATUS_OK or num_pages == 0:
-            pool.give(read.endpoint, sock)
+            pool.give(read.endpoint, read.authority.peer_key, sock)
             return 0
         if num_pages > len(read.keys) or page_bytes != read.geometry.page_bytes:
             raise wire.PeerGone(f"bad reply: {num_pages} pages of {page_bytes} bytes")
@@ -114,7 +122,7 @@ def _finish(pool: ConnectionPool, read: PageRead, sock: socket.socket,
             recv_scatter(sock, list(read.dests[index]), deadline_s)
         sock.sendall(wire.ACK)
         (good,) = wire.VERDICT.unpack(wire.recv_exact(sock, wire.VERDICT.size))
-        pool.give(read.endpoint, sock)
+        pool.give(read.endpoint, read.authority.peer_key, sock)
         return min(good, num_pages)
     except OSError as error:  # ConnectionError, TimeoutError and PeerGone are OSErrors
         _failed(pool, read, sock, error)

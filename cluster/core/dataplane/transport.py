@@ -1,6 +1,6 @@
 """Transports: how pages cross between processes. Pluggable by name (CacheConfig.transport).
 
-    serve(source, host, timeout_s, epoch) -> a server (endpoint, stats(), close())
+    serve(source, listen, timeout_s, epoch) -> a server (endpoint, stats(), close())
     read(reads, timeout_s) -> per read, leading pages that arrived intact (None: it failed)
     close()                -> close this process's connections
 
@@ -17,14 +17,16 @@ from typing import Protocol
 from cluster.core.dataplane.connections import close_shared_pool, shared_pool
 from cluster.core.dataplane.endpoint import PageRead
 from cluster.core.dataplane.reader import read_pages
-from cluster.core.dataplane.server import PageServer, PageSource
+from cluster.core.dataplane.server import Listen, PageServer, PageSource
 
 
 class Transport(Protocol):
     name: str
 
-    def serve(self, source: PageSource, host: str, timeout_s: float, epoch: int) -> PageServer:
-        """Start serving `source` on `host` (an ephemeral port)."""
+    def serve(self, source: PageSource, listen: Listen, timeout_s: float,
+              epoch: int) -> PageServer:
+        """Start serving `source` where `listen` says, to readers that prove its guard's
+        peer key (every request's tag checked by the guard: auth.py)."""
 
     def read(self, reads: list[PageRead], timeout_s: float) -> list[int | None]:
         """Fill each read's destinations; per read, the leading pages that arrived intact,
@@ -39,8 +41,9 @@ class TcpTransport:
 
     name = "tcp"
 
-    def serve(self, source: PageSource, host: str, timeout_s: float, epoch: int) -> PageServer:
-        return PageServer(source, host, timeout_s, epoch)
+    def serve(self, source: PageSource, listen: Listen, timeout_s: float,
+              epoch: int) -> PageServer:
+        return PageServer(source, listen, timeout_s, epoch)
 
     def read(self, reads: list[PageRead], timeout_s: float) -> list[int | None]:
         return read_pages(shared_pool(), reads, timeout_s)

@@ -1,9 +1,13 @@
 """The data plane's frames: fixed little-endian structs, then raw page bytes.
 
-    request   magic "RKV1" | op u8 | shape 5 x u32 | dtype 16 bytes | num_keys u32 | keys
+    request   magic "RKV2" | op u8 | shape 5 x u32 | dtype 16 bytes | num_keys u32 |
+              kind u8 | namespace_len u8 | tag 32 bytes | namespace | keys
     reply     status u8 | num_pages u32 | page_bytes u64 | num_pages x page_bytes
     ack       one byte (the reader holds every page)
     verdict   num_good u32 (the leading pages whose slots kept their generation)
+
+The tag is the request's MAC (auth.py): over the connection's session, the head (the tag
+left out), the namespace and the keys.
 """
 
 from __future__ import annotations
@@ -12,16 +16,18 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from cluster.core.dataplane.auth import MAC_BYTES, Authority, Claim
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import KEY_BYTES, PageKey
 
-MAGIC = b"RKV1"
+MAGIC = b"RKV2"
 OP_READ = 1
 STATUS_OK, STATUS_REFUSED = 0, 1
 ACK = b"A"
 MAX_KEYS = 1 << 16
+MAX_NAMESPACE_BYTES = 255
 
-REQUEST = struct.Struct("<4sB5I16sI")
+REQUEST = struct.Struct("<4sB5I16sIBB")
 REPLY = struct.Struct("<BIQ")
 VERDICT = struct.Struct("<I")
 
@@ -36,21 +42,31 @@ class PeerGone(ConnectionError):
 
 @dataclass(frozen=True, slots=True)
 class ReadRequest:
-    """Pages of one geometry, by key, in chain order."""
+    """Pages of one geometry, by key, in chain order; `claim` is the authority it came with
+    (set by read_request; a reader's own requests carry none)."""
 
     geometry: PageGeometry
     keys: tuple[PageKey, ...]
+    claim: Claim | None = None
 
 
-def encode_request(request: ReadRequest) -> bytes:
+def encode_request(request: ReadRequest, authority: Authority, session: bytes) -> bytes:
+    """The request frame, MACed for this connection's session under the authority's key."""
     dtype = request.geometry.dtype.encode()
     assert len(dtype) <= 16, f"dtype name too long: {request.geometry.dtype}"
-    head = REQUEST.pack(MAGIC, OP_READ, *request.geometry.shape, dtype, len(request.keys))
-    return head + b"".join(request.keys)
+    namespace = authority.namespace.encode()
+    if len(namespace) > MAX_NAMESPACE_BYTES:
+        raise ValueError(f"namespace name over {MAX_NAMESPACE_BYTES} bytes")
+    head = REQUEST.pack(MAGIC, OP_READ, *request.geometry.shape, dtype, len(request.keys),
+                        authority.kind, len(namespace))
+    keys = b"".join(request.keys)
+    tag = authority.tag(session, head + namespace + keys)
+    return head + tag + namespace + keys
 
 
-def read_request(sock: socket.socket) -> ReadRequest | None:
-    """The next request on `sock`; None when the peer closed it cleanly before one."""
+def read_request(sock: socket.socket, session: bytes) -> ReadRequest | None:
+    """The next request on `sock` (a connection of that session); None when the peer closed
+    it cleanly before one."""
     try:
         head = recv_exact(sock, REQUEST.size)
     except PeerGone as gone:
@@ -58,12 +74,20 @@ def read_request(sock: socket.socket) -> ReadRequest | None:
             return None  # closed between requests: the normal end of a pooled connection
         raise
     magic, op, *rest = REQUEST.unpack(head)
-    shape, dtype, num_keys = tuple(rest[:5]), rest[5].rstrip(b"\0").decode(), rest[6]
+    shape, dtype, num_keys = tuple(rest[:5]), rest[5].rstrip(b"\0"), rest[6]
+    kind, namespace_len = rest[7], rest[8]
     if magic != MAGIC or op != OP_READ or num_keys > MAX_KEYS:
         raise PeerGone(f"not a raykv request (magic {magic!r}, op {op}, {num_keys} keys)")
+    tag = recv_exact(sock, MAC_BYTES)
+    namespace = recv_exact(sock, namespace_len)
     blob = recv_exact(sock, num_keys * KEY_BYTES)
+    try:
+        geometry = PageGeometry(shape, dtype.decode())
+        claim = Claim(kind, namespace.decode(), tag, session, head + namespace + blob)
+    except (UnicodeDecodeError, ValueError, TypeError) as error:
+        raise PeerGone(f"not a raykv request: {error}") from None
     keys = tuple(PageKey(blob[i : i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES))
-    return ReadRequest(PageGeometry(shape, dtype), keys)
+    return ReadRequest(geometry, keys, claim)
 
 
 def recv_exact(sock: socket.socket, num_bytes: int) -> bytes:

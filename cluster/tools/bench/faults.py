@@ -21,6 +21,9 @@ RECOVERY_WAIT_S). Then the fuzzers (cluster/tools/fuzz.py) and the soak
     soak_rss_growth        max over node actors and the client, after warm-up       < 5 %
     soak_leases, soak_reservations   left after the soak                            0
     soak_files_left        shm after stop + files and shm after purge()    0
+    unauthenticated_reads  reads per attempt without the peer key (faults_security.py)   0
+    cross_tenant_reads     reads per attempt with another namespace's credentials       0
+                           (1 when no attempt was made or the control read failed)
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ import time
 from cluster.core.config import MiB
 from cluster.core.tiers.memory import remove_stale_shm
 from cluster.core.tiers.node_slot import slot_shm_prefix
-from cluster.tools.bench import common
-from cluster.tools.bench.faults_inject import FAULTS, Context, completion, http_loop
+from cluster.tools.bench import common, faults_inject, faults_security
+from cluster.tools.bench.faults_inject import Context, completion, http_loop
 from cluster.tools.bench.faults_workload import RemoteReader, Workload, recovery_s, remote_loop
 from cluster.tools.bench.soak import leftovers_after_stop, run_soak
 
@@ -42,12 +45,16 @@ NUM_NODES = 3
 RECOVERY_WAIT_S = 60.0
 HTTP_PROMPTS = [f"Customer {i}: my kettle whistles before it boils. " * 4 for i in range(3)]
 FUZZ_CASES = {"full": (6000, 4500), "quick": (600, 450)}
+FAULTS = {**faults_inject.FAULTS, **faults_security.FAULTS}
 NOTES = ("ops = workload operations started in the fault's window (a put read back, a get of "
          "an older prompt, a remote get, an HTTP completion); recovery_s = from the injection "
          "to the end of the first success after the last failure, over the kinds that matter "
          "for the fault (put + remote for KV faults, the re-put for client_mid_put, HTTP for "
          "serve_replica); full disk = ENOSPC injected on every disk write (RLIMIT_FSIZE does "
-         "not bite: slab files are sized when opened); goals on recovery_s are ours.")
+         "not bite: slab files are sized when opened); goals on recovery_s are ours; "
+         "unauthenticated_reads and cross_tenant_reads = reads per attempt of the attacks "
+         "of faults_security.py, from raw sockets on the driver to every page server (1 when "
+         "no attempt was made or the victim's own read of the same keys found no page).")
 
 
 def cache_config(disk_dir: str, redis_url: str | None):
@@ -174,6 +181,8 @@ def ratios_of(faults: dict, soak: dict) -> dict[str, float]:
     stalled = per_fault["stalled_writer"]
     ratios.update({"stalled_writer_wrong_bytes": float(stalled["wrong_bytes"]),
                    "stalled_writes": float(stalled["stalled_writes"])})
+    ratios.update({name: faults_security.read_ratio(per_fault.get(fault, {}))
+                   for name, fault in faults_security.RATIOS.items()})
     ratios.update({"soak_rss_growth": soak["rss_growth"], "soak_leases": float(soak["leases"]),
                    "soak_reservations": float(soak["reservations"]),
                    "soak_files_left": float(soak["files_left"])})
@@ -185,7 +194,8 @@ def goals_for(ratios: dict) -> dict:
              "fuzz_cases": {"min": 10_000}, "soak_rss_growth": {"max": 0.05},
              "soak_leases": {"max": 0}, "soak_reservations": {"max": 0},
              "soak_files_left": {"max": 0}, "stalled_writer_wrong_bytes": {"max": 0},
-             "stalled_writes": {"min": 2}}
+             "stalled_writes": {"min": 2}, "unauthenticated_reads": {"max": 0},
+             "cross_tenant_reads": {"max": 0}}
     goals.update({name: {"max": 30.0} for name in ratios if name.startswith("recovery_s_")})
     return goals
 

@@ -130,7 +130,7 @@ class BenchPeer:
             pages = TensorPages(self.out, [self.out[:, :, :, page_slices(p, client.page_tokens)]
                                            for p in range(len(keys))])
             return client.view.transport.read([PageRead(endpoint, client.geometry, keys,
-                                                        pages)], 30.0)
+                                                        pages, client.view.authority)], 30.0)
 
         read_s, (count,) = common.timed(read)
         if count != len(keys):

@@ -1,0 +1,216 @@
+"""Who may read pages from a page server, and which pages: a peer credential, then a MAC on
+every request.
+
+    connect   reader -> HELLO "RKA1" | client nonce (16)
+              server -> server nonce (16) | MAC(peer key, "server" | cn | sn)
+              reader -> MAC(peer key, "reader" | cn | sn)     (after checking the server's)
+              server -> "K" (accepted), or closes without a byte
+    request   ... | namespace | tag = MAC(authority key, session | request head | namespace |
+              keys), session = cn | sn, so a request cannot be replayed on another connection
+
+The peer key (one per service, derived from the master secret) opens a connection; it is
+held by the node actors and by clients, which get it from the controller over Ray. The
+authority key of a request is either its namespace's request key (derived from the
+namespace's secret, which only that namespace's clients and the node actors hold) or the
+node key (node actors only: replication pulls pages of any namespace). The MACs are keyed
+blake3: one pass over the key list (32 bytes a page), never over page bytes. Comparisons are
+constant-time (hmac.compare_digest).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import blake3
+
+MAC_BYTES = 32
+NONCE_BYTES = 16
+HELLO = struct.Struct(f"<4s{NONCE_BYTES}s")
+CHALLENGE = struct.Struct(f"<{NONCE_BYTES}s{MAC_BYTES}s")
+HELLO_MAGIC = b"RKA1"
+ACCEPTED = b"K"
+KIND_NAMESPACE, KIND_NODE = 1, 2
+_PEER_CONTEXT = "raykv 2026 data plane peer key v1"
+_NODE_CONTEXT = "raykv 2026 data plane node key v1"
+_REQUEST_CONTEXT = "raykv 2026 data plane namespace request key v1"
+
+
+class AuthFailed(ConnectionError):
+    """The other side did not prove the peer key (or closed during the handshake)."""
+
+
+def peer_key(master: bytes) -> bytes:
+    """The service's connection credential (from its master secret)."""
+    return blake3.blake3(master, derive_key_context=_PEER_CONTEXT).digest(MAC_BYTES)
+
+
+def node_key(master: bytes) -> bytes:
+    """The node actors' request authority over every namespace (replication)."""
+    return blake3.blake3(master, derive_key_context=_NODE_CONTEXT).digest(MAC_BYTES)
+
+
+def request_key(namespace_secret: bytes) -> bytes:
+    """A namespace's request authority, from the namespace's key-chain secret."""
+    return blake3.blake3(namespace_secret,
+                         derive_key_context=_REQUEST_CONTEXT).digest(MAC_BYTES)
+
+
+def mac(key: bytes, *parts: bytes) -> bytes:
+    """Keyed blake3 over the parts, each length-prefixed (no two splits collide)."""
+    hasher = blake3.blake3(key=key)
+    for part in parts:
+        hasher.update(len(part).to_bytes(8, "little"))
+        hasher.update(part)
+    return hasher.digest(MAC_BYTES)
+
+
+def same(a: bytes, b: bytes) -> bool:
+    return hmac.compare_digest(a, b)
+
+
+@dataclass(frozen=True, slots=True)
+class Authority:
+    """What a reader proves: the peer key to connect, and the key its requests are MACed
+    with, for `namespace` (KIND_NAMESPACE) or for any namespace (KIND_NODE, namespace "")."""
+
+    peer_key: bytes
+    kind: int
+    namespace: str
+    key: bytes
+
+    @staticmethod
+    def of_namespace(peer: bytes, namespace: str, namespace_secret: bytes) -> Authority:
+        return Authority(peer, KIND_NAMESPACE, namespace, request_key(namespace_secret))
+
+    @staticmethod
+    def of_node(peer: bytes, node: bytes, namespace: str = "") -> Authority:
+        """A node actor's: pages of `namespace` only, or of any when it is ""."""
+        return Authority(peer, KIND_NODE, namespace, node)
+
+    def tag(self, session: bytes, signed: bytes) -> bytes:
+        return mac(self.key, session, signed)
+
+
+# ---- the handshake ---------------------------------------------------------------------------
+
+
+def client_handshake(sock: socket.socket, peer: bytes) -> bytes:
+    """Prove the peer key to a server and check its proof; the session (cn | sn).
+    AuthFailed when the server's proof is wrong or it closes (it refused ours)."""
+    client_nonce = os.urandom(NONCE_BYTES)
+    sock.sendall(HELLO.pack(HELLO_MAGIC, client_nonce))
+    server_nonce, proof = CHALLENGE.unpack(_recv(sock, CHALLENGE.size))
+    session = client_nonce + server_nonce
+    if not same(proof, mac(peer, b"server", session)):
+        raise AuthFailed("the page server did not prove the service's peer key")
+    sock.sendall(mac(peer, b"reader", session))
+    if _recv(sock, len(ACCEPTED)) != ACCEPTED:
+        raise AuthFailed("the page server refused this reader's credential")
+    return session
+
+
+def server_handshake(sock: socket.socket, peer: bytes, deadline_s: float) -> bytes | None:
+    """Check a reader's proof of the peer key by `deadline_s` (time.monotonic()); the
+    session, or None (then close it). OSError when the reader stalls or closes."""
+    magic, client_nonce = HELLO.unpack(_recv(sock, HELLO.size, deadline_s))
+    if magic != HELLO_MAGIC:
+        return None
+    server_nonce = os.urandom(NONCE_BYTES)
+    session = client_nonce + server_nonce
+    sock.sendall(CHALLENGE.pack(server_nonce, mac(peer, b"server", session)))
+    if not same(_recv(sock, MAC_BYTES, deadline_s), mac(peer, b"reader", session)):
+        return None
+    sock.sendall(ACCEPTED)
+    return session
+
+
+def _recv(sock: socket.socket, num_bytes: int, deadline_s: float | None = None) -> bytes:
+    buffer = bytearray()
+    while len(buffer) < num_bytes:
+        if deadline_s is not None and time.monotonic() > deadline_s:
+            raise TimeoutError("the handshake ran past its deadline")
+        chunk = sock.recv(num_bytes - len(buffer))
+        if not chunk:
+            raise AuthFailed(f"closed during the handshake after {len(buffer)} bytes")
+        buffer += chunk
+    return bytes(buffer)
+
+
+# ---- the server's check of a request ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A request's authority as received: kind, namespace, tag, and what the tag covers."""
+
+    kind: int
+    namespace: str
+    tag: bytes
+    session: bytes
+    signed: bytes
+
+
+def verify(claim: Claim, key: bytes | None) -> bool:
+    """Whether the claim's tag is right under `key` (None: no such authority here)."""
+    if key is None:
+        return False
+    return same(claim.tag, mac(key, claim.session, claim.signed))
+
+
+class Guard:
+    """A page server's side: the peer key connections must prove, and the check of each
+    request's tag. `namespace_secret(name)` gives a namespace's secret (None for one not
+    registered); it is asked once per namespace (the node actor asks the controller)."""
+
+    def __init__(self, peer: bytes, node: bytes,
+                 namespace_secret: Callable[[str], bytes | None]):
+        self.peer_key = peer
+        self._node_key = node
+        self._namespace_secret = namespace_secret
+        self._request_keys: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def permits(self, claim: Claim | None) -> bool:
+        """Whether a request's tag proves its authority (constant-time compare)."""
+        if claim is None:
+            return False
+        if claim.kind == KIND_NODE:
+            return verify(claim, self._node_key)
+        if claim.kind != KIND_NAMESPACE:
+            return False
+        return verify(claim, self._request_key(claim.namespace))
+
+    def _request_key(self, namespace: str) -> bytes | None:
+        with self._lock:
+            key = self._request_keys.get(namespace)
+        if key is not None:
+            return key
+        secret = self._namespace_secret(namespace)
+        if secret is None:
+            return None
+        key = request_key(secret)
+        with self._lock:
+            self._request_keys[namespace] = key
+        return key
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSecrets:
+    """What a client holds: its namespace's key-chain secret and the service's peer key
+    (connect() gets both from the controller; b"" when unknown: its remote reads miss)."""
+
+    namespace_secret: bytes = b""
+    peer_key: bytes = b""
+
+    def authority(self, namespace: str) -> Authority | None:
+        """The client's authority for data-plane reads; None without a peer key."""
+        if not self.peer_key or not self.namespace_secret:
+            return None
+        return Authority.of_namespace(self.peer_key, namespace, self.namespace_secret)
