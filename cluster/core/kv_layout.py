@@ -296,6 +296,7 @@ class CacheView:
         blocks (token t in block_ids[t // block_size] at t % block_size)."""
         kv = self._page(kv, token_range[1])
         with self._stager.scatter_lock:
+            self._stager.join()
             for tile in self._tiles(block_ids, token_range):
                 source = self._stager.to_device(_tile_of(kv, tile))
                 with self._stager.on_stream():
@@ -307,7 +308,7 @@ class CacheView:
         """Read tokens [start, end) of the request's blocks into out [L, 2, H, >=end, D]."""
         out = self._page(out, token_range[1])
         with self._stager.gather_lock:
-            self._stager.before_gather()
+            self._stager.join()
             for tile in self._tiles(block_ids, token_range):
                 target = _tile_of(out, tile)
                 with self._stager.on_stream():
@@ -430,7 +431,6 @@ class _Stager:
         pinned = self._buffer("scatter-host", tile, pin=True)
         pinned.copy_(tile)
         scratch = self._buffer("scatter-device", tile)
-        self._stream.wait_stream(self._engine_stream)  # the blocks are free to write now
         with torch.cuda.stream(self._stream):
             scratch.copy_(pinned, non_blocking=True)
         return scratch
@@ -443,9 +443,12 @@ class _Stager:
             self._engine_stream.wait_event(done)
             done.synchronize()
 
-    def before_gather(self) -> None:
-        if self._cuda:  # read the blocks only once the engine's queued writes are in
+    def join(self) -> None:
+        """The side stream starts after what the engine and the caller have queued: the
+        forward's writes to the blocks, and a device page still being produced."""
+        if self._cuda:
             self._stream.wait_stream(self._engine_stream)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def device_scratch(self, target: torch.Tensor) -> torch.Tensor:
         """Where the tile is assembled: the target itself on CPU or on the same device."""
