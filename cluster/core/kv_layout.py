@@ -26,12 +26,14 @@ Cells that are not plain K|V split the same way, byte for byte:
   per-token-head int8/fp8: each plane is [data (head_size) | fp32 scale (4 bytes)], so the
     page's D is head_size + 4 / element size and the scales travel inside the page.
 
-Gathers and scatters are torch ops on strided views: one index_select / index_copy_ per plane
-for all the full blocks of a tile (a tile: up to STAGING_BYTES of consecutive layers and
-blocks), and a copy_ for a block cut by the token range. On CUDA they run on the view's own
-stream, ordered after the engine's stream (the one current when the caches were described),
-through pinned host staging; the engine's stream then waits on their event. On CPU the same
-code runs with no stream and no staging.
+Gathers and scatters work on strided views of the caches, a tile at a time (up to
+STAGING_BYTES of consecutive layers and blocks). On CUDA (BlockCopies.BATCHED): one
+index_select / index_copy_ per plane for all the tile's full blocks, a copy_ for a block cut by
+the token range, on the view's own stream, ordered after the engine's stream (the one current
+when the caches were described) and the caller's, through pinned host staging; the engine's
+stream then waits on their event. On CPU the same tiles and views, no stream and no staging,
+and the blocks move by np.copyto one block at a time (BlockCopies.PER_BLOCK: faster there, see
+its docstring); the tests run both ways on CPU.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from enum import Enum
 from itertools import pairwise
 
+import numpy as np
 import torch
 
 # KVCacheLayout member -> physical order of the logical axes (L, B, H, N, C) = (0, 1, 2, 3, 4),
@@ -61,6 +64,16 @@ _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 class LayoutError(ValueError):
     """The caches are not something this module can describe (the message says why)."""
+
+
+class BlockCopies(Enum):
+    """How a run of full blocks moves. BATCHED: one index_select / index_copy_ per plane and
+    tile (CUDA: one kernel each). PER_BLOCK: np.copyto per block and plane (CPU: memory speed;
+    measured here, torch's CPU index_select on a strided 5D view ran at ~0.3 GB/s and its
+    OpenMP copies stall on shared cores, while np.copyto per block ran at 3-5 GB/s)."""
+
+    BATCHED = "batched"
+    PER_BLOCK = "per-block"
 
 
 class Interior(Enum):
@@ -276,6 +289,8 @@ class CacheView:
         self._groups = groups
         self._stager = _Stager(layers[0].device)
         self.tile_bytes = STAGING_BYTES  # the most bytes one gather or scatter step moves
+        self.block_copies = (BlockCopies.PER_BLOCK if self.device.type == "cpu"
+                             else BlockCopies.BATCHED)
 
     def __len__(self) -> int:
         return self.layout.num_layers
@@ -300,7 +315,8 @@ class CacheView:
             for tile in self._tiles(block_ids, token_range):
                 source = self._stager.to_device(_tile_of(kv, tile))
                 with self._stager.on_stream():
-                    _scatter_tile(tile, source, self._segments(block_ids, tile))
+                    _scatter_tile(tile, source, self._segments(block_ids, tile),
+                                  self.block_copies)
                 self._stager.after_scatter()
 
     def gather(self, block_ids: Sequence[int], token_range: tuple[int, int],
@@ -313,7 +329,8 @@ class CacheView:
                 target = _tile_of(out, tile)
                 with self._stager.on_stream():
                     scratch = self._stager.device_scratch(target)
-                    _gather_tile(tile, scratch, self._segments(block_ids, tile))
+                    _gather_tile(tile, scratch, self._segments(block_ids, tile),
+                                 self.block_copies)
                 self._stager.to_host(scratch, target)
 
     def _page(self, kv: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -383,7 +400,27 @@ def _plane_runs(tile: _Tile, page: torch.Tensor, segments: list[_Segment]):
             yield cache, page[:, index], segment
 
 
-def _scatter_tile(tile: _Tile, page: torch.Tensor, segments: list[_Segment]) -> None:
+def _block_parts(tile: _Tile, page: torch.Tensor, segments: list[_Segment]):
+    """(cache part, page part) as numpy views, per plane and block: [l, H, tokens, D] each."""
+    for cache, page_plane, segment in _plane_runs(tile, page, segments):
+        cache_np, page_np = cache.numpy(), page_plane.numpy()
+        if not segment.full:
+            first, count = segment.offset, segment.num_tokens
+            yield (cache_np[:, segment.block_ids[0], :, segment.low:segment.low + count],
+                   page_np[:, :, first:first + count])
+            continue
+        size = cache.shape[3]
+        for index, block_id in enumerate(segment.block_ids):
+            first = segment.offset + index * size
+            yield cache_np[:, block_id], page_np[:, :, first:first + size]
+
+
+def _scatter_tile(tile: _Tile, page: torch.Tensor, segments: list[_Segment],
+                  copies: BlockCopies) -> None:
+    if copies is BlockCopies.PER_BLOCK:
+        for cache_part, page_part in _block_parts(tile, page, segments):
+            np.copyto(cache_part, page_part)
+        return
     for cache, source, segment in _plane_runs(tile, page, segments):
         if segment.full:
             ids = torch.tensor(segment.block_ids, device=cache.device)
@@ -395,7 +432,12 @@ def _scatter_tile(tile: _Tile, page: torch.Tensor, segments: list[_Segment]) -> 
                 source[:, :, segment.offset:segment.offset + count])
 
 
-def _gather_tile(tile: _Tile, page: torch.Tensor, segments: list[_Segment]) -> None:
+def _gather_tile(tile: _Tile, page: torch.Tensor, segments: list[_Segment],
+                 copies: BlockCopies) -> None:
+    if copies is BlockCopies.PER_BLOCK:
+        for cache_part, page_part in _block_parts(tile, page, segments):
+            np.copyto(page_part, cache_part)
+        return
     for cache, target, segment in _plane_runs(tile, page, segments):
         if segment.full:
             ids = torch.tensor(segment.block_ids, device=cache.device)

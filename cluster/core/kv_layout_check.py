@@ -16,7 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.core.kv_layout import LAYOUT_ORDERS, Interior, describe_caches, order_strides
+from cluster.core.kv_layout import (
+    LAYOUT_ORDERS,
+    BlockCopies,
+    Interior,
+    describe_caches,
+    order_strides,
+)
 
 NUM_LAYERS, NUM_BLOCKS, NUM_HEADS, BLOCK_TOKENS, HEAD_DIM = 3, 12, 2, 16, 16
 BLOCK_IDS = (11, 3, 7, 0, 9, 5, 1, 10, 2, 8)  # a request's blocks, out of order
@@ -142,8 +148,10 @@ def reference_scatter(layers: list[torch.Tensor], interior: Interior, kv: torch.
             cells[..., :size * half].unflatten(-1, (size, half))[blocks, :, offsets] = keys
 
 
-def run_case(case: Case, device: str | torch.device, page_device=None) -> tuple[bool, str]:
-    """Scatter then gather one case; (ok, what differed or what was moved)."""
+def run_case(case: Case, device: str | torch.device, page_device=None,
+             copies: BlockCopies | None = None) -> tuple[bool, str]:
+    """Scatter then gather one case (pages on page_device, CPU by default; blocks moved the
+    device's way unless `copies` says); (ok, what differed or what was moved)."""
     page_device = page_device or "cpu"
     num_bytes = _count(case.shape) * torch.empty((), dtype=case.dtype).element_size()
     flat = random_bytes((_count(case.shape) + FLAT_SLACK,), case.dtype, 1, device)
@@ -151,6 +159,7 @@ def run_case(case: Case, device: str | torch.device, page_device=None) -> tuple[
     view = describe_caches(case.make(flat), case.interior)
     if case.tile_bytes:
         view.tile_bytes = case.tile_bytes
+    view.block_copies = copies or view.block_copies
     num_tokens = len(BLOCK_IDS) * case.shape[3]
     kv = (page_with_scales(case, num_tokens, page_device) if case.dtype == torch.int8
           else random_bytes(view.page_shape(num_tokens), case.dtype, 2, page_device))
@@ -168,7 +177,8 @@ def run_case(case: Case, device: str | torch.device, page_device=None) -> tuple[
     wrong = _bytes_differ(out, want)
     if wrong:
         return False, f"gather: {wrong} page bytes differ"
-    return True, (f"{view.layout.name} {view.layout.interior.value}, {case.shape} "
+    return True, (f"{view.layout.name} {view.layout.interior.value} "
+                  f"{view.block_copies.value}, {case.shape} "
                   f"{case.dtype}, tokens [{start}, {end})")
 
 

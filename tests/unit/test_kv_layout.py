@@ -10,6 +10,7 @@ import torch
 from cluster.core import kv_layout_check as check
 from cluster.core.kv_layout import (
     LAYOUT_ORDERS,
+    BlockCopies,
     Interior,
     LayoutError,
     allocate,
@@ -23,9 +24,11 @@ CASES = check.cases()
 L, B, H, N, D = 3, 12, 2, 16, 8
 
 
+@pytest.mark.parametrize("copies", list(BlockCopies), ids=[c.value for c in BlockCopies])
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
-def test_round_trip_byte_for_byte(case):
-    ok, detail = check.run_case(case, "cpu")
+def test_round_trip_byte_for_byte(case, copies):
+    """Both ways of moving blocks: per block (CPU's) and batched (CUDA's, here on CPU)."""
+    ok, detail = check.run_case(case, "cpu", copies=copies)
     assert ok, detail
 
 
