@@ -38,15 +38,15 @@ its docstring); the tests run both ways on CPU.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from enum import Enum
 from itertools import pairwise
 
 import numpy as np
 import torch
+
+from cluster.core.kv_staging import Stager
 
 # KVCacheLayout member -> physical order of the logical axes (L, B, H, N, C) = (0, 1, 2, 3, 4),
 # outermost first (vLLM 0.32's enum values; tests/vllm checks this table against vLLM's).
@@ -58,7 +58,7 @@ LAYOUT_ORDERS: dict[str, tuple[int, ...]] = {
     "BLNHC": (1, 0, 3, 2, 4),
     "BHLNC": (1, 2, 0, 3, 4),
 }
-STAGING_BYTES = 64 << 20  # device scratch / pinned staging per direction (a tile's bytes)
+STAGING_BYTES = 64 << 20  # the most bytes one tile moves (device scratch, pinned staging)
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -287,7 +287,7 @@ class CacheView:
         self.layout = layout
         self._layers = layers
         self._groups = groups
-        self._stager = _Stager(layers[0].device)
+        self._stager = Stager(layers[0].device)
         self.tile_bytes = STAGING_BYTES  # the most bytes one gather or scatter step moves
         self.block_copies = (BlockCopies.PER_BLOCK if self.device.type == "cpu"
                              else BlockCopies.BATCHED)
@@ -349,6 +349,10 @@ class CacheView:
             return
         if start < 0 or end > len(block_ids) * size:
             raise ValueError(f"tokens {token_range} beyond {len(block_ids)} blocks of {size}")
+        used = block_ids[start // size:-(-end // size)]
+        if any(not 0 <= block_id < self.layout.num_blocks for block_id in used):
+            # checked here: on CUDA an index out of range is a device assert, not an error
+            raise ValueError(f"block ids {list(used)} outside 0..{self.layout.num_blocks - 1}")
         block_bytes = 2 * self.layout.num_heads * size * self.layout.plane_elems * (
             self.layout.element_bytes)
         for group in self._groups:
@@ -447,77 +451,3 @@ def _gather_tile(tile: _Tile, page: torch.Tensor, segments: list[_Segment],
             count = segment.num_tokens
             target[:, :, segment.offset:segment.offset + count].copy_(
                 cache[:, segment.block_ids[0], :, segment.low:segment.low + count])
-
-
-class _Stager:
-    """Moves tiles between host pages and a CUDA device: pinned staging, a side stream, and
-    events ordering it with the engine's stream. On CPU caches every step is the identity."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.scatter_lock, self.gather_lock = threading.Lock(), threading.Lock()
-        self._cuda = device.type == "cuda"
-        if self._cuda:
-            self._engine_stream = torch.cuda.current_stream(device)
-            self._stream = torch.cuda.Stream(device)
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def on_stream(self):
-        """A context running the tile's ops on the side stream (nothing on CPU)."""
-        return torch.cuda.stream(self._stream) if self._cuda else nullcontext()
-
-    def to_device(self, tile: torch.Tensor) -> torch.Tensor:
-        """The tile on the caches' device: host -> pinned -> device on the side stream."""
-        if not self._cuda or tile.device == self.device:
-            return tile
-        pinned = self._buffer("scatter-host", tile, pin=True)
-        pinned.copy_(tile)
-        scratch = self._buffer("scatter-device", tile)
-        with torch.cuda.stream(self._stream):
-            scratch.copy_(pinned, non_blocking=True)
-        return scratch
-
-    def after_scatter(self) -> None:
-        """The engine's stream waits for the writes; the staging is free again on return."""
-        if self._cuda:
-            done = torch.cuda.Event()
-            done.record(self._stream)
-            self._engine_stream.wait_event(done)
-            done.synchronize()
-
-    def join(self) -> None:
-        """The side stream starts after what the engine and the caller have queued: the
-        forward's writes to the blocks, and a device page still being produced."""
-        if self._cuda:
-            self._stream.wait_stream(self._engine_stream)
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-
-    def device_scratch(self, target: torch.Tensor) -> torch.Tensor:
-        """Where the tile is assembled: the target itself on CPU or on the same device."""
-        if not self._cuda or target.device == self.device:
-            return target
-        return self._buffer("gather-device", target)
-
-    def to_host(self, scratch: torch.Tensor, target: torch.Tensor) -> None:
-        if scratch is target:
-            if self._cuda:
-                torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            return
-        pinned = self._buffer("gather-host", target, pin=True)
-        with torch.cuda.stream(self._stream):
-            pinned.copy_(scratch, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        done.synchronize()
-        target.copy_(pinned)
-
-    def _buffer(self, name: str, like: torch.Tensor, pin: bool = False) -> torch.Tensor:
-        """A contiguous tensor shaped like `like` over a reused buffer (grown, never shrunk)."""
-        num_bytes = like.numel() * like.element_size()
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < num_bytes:
-            device = "cpu" if pin else self.device
-            buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
-            self._buffers[name] = buffer
-        return buffer[:num_bytes].view(like.dtype).view(like.shape)
-

@@ -117,6 +117,9 @@ def test_pages_that_do_not_fit_are_refused():
         view.scatter(torch.zeros(L, 2, H, 2 * N, D), [0, 1], (0, N))
     with pytest.raises(ValueError, match="beyond"):
         view.gather([0], (0, 2 * N), torch.zeros(L, 2, H, 2 * N, D, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="outside"):  # before anything is written
+        view.scatter(torch.ones(L, 2, H, 2 * N, D, dtype=torch.bfloat16), [0, B], (0, 2 * N))
+    assert not view[0].any()
 
 
 def test_per_token_head_scales_travel_in_the_page():
