@@ -36,7 +36,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from cluster.serving.vllm_io import KVMover
-from cluster.serving.vllm_layout import BlockLayout, check_layers, planes
+from cluster.serving.vllm_layout import (
+    BlockLayout,
+    CacheFormat,
+    Interior,
+    LayoutError,
+    describe_worker,
+    probed_interior,
+    spec_mismatch,
+)
 from cluster.serving.vllm_plan import LoadSpec, NewRequest, RunningRequest, SaveSpec, StepPlanner
 from cluster.serving.vllm_service import RaykvSettings, ServiceLink, spec_of
 
@@ -133,18 +141,36 @@ class RaykvConnector(KVConnectorBase_V1):
     # ---- worker side ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Describe this worker's caches by their strides (any KVCacheLayout member, CPU or
+        CUDA); caches raykv cannot move turn the connector off for this worker, with one log
+        line, and the engine runs on without it."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
         from vllm.model_executor.models.utils import extract_layer_index
 
-        # In layer order, whatever the dict's order: page layer i is the model's layer i.
-        names = sorted(kv_caches, key=extract_layer_index)
-        self._layers = [kv_caches[name] for name in names]
-        spec = self._link.spec
-        why = check_layers(self._layers, spec.page_shape(self._block_size), spec.torch_dtype())
-        self._layout = None if why else probe_layout(self._layers[0])
-        if why or self._layout is None:
-            log.error("raykv connector off for this worker: %s",
-                      why or "vLLM's cache op writes a block layout raykv does not know")
-            self._layers = []
+        config, spec = self._vllm_config, self._link.spec  # KVConnectorBase_V1 keeps the config
+        cache_format = CacheFormat(str(config.cache_config.cache_dtype),
+                                   config.model_config.get_head_size(),
+                                   bool(config.model_config.use_mla))
+        try:
+            # In layer order, whatever the dict's order: page layer i is the model's layer i.
+            names = sorted(kv_caches, key=extract_layer_index)
+            backends = {backend.get_name() for backend in get_current_attn_backends(config, names)}
+            view = describe_worker([kv_caches[name] for name in names], cache_format, backends,
+                                   probe_layout)
+            why = spec_mismatch(view.layout, spec.page_shape(self._block_size),
+                                spec.dtype_bytes)
+        except LayoutError as error:
+            view, why = None, str(error)
+        except Exception as error:  # whatever it is, the engine runs on without raykv
+            view, why = None, f"{type(error).__name__}: {error}"
+        if why:
+            log.error("raykv connector off for this worker: %s", why)
+            self._layers, self._layout = [], None
+            return
+        self._layers, self._layout = view, view.layout
+        log.info("raykv connector: %d layers, %s %s, %d-token blocks, %s on %s",
+                 view.layout.num_layers, view.layout.name, view.layout.interior.value,
+                 view.layout.block_size, view.layout.dtype, view.device)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
@@ -193,17 +219,17 @@ class RaykvConnector(KVConnectorBase_V1):
         return self._mover
 
 
-def probe_layout(layer: torch.Tensor) -> BlockLayout | None:
-    """Where vLLM's CPU cache op puts K and V in a block like `layer`'s: it writes one scratch
-    block of distinct values, and the layout that reads them back is the answer (None: no
-    known layout does, or the op is missing)."""
+def probe_layout(layer: torch.Tensor) -> Interior | None:
+    """Where vLLM's CPU cache op puts K and V in a block like `layer`'s [blocks, H, B, C]: it
+    writes one scratch block of distinct values, and the CPU interior that reads them back is
+    the answer (None: none or both do, or the op is missing)."""
     try:
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        _, num_heads, block_size, width = layer.shape
-        head_dim = width // 2
-        scratch = torch.zeros((1, num_heads, block_size, width), dtype=layer.dtype)
+        _, num_heads, block_size, cell = layer.shape
+        head_dim = cell // 2
+        scratch = torch.zeros((1, num_heads, block_size, cell), dtype=layer.dtype)
         keys, values = scratch.view(1, num_heads, 2 * block_size, head_dim).chunk(2, dim=2)
         known = (torch.arange(block_size * num_heads * head_dim) % 251 + 1).view(
             block_size, num_heads, head_dim).to(layer.dtype)
@@ -212,8 +238,4 @@ def probe_layout(layer: torch.Tensor) -> BlockLayout | None:
     except Exception:  # not vLLM's CPU backend, or its internals moved
         log.exception("could not probe vLLM's KV block layout")
         return None
-    expected = known.permute(1, 0, 2)  # [H, B, D]
-    fits = [layout for layout in (BlockLayout(False), BlockLayout(True))
-            if all(torch.equal(got, want) for got, want
-                   in zip(planes(scratch, 0, layout), (expected, -expected), strict=True))]
-    return fits[0] if len(fits) == 1 else None
+    return probed_interior(scratch, known, -known)

@@ -1,112 +1,174 @@
-"""Moving KV between raykv's layout and vLLM's CPU paged blocks (pure torch: no vLLM, no Ray).
+"""Moving KV between raykv pages and vLLM's paged blocks: the vLLM-facing side of
+cluster/core/kv_layout.py (pure torch: no vLLM import, no Ray).
 
-    raykv  kv[layer, k_or_v, head, token, :]          [L, 2, H, N, D]
-    vLLM   layers[layer][block]                       L x [num_blocks, H, B, 2*D] (CPU)
+    raykv  kv[layer, plane, head, token, :]     [L, 2, H, N, D]   plane 0 = K, 1 = V
+    vLLM   caches[layer][block, head, slot, :]  L x [num_blocks, H, B, C], any stride order
 
-The shape of vLLM's CPU cache hides its layout. Its attention kernel views each block as
-[H, 2*B, D] and splits it in two: every (block, head) holds B*D elements of K, then B*D of V.
-V is token-major, [B, D]. K is stored as the kernel reads it: with the "vec" kernels (float32
-here), transposed, [D, B]. The connector asks vLLM's own cache op where it writes (see
-RaykvConnector.register_kv_caches) and describes the answer as a BlockLayout.
+vLLM 0.32 hands the connector one [B, H, N, C] view per layer, over one allocation laid out as
+a KVCacheLayout member (layer-compact or cross-layer); kv_layout reads the views' strides, so
+every member works, as does anything else with the same logical shape. What this module adds:
 
-Token t of a request lives in block block_ids[t // B] at offset t % B, and heads keep their
-order, so a block maps onto a token range of kv with one copy per (layer, block, K or V). V is
-copied in runs of D elements; a transposed K is a real transpose (B x D elements per head).
-`raykv bench vllm` measures both against a plain memcpy.
+- which cells raykv moves (`cell_elems`): C = 2 x head_size for the model's dtype and for fp8
+  with per-tensor scales (fp8, fp8_e4m3, fp8_e5m2); 2 x (head_size + 4 / element size) for
+  int8_per_token_head and fp8_per_token_head, whose fp32 scales sit after each plane's data
+  and travel inside the page; head_size for MLA's latent (its halves become planes 0 and 1,
+  so the page is [L, 2, 1, N, latent / 2]). Anything else (nvfp4, turboquant, fp8_ds_mla, int4,
+  MLA with per-token-head scales) is a LayoutError: the connector turns itself off.
+- which block interior: the GPU backends split a cell in two (K | V); vLLM's CPU backend keeps
+  a (block, head) as K then V, with K transposed by its "vec" kernels. The connector probes
+  the CPU cache op for it (RaykvConnector's probe_layout) and `probed_interior` reads the
+  answer.
+
+The functions below keep the signatures the worker side (cluster/serving/vllm_io.py) calls:
+`layers` is the CacheView that register_kv_caches built and `layout` its KVLayout. A plain list
+of CPU-backend layers with a BlockLayout (the earlier spelling) is described on the fly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+
+from cluster.core.kv_layout import (
+    CacheView,
+    Interior,
+    KVLayout,
+    LayoutError,
+    describe_caches,
+)
+
+__all__ = ["BlockLayout", "CacheFormat", "CacheView", "Interior", "KVLayout", "LayoutError",
+           "block_tokens", "blocks_of", "blocks_to_kv", "cell_elems", "describe_worker",
+           "kv_to_blocks", "probed_interior", "spec_mismatch"]
+
+PLAIN_CACHE_DTYPES = frozenset({"auto", "float32", "float16", "bfloat16", "fp8", "fp8_e4m3",
+                                "fp8_e5m2"})
+SCALED_CACHE_DTYPES = frozenset({"int8_per_token_head", "fp8_per_token_head"})
+SCALE_BYTES = 4  # one fp32 scale per (token, head, plane) in the per-token-head formats
+CPU_ATTENTION = "CPU_ATTN"  # vLLM's CPU attention backend: K and V per (block, head), K probed
 
 
 @dataclass(frozen=True, slots=True)
 class BlockLayout:
-    """Where one (block, head) of vLLM's cache keeps K: [D, B] (transposed) or [B, D]."""
+    """The CPU backend's block interior, as the connector first named it: K stored [D, B]
+    (transposed, the "vec" kernels) or [B, D]."""
 
     key_transposed: bool
 
+    @property
+    def interior(self) -> Interior:
+        return Interior.CPU_KEY_TRANSPOSED if self.key_transposed else Interior.CPU_KEY_ROWS
 
-def block_tokens(layers: list[torch.Tensor]) -> int:
-    """B, the tokens per block of vLLM's per-layer caches [num_blocks, H, B, 2*D]."""
+
+@dataclass(frozen=True, slots=True)
+class CacheFormat:
+    """What vLLM's config says about one worker's KV cells."""
+
+    cache_dtype: str
+    head_size: int
+    use_mla: bool
+
+
+def cell_elems(cache_format: CacheFormat, element_bytes: int) -> int:
+    """C of vLLM's [B, H, N, C] in this format; LayoutError for a format raykv does not move."""
+    dtype, head_size = cache_format.cache_dtype, cache_format.head_size
+    if dtype in PLAIN_CACHE_DTYPES:
+        return head_size if cache_format.use_mla else 2 * head_size
+    if dtype in SCALED_CACHE_DTYPES and not cache_format.use_mla:
+        return 2 * (head_size + SCALE_BYTES // element_bytes)
+    known = sorted(PLAIN_CACHE_DTYPES | SCALED_CACHE_DTYPES)
+    raise LayoutError(f"KV cache dtype {dtype!r}{' with MLA' if cache_format.use_mla else ''}"
+                      f" is not one raykv moves (it moves {', '.join(known)})")
+
+
+def describe_worker(layers: Sequence[torch.Tensor], cache_format: CacheFormat,
+                    backends: set[str], probe: Callable[[torch.Tensor], Interior | None]
+                    ) -> CacheView:
+    """The worker's caches (in layer order) as a CacheView. `backends` names the layers'
+    attention backends: vLLM's CPU backend (CPU_ATTN) keeps its own block interior, which
+    `probe` finds out (None: unknown); every other backend splits its cells. LayoutError says
+    why raykv cannot move the caches."""
+    if not layers:
+        raise LayoutError("vLLM registered no KV cache layers")
+    first = layers[0]
+    if first.dim() != 4:
+        raise LayoutError(f"a layer's cache is {tuple(first.shape)}; vLLM 0.32 hands "
+                          f"[blocks, heads, block_size, cell] views")
+    want = cell_elems(cache_format, first.element_size())
+    if first.shape[3] != want:
+        raise LayoutError(f"cells of {first.shape[3]} elements; {cache_format} has {want}")
+    if CPU_ATTENTION not in backends:
+        return describe_caches(list(layers), Interior.SPLIT_CELL)
+    if not first.is_floating_point():
+        raise LayoutError(f"vLLM's CPU backend with a {cache_format.cache_dtype} KV cache: "
+                          f"its quantized block layout is not probed")
+    interior = probe(first)
+    if interior is None:
+        raise LayoutError("vLLM's CPU cache op writes a block layout raykv does not know")
+    return describe_caches(list(layers), interior)
+
+
+def spec_mismatch(layout: KVLayout, page_shape: tuple[int, ...], element_bytes: int) -> str:
+    """Why raykv pages of page_shape [L, 2, H, T, D] (element_bytes each) cannot hold these
+    caches' blocks of T tokens ("" when they can)."""
+    want = layout.page_shape(layout.block_size)
+    if tuple(page_shape) != want or element_bytes != layout.element_bytes:
+        return (f"the caches fill pages {list(want)} of {layout.element_bytes}-byte elements, "
+                f"raykv's are {list(page_shape)} of {element_bytes}-byte elements")
+    return ""
+
+
+def probed_interior(scratch: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor) -> Interior | None:
+    """Which CPU interior reads back what vLLM's cache op wrote: `scratch` is one block
+    [1, H, B, C] holding keys and values [B, H, D] at slots 0..B-1 (None unless exactly one)."""
+    block_size = scratch.shape[2]
+    fits = []
+    for interior in (Interior.CPU_KEY_TRANSPOSED, Interior.CPU_KEY_ROWS):
+        view = describe_caches([scratch], interior)
+        page = torch.zeros(view.page_shape(block_size), dtype=scratch.dtype)
+        view.gather([0], (0, block_size), page)
+        if torch.equal(page[0, 0], keys.transpose(0, 1)) and torch.equal(
+                page[0, 1], values.transpose(0, 1)):
+            fits.append(interior)
+    return fits[0] if len(fits) == 1 else None
+
+
+def _view(layers: CacheView | Sequence[torch.Tensor],
+          layout: KVLayout | BlockLayout | None) -> CacheView:
+    if isinstance(layers, CacheView):
+        return layers
+    if isinstance(layout, BlockLayout | KVLayout):
+        return describe_caches(list(layers), layout.interior)
+    raise LayoutError(f"no layout to read {len(layers)} layers with")
+
+
+def block_tokens(layers: CacheView | Sequence[torch.Tensor]) -> int:
+    """B, the tokens per block of vLLM's caches [num_blocks, H, B, C]."""
+    if isinstance(layers, CacheView):
+        return layers.layout.block_size
     return layers[0].shape[2]
 
 
-def check_layers(layers: list[torch.Tensor], shape: tuple[int, int, int, int, int],
-                 dtype: torch.dtype) -> str | None:
-    """Why vLLM's caches do not fit raykv pages of `shape` [L, 2, H, T, D], or None if they do."""
-    num_layers, _, num_heads, _, head_dim = shape
-    if len(layers) != num_layers:
-        return f"{len(layers)} KV layers, the model has {num_layers}"
-    for layer in layers:
-        if layer.dim() != 4 or layer.shape[1] != num_heads or layer.shape[3] != 2 * head_dim:
-            return (f"a layer's cache is {tuple(layer.shape)}, expected [num_blocks, "
-                    f"{num_heads}, block_size, {2 * head_dim}] (vLLM's CPU layout)")
-        if layer.dtype != dtype:
-            return f"cache dtype {layer.dtype}, raykv pages are {dtype}"
-        if not layer[0].is_contiguous():
-            return "a block of a layer's cache is not contiguous"
-    return None
-
-
-def planes(layer: torch.Tensor, block_id: int, layout: BlockLayout):
-    """(K, V) of one block as [H, B, D] views (K a transposed view when stored [D, B])."""
-    num_heads, block_size, width = layer.shape[1:]
-    head_dim = width // 2
-    halves = layer[block_id].view(num_heads, 2, block_size * head_dim)
-    values = halves[:, 1].view(num_heads, block_size, head_dim)
-    if layout.key_transposed:
-        return halves[:, 0].view(num_heads, head_dim, block_size).transpose(1, 2), values
-    return halves[:, 0].view(num_heads, block_size, head_dim), values
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src through numpy (memcpy speed, no OpenMP stalls on shared cores; see
-    cluster/core/copies.py); torch for the dtypes numpy lacks."""
-    if dst.dtype in (torch.float32, torch.float16):
-        np.copyto(dst.detach().numpy(), src.detach().numpy())
-    else:
-        dst.copy_(src)
-
-
-def _block_runs(block_ids: list[int], block_size: int, start: int, end: int):
-    """(block id, first offset, last offset + 1, first token) per block touching [start, end)."""
-    for index in range(start // block_size, -(-end // block_size)):
-        first_token = index * block_size
-        low, high = max(start, first_token), min(end, first_token + block_size)
-        yield block_ids[index], low - first_token, high - first_token, low
-
-
-def kv_to_blocks(kv: torch.Tensor, layers: list[torch.Tensor], layout: BlockLayout,
-                 block_ids: list[int], token_range: tuple[int, int]) -> None:
+def kv_to_blocks(kv: torch.Tensor, layers: CacheView | Sequence[torch.Tensor],
+                 layout: KVLayout | BlockLayout | None, block_ids: list[int],
+                 token_range: tuple[int, int]) -> None:
     """Write tokens [start, end) of kv [L, 2, H, >=end, D] into the request's blocks."""
-    start, end = token_range
-    for block_id, low, high, first in _block_runs(block_ids, block_tokens(layers), start, end):
-        tokens = slice(first, first + high - low)
-        for index, layer in enumerate(layers):
-            keys, values = planes(layer, block_id, layout)
-            _copy(keys[:, low:high], kv[index, 0, :, tokens])
-            _copy(values[:, low:high], kv[index, 1, :, tokens])
+    _view(layers, layout).scatter(kv, block_ids, token_range)
 
 
-def blocks_to_kv(layers: list[torch.Tensor], layout: BlockLayout, block_ids: list[int],
-                 num_tokens: int, out: torch.Tensor) -> torch.Tensor:
+def blocks_to_kv(layers: CacheView | Sequence[torch.Tensor],
+                 layout: KVLayout | BlockLayout | None, block_ids: list[int], num_tokens: int,
+                 out: torch.Tensor) -> torch.Tensor:
     """Read tokens [0, num_tokens) of the request's blocks into out [L, 2, H, >=num_tokens, D];
     returns out[:, :, :, :num_tokens]."""
-    for block_id, low, high, first in _block_runs(block_ids, block_tokens(layers), 0,
-                                                  num_tokens):
-        tokens = slice(first, first + high - low)
-        for index, layer in enumerate(layers):
-            keys, values = planes(layer, block_id, layout)
-            _copy(out[index, 0, :, tokens], keys[:, low:high])
-            _copy(out[index, 1, :, tokens], values[:, low:high])
+    _view(layers, layout).gather(block_ids, (0, num_tokens), out)
     return out[:, :, :, :num_tokens]
 
 
 def blocks_of(token_range: tuple[int, int], block_ids: list[int], block_size: int) -> set[int]:
     """The block ids holding tokens [start, end)."""
     start, end = token_range
-    return {block_id for block_id, *_ in _block_runs(block_ids, block_size, start, end)}
+    return {block_ids[index] for index in range(start // block_size, -(-end // block_size))}
