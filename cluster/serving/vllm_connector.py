@@ -144,8 +144,7 @@ class RaykvConnector(KVConnectorBase_V1):
             return 0, False
         request_id, planner = request.request_id, self._planner
         if planner is not None and request_id in planner.hits:  # asked again: no new lookup
-            return _loaded_async(planner.matched(request_id, num_computed_tokens,
-                                                 planner.hits[request_id][1]))
+            return _loaded_async(planner.rematched(request_id, num_computed_tokens))
         prompt = list(request.prompt_token_ids or [])
         num_loadable = loadable_tokens(self._block_size, len(prompt))
         if planner is not None and num_computed_tokens >= num_loadable:
@@ -178,6 +177,11 @@ class RaykvConnector(KVConnectorBase_V1):
                                                             cached.new_block_ids, strict=True))]
         loads, saves = self._planner.step(new, running)
         return RaykvMetadata(loads, saves)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._planner is not None:
+            self._planner.reported(set(connector_output.finished_recving or ()),
+                                   set(connector_output.invalid_block_ids or ()))
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -8,6 +8,10 @@
     update_state_after_alloc    ->  allocated(): a LoadSpec into the request's new blocks; the
                                     worker loads it in the background while vLLM holds the
                                     request in WAITING_FOR_REMOTE_KVS
+    update_connector_output     ->  reported(): the loads the workers finished, and the blocks
+                                    they could not fill: a request whose load fell short is
+                                    not offered those tokens again (vLLM would ask again, and
+                                    fail again, forever)
     build_connector_meta        ->  step(): the loads allocated since the last step, and
                                     SaveSpecs for the new full pages the step's forward computes
     request_finished            ->  finished(): forget the request
@@ -104,6 +108,7 @@ class StepPlanner:
     hits: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (local, raykv end)
     salts: dict[str, bytes] = field(default_factory=dict)  # id -> key salt (keyed requests)
     loads: list[LoadSpec] = field(default_factory=list)  # allocated, not in a step yet
+    loading: dict[str, LoadSpec] = field(default_factory=dict)  # id -> its load, until done
     tracked: dict[str, _Tracked] = field(default_factory=dict)
 
     def loadable_tokens(self, prompt_len: int) -> int:
@@ -119,6 +124,15 @@ class StepPlanner:
         self.hits[request_id] = (num_local_tokens, end)
         return max(end - num_local_tokens, 0)
 
+    def rematched(self, request_id: str, num_local_tokens: int) -> int:
+        """matched() for a request asked about again (preempted, or not placed yet): its hit,
+        or the pages it saved itself since, whichever reach further."""
+        end = self.hits[request_id][1]
+        tracked = self.tracked.get(request_id)
+        if tracked is not None:
+            end = max(end, min(tracked.saved_tokens, self.loadable_tokens(len(tracked.prompt))))
+        return self.matched(request_id, num_local_tokens, end)
+
     def allocated(self, request_id: str, prompt: list[int], block_ids: list[int],
                   num_external_tokens: int) -> None:
         """vLLM gave the request blocks for its raykv hit: load it in the next step."""
@@ -126,8 +140,23 @@ class StepPlanner:
             return
         local, _ = self.hits.get(request_id, (0, 0))
         end = local + num_external_tokens
-        self.loads.append(LoadSpec(request_id, prompt[:end], list(block_ids), local,
-                                   self.salts[request_id]))
+        load = LoadSpec(request_id, prompt[:end], list(block_ids), local, self.salts[request_id])
+        self.loads.append(load)
+        self.loading[request_id] = load
+
+    def reported(self, finished: set[str], failed_block_ids: set[int]) -> None:
+        """The workers finished the loads of `finished`; `failed_block_ids` they could not
+        fill. raykv does not hold what a load could not fill: the request's hit ends there,
+        and its pages from there on are saved again."""
+        for request_id, load in list(self.loading.items()):
+            first_block = load.start // self.block_size
+            last_block = -(-len(load.token_ids) // self.block_size)
+            failed = [index for index in range(first_block, last_block)
+                      if load.block_ids[index] in failed_block_ids]
+            if failed:
+                self._held_up_to(request_id, failed[0] * self.block_size)
+            if request_id in finished:
+                del self.loading[request_id]
 
     def step(self, new: list[NewRequest],
              running: list[RunningRequest]) -> tuple[list[LoadSpec], list[SaveSpec]]:
@@ -137,9 +166,16 @@ class StepPlanner:
         return loads, saves
 
     def finished(self, request_id: str) -> None:
-        for table in (self.hits, self.salts, self.tracked):
+        for table in (self.hits, self.salts, self.tracked, self.loading):
             table.pop(request_id, None)
         self.loads = [load for load in self.loads if load.request_id != request_id]
+
+    def _held_up_to(self, request_id: str, num_tokens: int) -> None:
+        local, end = self.hits.get(request_id, (0, 0))
+        self.hits[request_id] = (local, min(end, num_tokens))
+        tracked = self.tracked.get(request_id)
+        if tracked is not None:
+            tracked.saved_tokens = min(tracked.saved_tokens, num_tokens)
 
     def _track_new(self, request: NewRequest) -> SaveSpec | None:
         salt = self.salts.get(request.request_id)

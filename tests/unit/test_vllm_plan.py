@@ -108,6 +108,34 @@ def test_a_preempted_request_loads_again_into_its_new_blocks():
     assert saves == []
 
 
+def test_a_preempted_request_is_offered_the_pages_it_saved_itself():
+    plan = planner()
+    prompt = list(range(13))
+    plan.keyed("r", b"")
+    assert plan.matched("r", 0, 0) == 0  # raykv held nothing when it came
+    _, saves = plan.step([NewRequest("r", prompt, [1, 2, 3, 4], 0, 13)], [])
+    assert saves == [SaveSpec("r", prompt[:12], [1, 2, 3], 0, b"")]
+    assert plan.rematched("r", 0) == 12  # preempted, asked again: its own pages load
+
+
+def test_a_load_that_failed_is_not_offered_again():
+    plan = planner()
+    prompt = list(range(13))
+    plan.keyed("r", b"")
+    plan.matched("r", 0, 12)
+    plan.allocated("r", prompt, [1, 2, 3, 4], 12)
+    plan.step([], [])
+    plan.reported(set(), {9})  # another request's block: nothing changes
+    assert plan.rematched("r", 0) == 12
+    plan.reported({"r"}, {2, 3})  # tokens 4..11 never came
+    assert plan.rematched("r", 0) == 4 and not plan.loading
+    plan.matched("s", 0, 12)
+    plan.keyed("s", b"")
+    plan.allocated("s", prompt, [5, 6, 7, 8], 12)
+    plan.reported({"s"}, {5, 6, 7})  # nothing came: vLLM asks again and is told 0
+    assert plan.rematched("s", 0) == 0
+
+
 def test_a_load_that_fell_short_saves_the_pages_it_did_not_fill():
     plan = planner()
     prompt = list(range(13))
