@@ -13,6 +13,7 @@ dtypes) raises TypeError/ValueError before anything is sent.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 
@@ -83,6 +84,25 @@ class KVClient:
     def keys(self, tokens: object) -> list[PageKey]:
         """The page keys of `tokens` in this client's namespace (its secret included)."""
         return self.chain.keys(tokens)
+
+    def salted(self, extra: bytes) -> KVClient:
+        """This client for the requests `extra` sets apart (a LoRA adapter, a cache salt,
+        multimodal inputs: canonical bytes): the same calls, its pages keyed under
+        KeyChain.salted(extra), never shared with other requests'. b"" is this client."""
+        return self._with_chain(self.chain.salted(extra))
+
+    def continued(self, key: PageKey) -> KVClient:
+        """This client's calls on the tokens after the page keyed `key`: a put of
+        tokens[k*T:] stores the pages the full prompt's put would store as pages k.. when `key`
+        is its page k-1 (a chunked save puts only what it adds)."""
+        return self._with_chain(self.chain.continued(key))
+
+    def _with_chain(self, chain: KeyChain) -> KVClient:
+        if chain is self.chain:
+            return self
+        view = copy.copy(self)  # shares the connections, slabs and counters
+        view.chain = chain
+        return view
 
     # ---- the public calls ----------------------------------------------------------------
 

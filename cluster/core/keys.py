@@ -4,6 +4,17 @@
     key_0   = H(ns     | tokens[0:T])
     key_i   = H(key_i-1 | tokens[i*T:(i+1)*T])
 
+A request whose KV depends on more than its tokens (a LoRA adapter, vLLM's cache_salt,
+multimodal inputs) keys its pages under a salted root, so that it never shares them with a
+request that differs in that:
+
+    root'   = H(SALT_TAG | ns | extra)             KeyChain.salted(extra)
+
+SALT_TAG is 16 bytes, as long as a key: a page key hashes a key followed by token bytes, so a
+salted root can equal a page key only if some key were SALT_TAG. A chain can also continue
+from any page: KeyChain.continued(key_i) keys tokens[(i+1)*T:] exactly as the full chain does,
+so a save can put only the pages it adds.
+
 The namespace secret (cluster/core/secrets.py) is a MAC of the namespace's name under the
 service's master secret: without it no one can compute a tenant's keys, so no one can probe
 whether a tenant holds a prefix. A running service always keys with it (a client gets its
@@ -34,6 +45,7 @@ from cluster.core.spec import ModelSpec
 PageKey = NewType("PageKey", bytes)
 KEY_BYTES = 16
 MAX_TOKEN_ID = 2**32 - 1
+SALT_TAG = b"raykv-salt-v1|.."  # KEY_BYTES long; see the module docstring
 
 
 def page_hash(*parts: bytes) -> PageKey:
@@ -135,6 +147,23 @@ class KeyChain:
     def keys(self, tokens: object) -> list[PageKey]:
         """Validate `tokens` and return the keys of their full pages."""
         return chain_keys(canonical_tokens(tokens), self.root, self.page_tokens)
+
+    def salted(self, extra: bytes) -> KeyChain:
+        """The chain of the requests that `extra` sets apart (canonical bytes naming a LoRA
+        adapter, a cache salt, multimodal inputs...): rooted in H(SALT_TAG | root | extra).
+        b"" is this chain itself."""
+        if not isinstance(extra, bytes):
+            raise TypeError(f"extra must be bytes, got {type(extra).__name__}")
+        if not extra:
+            return self
+        return KeyChain(self.page_tokens, page_hash(SALT_TAG, self.root, extra))
+
+    def continued(self, key: PageKey) -> KeyChain:
+        """The chain after the page whose key is `key`: its keys of tokens[k*T:] are the keys
+        the full chain gives those pages when `key` is the key of page k-1."""
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise ValueError(f"key must be {KEY_BYTES} bytes, got {key!r}")
+        return KeyChain(self.page_tokens, PageKey(bytes(key)))
 
 
 def shard_of(key: PageKey, num_shards: int) -> int:

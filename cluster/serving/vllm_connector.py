@@ -8,18 +8,28 @@
                                                 "raykv.model_name": "small-llama"})
 
 Scheduler side (vLLM's engine-core process): one raykv lookup per request, through `prefetch`,
-which also starts pulling pages held by other nodes toward this node while the request waits
-for its step. The hit is cut to whole vLLM blocks. Worker side: the hit goes straight into the
-request's paged blocks (cluster/serving/vllm_io.py), and each step's new full prompt pages are
-saved in the background.
+which also starts pulling pages held by other nodes toward this node. The lookup runs in a
+background thread: vLLM's scheduler never waits on raykv; it hears None ("ask again") while
+the lookup is out, then the hit, cut to whole vLLM blocks. A hit is loaded asynchronously:
+vLLM holds the request in WAITING_FOR_REMOTE_KVS until the worker reports the load finished
+(get_finished), and schedules other requests meanwhile.
 
-Pages are keyed by the model's geometry as vLLM runs it (layers, KV heads per worker, head
-size, cache dtype), by `raykv.model_name` (default: vLLM's served model name) and by the
-namespace, so raykv's own engine and client share them when they name the same model.
+Worker side: the hit goes into the request's paged blocks from a loader thread
+(cluster/serving/vllm_io.py), and each step's new full prompt pages, and only those, are saved
+in the background.
 
-Every failure is a miss: no service means no hits, and a load that falls short reports its
-blocks as invalid, which vLLM recomputes (this connector sets kv_load_failure_policy to
-"recompute": a cache miss must never fail a request).
+Pages are keyed by the model's geometry as vLLM runs it (layers of the PP stage, KV heads per
+TP rank, head size, cache dtype), by `raykv.model_name` (default: vLLM's served model name),
+by the namespace, and per request by what else its KV depends on (its LoRA adapter,
+cache_salt, multimodal inputs: cluster/serving/vllm_keys.py). A request with none of these
+shares pages with raykv's own engine when both name the same model. The page size is the
+running service's: it must be whole vLLM blocks.
+
+A configuration raykv cannot key or store safely (several KV-cache groups, a cache dtype raykv
+has no pages for, pages that are not whole blocks) turns the connector off with one log line:
+it never writes, and never stops the engine. Every failure is a miss: no service means no
+hits, and a load that falls short reports its blocks as invalid, which vLLM recomputes (this
+connector sets kv_load_failure_policy to "recompute": a cache miss must never fail a request).
 """
 
 from __future__ import annotations
@@ -36,17 +46,34 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from cluster.serving.vllm_io import KVMover
+from cluster.serving.vllm_keys import request_salt
 from cluster.serving.vllm_layout import (
     BlockLayout,
     CacheFormat,
     Interior,
     LayoutError,
+    blocks_of,
     describe_worker,
     probed_interior,
     spec_mismatch,
 )
-from cluster.serving.vllm_plan import LoadSpec, NewRequest, RunningRequest, SaveSpec, StepPlanner
-from cluster.serving.vllm_service import RaykvSettings, ServiceLink, spec_of
+from cluster.serving.vllm_plan import (
+    LoadSpec,
+    NewRequest,
+    RunningRequest,
+    SaveSpec,
+    StepPlanner,
+    loadable_tokens,
+    page_misfit,
+)
+from cluster.serving.vllm_service import (
+    Answer,
+    Lookups,
+    RaykvSettings,
+    ServiceLink,
+    UnsupportedConfig,
+    spec_of,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,10 +87,28 @@ log = init_logger(__name__)  # vLLM's handlers: these lines land in the engine's
 
 @dataclass
 class RaykvMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once a step: what to load before the forward, what to save after."""
+    """Scheduler -> worker, once a step: what to load in the background, what to save."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+
+
+def unsupported_groups(kv_cache_config: Any) -> str | None:
+    """Why raykv cannot key this model's KV-cache groups, or None: one group of full
+    attention (or MLA) layers. Several groups (hybrid, sliding-window) share one request's
+    block ids per group, and a window frees blocks raykv would read."""
+    if kv_cache_config is None:
+        return None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        return (f"the model has {len(groups)} KV-cache groups (hybrid or sliding-window "
+                f"attention); raykv supports one group of full-attention layers")
+    kind = type(groups[0].kv_cache_spec)
+    if kind not in (FullAttentionSpec, MLAAttentionSpec):
+        return f"the model's KV cache is {kind.__name__}; raykv supports full attention"
+    return None
 
 
 class RaykvConnector(KVConnectorBase_V1):
@@ -76,37 +121,55 @@ class RaykvConnector(KVConnectorBase_V1):
         # the scheduler reads this right after creating its connector.
         self._kv_transfer_config.kv_load_failure_policy = "recompute"
         settings = RaykvSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
-        self._link = ServiceLink(settings, spec_of(vllm_config, settings.model_name))
         self._block_size = vllm_config.cache_config.block_size
         self._planner: StepPlanner | None = None
         self._mover: KVMover | None = None
         self._layers: list[torch.Tensor] = []
         self._layout: BlockLayout | None = None
         self._failed_blocks: set[int] = set()
-        self._link.client()  # connect while the engine starts, not on its first request
+        self._unloaded: list[tuple[str, set[int]]] = []  # loads with no mover to run them
+        self._link: ServiceLink | None = None
+        self._lookups: Lookups | None = None
+        self.why_off = unsupported_groups(kv_cache_config)
+        try:
+            spec = None if self.why_off else spec_of(vllm_config, settings.model_name)
+        except UnsupportedConfig as error:
+            self.why_off = str(error)
+        if self.why_off:
+            log.error("raykv connector off: %s", self.why_off)
+            return
+        self._link = ServiceLink(settings, spec)
+        client = self._link.client()  # connect while the engine starts, not on its first request
+        if role == KVConnectorRole.SCHEDULER:
+            self._lookups = Lookups(self._link)
+            if client is not None:
+                self._planner_for(client.page_tokens)
 
     # ---- scheduler side ------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
-        planner = self._scheduler_planner()
-        if planner is None:
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.why_off:
             return 0, False
-        hit = planner.hits.get(request.request_id)
-        if hit is not None:  # asked again (waiting, or preempted): one lookup per request
-            return planner.matched(request.request_id, num_computed_tokens, hit[1]), False
+        request_id, planner = request.request_id, self._planner
+        if planner is not None and request_id in planner.hits:  # asked again: no new lookup
+            return _loaded_async(planner.rematched(request_id, num_computed_tokens))
         prompt = list(request.prompt_token_ids or [])
-        num_loadable = planner.loadable_tokens(len(prompt))
-        if num_computed_tokens >= num_loadable:  # vLLM holds all raykv could give: no call
-            return planner.matched(request.request_id, num_computed_tokens,
-                                   num_computed_tokens), False
-        num_cached = self._link.prefetch(prompt[:num_loadable])
-        return planner.matched(request.request_id, num_computed_tokens, num_cached), False
+        num_loadable = loadable_tokens(self._block_size, len(prompt))
+        if planner is not None and num_computed_tokens >= num_loadable:
+            planner.matched(request_id, num_computed_tokens, num_computed_tokens)
+            return 0, False  # vLLM holds all raykv could give: no lookup
+        answer = self._lookups.poll(request_id, prompt[:num_loadable],
+                                    lambda: request_salt(request))
+        if answer is None:
+            return None, False  # in flight: vLLM asks again next step
+        return self._answered(request_id, num_computed_tokens, answer)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        if self._planner is not None:
-            self._planner.allocated(request.request_id, num_external_tokens)
+        if self._planner is not None and num_external_tokens > 0:
+            self._planner.allocated(request.request_id, list(request.prompt_token_ids or []),
+                                    blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._planner is None:
@@ -124,18 +187,39 @@ class RaykvConnector(KVConnectorBase_V1):
         loads, saves = self._planner.step(new, running)
         return RaykvMetadata(loads, saves)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._planner is not None:
+            self._planner.reported(set(connector_output.finished_recving or ()),
+                                   set(connector_output.invalid_block_ids or ()))
+
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._planner is not None:
             self._planner.finished(request.request_id)
-        return False, None  # saves copy the blocks out in their step: free them now
+        if self._lookups is not None:
+            self._lookups.forget(request.request_id)
+        # Saves copy the blocks out in their step, and vLLM keeps a loading request's blocks
+        # until the worker reports the load: free them now.
+        return False, None
 
-    def _scheduler_planner(self) -> StepPlanner | None:
-        """The planner, once the service answers (its page size is the service's)."""
-        if self._planner is None:
-            client = self._link.client()
-            if client is not None:
-                self._planner = StepPlanner(self._block_size, client.page_tokens)
+    def _answered(self, request_id: str, num_computed_tokens: int,
+                  answer: Answer) -> tuple[int, bool]:
+        planner = self._planner_for(answer.page_tokens)
+        if planner is None:
+            return 0, False
+        if answer.salt is not None:
+            planner.keyed(request_id, answer.salt)
+        return _loaded_async(planner.matched(request_id, num_computed_tokens,
+                                             answer.num_tokens))
+
+    def _planner_for(self, page_tokens: int | None) -> StepPlanner | None:
+        """The planner, made once the service's page size is known and fits vLLM's blocks."""
+        if self._planner is None and page_tokens is not None and not self.why_off:
+            self.why_off = page_misfit(self._block_size, page_tokens)
+            if self.why_off:
+                log.error("raykv connector off: %s", self.why_off)
+            else:
+                self._planner = StepPlanner(self._block_size, page_tokens)
         return self._planner
 
     # ---- worker side ---------------------------------------------------------------------
@@ -147,6 +231,8 @@ class RaykvConnector(KVConnectorBase_V1):
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
         from vllm.model_executor.models.utils import extract_layer_index
 
+        if self._link is None:  # off (see why_off): never writes
+            return
         config, spec = self._vllm_config, self._link.spec  # KVConnectorBase_V1 keeps the config
         cache_format = CacheFormat(str(config.cache_config.cache_dtype),
                                    config.model_config.get_head_size(),
@@ -173,18 +259,21 @@ class RaykvConnector(KVConnectorBase_V1):
                  view.layout.block_size, view.layout.dtype, view.device)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
         metadata = self._get_connector_metadata()
         if not isinstance(metadata, RaykvMetadata) or not metadata.loads:
             return
         mover = self._worker_mover()
         for spec in metadata.loads:
-            if mover is None:
-                self._failed_blocks |= set(spec.block_ids[spec.start // self._block_size:])
-                continue
-            self._failed_blocks |= mover.load(spec)
+            if mover is None:  # no raykv here: a miss of every block, reported at once
+                self._unloaded.append((spec.request_id, blocks_of(
+                    (spec.start, len(spec.token_ids)), spec.block_ids, self._block_size)))
+            else:
+                mover.start_load(spec)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loaded every layer: a raykv page spans them all
+        return  # loads finish before vLLM schedules their request (get_finished)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -197,26 +286,44 @@ class RaykvConnector(KVConnectorBase_V1):
         if not isinstance(metadata, RaykvMetadata) or not metadata.saves:
             return
         mover = self._worker_mover()
-        if mover is not None:
+        if mover is not None:  # no raykv: nothing saved, a future miss
             for spec in metadata.saves:
                 mover.save(spec)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                set[str] | None]:
+        """The loads done since the last step; their unfilled blocks go to
+        get_block_ids_with_load_errors, asked right after, in the same step."""
+        done, self._unloaded = self._unloaded, []
+        if self._mover is not None:
+            done += self._mover.finished()
+        for _, failed in done:
+            self._failed_blocks |= failed
+        return None, {request_id for request_id, _ in done} or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
     def shutdown(self) -> None:
+        if self._lookups is not None:
+            self._lookups.close()
         if self._mover is not None:
             self._mover.close()
             log.info("raykv connector: %s", self._mover.stats)
 
     def _worker_mover(self) -> KVMover | None:
-        if self._mover is None and self._layers:
-            client = self._link.client()
+        """The mover, once raykv answers (never waiting for it: the step goes on)."""
+        if self._mover is None and self._layers and self._link is not None:
+            client = self._link.ready()
             if client is not None:
-                self._mover = KVMover(client, self._layers, self._layout,
-                                      self._link.spec.torch_dtype())
+                self._mover = KVMover(client, self._layers, self._layout, self._link.spec)
         return self._mover
+
+
+def _loaded_async(num_tokens: int) -> tuple[int, bool]:
+    """get_num_new_matched_tokens' answer: a hit is loaded asynchronously."""
+    return num_tokens, num_tokens > 0
 
 
 def probe_layout(layer: torch.Tensor) -> Interior | None:

@@ -1,13 +1,16 @@
 """The worker side's data path: raykv pages into a request's blocks, and its new full pages
-out of them (no vLLM import; a client is anything with raykv's get/put).
+out of them (no vLLM import; a client is anything with raykv's get/put/keys/salted/continued).
 
-Loads run in the step that needs them: a page holds every layer, so the first layer cannot
-start before the whole get is in. A load that comes back short is a miss for the rest: the
-blocks it did not fill are reported, and vLLM recomputes them.
+Loads run in one loader thread, off the engine's step: vLLM holds each loading request in
+WAITING_FOR_REMOTE_KVS and schedules others meanwhile. A finished load is reported with the
+blocks it did not fill (finished()): vLLM recomputes those. A load fetches the pages from the
+one holding its first token on (KVClient.continued), not the prefix vLLM already holds.
 
-Saves copy the blocks out while the step's blocks are still the request's (the copy is a few
-memcpys), then put them from one background thread, off the engine's critical path. A save
-that finds MAX_PENDING_SAVES already queued is dropped: a dropped save is only a future miss.
+Saves copy the new pages out of the blocks while the step's blocks are still the request's
+(the copy is a few memcpys), then put them from one background thread, off the engine's
+critical path. A save puts only its new pages (continuing the key chain after the pages saved
+before), so chunked prefill copies each page once. A save that finds MAX_PENDING_SAVES already
+queued is dropped: a dropped save is only a future miss.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.core.spec import ModelSpec
 from cluster.serving.vllm_layout import (
-    BlockLayout,
     block_tokens,
     blocks_of,
     blocks_to_kv,
@@ -40,74 +43,111 @@ class MoverStats:
 
     loaded_tokens: int = 0
     failed_tokens: int = 0
+    num_loads: int = 0
     load_s: float = 0.0
-    saved_tokens: int = 0
+    gathered_tokens: int = 0  # copied out of vLLM's blocks for saves
+    saved_tokens: int = 0  # stored by the saves' puts
     dropped_saves: int = 0
     gather_s: float = 0.0
-    put_s: float = 0.0
-    num_puts: int = 0
     put_s: float = 0.0
     num_puts: int = 0
 
 
 @dataclass
 class KVMover:
-    """Loads and saves between a raykv client and one worker's per-layer caches."""
+    """Loads and saves between a raykv client and one worker's caches (`layers` and `layout`
+    are vllm_layout's; pages are `spec`'s)."""
 
     client: object
-    layers: list[torch.Tensor]
-    layout: BlockLayout
-    dtype: torch.dtype
+    layers: list
+    layout: object
+    spec: ModelSpec
     stats: MoverStats = field(default_factory=MoverStats)
 
     def __post_init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None  # the loader thread's staging
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="raykv-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="raykv-save")
         self._pending = 0
         self._lock = threading.Lock()
+        self._finished: list[tuple[str, set[int]]] = []
+        self._pinned = torch.cuda.is_available() and bool(getattr(self.layers[0], "is_cuda",
+                                                                   False))
+
+    # ---- loads ---------------------------------------------------------------------------
+
+    def start_load(self, spec: LoadSpec) -> None:
+        """Load in the loader thread; finished() reports it."""
+        self._loader.submit(self._load_and_report, spec)
+
+    def finished(self) -> list[tuple[str, set[int]]]:
+        """The loads done since the last call: (request id, block ids left unfilled)."""
+        with self._lock:
+            done, self._finished = self._finished, []
+        return done
 
     def load(self, spec: LoadSpec) -> set[int]:
-        """Fill tokens [spec.start, end) of the request's blocks; the block ids left unfilled."""
+        """Fill tokens [spec.start, end) of the request's blocks now; the block ids left
+        unfilled."""
         start_s, end = time.perf_counter(), len(spec.token_ids)
         block_size = block_tokens(self.layers)
-        try:
-            num_tokens, kv = self.client.get(spec.token_ids, out=self._out(end))
+        first, kv = self._first_page(spec.start), None
+        try:  # the pages from the one holding token `start` on
+            client = self._client_from(spec.salt, spec.token_ids, first)
+            num_tokens, kv = client.get(spec.token_ids[first:], out=self._out(end - first))
         except Exception:  # a miss, whatever the reason: vLLM recomputes
             log.exception("raykv get failed; recomputing %d tokens", end - spec.start)
-            num_tokens, kv = 0, None
-        filled = num_tokens // block_size * block_size
+            num_tokens = 0
+        filled = first + num_tokens // block_size * block_size
         if kv is not None and filled > spec.start:
-            kv_to_blocks(kv, self.layers, self.layout, spec.block_ids, (spec.start, filled))
+            kv_to_blocks(kv, self.layers, self.layout, spec.block_ids[first // block_size:],
+                         (spec.start - first, filled - first))
         failed = blocks_of((max(filled, spec.start), end), spec.block_ids, block_size)
         self.stats.loaded_tokens += max(filled - spec.start, 0)
         self.stats.failed_tokens += end - max(filled, spec.start)
+        self.stats.num_loads += 1
         self.stats.load_s += time.perf_counter() - start_s
         if failed:
             log.warning("raykv held %d of %d tokens of %s; recomputing the rest", filled, end,
                         spec.request_id)
         return failed
 
+    def _load_and_report(self, spec: LoadSpec) -> None:
+        try:
+            failed = self.load(spec)
+        except Exception:  # vLLM must hear of every load: a crash is a miss of all of it
+            log.exception("raykv load of %s failed", spec.request_id)
+            failed = blocks_of((spec.start, len(spec.token_ids)), spec.block_ids,
+                               block_tokens(self.layers))
+        with self._lock:
+            self._finished.append((spec.request_id, failed))
+
+    # ---- saves ---------------------------------------------------------------------------
+
     def save(self, spec: SaveSpec) -> None:
-        """Copy the pages out of the blocks now; put them in the background."""
+        """Copy the new pages out of the blocks now; put them in the background."""
         with self._lock:
             if self._pending >= MAX_PENDING_SAVES:
                 self.stats.dropped_saves += 1
                 return
             self._pending += 1
-        start_s, num_tokens = time.perf_counter(), len(spec.token_ids)
-        out = torch.empty(self._shape(num_tokens), dtype=self.dtype)
+        start_s, num_tokens = time.perf_counter(), len(spec.token_ids) - spec.start
+        out = self._staging(num_tokens)
         kv = blocks_to_kv(self.layers, self.layout, spec.block_ids, num_tokens, out)
         self.stats.gather_s += time.perf_counter() - start_s
-        self._saver.submit(self._put, spec.token_ids, kv)
+        self.stats.gathered_tokens += num_tokens
+        self._saver.submit(self._put, spec, kv)
 
     def close(self) -> None:
-        """Finish the queued saves (each put is bounded by the client's call timeout)."""
+        """Finish the queued loads and saves (each call is bounded by the client's timeout)."""
+        self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
 
-    def _put(self, token_ids: list[int], kv: torch.Tensor) -> None:
+    def _put(self, spec: SaveSpec, kv: torch.Tensor) -> None:
         start_s = time.perf_counter()
         try:
-            self.stats.saved_tokens += self.client.put(token_ids, kv)
+            client = self._client_from(spec.salt, spec.token_ids, spec.start)
+            self.stats.saved_tokens += client.put(spec.token_ids[spec.start:], kv)
             self.stats.put_s += time.perf_counter() - start_s
             self.stats.num_puts += 1
         except Exception:  # a lost save is a future miss, never the engine's problem
@@ -116,12 +156,28 @@ class KVMover:
             with self._lock:
                 self._pending -= 1
 
-    def _shape(self, num_tokens: int) -> tuple[int, ...]:
-        layer = self.layers[0]
-        return (len(self.layers), 2, layer.shape[1], num_tokens, layer.shape[3] // 2)
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _client_from(self, salt: bytes, token_ids: list[int], first: int):
+        """The client keyed under `salt`, its chain continued after token `first` (a page
+        boundary): its calls on token_ids[first:] use the full prompt's keys."""
+        client = self.client.salted(salt)
+        if first:
+            client = client.continued(client.keys(token_ids[:first])[-1])
+        return client
+
+    def _first_page(self, token: int) -> int:
+        page_tokens = self.client.page_tokens
+        return token // page_tokens * page_tokens
+
+    def _staging(self, num_tokens: int) -> torch.Tensor:
+        """Host memory for num_tokens of KV in raykv's layout (pinned when the cache is on a
+        GPU)."""
+        return torch.empty(self.spec.page_shape(num_tokens), dtype=self.spec.torch_dtype(),
+                           pin_memory=self._pinned)
 
     def _out(self, num_tokens: int) -> torch.Tensor:
-        """A reused buffer with room for num_tokens (grown, never shrunk)."""
+        """The loader's reused staging with room for num_tokens (grown, never shrunk)."""
         if self._buffer is None or self._buffer.shape[3] < num_tokens:
-            self._buffer = torch.zeros(self._shape(num_tokens), dtype=self.dtype)
+            self._buffer = self._staging(num_tokens)
         return self._buffer[:, :, :, :num_tokens]

@@ -1,16 +1,26 @@
 """What the scheduler side of RaykvConnector decides each step (pure: no vLLM, no Ray).
 
-    get_num_new_matched_tokens  ->  matched(): the raykv hit, cut to whole blocks, kept per request
-                                    (asked again, as for a preempted request, vLLM's own count
-                                    is taken afresh and raykv is not asked again)
-    update_state_after_alloc    ->  allocated(): the hit will be loaded
-    build_connector_meta        ->  step(): LoadSpecs for newly scheduled (or resumed) requests,
-                                    SaveSpecs for the full pages the step's forward computes
+    get_num_new_matched_tokens  ->  keyed() + matched(): the request's key salt and raykv's
+                                    hit (from its asynchronous lookup), cut to whole blocks,
+                                    kept per request (asked again, as for a preempted request,
+                                    vLLM's own count is taken afresh and raykv is not asked
+                                    again)
+    update_state_after_alloc    ->  allocated(): a LoadSpec into the request's new blocks; the
+                                    worker loads it in the background while vLLM holds the
+                                    request in WAITING_FOR_REMOTE_KVS
+    update_connector_output     ->  reported(): the loads the workers finished, and the blocks
+                                    they could not fill: a request whose load fell short is
+                                    not offered those tokens again (vLLM would ask again, and
+                                    fail again, forever)
+    build_connector_meta        ->  step(): the loads allocated since the last step, and
+                                    SaveSpecs for the new full pages the step's forward computes
     request_finished            ->  finished(): forget the request
 
 A request's prompt pages are saved as they are computed (chunked prefill saves page by page);
-the pages it loaded, or that were saved before, are not saved again. Generated tokens are not
-saved: the next turn's prompt holds them and saves them then.
+each save holds only the pages new since the last: the pages it loaded, or that were saved
+before, are not copied again. Generated tokens are not saved: the next turn's prompt holds
+them and saves them then. A request without a salt (its lookup failed, or raykv cannot key
+it) is never saved.
 """
 
 from __future__ import annotations
@@ -20,21 +30,26 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Load tokens [start, len(token_ids)) of the request from raykv into its blocks."""
+    """Load tokens [start, len(token_ids)) of the request from raykv into its blocks
+    (block_ids: the request's blocks from its first token on), keyed under `salt`."""
 
     request_id: str
     token_ids: list[int]
     block_ids: list[int]
     start: int
+    salt: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    """Save the full pages of token_ids (their KV is in block_ids, in order)."""
+    """Save the full pages of token_ids from token `start` on (a page boundary: raykv holds
+    the pages before it); block_ids hold tokens [start, len(token_ids)), in order."""
 
     request_id: str
     token_ids: list[int]
     block_ids: list[int]
+    start: int = 0
+    salt: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +80,23 @@ class _Tracked:
     prompt: list[int]
     block_ids: list[int]
     saved_tokens: int
+    salt: bytes
+
+
+def loadable_tokens(block_size: int, prompt_len: int) -> int:
+    """The longest prefix worth asking raykv for: whole blocks, leaving at least one prompt
+    token for vLLM to compute (it needs the last position's logits)."""
+    return max(prompt_len - 1, 0) // block_size * block_size
+
+
+def page_misfit(block_size: int, page_tokens: int) -> str | None:
+    """Why raykv pages of `page_tokens` cannot hold vLLM blocks of `block_size`, or None: a
+    page must be whole blocks."""
+    if page_tokens % block_size:
+        return (f"the raykv service's pages are {page_tokens} tokens, not a multiple of "
+                f"vLLM's {block_size}-token blocks (start raykv with page_tokens a multiple "
+                f"of the block size)")
+    return None
 
 
 @dataclass(slots=True)
@@ -74,13 +106,17 @@ class StepPlanner:
     block_size: int
     page_tokens: int
     hits: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (local, raykv end)
-    to_load: dict[str, int] = field(default_factory=dict)  # id -> tokens vLLM will load
+    salts: dict[str, bytes] = field(default_factory=dict)  # id -> key salt (keyed requests)
+    loads: list[LoadSpec] = field(default_factory=list)  # allocated, not in a step yet
+    loading: dict[str, LoadSpec] = field(default_factory=dict)  # id -> its load, until done
     tracked: dict[str, _Tracked] = field(default_factory=dict)
 
     def loadable_tokens(self, prompt_len: int) -> int:
-        """The longest prefix worth asking for: whole blocks, leaving at least one prompt
-        token for vLLM to compute (it needs the last position's logits)."""
-        return max(prompt_len - 1, 0) // self.block_size * self.block_size
+        return loadable_tokens(self.block_size, prompt_len)
+
+    def keyed(self, request_id: str, salt: bytes) -> None:
+        """The request's pages are keyed under `salt` (b"": the model's own chain)."""
+        self.salts[request_id] = salt
 
     def matched(self, request_id: str, num_local_tokens: int, num_cached_tokens: int) -> int:
         """Record raykv's hit for the request; the tokens to load beyond vLLM's own."""
@@ -88,38 +124,67 @@ class StepPlanner:
         self.hits[request_id] = (num_local_tokens, end)
         return max(end - num_local_tokens, 0)
 
-    def allocated(self, request_id: str, num_external_tokens: int) -> None:
-        if num_external_tokens > 0:
-            self.to_load[request_id] = num_external_tokens
+    def rematched(self, request_id: str, num_local_tokens: int) -> int:
+        """matched() for a request asked about again (preempted, or not placed yet): its hit,
+        or the pages it saved itself since, whichever reach further."""
+        end = self.hits[request_id][1]
+        tracked = self.tracked.get(request_id)
+        if tracked is not None:
+            end = max(end, min(tracked.saved_tokens, self.loadable_tokens(len(tracked.prompt))))
+        return self.matched(request_id, num_local_tokens, end)
+
+    def allocated(self, request_id: str, prompt: list[int], block_ids: list[int],
+                  num_external_tokens: int) -> None:
+        """vLLM gave the request blocks for its raykv hit: load it in the next step."""
+        if num_external_tokens <= 0 or request_id not in self.salts:
+            return
+        local, _ = self.hits.get(request_id, (0, 0))
+        end = local + num_external_tokens
+        load = LoadSpec(request_id, prompt[:end], list(block_ids), local, self.salts[request_id])
+        self.loads.append(load)
+        self.loading[request_id] = load
+
+    def reported(self, finished: set[str], failed_block_ids: set[int]) -> None:
+        """The workers finished the loads of `finished`; `failed_block_ids` they could not
+        fill. raykv does not hold what a load could not fill: the request's hit ends there,
+        and its pages from there on are saved again."""
+        for request_id, load in list(self.loading.items()):
+            first_block = load.start // self.block_size
+            last_block = -(-len(load.token_ids) // self.block_size)
+            failed = [index for index in range(first_block, last_block)
+                      if load.block_ids[index] in failed_block_ids]
+            if failed:
+                self._held_up_to(request_id, failed[0] * self.block_size)
+            if request_id in finished:
+                del self.loading[request_id]
 
     def step(self, new: list[NewRequest],
              running: list[RunningRequest]) -> tuple[list[LoadSpec], list[SaveSpec]]:
-        loads = [load for request in new
-                 if (load := self._load(request.request_id, request.prompt, request.block_ids))]
-        loads += [load for request in running  # a preempted request comes back as running
-                  if request.resumed and request.request_id in self.tracked
-                  and (load := self._load(request.request_id,
-                                          self.tracked[request.request_id].prompt,
-                                          request.new_block_ids or []))]
+        loads, self.loads = self.loads, []
         saves = [save for request in new if (save := self._track_new(request))]
         saves += [save for request in running if (save := self._track_running(request))]
         return loads, saves
 
     def finished(self, request_id: str) -> None:
-        for table in (self.hits, self.to_load, self.tracked):
+        for table in (self.hits, self.salts, self.tracked, self.loading):
             table.pop(request_id, None)
+        self.loads = [load for load in self.loads if load.request_id != request_id]
 
-    def _load(self, request_id: str, prompt: list[int], block_ids: list[int]) -> LoadSpec | None:
-        num_tokens = self.to_load.pop(request_id, 0)
-        if not num_tokens:
-            return None
-        local, _ = self.hits.get(request_id, (0, 0))
-        end = local + num_tokens
-        return LoadSpec(request_id, prompt[:end], list(block_ids), local)
+    def _held_up_to(self, request_id: str, num_tokens: int) -> None:
+        local, end = self.hits.get(request_id, (0, 0))
+        self.hits[request_id] = (local, min(end, num_tokens))
+        tracked = self.tracked.get(request_id)
+        if tracked is not None:
+            tracked.saved_tokens = min(tracked.saved_tokens, num_tokens)
 
     def _track_new(self, request: NewRequest) -> SaveSpec | None:
+        salt = self.salts.get(request.request_id)
+        if salt is None:
+            return None
         _, hit_end = self.hits.get(request.request_id, (0, 0))
-        tracked = _Tracked(request.prompt, list(request.block_ids), hit_end)
+        # A load that fell short left vLLM's count below the hit: the rest is saved again.
+        held = min(hit_end, request.num_computed_tokens)
+        tracked = _Tracked(request.prompt, list(request.block_ids), held, salt)
         self.tracked[request.request_id] = tracked
         return self._save(request.request_id, tracked,
                           request.num_computed_tokens + request.num_scheduled_tokens)
@@ -140,6 +205,7 @@ class StepPlanner:
         end = min(num_computed, len(tracked.prompt)) // self.page_tokens * self.page_tokens
         if end <= tracked.saved_tokens:
             return None
+        start = tracked.saved_tokens // self.page_tokens * self.page_tokens
         tracked.saved_tokens = end
-        num_blocks = -(-end // self.block_size)
-        return SaveSpec(request_id, tracked.prompt[:end], tracked.block_ids[:num_blocks])
+        blocks = tracked.block_ids[start // self.block_size: -(-end // self.block_size)]
+        return SaveSpec(request_id, tracked.prompt[:end], blocks, start, tracked.salt)

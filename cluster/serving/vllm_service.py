@@ -1,18 +1,31 @@
 """How a vLLM process reaches raykv: the connector's settings, the page geometry read from
-vLLM's config, and a lazy connection that treats an absent service as a miss (no vLLM import).
+vLLM's config, a lazy connection that treats an absent service as a miss, and the scheduler's
+lookups, off its thread (no vLLM import).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from cluster.core.spec import ModelSpec
+from cluster.core.spec import DTYPE_BYTES, ModelSpec, canonical_dtype
 
 log = logging.getLogger("raykv.vllm")
 RETRY_CONNECT_S = 30.0
+# How long a lookup may take before raykv answers (the client's call timeout once connected;
+# this while it connects): past it the request is a miss.
+CONNECT_LOOKUP_TIMEOUT_S = 10.0
+# vLLM's fp8 caches hold e4m3 bytes ("fp8" is e4m3), raykv's "fp8" pages too.
+FP8_E4M3 = ("fp8", "fp8_e4m3")
+
+
+class UnsupportedConfig(ValueError):
+    """A vLLM configuration raykv cannot key or store safely: the connector turns off."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,16 +58,35 @@ class RaykvSettings:
 
 
 def spec_of(vllm_config, model_name: str | None) -> ModelSpec:
-    """The KV geometry one vLLM worker holds: layers, KV heads per tensor-parallel rank, head
-    size and the cache dtype ("auto" is the model's dtype)."""
+    """The KV geometry one vLLM worker holds: layers of its pipeline stage, KV heads per
+    tensor-parallel rank, head size and the cache dtype ("auto" is the model's dtype).
+
+    Each TP rank and PP stage holds other KV: their pages are keyed apart (the rank and stage
+    are in the name, hence in every key's root). UnsupportedConfig for a cache dtype raykv has
+    no page dtype for (fp8_e5m2, fp8_inc...)."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    dtype = model.dtype if cache_dtype == "auto" else cache_dtype
     name = model_name or _served_name(model.served_model_name)
-    if parallel.tensor_parallel_size > 1:  # each rank holds its own heads: its own pages
-        name = f"{name}|tp{parallel.rank}of{parallel.tensor_parallel_size}"
+    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if tp_size > 1:  # vLLM's layout: rank = (dp x) pp x tp
+        name = f"{name}|tp{parallel.rank % tp_size}of{tp_size}"
+    if pp_size > 1:
+        name = f"{name}|pp{parallel.rank // tp_size % pp_size}of{pp_size}"
     return ModelSpec(name, model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
-                     model.get_head_size(), str(dtype).removeprefix("torch."))
+                     model.get_head_size(), cache_dtype_of(vllm_config))
+
+
+def cache_dtype_of(vllm_config) -> str:
+    """raykv's page dtype for vLLM's KV cache dtype; UnsupportedConfig when it has none."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype == "auto":
+        cache_dtype = vllm_config.model_config.dtype
+    if cache_dtype in FP8_E4M3:
+        return "fp8"
+    try:
+        return canonical_dtype(cache_dtype)
+    except ValueError:
+        raise UnsupportedConfig(f"KV cache dtype {cache_dtype!r} has no raykv page dtype "
+                                f"(raykv keeps {sorted(DTYPE_BYTES)}; fp8 is e4m3)") from None
 
 
 def _served_name(served: str | list[str]) -> str:
@@ -69,26 +101,49 @@ class ServiceLink:
         self.settings, self.spec = settings, spec
         self._client = None
         self._next_try_s = 0.0
+        self._lock = threading.Lock()
+        self._connecting = False
 
     def client(self):
-        if self._client is None and time.monotonic() >= self._next_try_s:
-            try:
-                self._client = self._connect()
-            except Exception as error:  # no service is a miss, never an engine failure
-                self._next_try_s = time.monotonic() + RETRY_CONNECT_S
-                log.warning("raykv unreachable (%s); misses for %.0f s", error, RETRY_CONNECT_S)
+        """The client, connecting now (blocking) when due; None while raykv is unreachable."""
+        with self._lock:
+            if self._client is None and time.monotonic() >= self._next_try_s:
+                try:
+                    self._client = self._connect()
+                except Exception as error:  # no service is a miss, never an engine failure
+                    self._next_try_s = time.monotonic() + RETRY_CONNECT_S
+                    log.warning("raykv unreachable (%s); misses for %.0f s", error,
+                                RETRY_CONNECT_S)
+            return self._client
+
+    def ready(self):
+        """The client if connected, else None at once, with a connection started in the
+        background when one is due: for the engine's step, which never waits on raykv."""
+        if self._client is None and not self._connecting \
+                and time.monotonic() >= self._next_try_s:
+            self._connecting = True
+            threading.Thread(target=self._connect_in_background, name="raykv-connect",
+                             daemon=True).start()
         return self._client
 
-    def prefetch(self, tokens: list[int]) -> int:
+    def call_timeout_s(self) -> float:
+        """How long one raykv call may take: the client's timeout, once connected."""
+        client = self._client
+        return client.timeout_s if client is not None else CONNECT_LOOKUP_TIMEOUT_S
+
+    def prefetch(self, client, tokens: list[int]) -> int:
         """Tokens of `tokens` raykv holds (one lookup); their pull toward this node starts."""
-        client = self.client()
-        if client is None:
-            return 0
         try:
             return client.prefetch(tokens)
         except Exception:
             log.exception("raykv lookup failed")
             return 0
+
+    def _connect_in_background(self) -> None:
+        try:
+            self.client()
+        finally:
+            self._connecting = False
 
     def _connect(self):
         import ray
@@ -102,3 +157,69 @@ class ServiceLink:
         log.info("raykv connected: %s, namespace %r, %d tokens a page", self.spec,
                  self.settings.namespace, client.page_tokens)
         return client
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A request's lookup: what sets its keys apart (None: raykv cannot key it, and never
+    saves it), the prompt tokens raykv holds, and the service's page size (None: raykv was
+    not reached)."""
+
+    salt: bytes | None
+    num_tokens: int
+    page_tokens: int | None
+
+
+MISS = Answer(None, 0, None)
+
+
+class Lookups:
+    """The scheduler's raykv lookups, in one background thread: vLLM's scheduler never waits
+    on raykv. poll() starts a request's lookup and answers None while it is in flight (vLLM
+    asks again next step); a lookup still out past the call timeout is a miss."""
+
+    def __init__(self, link: ServiceLink):
+        self._link = link
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="raykv-lookup")
+        self._pending: dict[str, tuple[Future, float]] = {}
+        self.num_in_flight_answers = 0  # polls answered None: how often a request waited
+
+    def poll(self, request_id: str, tokens: list[int],
+             salt_of: Callable[[], bytes | None]) -> Answer | None:
+        """The request's answer once its lookup is back; None while it is in flight.
+        `salt_of()` (run in the lookup thread) names what sets the request's KV apart."""
+        pending = self._pending.get(request_id)
+        if pending is None:
+            future = self._pool.submit(self._lookup, tokens, salt_of)
+            self._pending[request_id] = (future, time.monotonic() + self._link.call_timeout_s())
+            pending = self._pending[request_id]
+        future, deadline_s = pending
+        if not future.done():
+            if time.monotonic() < deadline_s:
+                self.num_in_flight_answers += 1
+                return None
+            del self._pending[request_id]
+            log.warning("raykv lookup of %s took over %.1f s: a miss", request_id,
+                        self._link.call_timeout_s())
+            return MISS
+        del self._pending[request_id]
+        try:
+            return future.result()
+        except Exception:  # a lookup that failed is a miss
+            log.exception("raykv lookup of %s failed", request_id)
+            return MISS
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone: its lookup's answer, when it comes, is dropped."""
+        self._pending.pop(request_id, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _lookup(self, tokens: list[int], salt_of: Callable[[], bytes | None]) -> Answer:
+        salt = salt_of()
+        client = self._link.client()
+        if salt is None or client is None:
+            return Answer(salt, 0, None if client is None else client.page_tokens)
+        num_tokens = self._link.prefetch(client.salted(salt), tokens) if tokens else 0
+        return Answer(salt, num_tokens, client.page_tokens)

@@ -1,121 +1,309 @@
-"""The connector's scheduler-side plan and worker-side mover, without vLLM or Ray."""
+"""The connector's scheduler-side plan and worker-side mover, without vLLM or Ray: loads run
+in the background and report their unfilled blocks, saves copy each page once."""
 
+import copy
+import threading
+import time
+
+import pytest
 import torch
 
+from cluster.core.keys import KeyChain
+from cluster.core.spec import ModelSpec
 from cluster.serving.vllm_io import KVMover
 from cluster.serving.vllm_layout import BlockLayout, blocks_to_kv
-from cluster.serving.vllm_plan import LoadSpec, NewRequest, RunningRequest, SaveSpec, StepPlanner
+from cluster.serving.vllm_plan import (
+    LoadSpec,
+    NewRequest,
+    RunningRequest,
+    SaveSpec,
+    StepPlanner,
+    page_misfit,
+)
 
-B = 4  # tokens per vLLM block, and per raykv page
+B = 4  # tokens per vLLM block
+P = 8  # tokens per raykv page: two blocks
 L, H, D = 2, 2, 3
+SPEC = ModelSpec("tiny", L, H, D, "float32")
 LAYOUT = BlockLayout(key_transposed=True)
 
 
+def planner(block_size=B, page_tokens=B):
+    return StepPlanner(block_size=block_size, page_tokens=page_tokens)
+
+
 def test_hits_are_whole_blocks_and_leave_one_token_to_compute():
-    plan = StepPlanner(block_size=B, page_tokens=B)
+    plan = planner()
     assert plan.loadable_tokens(9) == 8 and plan.loadable_tokens(8) == 4
     assert plan.matched("r", num_local_tokens=4, num_cached_tokens=10) == 4  # 8 - 4 local
     assert plan.matched("s", num_local_tokens=8, num_cached_tokens=4) == 0
 
 
-def test_a_hit_is_loaded_past_vllms_own_blocks_and_not_saved_again():
-    plan = StepPlanner(block_size=B, page_tokens=B)
+def test_a_page_must_be_whole_blocks():
+    assert page_misfit(16, 256) is None and page_misfit(128, 128) is None
+    assert "not a multiple" in page_misfit(128, 200)
+
+
+def test_a_hit_is_loaded_into_its_allocated_blocks_and_not_saved_again():
+    plan = planner()
     prompt = list(range(13))
+    plan.keyed("r", b"salt")
     plan.matched("r", 4, 12)
-    plan.allocated("r", 8)
+    plan.allocated("r", prompt, [7, 8, 9, 10], 8)
+    loads, saves = plan.step([], [])  # the request waits for its load: not scheduled
+    assert loads == [LoadSpec("r", prompt[:12], [7, 8, 9, 10], 4, b"salt")] and saves == []
     loads, saves = plan.step([NewRequest("r", prompt, [7, 8, 9, 10], 12, 1)], [])
-    assert loads == [LoadSpec("r", prompt[:12], [7, 8, 9, 10], 4)]
-    assert saves == []  # its full pages are raykv's already
+    assert loads == [] and saves == []  # loaded once; its full pages are raykv's already
 
 
-def test_chunked_prefill_saves_each_new_full_page_once():
-    plan = StepPlanner(block_size=B, page_tokens=B)
-    prompt = list(range(11))
+def test_an_unkeyed_request_is_neither_loaded_nor_saved():
+    plan = planner()
+    prompt = list(range(13))
+    plan.matched("r", 0, 12)
+    plan.allocated("r", prompt, [1, 2, 3, 4], 12)
+    assert plan.step([NewRequest("r", prompt, [1, 2, 3, 4], 0, 13)], []) == ([], [])
+
+
+def test_chunked_prefill_saves_only_the_new_pages_of_each_step():
+    plan = planner(page_tokens=P)
+    prompt = list(range(27))
+    plan.keyed("r", b"")
     plan.matched("r", 0, 0)
-    _, saves = plan.step([NewRequest("r", prompt, [3, 5], 0, 6)], [])
-    assert saves == [SaveSpec("r", prompt[:4], [3])]
-    _, saves = plan.step([], [RunningRequest("r", [6], False, 6, 5)])
-    assert saves == [SaveSpec("r", prompt[:8], [3, 5])]
-    _, saves = plan.step([], [RunningRequest("r", None, False, 11, 1)])  # decoding
+    _, saves = plan.step([NewRequest("r", prompt, [3, 5, 6], 0, 10)], [])
+    assert saves == [SaveSpec("r", prompt[:8], [3, 5], 0, b"")]
+    _, saves = plan.step([], [RunningRequest("r", [9, 2], False, 10, 10)])  # tokens 10..19
+    assert saves == [SaveSpec("r", prompt[:16], [6, 9], 8, b"")]
+    _, saves = plan.step([], [RunningRequest("r", [4, 11], False, 20, 7)])  # tokens 20..26
+    assert saves == [SaveSpec("r", prompt[:24], [2, 4], 16, b"")]
+    _, saves = plan.step([], [RunningRequest("r", None, False, 27, 1)])  # decoding
     assert saves == []
     plan.finished("r")
-    assert not plan.tracked and not plan.hits
+    assert not plan.tracked and not plan.hits and not plan.salts
 
 
 def test_a_resumed_request_saves_from_its_new_blocks():
-    plan = StepPlanner(block_size=B, page_tokens=B)
+    plan = planner()
     prompt = list(range(9))
+    plan.keyed("r", b"")
     plan.step([NewRequest("r", prompt, [1, 2, 3], 0, 2)], [])
     _, saves = plan.step([], [RunningRequest("r", [7, 8, 9], True, 0, 9)])
-    assert saves == [SaveSpec("r", prompt[:8], [7, 8])]
-
-
-class FakeClient:
-    """raykv's get/put over a dict; `held` caps what a get returns (a dead node, a miss)."""
-
-    def __init__(self, held: int | None = None):
-        self.held, self.kv, self.puts = held, None, []
-
-    def get(self, tokens, out=None):
-        num_tokens = len(tokens) if self.held is None else min(self.held, len(tokens))
-        if not num_tokens:
-            return 0, None
-        out[:, :, :, :num_tokens] = self.kv[:, :, :, :num_tokens]
-        return num_tokens, out[:, :, :, :num_tokens]
-
-    def put(self, tokens, kv):
-        self.puts.append((list(tokens), kv.clone()))
-        return len(tokens)
-
-
-def caches():
-    return [torch.zeros(6, H, B, 2 * D) for _ in range(L)]
-
-
-def test_a_short_load_reports_the_blocks_it_did_not_fill():
-    client = FakeClient(held=8)
-    client.kv = torch.randn(L, 2, H, 12, D)
-    mover = KVMover(client, caches(), LAYOUT, torch.float32)
-    failed = mover.load(LoadSpec("r", list(range(12)), [4, 1, 2, 5], 4))
-    assert failed == {2}  # tokens 8..11; block 4 was vLLM's own, block 1 was loaded
-    got = blocks_to_kv(mover.layers, LAYOUT, [4, 1], 8, torch.zeros(L, 2, H, 8, D))
-    assert torch.equal(got[:, :, :, 4:], client.kv[:, :, :, 4:8])
-    assert mover.stats.loaded_tokens == 4 and mover.stats.failed_tokens == 4
-
-
-def test_a_failing_client_is_a_miss():
-    class Broken(FakeClient):
-        def get(self, tokens, out=None):
-            raise TimeoutError("no answer")
-
-    mover = KVMover(Broken(), caches(), LAYOUT, torch.float32)
-    assert mover.load(LoadSpec("r", list(range(8)), [0, 3], 0)) == {0, 3}
-
-
-def test_saves_copy_the_blocks_and_put_in_the_background():
-    client, layers = FakeClient(), caches()
-    for layer in layers:
-        layer.normal_()
-    mover = KVMover(client, layers, LAYOUT, torch.float32)
-    mover.save(SaveSpec("r", list(range(8)), [5, 0]))
-    expected = blocks_to_kv(layers, LAYOUT, [5, 0], 8, torch.zeros(L, 2, H, 8, D))
-    for layer in layers:  # the blocks are reused right after the step: the save kept a copy
-        layer.zero_()
-    mover.close()
-    ((tokens, kv),) = client.puts
-    assert tokens == list(range(8)) and torch.equal(kv, expected)
-    assert mover.stats.saved_tokens == 8
+    assert saves == [SaveSpec("r", prompt[:8], [7, 8], 0, b"")]
 
 
 def test_a_preempted_request_loads_again_into_its_new_blocks():
-    plan = StepPlanner(block_size=B, page_tokens=B)
+    plan = planner()
     prompt = list(range(13))
+    plan.keyed("r", b"")
     plan.matched("r", 0, 12)
-    plan.allocated("r", 12)
-    loads, _ = plan.step([NewRequest("r", prompt, [1, 2, 3, 4], 12, 1)], [])
-    assert loads == [LoadSpec("r", prompt[:12], [1, 2, 3, 4], 0)]
-    # preempted, its blocks freed; rescheduled with vLLM's cache holding the first block
-    assert plan.matched("r", 4, 12) == 8
-    plan.allocated("r", 8)
-    loads, saves = plan.step([], [RunningRequest("r", [1, 6, 7, 8], True, 12, 1)])
-    assert loads == [LoadSpec("r", prompt[:12], [1, 6, 7, 8], 4)] and saves == []
+    plan.allocated("r", prompt, [1, 2, 3, 4], 12)
+    loads, _ = plan.step([], [])
+    assert loads == [LoadSpec("r", prompt[:12], [1, 2, 3, 4], 0, b"")]
+    plan.step([NewRequest("r", prompt, [1, 2, 3, 4], 12, 1)], [])
+    # preempted, its blocks freed; asked again with vLLM's cache holding the first block
+    assert plan.matched("r", 4, plan.hits["r"][1]) == 8
+    plan.allocated("r", prompt, [1, 6, 7, 8], 8)
+    loads, saves = plan.step([], [])
+    assert loads == [LoadSpec("r", prompt[:12], [1, 6, 7, 8], 4, b"")] and saves == []
+    _, saves = plan.step([], [RunningRequest("r", [1, 6, 7, 8], True, 12, 1)])
+    assert saves == []
+
+
+def test_a_preempted_request_is_offered_the_pages_it_saved_itself():
+    plan = planner()
+    prompt = list(range(13))
+    plan.keyed("r", b"")
+    assert plan.matched("r", 0, 0) == 0  # raykv held nothing when it came
+    _, saves = plan.step([NewRequest("r", prompt, [1, 2, 3, 4], 0, 13)], [])
+    assert saves == [SaveSpec("r", prompt[:12], [1, 2, 3], 0, b"")]
+    assert plan.rematched("r", 0) == 12  # preempted, asked again: its own pages load
+
+
+def test_a_load_that_failed_is_not_offered_again():
+    plan = planner()
+    prompt = list(range(13))
+    plan.keyed("r", b"")
+    plan.matched("r", 0, 12)
+    plan.allocated("r", prompt, [1, 2, 3, 4], 12)
+    plan.step([], [])
+    plan.reported(set(), {9})  # another request's block: nothing changes
+    assert plan.rematched("r", 0) == 12
+    plan.reported({"r"}, {2, 3})  # tokens 4..11 never came
+    assert plan.rematched("r", 0) == 4 and not plan.loading
+    plan.matched("s", 0, 12)
+    plan.keyed("s", b"")
+    plan.allocated("s", prompt, [5, 6, 7, 8], 12)
+    plan.reported({"s"}, {5, 6, 7})  # nothing came: vLLM asks again and is told 0
+    assert plan.rematched("s", 0) == 0
+
+
+def test_a_load_that_fell_short_saves_the_pages_it_did_not_fill():
+    plan = planner()
+    prompt = list(range(13))
+    plan.keyed("r", b"")
+    plan.matched("r", 0, 12)
+    plan.allocated("r", prompt, [1, 2, 3, 4], 12)
+    plan.step([], [])
+    # vLLM cut the request's count to the first failed block (token 4) and computes the rest
+    _, saves = plan.step([NewRequest("r", prompt, [1, 2, 3, 4], 4, 9)], [])
+    assert saves == [SaveSpec("r", prompt[:12], [2, 3], 4, b"")]
+
+
+# ---- the worker side -----------------------------------------------------------------------
+
+
+class ChainClient:
+    """raykv's client calls over a dict of pages, keyed by raykv's real key chain."""
+
+    def __init__(self, page_tokens: int = P):
+        self.chain = KeyChain.of(SPEC, "default", page_tokens)
+        self.page_tokens = page_tokens
+        self.pages: dict[bytes, torch.Tensor] = {}
+        self.put_tokens: list[int] = []
+        self.gate: threading.Event | None = None  # a get waits on it when set
+
+    def keys(self, tokens):
+        return self.chain.keys(tokens)
+
+    def salted(self, extra):
+        return self._view(self.chain.salted(extra))
+
+    def continued(self, key):
+        return self._view(self.chain.continued(key))
+
+    def put(self, tokens, kv):
+        assert kv.shape[3] == len(tokens)
+        keys = self.keys(tokens)
+        for p, key in enumerate(keys):
+            self.pages[key] = kv[:, :, :, p * self.page_tokens:(p + 1) * self.page_tokens].clone()
+        self.put_tokens.append(len(keys) * self.page_tokens)
+        return len(keys) * self.page_tokens
+
+    def get(self, tokens, out=None):
+        if self.gate is not None:
+            self.gate.wait(10)
+        held = 0
+        for key in self.keys(tokens):
+            if key not in self.pages:
+                break
+            out[:, :, :, held:held + self.page_tokens] = self.pages[key]
+            held += self.page_tokens
+        return (held, out[:, :, :, :held]) if held else (0, None)
+
+    def _view(self, chain):
+        view = copy.copy(self)  # shares the pages
+        view.chain = chain
+        return view
+
+
+def caches(num_blocks=12):
+    return [torch.zeros(num_blocks, H, B, 2 * D) for _ in range(L)]
+
+
+def filled_caches(num_blocks=12):
+    layers = caches(num_blocks)
+    for layer in layers:
+        layer.normal_()
+    return layers
+
+
+def kv_of(layers, block_ids, num_tokens):
+    return blocks_to_kv(layers, LAYOUT, block_ids, num_tokens, torch.zeros(L, 2, H, num_tokens, D))
+
+
+def wait_for_loads(mover, count=1, timeout_s=10.0):
+    done, deadline_s = [], time.monotonic() + timeout_s
+    while len(done) < count:
+        assert time.monotonic() < deadline_s, "the load never finished"
+        done += mover.finished()
+        time.sleep(0.01)
+    return done
+
+
+def test_chunked_saves_copy_each_page_once_and_key_it_as_the_whole_prompt():
+    client, layers = ChainClient(), filled_caches()
+    mover = KVMover(client, layers, LAYOUT, SPEC)
+    prompt, blocks = list(range(27)), [3, 5, 6, 9, 2, 4, 11]
+    for save in (SaveSpec("r", prompt[:8], [3, 5], 0), SaveSpec("r", prompt[:16], [6, 9], 8),
+                 SaveSpec("r", prompt[:24], [2, 4], 16)):
+        mover.save(save)
+    mover.close()
+    assert mover.stats.gathered_tokens == 24 and client.put_tokens == [8, 8, 8]
+    assert mover.stats.saved_tokens == 24
+    # A fresh get of the whole prompt (from the chain's root) finds every page, with its KV.
+    num_tokens, kv = client.get(prompt, out=torch.zeros(L, 2, H, 27, D))
+    assert num_tokens == 24 and torch.equal(kv, kv_of(layers, blocks, 24))
+
+
+def test_a_salted_save_is_not_found_unsalted_or_under_another_salt():
+    client, layers = ChainClient(), filled_caches()
+    mover = KVMover(client, layers, LAYOUT, SPEC)
+    mover.save(SaveSpec("r", list(range(16)), [1, 2, 3, 4], 0, b"lora-a"))
+    mover.close()
+    out = torch.zeros(L, 2, H, 16, D)
+    assert client.get(list(range(16)), out=out)[0] == 0
+    assert client.salted(b"lora-b").get(list(range(16)), out=out)[0] == 0
+    assert client.salted(b"lora-a").get(list(range(16)), out=out)[0] == 16
+
+
+def test_loads_run_in_the_background_and_report_when_done():
+    client, source = ChainClient(), filled_caches()
+    client.put(list(range(16)), kv_of(source, [1, 2, 3, 4], 16))
+    client.gate = threading.Event()  # raykv is slow to answer
+    mover = KVMover(client, caches(), LAYOUT, SPEC)
+    mover.start_load(LoadSpec("r", list(range(16)), [7, 8, 9, 10], 0))  # returns at once
+    time.sleep(0.05)
+    assert mover.finished() == []  # still loading: vLLM keeps the request waiting
+    client.gate.set()
+    assert wait_for_loads(mover) == [("r", set())]
+    assert torch.equal(kv_of(mover.layers, [7, 8, 9, 10], 16), kv_of(source, [1, 2, 3, 4], 16))
+    mover.close()
+
+
+def test_a_load_fetches_from_the_page_holding_its_first_token():
+    client, source = ChainClient(), filled_caches()
+    client.put(list(range(24)), kv_of(source, [1, 2, 3, 4, 5, 6], 24))
+    del client.pages[client.keys(list(range(8)))[0]]  # page 0 is gone from raykv
+    layers = caches()
+    mover = KVMover(client, layers, LAYOUT, SPEC)
+    # vLLM holds tokens 0..11 (three blocks); raykv gives 12..23, from page 1 on
+    assert mover.load(LoadSpec("r", list(range(24)), [7, 8, 9, 10, 11, 0], 12)) == set()
+    got = kv_of(layers, [7, 8, 9, 10, 11, 0], 24)[:, :, :, 12:]
+    assert torch.equal(got, kv_of(source, [1, 2, 3, 4, 5, 6], 24)[:, :, :, 12:])
+    assert mover.stats.loaded_tokens == 12
+    mover.close()
+
+
+def test_a_short_load_reports_the_blocks_it_did_not_fill():
+    client, source = ChainClient(), filled_caches()
+    client.put(list(range(8)), kv_of(source, [1, 2], 8))  # raykv holds one page of three
+    mover = KVMover(client, caches(), LAYOUT, SPEC)
+    mover.start_load(LoadSpec("r", list(range(24)), [4, 1, 2, 5, 6, 7], 4))
+    assert wait_for_loads(mover) == [("r", {2, 5, 6, 7})]  # tokens 8..23
+    assert torch.equal(kv_of(mover.layers, [4, 1], 8)[:, :, :, 4:],
+                       kv_of(source, [1, 2], 8)[:, :, :, 4:])
+    assert mover.stats.loaded_tokens == 4 and mover.stats.failed_tokens == 16
+    mover.close()
+
+
+@pytest.mark.parametrize("error", [TimeoutError("no answer"), RuntimeError("bug")])
+def test_a_failing_client_is_a_miss_of_every_block(error):
+    class Broken(ChainClient):
+        def get(self, tokens, out=None):
+            raise error
+
+    mover = KVMover(Broken(), caches(), LAYOUT, SPEC)
+    mover.start_load(LoadSpec("r", list(range(8)), [0, 3], 0))
+    assert wait_for_loads(mover) == [("r", {0, 3})]
+    mover.close()
+
+
+def test_saves_copy_the_blocks_and_put_in_the_background():
+    client, layers = ChainClient(), filled_caches()
+    mover = KVMover(client, layers, LAYOUT, SPEC)
+    mover.save(SaveSpec("r", list(range(8)), [5, 0]))
+    expected = kv_of(layers, [5, 0], 8)
+    for layer in layers:  # the blocks are reused right after the step: the save kept a copy
+        layer.zero_()
+    mover.close()
+    num_tokens, kv = client.get(list(range(8)), out=torch.zeros(L, 2, H, 8, D))
+    assert num_tokens == 8 and torch.equal(kv, expected)

@@ -14,29 +14,80 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "
 
 @ray.remote(num_cpus=1, max_restarts=0)
 class Engine:
-    def __init__(self, model_dir: str, connector: dict | None):
+    def __init__(self, model_dir: str, connector: dict | None, engine_kwargs: dict | None = None):
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
         transfer = KVTransferConfig(**connector) if connector else None
-        self.llm = LLM(model=model_dir, dtype="float32", enforce_eager=True,
-                       max_model_len=4096, seed=0, kv_transfer_config=transfer)
+        kwargs = {"max_model_len": 4096, **(engine_kwargs or {})}
+        self.llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=0,
+                       kv_transfer_config=transfer, **kwargs)
+        self.num_preemptions = 0
 
-    def generate(self, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
-        """Greedy token ids, and the prompt tokens vLLM did not compute."""
+    def generate(self, prompt: list[int], max_tokens: int, lora: tuple | None = None,
+                 cache_salt: str | None = None) -> tuple[list[int], int]:
+        """Greedy token ids, and the prompt tokens vLLM did not compute. `lora`: (name, id,
+        path) of a LoRA adapter; `cache_salt`: vLLM's per-request cache salt."""
+        ((ids, cached),) = self.generate_many([prompt], max_tokens, lora, cache_salt)
+        return ids, cached
+
+    def generate_many(self, prompts: list[list[int]], max_tokens: int,
+                      lora: tuple | None = None,
+                      cache_salt: str | None = None) -> list[tuple[list[int], int]]:
+        """generate(), for several prompts scheduled together."""
         from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
 
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        (output,) = self.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        return list(output.outputs[0].token_ids), output.num_cached_tokens or 0
+        inputs = [{"prompt_token_ids": prompt} | ({"cache_salt": cache_salt} if cache_salt
+                                                  else {}) for prompt in prompts]
+        outputs = self.llm.generate(inputs, params, use_tqdm=False,
+                                    lora_request=LoRARequest(*lora) if lora else None)
+        return [(list(output.outputs[0].token_ids), output.num_cached_tokens or 0)
+                for output in outputs]
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def worker_stats(self) -> dict:
+        """The worker-side connector's MoverStats, as a dict ({} before its first save)."""
+        import dataclasses
 
-def engine_on(resource: str, model_dir: str, connector: dict | None = CONNECTOR):
-    """An Engine on the node that offers `resource`, started (its model loaded)."""
-    engine = Engine.options(resources={resource: 1},
-                            runtime_env={"env_vars": ENGINE_ENV}).remote(model_dir, connector)
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        mover = get_kv_transfer_group()._mover
+        return {} if mover is None else {f.name: getattr(mover.stats, f.name)
+                                         for f in dataclasses.fields(mover.stats)}
+
+    def scheduler_connector(self, path: str):
+        """A dotted attribute of the scheduler's connector (None when it has none)."""
+        value = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+        for attribute in path.split("."):
+            value = getattr(value, attribute, None)
+        return value
+
+    def count_preemptions(self) -> None:
+        """From now on, count the scheduler's preemptions in num_preemptions."""
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        preempt = scheduler._preempt_request
+
+        def counted(*args, **kwargs):
+            self.num_preemptions += 1
+            return preempt(*args, **kwargs)
+
+        scheduler._preempt_request = counted
+
+    def preemptions(self) -> int:
+        return self.num_preemptions
+
+
+def engine_on(resource: str | None, model_dir: str, connector: dict | None = CONNECTOR,
+              engine_kwargs: dict | None = None):
+    """An Engine on the node that offers `resource` (None: anywhere), started (its model
+    loaded)."""
+    options = {"runtime_env": {"env_vars": ENGINE_ENV}}
+    if resource is not None:
+        options["resources"] = {resource: 1}
+    engine = Engine.options(**options).remote(model_dir, connector, engine_kwargs)
     ray.get(engine.node.remote())
     return engine

@@ -1,0 +1,145 @@
+"""RaykvConnector's scheduler side with vLLM's classes but no engine and no Ray: a slow lookup
+answers None (vLLM asks again) and then the hit, loaded asynchronously; configurations raykv
+cannot key turn it off with one log line and never stop the engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this "
+                                   "tier in .venv-vllm")
+
+import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+
+from cluster.serving import vllm_service  # noqa: E402
+from cluster.serving.vllm_connector import RaykvConnector, RaykvMetadata  # noqa: E402
+from cluster.serving.vllm_plan import LoadSpec  # noqa: E402
+
+BLOCK = 16
+PAGE = 32
+
+
+class SlowClient:
+    """A connected raykv client whose lookups wait for `gate`."""
+
+    page_tokens, timeout_s = PAGE, 5.0
+
+    def __init__(self):
+        self.gate, self.salts = threading.Event(), []
+
+    def salted(self, extra):
+        self.salts.append(extra)
+        return self
+
+    def prefetch(self, tokens):
+        self.gate.wait(10)
+        return len(tokens) // PAGE * PAGE
+
+
+def vllm_config(cache_dtype="auto"):
+    model = SimpleNamespace(dtype=torch.float32, served_model_name="m",
+                            get_num_layers=lambda parallel: 2,
+                            get_num_kv_heads=lambda parallel: 2,
+                            get_head_size=lambda: 8)
+    transfer = SimpleNamespace(kv_connector_extra_config={"raykv.ray_address": "local"},
+                               kv_load_failure_policy="fail")
+    return SimpleNamespace(kv_transfer_config=transfer, model_config=model,
+                           cache_config=SimpleNamespace(block_size=BLOCK,
+                                                        cache_dtype=cache_dtype),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1,
+                                                           pipeline_parallel_size=1, rank=0))
+
+
+def groups(*kinds):
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=kind.__new__(kind))
+                                            for kind in kinds])
+
+
+def request(request_id="r", num_tokens=100, cache_salt=None):
+    return SimpleNamespace(request_id=request_id, prompt_token_ids=list(range(num_tokens)),
+                           prompt_embeds=None, lora_request=None, cache_salt=cache_salt,
+                           mm_features=[])
+
+
+@pytest.fixture
+def client(monkeypatch):
+    client = SlowClient()
+    monkeypatch.setattr(vllm_service.ServiceLink, "_connect", lambda self: client)
+    return client
+
+
+def scheduler(config=None, kv_cache_config=None):
+    return RaykvConnector(config or vllm_config(), KVConnectorRole.SCHEDULER,
+                          kv_cache_config or groups(FullAttentionSpec))
+
+
+def ask_until_answered(connector, req, timeout_s=5.0):
+    deadline_s = time.monotonic() + timeout_s
+    while (answer := connector.get_num_new_matched_tokens(req, 0))[0] is None:
+        assert time.monotonic() < deadline_s
+        time.sleep(0.01)
+    return answer
+
+
+def test_a_slow_lookup_answers_none_then_the_hit_loaded_asynchronously(client):
+    connector = scheduler()
+    req = request(cache_salt="tenant")
+    start_s = time.monotonic()
+    assert connector.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert time.monotonic() - start_s < 1.0  # the scheduler did not wait for raykv
+    assert connector.get_num_new_matched_tokens(req, 0) == (None, False)  # still out
+    client.gate.set()
+    assert ask_until_answered(connector, req) == (96, True)  # 3 pages; token 99 is computed
+    assert len(client.salts) == 1 and client.salts[0] != b""  # one lookup, salted
+    assert connector.get_num_new_matched_tokens(req, 32) == (64, True)  # asked again: no call
+    connector.update_state_after_alloc(req, SimpleNamespace(
+        get_block_ids=lambda: (list(range(10, 17)),)), 64)
+    output = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                             scheduled_cached_reqs=SimpleNamespace(
+                                 req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                 num_computed_tokens=[]))
+    metadata = connector.build_connector_meta(output)
+    assert isinstance(metadata, RaykvMetadata)
+    assert metadata.loads == [LoadSpec("r", list(range(96)), list(range(10, 17)), 32,
+                                       client.salts[0])]
+    connector.shutdown()
+
+
+def test_a_lookup_past_the_clients_timeout_is_a_miss(client):
+    client.timeout_s = 0.3
+    connector = scheduler()
+    assert ask_until_answered(connector, request()) == (0, False)
+    client.gate.set()
+    connector.shutdown()
+
+
+@pytest.mark.parametrize("config, kv_cache_config, why", [
+    (vllm_config(), groups(FullAttentionSpec, SlidingWindowSpec), "2 KV-cache groups"),
+    (vllm_config(), groups(SlidingWindowSpec), "SlidingWindowSpec"),
+    (vllm_config("fp8_e5m2"), None, "fp8_e5m2"),
+])
+def test_what_raykv_cannot_key_turns_it_off_with_one_line(client, config,
+                                                          kv_cache_config, why):
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        connector = RaykvConnector(config, role, kv_cache_config or groups(FullAttentionSpec))
+        assert why in connector.why_off
+        assert connector.get_num_new_matched_tokens(request(), 0) == (0, False)
+        connector.register_kv_caches({"model.layers.0.self_attn.attn": torch.zeros(4, 2, 16,
+                                                                                  16)})
+        assert connector._layers == [] and connector._worker_mover() is None  # never writes
+        connector.shutdown()
+    assert client.salts == []  # raykv was never asked
+
+
+def test_pages_that_are_not_whole_blocks_turn_it_off(client):
+    client.page_tokens = 24  # vLLM's blocks are 16 tokens
+    connector = scheduler()
+    assert "not a multiple" in connector.why_off
+    assert connector.get_num_new_matched_tokens(request(), 0) == (0, False)
+    connector.shutdown()

@@ -1,0 +1,180 @@
+"""RaykvConnector in one vLLM engine (CPU backend) with LoRA, chunked prefill and few KV
+blocks: lookups off the scheduler's thread, loads in the background, saves of new pages only,
+and keys that keep LoRA adapters and cache salts apart. vLLM's own prefix cache is off, so
+every cached token a response reports came from raykv."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this "
+                                   "tier in .venv-vllm")
+
+import ray  # noqa: E402
+
+from cluster import CacheConfig, ModelSpec, connect, start, stop  # noqa: E402
+from cluster.core.tiers.memory import remove_stale_shm  # noqa: E402
+from cluster.core.tiers.node_slot import slot_shm_prefix  # noqa: E402
+from tests.vllm.conftest import prompt_tokens  # noqa: E402
+from tests.vllm.engine import engine_on  # noqa: E402
+
+BLOCK_TOKENS = 128  # vLLM's CPU block, and raykv's page here
+MAX_TOKENS = 8
+SMALL_LLAMA = ModelSpec.preset("small-llama")
+LORA_RANK = 8
+ENGINE = {"enable_prefix_caching": False,
+          "max_num_batched_tokens": 256,  # a long prompt prefills over several steps
+          "num_gpu_blocks_override": 11,  # 10 usable: two 700-token requests do not fit
+          "max_model_len": 1024,
+          "enable_lora": True, "max_loras": 2, "max_lora_rank": LORA_RANK}
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    disk_dir = tempfile.mkdtemp(prefix="raykv-vllm-", dir="/tmp")
+    ray.init(address="local", num_cpus=4, resources={"kv_node": 1}, include_dashboard=False,
+             logging_level="WARNING")
+    start(CacheConfig(page_tokens=BLOCK_TOKENS, device_bytes=0, host_bytes=64 << 20,
+                      disk_bytes=0, disk_dir=disk_dir, call_timeout_s=5.0))
+    yield engine_on(None, model_dir, engine_kwargs=ENGINE)
+    stop()
+    ray.shutdown()
+    remove_stale_shm(slot_shm_prefix(disk_dir))
+    shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory):
+    """Two random LoRA adapters on q_proj and v_proj of the small Llama, as PEFT writes them."""
+    root = tmp_path_factory.mktemp("lora")
+    return {name: (name, index + 1, write_adapter(root / name, model_dir, seed=index + 1))
+            for index, name in enumerate(("lora-a", "lora-b"))}
+
+
+def write_adapter(path, model_dir: str, seed: int) -> str:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    head_dim = config.hidden_size // config.num_attention_heads
+    widths = {"q_proj": config.num_attention_heads * head_dim,
+              "v_proj": config.num_key_value_heads * head_dim}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for module, width in widths.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = 0.1 * torch.randn(
+                LORA_RANK, config.hidden_size, generator=generator)
+            tensors[f"{name}.lora_B.weight"] = 0.1 * torch.randn(width, LORA_RANK,
+                                                                 generator=generator)
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": 16,
+        "lora_dropout": 0.0, "target_modules": list(widths), "bias": "none",
+        "fan_in_fan_out": False, "base_model_name_or_path": model_dir,
+        "modules_to_save": None, "use_rslora": False, "use_dora": False}))
+    return str(path)
+
+
+def generate(engine, prompt, **kwargs):
+    return ray.get(engine.generate.remote(prompt, MAX_TOKENS, **kwargs))
+
+
+def saved(engine, prompt, num_tokens, timeout_s: float = 30.0):
+    """Wait until raykv holds the prompt's first num_tokens (saves are in the background)."""
+    client = connect(SMALL_LLAMA)
+    deadline_s = time.monotonic() + timeout_s
+    while client.lookup(prompt) < num_tokens:
+        assert time.monotonic() < deadline_s, "the engine's pages never reached raykv"
+        time.sleep(0.2)
+
+
+def settled_stats(engine, timeout_s: float = 10.0) -> dict:
+    """The worker's stats once its queued puts are done (two equal reads 0.3 s apart)."""
+    deadline_s, last = time.monotonic() + timeout_s, None
+    while (stats := ray.get(engine.worker_stats.remote())) != last:
+        assert time.monotonic() < deadline_s
+        last = stats
+        time.sleep(0.3)
+    return stats
+
+
+def test_chunked_prefill_saves_each_page_once_and_a_rerun_loads_them(engine):
+    prompt = prompt_tokens(1000, seed=11)  # 7 full pages, prefilled 256 tokens a step
+    full = 1000 // BLOCK_TOKENS * BLOCK_TOKENS
+    before = settled_stats(engine)
+    ids, cached = generate(engine, prompt)
+    assert cached == 0
+    saved(engine, prompt, full)
+    after = settled_stats(engine)
+    # Each page was copied out and put once: 896 tokens, not 256 + 512 + 768 + 896.
+    assert after["saved_tokens"] - before.get("saved_tokens", 0) == full
+    assert after["gathered_tokens"] - before.get("gathered_tokens", 0) == full
+    rerun, cached = generate(engine, prompt)
+    assert cached == full and rerun == ids
+
+
+def test_lookups_answer_none_while_in_flight(engine):
+    """Every new request's lookup runs off the scheduler's thread: vLLM heard None ("ask
+    again") at least once per request while it was out, and went on stepping."""
+    asked = ray.get(engine.scheduler_connector.remote("_lookups.num_in_flight_answers"))
+    generate(engine, prompt_tokens(300, seed=12))
+    after = ray.get(engine.scheduler_connector.remote("_lookups.num_in_flight_answers"))
+    assert asked is not None and after > asked
+
+
+def test_two_lora_adapters_on_one_prompt_never_share_pages(engine, adapters):
+    prompt = prompt_tokens(640, seed=13)
+    full = 640 // BLOCK_TOKENS * BLOCK_TOKENS - BLOCK_TOKENS  # 512: one token left to compute
+    ids_a, cached_a = generate(engine, prompt, lora=adapters["lora-a"])
+    assert cached_a == 0
+    time.sleep(0.5)  # lora-a's saves are keyed apart (a plain lookup cannot see them): wait
+    settled_stats(engine)
+    ids_b, cached_b = generate(engine, prompt, lora=adapters["lora-b"])
+    assert cached_b == 0, "lora-b loaded lora-a's KV"
+    assert ids_b != ids_a  # the adapters matter: a shared page would change the output
+    # Each adapter's own pages load, and its greedy output is the one it computed itself.
+    settled_stats(engine)
+    again_a, cached = generate(engine, prompt, lora=adapters["lora-a"])
+    assert cached == full and again_a == ids_a
+    again_b, cached = generate(engine, prompt, lora=adapters["lora-b"])
+    assert cached == full and again_b == ids_b
+    plain, cached = generate(engine, prompt)  # the base model shares neither's pages
+    assert cached == 0
+
+
+def test_cache_salts_keep_tenants_apart(engine):
+    prompt = prompt_tokens(640, seed=14)
+    ids, cached = generate(engine, prompt, cache_salt="tenant-1")
+    assert cached == 0
+    time.sleep(0.5)
+    settled_stats(engine)
+    _, cached = generate(engine, prompt, cache_salt="tenant-2")
+    assert cached == 0, "tenant-2 loaded tenant-1's KV"
+    _, cached = generate(engine, prompt)
+    assert cached == 0
+    settled_stats(engine)
+    again, cached = generate(engine, prompt, cache_salt="tenant-1")
+    assert cached == 512 and again == ids
+
+
+def test_a_preempted_request_reloads_its_pages_and_decodes_the_same_tokens(engine):
+    prompts = [prompt_tokens(600, seed=seed) for seed in (15, 16)]
+    # Each alone, under a salt of its own: computed, nothing loaded.
+    expected = [ray.get(engine.generate_many.remote([p], 100, None, f"alone-{i}"))[0][0]
+                for i, p in enumerate(prompts)]
+    ray.get(engine.count_preemptions.remote())
+    loaded = settled_stats(engine).get("loaded_tokens", 0)
+    together = ray.get(engine.generate_many.remote(prompts, 100))
+    assert ray.get(engine.preemptions.remote()) > 0  # ten blocks hold one of them, not both
+    # The preempted one came back through raykv: the pages it saved before it was preempted.
+    assert settled_stats(engine)["loaded_tokens"] > loaded
+    assert [ids for ids, _ in together] == expected
