@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Annotated
 
 import typer
@@ -17,13 +16,10 @@ Address = Annotated[str | None, typer.Option(help="Ray cluster address ('auto': 
 
 
 def _attach(address: str | None) -> None:
-    import logging
+    """Join the Ray cluster (token authentication included: cluster.api.join_ray)."""
+    from cluster.api import join_ray
 
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto",
-                 logging_level=logging.WARNING, log_to_driver=False)
+    join_ray(address)
 
 
 def start_command(
