@@ -159,6 +159,26 @@ def start(config: CacheConfig | None = None) -> dict:
     return {"nodes": members["members"], "directory": shards}
 
 
+def ensure_running(config: CacheConfig) -> CacheConfig:
+    """The running service's config; the service is started with `config` only when none
+    runs. A service that runs with other settings is adopted as it is (its page size among
+    them), and this says so: what a Serve app builder does, so that the order in which
+    `raykv start` and the app come up never matters."""
+    _ensure_ray(config)
+    try:
+        running = running_config(config.ray_namespace)
+    except RuntimeError:
+        start(config)
+        return config
+    if running != config:
+        differ = {name: value for name, value in running.model_dump().items()
+                  if getattr(config, name) != value}
+        log.warning("raykv already runs on this Ray cluster with %s (pages of %d tokens): "
+                    "adopted as it is; the settings given here are not used", differ,
+                    running.page_tokens)
+    return running
+
+
 def _raise_node_failures(failures: dict[str, str]) -> None:
     if not failures:
         return
