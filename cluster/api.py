@@ -22,21 +22,105 @@ from policies.quota import Quota
 
 log = logging.getLogger("raykv")
 START_TIMEOUT_S = 120.0
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+_TOLD: set[str] = set()  # the addresses whose refusal this process has logged already
 
 
 def _ensure_ray(config: CacheConfig) -> None:
     """Use the Ray this process is on; else the cluster RAY_ADDRESS names; else a new local one.
 
     A bare ray.init() would attach to whatever cluster last ran on this machine, so a local
-    start is explicit (`address="local"`), with this node marked as a kv node.
+    start is explicit (`address="local"`), with this node marked as a kv node. A new local
+    Ray turns on its token authentication by itself (Ray 2.60), for this process tree.
     """
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        join_ray()
         return
     ray.init(address="local", resources={config.node_resource: 1}, include_dashboard=False,
              logging_level=logging.WARNING)
+
+
+def ray_token_source() -> str | None:
+    """Where Ray would read this process's auth token: "RAY_AUTH_TOKEN", the file
+    RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token (what a new local Ray writes); None
+    when no token is at hand. ValueError when RAY_AUTH_TOKEN_PATH names no readable token
+    (Ray would abort the process on it)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    named = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if named:
+        if not _has_token(named):
+            raise ValueError(f"RAY_AUTH_TOKEN_PATH={named} names no readable, non-empty file; "
+                             "point it at the file holding the Ray cluster's token")
+        return named
+    default = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    return default if _has_token(default) else None
+
+
+def _has_token(path: str) -> bool:
+    try:
+        with open(path, "rb") as file:
+            return bool(file.read(4096).strip())
+    except OSError:
+        return False
+
+
+def _adopt_token_auth() -> str:
+    """Turn on Ray's token authentication for this process (and its children) when a token
+    is at hand and RAY_AUTH_MODE is unset: Ray does so itself only for address "auto", never
+    for an explicit address or RAY_ADDRESS. A token sent to a cluster without token auth is
+    ignored there, so adopting it is safe. Returns this process's auth state, in words."""
+    mode = os.environ.get(RAY_AUTH_MODE_ENV)
+    if mode is not None:
+        return f"{RAY_AUTH_MODE_ENV}={mode} (as exported)"
+    source = ray_token_source()
+    if source is None:
+        return f"off ({RAY_AUTH_MODE_ENV} unset, no token in RAY_AUTH_TOKEN, " \
+               "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+    from ray._raylet import Config
+
+    os.environ[RAY_AUTH_MODE_ENV] = "token"
+    Config.initialize("")  # Ray caches its config: re-read, so this process sees token mode
+    log.info("raykv: Ray token authentication on (%s=token), the token from %s",
+             RAY_AUTH_MODE_ENV, source)
+    return f"{RAY_AUTH_MODE_ENV}=token, the token from {source}"
+
+
+def join_ray(address: str | None = None) -> None:
+    """Connect this process to a running Ray cluster: `address`, else RAY_ADDRESS, else the
+    one this machine is part of ("auto"). Every raykv entry point joins Ray through here.
+
+    A cluster with token authentication is joined with the token at hand (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token). When Ray refuses, this says once, loudly (an
+    ERROR log), what to export, and raises ConnectionError with the same words.
+    """
+    if ray.is_initialized():
+        return
+    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    auth = _adopt_token_auth()
+    try:
+        ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
+    except (ConnectionError, ray.exceptions.AuthenticationError) as error:
+        ray.shutdown()  # a failed init leaves half a connection: the next try starts clean
+        hint = auth_hint(target, auth, error)
+        if target not in _TOLD:
+            _TOLD.add(target)
+            log.error("%s", hint)
+        raise ConnectionError(hint) from None
+
+
+def auth_hint(target: str, auth: str, error: BaseException) -> str:
+    """What to export when Ray refused (or did not answer) at `target`."""
+    return (f"raykv could not join the Ray cluster at {target!r} ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}). Ray token auth in this "
+            f"process: {auth}. If that cluster uses token authentication (a new local Ray "
+            "does, since Ray 2.60; its log says InvalidAuthToken), export "
+            f"{RAY_AUTH_MODE_ENV}=token and the cluster's token: RAY_AUTH_TOKEN_PATH=<file "
+            "holding it> (a local cluster keeps it in ~/.ray/auth_token of the user who "
+            "started it) or RAY_AUTH_TOKEN=<the token>. Otherwise check the address and that "
+            "Ray runs there.")
 
 
 def _check_local_shm(config: CacheConfig) -> None:
@@ -76,6 +160,26 @@ def start(config: CacheConfig | None = None) -> dict:
     return {"nodes": members["members"], "directory": shards}
 
 
+def ensure_running(config: CacheConfig) -> CacheConfig:
+    """The running service's config; the service is started with `config` only when none
+    runs. A service that runs with other settings is adopted as it is (its page size among
+    them), and this says so: what a Serve app builder does, so that the order in which
+    `raykv start` and the app come up never matters."""
+    _ensure_ray(config)
+    try:
+        running = running_config(config.ray_namespace)
+    except RuntimeError:
+        start(config)
+        return config
+    if running != config:
+        differ = {name: value for name, value in running.model_dump().items()
+                  if getattr(config, name) != value}
+        log.warning("raykv already runs on this Ray cluster with %s (pages of %d tokens): "
+                    "adopted as it is; the settings given here are not used", differ,
+                    running.page_tokens)
+    return running
+
+
 def _raise_node_failures(failures: dict[str, str]) -> None:
     if not failures:
         return
@@ -104,8 +208,7 @@ def connect(spec: ModelSpec, namespace: str = "default"):
 
     if not isinstance(spec, ModelSpec):
         raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
-    if not ray.is_initialized():
-        ray.init(address="auto", include_dashboard=False, logging_level=logging.WARNING)
+    join_ray()
     config = running_config()
     registry = _registry(config)
     registry.check_namespace(namespace)
@@ -151,8 +254,7 @@ def _registry(config: CacheConfig) -> Registry:
 
 
 def _connected() -> CacheConfig:
-    if not ray.is_initialized():
-        ray.init(address="auto", include_dashboard=False, logging_level=logging.WARNING)
+    join_ray()
     return running_config()
 
 

@@ -17,7 +17,7 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve.config import RequestRouterConfig
 
-from cluster.api import running_config, start
+from cluster.api import ensure_running
 from cluster.core.config import CacheConfig
 from cluster.core.membership import kv_nodes
 from cluster.core.spec import ModelSpec
@@ -102,12 +102,9 @@ class AppArgs(BaseModel):
 
 
 def ensure_cache(cache: dict | None) -> CacheConfig:
-    """The running service's config; starts the service (with `cache`) when none runs."""
-    try:
-        return running_config()
-    except RuntimeError:
-        start(CacheConfig(**(cache or {})))
-        return running_config()
+    """The running service's config (a running service is adopted as it is, and a warning
+    names what differs from `cache`); the service is started with `cache` when none runs."""
+    return ensure_running(CacheConfig(**(cache or {})))
 
 
 def build_app(args: dict | None = None):

@@ -23,6 +23,9 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.core.config import CacheConfig
 from cluster.serving.vllm_service import RaykvSettings
@@ -31,8 +34,10 @@ log = logging.getLogger("raykv.vllm")
 CONNECTOR = {"kv_connector": "RaykvConnector",
              "kv_connector_module_path": "cluster.serving.vllm_connector",
              "kv_role": "kv_both"}
-# vLLM's CPU backend: its paged blocks hold 128 tokens, so raykv pages of 128 map one to one.
-CPU_BLOCK_TOKENS = 128
+# vLLM's dtype by accelerator: float32 is what vLLM's CPU kernels run; bf16 on GPUs.
+ENGINE_DTYPES = {"cpu": "float32", "gpu": "bfloat16"}
+# The OpenAI ingress replica's CPUs (Serve's default for a replica).
+INGRESS_CPUS = 1
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,9 @@ class VllmAppArgs:
     namespace             the raykv namespace of the pages
     num_replicas          LLMServer replicas (each one vLLM engine)
     request_router_class  "module:Class" of a RequestRouter, or None for Serve's default
-    engine_kwargs         more vLLM engine arguments (they override the CPU defaults below)
-    accelerator           "cpu" (vLLM's CPU backend, one CPU per replica) or "gpu"
+    engine_kwargs         more vLLM engine arguments (they override the defaults below)
+    accelerator           "cpu" (vLLM's CPU backend: float32, one CPU per replica) or "gpu"
+                          (one GPU per replica, bf16 unless engine_kwargs name a dtype)
     kv_cache_gib          vLLM's own KV space per replica on CPU (VLLM_CPU_KVCACHE_SPACE)
     """
 
@@ -58,6 +64,27 @@ class VllmAppArgs:
     engine_kwargs: dict = field(default_factory=dict)
     accelerator: str = "cpu"
     kv_cache_gib: int = 1
+
+    def __post_init__(self):
+        if self.accelerator not in ENGINE_DTYPES:
+            raise ValueError(f"accelerator must be 'cpu' or 'gpu', got {self.accelerator!r}")
+
+    @property
+    def dtype(self) -> str:
+        """The engine's dtype (and its KV cache's, unless kv_cache_dtype says otherwise)."""
+        return str(self.engine_kwargs.get("dtype") or ENGINE_DTYPES[self.accelerator])
+
+
+def resources_needed(args: VllmAppArgs) -> dict[str, float]:
+    """The Ray resources the app asks for. On CPU each replica's engine has a bundle of one
+    CPU, which the replica actor shares (it asks for none: the engine is its child process);
+    on GPU each engine has its GPUs (tensor-parallel size) and its replica one CPU. The
+    ingress takes INGRESS_CPUS; raykv's own actors take none."""
+    replicas = args.num_replicas
+    if args.accelerator == "cpu":
+        return {"CPU": replicas + INGRESS_CPUS}
+    gpus = int(args.engine_kwargs.get("tensor_parallel_size", 1))
+    return {"CPU": replicas + INGRESS_CPUS, "GPU": replicas * gpus}
 
 
 def kv_transfer_config(model_id: str, namespace: str, ray_address: str | None) -> dict:
@@ -72,14 +99,13 @@ def llm_config(args: VllmAppArgs, ray_address: str | None = None):
     """The ray.serve.llm.LLMConfig of one model served through RaykvConnector."""
     from ray.serve.llm import LLMConfig
 
-    if args.accelerator not in ("cpu", "gpu"):
-        raise ValueError(f"accelerator must be 'cpu' or 'gpu', got {args.accelerator!r}")
     cpu = args.accelerator == "cpu"
-    # On CPU: no graph capture to wait for, and float32 (the dtype vLLM's CPU kernels run).
-    engine = {"enforce_eager": True, "dtype": "float32"} if cpu else {}
+    # On CPU: no graph capture to wait for.
+    engine: dict = {"enforce_eager": True} if cpu else {}
     # usage.prompt_tokens_details.cached_tokens: prompt tokens vLLM did not compute
     engine["enable_prompt_tokens_details"] = True
     engine.update(args.engine_kwargs)
+    engine["dtype"] = args.dtype
     engine["kv_transfer_config"] = kv_transfer_config(args.model_id, args.namespace,
                                                       ray_address)
     deployment: dict = {"num_replicas": args.num_replicas}
@@ -87,12 +113,12 @@ def llm_config(args: VllmAppArgs, ray_address: str | None = None):
         deployment["request_router_config"] = {
             "request_router_class": args.request_router_class,
             "request_router_kwargs": dict(args.request_router_kwargs)}
-    options: dict = {}
+    options: dict = {"accelerator_config": {"kind": args.accelerator}}
     if cpu:
-        options = {"accelerator_config": {"kind": "cpu"},
-                   "placement_group_config": {"bundles": [{"CPU": 1}]},
-                   "runtime_env": {"env_vars": {
-                       "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}}}
+        deployment["ray_actor_options"] = {"num_cpus": 0}  # it shares its engine's CPU
+        options.update({"placement_group_config": {"bundles": [{"CPU": 1}]},
+                        "runtime_env": {"env_vars": {
+                            "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}}})
     return LLMConfig(model_loading_config={"model_id": args.model_id,
                                            "model_source": args.model_source},
                      engine_kwargs=engine, deployment_config=deployment, **options)
@@ -101,39 +127,37 @@ def llm_config(args: VllmAppArgs, ray_address: str | None = None):
 def build_vllm_app(args: VllmAppArgs, cache: CacheConfig | None = None):
     """Ray Serve LLM's OpenAI app over vLLM engines that run RaykvConnector.
 
-    raykv is started on the Ray cluster this process is connected to (or RAY_ADDRESS names)
-    unless it already runs; `cache` is its config (default: pages of one vLLM CPU block).
-    The engines reach the same cluster: its address goes into the connector's settings, so
-    that an engine process never attaches to another Ray on the same machine.
+    raykv is started with `cache` (default: CacheConfig(), as `raykv start`) on the Ray
+    cluster this process is connected to (or RAY_ADDRESS names) only when none runs; a
+    running service is adopted, with its page size, and a warning says so. The namespace
+    must be one the service knows, and raykv's router must key pages as the service does
+    (ValueError otherwise). The engines reach the same cluster: its address goes into the
+    connector's settings, so that an engine process never attaches to another Ray.
     """
     import ray
     from ray.serve.llm import build_openai_app
 
-    ensure_service(cache or CacheConfig(page_tokens=CPU_BLOCK_TOKENS))
+    from cluster.api import ensure_running, quotas
+
+    running = ensure_running(cache or CacheConfig())
+    known = quotas()["namespaces"]
+    if args.namespace not in known:
+        raise ValueError(f"raykv namespace {args.namespace!r} is not one the running service "
+                         f"knows: {sorted(known)}; add it with `raykv quota namespace`")
+    keyed = args.request_router_kwargs.get("prompt_keys") or {}
+    if keyed and keyed["page_tokens"] != running.page_tokens:
+        raise ValueError(f"the router keys pages of {keyed['page_tokens']} tokens, the running "
+                         f"raykv service's pages are {running.page_tokens}: build its settings "
+                         "with router_settings(..., page_tokens=<the service's>)")
     address = ray.get_runtime_context().gcs_address
     return build_openai_app({"llm_configs": [llm_config(args, address)]})
 
 
-def ensure_service(cache: CacheConfig) -> None:
-    """Start raykv with `cache` unless a raykv service already runs on this cluster."""
-    import ray
-
-    from cluster import start
-    from cluster.api import running_config
-
-    if ray.is_initialized():
-        try:
-            log.info("raykv already runs: %s", running_config().model_dump())
-            return
-        except (RuntimeError, ray.exceptions.RayError):
-            pass
-    start(cache)
-
-
 def router_settings(router: str, model_source: str, model_id: str, namespace: str,
-                    dtype: str = "float32") -> tuple[str | None, dict]:
+                    dtype: str, page_tokens: int) -> tuple[str | None, dict]:
     """(request_router_class, request_router_kwargs) for a router name: raykv's KV-aware one
-    keys each request's prompt as RaykvConnector does (the model's tokenizer and geometry)."""
+    keys each request's prompt as RaykvConnector does (the model's tokenizer and geometry,
+    the engine's `dtype` and the running service's `page_tokens`)."""
     from cluster.serving.app import ROUTERS
 
     if router not in ROUTERS:
@@ -149,30 +173,48 @@ def router_settings(router: str, model_source: str, model_id: str, namespace: st
             "dtype": dtype}
     return ROUTERS["raykv"], {"prompt_keys": {"tokenizer_dir": model_source, "spec": spec,
                                               "namespace": namespace,
-                                              "page_tokens": CPU_BLOCK_TOKENS}}
+                                              "page_tokens": page_tokens}}
 
 
-def build_app(args: dict):
-    """The builder Serve config files name (`import_path: cluster.serving.vllm_app:build_app`):
+class VllmBuildArgs(BaseModel):
+    """What a Serve config gives `cluster.serving.vllm_app:build_app`."""
 
-        model_source  a local model directory (required)
-        model_id      the served name (default: the directory's name)
-        router        raykv | pow2 | prefix (default raykv)
-        replicas      LLMServer replicas (default 1)
-        connector     RaykvConnector settings: raykv.namespace, raykv.model_name
-    """
-    fields = dict(args)
-    connector = RaykvSettings.from_extra(fields.pop("connector", None))
-    source = fields.pop("model_source")
-    model_id = fields.pop("model_id", None) or connector.model_name or \
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model_source: str = Field(description="a local model directory")
+    model_id: str | None = Field(None, description="the served name (default: "
+                                 "connector's raykv.model_name, else the directory's name)")
+    router: Literal["raykv", "pow2", "prefix"] = "raykv"
+    replicas: int = Field(1, ge=1, description="LLMServer replicas")
+    accelerator: Literal["cpu", "gpu"] = Field("cpu", description="vLLM's CPU backend "
+                                               "(float32) or GPUs (bf16 by default)")
+    engine_kwargs: dict = Field(default_factory=dict, description="more vLLM engine arguments")
+    connector: dict | None = Field(None, description="RaykvConnector settings: "
+                                   "raykv.namespace, raykv.model_name")
+    cache: dict | None = Field(None, description="CacheConfig fields raykv is started with "
+                               "when it does not run yet (a running service is adopted)")
+
+
+def build_app(args: VllmBuildArgs):
+    """The builder Serve config files name (`import_path: cluster.serving.vllm_app:build_app`);
+    Serve validates the config's args into VllmBuildArgs (a dict is taken too)."""
+    settings = VllmBuildArgs.model_validate(args)
+    connector = RaykvSettings.from_extra(settings.connector)
+    source = settings.model_source
+    model_id = settings.model_id or connector.model_name or \
         os.path.basename(source.rstrip("/"))
-    router_class, router_kwargs = router_settings(fields.pop("router", "raykv"), source,
-                                                  model_id, connector.namespace)
-    replicas = int(fields.pop("replicas", 1))
-    if fields:
-        raise ValueError(f"unknown vLLM app arguments {sorted(fields)}")
-    return build_vllm_app(VllmAppArgs(source, model_id, connector.namespace, replicas,
-                                      router_class, router_kwargs))
+    from cluster.api import ensure_running
+
+    running = ensure_running(CacheConfig(**(settings.cache or {})))
+    app_args = VllmAppArgs(source, model_id, connector.namespace, settings.replicas,
+                           engine_kwargs=settings.engine_kwargs,
+                           accelerator=settings.accelerator)
+    router_class, router_kwargs = router_settings(settings.router, source, model_id,
+                                                  connector.namespace, app_args.dtype,
+                                                  running.page_tokens)
+    return build_vllm_app(VllmAppArgs(source, model_id, connector.namespace, settings.replicas,
+                                      router_class, router_kwargs, settings.engine_kwargs,
+                                      settings.accelerator), running)
 
 
 def app(args: dict):

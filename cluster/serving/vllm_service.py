@@ -146,13 +146,12 @@ class ServiceLink:
             self._connecting = False
 
     def _connect(self):
-        import ray
-
         from cluster import connect
+        from cluster.api import join_ray
 
-        if not ray.is_initialized():
-            ray.init(address=self.settings.ray_address, logging_level=logging.WARNING,
-                     log_to_driver=False)
+        # An engine process outside Ray's process tree (vLLM's engine core, `vllm serve`) joins
+        # with the token at hand when the cluster uses token auth, or says what to export.
+        join_ray(self.settings.ray_address)
         client = connect(self.spec, self.settings.namespace)
         log.info("raykv connected: %s, namespace %r, %d tokens a page", self.spec,
                  self.settings.namespace, client.page_tokens)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Annotated
 
 import typer
@@ -17,13 +16,10 @@ Address = Annotated[str | None, typer.Option(help="Ray cluster address ('auto': 
 
 
 def _attach(address: str | None) -> None:
-    import logging
+    """Join the Ray cluster (token authentication included: cluster.api.join_ray)."""
+    from cluster.api import join_ray
 
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto",
-                 logging_level=logging.WARNING, log_to_driver=False)
+    join_ray(address)
 
 
 def start_command(
@@ -48,25 +44,40 @@ def start_command(
 ) -> None:
     """Start the cache service (directory, node actors, controller) on a running Ray cluster
     and return. Idempotent; a service already running with another config is an error."""
-    from cluster import CacheConfig, start
+    from cluster import start
 
     try:
-        settings = dict(host_bytes=parse_bytes(host_bytes),
-                        device_bytes=parse_bytes(device_bytes),
-                        disk_bytes=parse_bytes(disk_bytes), page_tokens=page_tokens,
-                        num_directory_shards=shards, page_port=page_port,
-                        namespaces=tuple(n.strip() for n in namespaces.split(",") if n.strip()))
-        if disk_dir:
-            settings["disk_dir"] = disk_dir
-        if redis_url:
-            settings["redis_url"] = redis_url
-        config = CacheConfig(**settings)
+        config = start_config(dict(host_bytes=host_bytes, device_bytes=device_bytes,
+                                   disk_bytes=disk_bytes, disk_dir=disk_dir,
+                                   redis_url=redis_url, page_tokens=page_tokens,
+                                   shards=shards, namespaces=namespaces,
+                                   page_port=page_port))
     except ValueError as error:  # a bad size, or a setting CacheConfig refuses
         raise typer.BadParameter(str(error)) from None
     _attach(address)
     started = start(config)
     Console().print(f"raykv running on {len(started['nodes'])} node(s); "
                     f"`raykv status` shows it")
+
+
+def start_config(options: dict):
+    """The CacheConfig `raykv start` builds from its options (click's params: every option,
+    by name, as the command line gives it; `address` is not read). A Serve app's `cache`
+    argument that equals it lets the app and `raykv start` come up in either order."""
+    from cluster import CacheConfig
+
+    settings = dict(host_bytes=parse_bytes(options["host_bytes"]),
+                    device_bytes=parse_bytes(options["device_bytes"]),
+                    disk_bytes=parse_bytes(options["disk_bytes"]),
+                    page_tokens=options["page_tokens"], num_directory_shards=options["shards"],
+                    namespaces=tuple(n.strip() for n in options["namespaces"].split(",")
+                                     if n.strip()))
+    for name in ("disk_dir", "redis_url"):
+        if options.get(name):
+            settings[name] = options[name]
+    if options.get("page_port") is not None:  # 0 is a setting too: any free port
+        settings["page_port"] = options["page_port"]
+    return CacheConfig(**settings)
 
 
 def stop_command(

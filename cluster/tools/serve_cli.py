@@ -13,18 +13,23 @@ from rich.console import Console
 
 Router = Literal["raykv", "pow2", "prefix"]
 Engine = Literal["raykv", "vllm"]
+Accelerator = Literal["cpu", "gpu"]
+APP_NAME = "raykv"
+POLL_S = 2.0
 
 
 def serve_command(
     model: Annotated[str, typer.Option(help="model preset the engines run (random weights)")]
     = "small-llama",
     replicas: Annotated[int | None, typer.Option(help="engine replicas (default: one per kv "
-                                                       "node)")] = None,
+                                                       "node; vLLM: 1)")] = None,
     router: Annotated[Router, typer.Option(help="request router: raykv's KV-aware one, Serve's "
                                                 "power-of-two, or Ray Serve LLM's prefix tree")]
     = "raykv",
     engine: Annotated[Engine, typer.Option(help="raykv's transformers engine, or vLLM through "
                                                 "Ray Serve LLM (needs the vllm extra)")] = "raykv",
+    accelerator: Annotated[Accelerator, typer.Option(help="vLLM on its CPU backend (float32) "
+                                                          "or on GPUs (bf16)")] = "cpu",
     host: Annotated[str, typer.Option(help="HTTP bind address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
     address: Annotated[str | None, typer.Option(help="Ray cluster address (default: "
@@ -32,6 +37,9 @@ def serve_command(
     admission: Annotated[str | None, typer.Option(
         help='the admission gate as JSON, e.g. \'{"max_in_flight": 16, "max_queued": 32, '
              '"tenants": {"acme": {"rate_per_s": 5, "priority": "low"}}}\'')] = None,
+    ready_timeout_s: Annotated[float, typer.Option(help="give up (exit 1, with Serve's "
+                                                        "reason) when the app is not ready "
+                                                        "by then")] = 900.0,
 ) -> None:
     """Start the cache service and the Serve app on the current (or a local) Ray cluster and
     serve OpenAI's /v1/completions, /v1/chat/completions and /v1/models until interrupted."""
@@ -45,17 +53,21 @@ def serve_command(
     if address:
         os.environ["RAY_ADDRESS"] = address
     _ensure_ray(CacheConfig())
-    serve.start(http_options={"host": host, "port": port},
-                logging_config={"log_level": logging.WARNING})
     args = {"model": model, "replicas": replicas, "router": router}
     if admission:
         args["admission"] = json.loads(admission)
+    if engine == "vllm":
+        args["accelerator"] = accelerator
+        _check_fits(_vllm_args(args))  # refused in seconds, not stuck unscheduled
+    serve.start(http_options={"host": host, "port": port},
+                logging_config={"log_level": logging.WARNING})
     app = _build(engine, args)
     console.print(f"raykv: deploying {model} ({engine} engine, {router} router) ...")
-    serve.run(app, name="raykv", route_prefix="/")
-    console.print(f"[bold]serving[/] OpenAI API at http://{host}:{port}/v1 "
-                  f"(models: {model}); Ctrl-C to stop")
     try:
+        serve._run(app, _blocking=False, name=APP_NAME, route_prefix="/")
+        _wait_ready(ready_timeout_s)
+        console.print(f"[bold]serving[/] OpenAI API at http://{host}:{port}/v1 "
+                      f"(models: {model}); Ctrl-C to stop")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -63,6 +75,58 @@ def serve_command(
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _vllm_args(args: dict):
+    from cluster.serving.vllm_app import VllmAppArgs
+
+    return VllmAppArgs(model_source="", model_id=args["model"],
+                       num_replicas=args["replicas"] or 1, accelerator=args["accelerator"])
+
+
+def _check_fits(app_args) -> None:
+    """Exit 1 at once, naming what is needed, when the app cannot be placed on this Ray
+    cluster's resources: Serve would otherwise wait for them without end."""
+    import ray
+
+    from cluster.serving.vllm_app import INGRESS_CPUS, resources_needed
+
+    needed = resources_needed(app_args)
+    have = ray.cluster_resources()
+    short = {name: count for name, count in needed.items() if have.get(name, 0) < count}
+    if not short:
+        return
+    lines = [f"{count:g} {name}s (this Ray cluster has {have.get(name, 0):g})"
+             for name, count in short.items()]
+    raise _refuse(f"the vLLM app needs {', '.join(lines)}: 1 CPU per LLMServer replica "
+                  f"({app_args.num_replicas}) and {INGRESS_CPUS} for the OpenAI ingress"
+                  + (", 1 GPU per replica" if app_args.accelerator == "gpu" else "")
+                  + ". Pass fewer --replicas, or start Ray with more (ray start --num-cpus N).")
+
+
+def _refuse(message: str) -> typer.Exit:
+    Console(stderr=True).print(f"[red]raykv serve:[/] {message}", soft_wrap=True)
+    return typer.Exit(code=1)
+
+
+def _wait_ready(timeout_s: float) -> None:
+    """Until Serve reports the app running; exit 1 with Serve's reason when it failed or is
+    not running after `timeout_s`."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(APP_NAME)
+        state = app.status if app else None
+        if state == ApplicationStatus.RUNNING:
+            return
+        if state == ApplicationStatus.DEPLOY_FAILED or time.monotonic() > deadline_s:
+            why = "; ".join(f"{name}: {d.message}" for name, d in app.deployments.items()
+                            if d.message) if app else "no application"
+            raise _refuse(f"the app is not ready ({state}) after {timeout_s:g} s: "
+                          f"{app.message if app else ''} {why}")
+        time.sleep(POLL_S)
 
 
 def _build(engine: Engine, args: dict):
@@ -81,4 +145,5 @@ def _build(engine: Engine, args: dict):
 
     model_dir = save_model_dir(os.path.join("out", "models", args["model"]), args["model"])
     return build_app({"model_source": os.path.abspath(model_dir), "model_id": args["model"],
-                      "router": args["router"], "replicas": args["replicas"] or 1})
+                      "router": args["router"], "replicas": args["replicas"] or 1,
+                      "accelerator": args["accelerator"]})

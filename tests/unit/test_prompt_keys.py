@@ -11,7 +11,7 @@ from cluster.core.keys import page_keys
 from cluster.core.spec import ModelSpec
 from cluster.serving.model_dir import save_model_dir
 from cluster.serving.prompt_keys import PromptKeys
-from cluster.serving.vllm_app import CPU_BLOCK_TOKENS, router_settings
+from cluster.serving.vllm_app import router_settings
 
 
 @dataclass
@@ -30,14 +30,15 @@ def model_dir(tmp_path_factory):
 
 
 def test_the_raykv_router_is_configured_from_the_model_dir(model_dir):
-    router, kwargs = router_settings("raykv", model_dir, "tiny-llama", "team")
+    # The engine's dtype and the running service's page size, as build_app passes them.
+    router, kwargs = router_settings("raykv", model_dir, "tiny-llama", "team", "bfloat16", 256)
     assert router == "cluster.serving.router:RaykvRouter"
     spec = kwargs["prompt_keys"]["spec"]
-    assert ModelSpec(**spec) == ModelSpec("tiny-llama", 2, 2, 16, "float32")
-    assert kwargs["prompt_keys"]["page_tokens"] == CPU_BLOCK_TOKENS == 128
-    assert router_settings("pow2", model_dir, "m", "default")[1] == {}
+    assert ModelSpec(**spec) == ModelSpec("tiny-llama", 2, 2, 16, "bfloat16")
+    assert kwargs["prompt_keys"]["page_tokens"] == 256
+    assert router_settings("pow2", model_dir, "m", "default", "float32", 256)[1] == {}
     with pytest.raises(ValueError, match="router"):
-        router_settings("fastest", model_dir, "m", "default")
+        router_settings("fastest", model_dir, "m", "default", "float32", 256)
 
 
 def test_prompts_and_chats_are_keyed_like_the_connector(model_dir):

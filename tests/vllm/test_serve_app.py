@@ -39,7 +39,8 @@ def base_url(model_dir):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # vLLM's own prefix cache off: every cached token the response reports came from raykv.
     # raykv's KV-aware router, keying the text prompts as the connector keys vLLM's pages.
-    router, router_kwargs = router_settings("raykv", model_dir, MODEL_ID, "default")
+    router, router_kwargs = router_settings("raykv", model_dir, MODEL_ID, "default", "float32",
+                                            page_tokens=128)
     args = VllmAppArgs(model_source=model_dir, model_id=MODEL_ID, request_router_class=router,
                        request_router_kwargs=router_kwargs,
                        engine_kwargs={"enable_prefix_caching": False})
