@@ -25,7 +25,8 @@ def serve_command(
     = "raykv",
     engine: Annotated[Engine, typer.Option(help="raykv's transformers engine, or vLLM through "
                                                 "Ray Serve LLM (needs the vllm extra)")] = "raykv",
-    host: Annotated[str, typer.Option(help="HTTP bind address")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="HTTP bind address; any but a loopback one needs "
+                                           "API keys (RAYKV_API_KEYS)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
     address: Annotated[str | None, typer.Option(help="Ray cluster address (default: "
                                                      "RAY_ADDRESS, else a local Ray)")] = None,
@@ -40,8 +41,10 @@ def serve_command(
 
     from cluster.api import _ensure_ray
     from cluster.core.config import CacheConfig
+    from cluster.serving.access import KeysRequired
 
     console = Console()
+    _check_bind(engine, host)
     if address:
         os.environ["RAY_ADDRESS"] = address
     _ensure_ray(CacheConfig())
@@ -50,7 +53,12 @@ def serve_command(
     args = {"model": model, "replicas": replicas, "router": router}
     if admission:
         args["admission"] = json.loads(admission)
-    app = _build(engine, args)
+    try:
+        app = _build(engine, args)
+    except KeysRequired as error:  # e.g. namespaces besides the default, and no keys
+        serve.shutdown()
+        ray.shutdown()
+        raise typer.BadParameter(str(error)) from None
     console.print(f"raykv: deploying {model} ({engine} engine, {router} router) ...")
     serve.run(app, name="raykv", route_prefix="/")
     console.print(f"[bold]serving[/] OpenAI API at http://{host}:{port}/v1 "
@@ -63,6 +71,28 @@ def serve_command(
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _check_bind(engine: Engine, host: str) -> None:
+    """Refuse a non-loopback --host before anything starts: raykv's app needs API keys
+    there, and the vLLM app (Ray Serve LLM's ingress) takes none."""
+    from cluster.serving.access import (
+        Access,
+        api_keys_from_env,
+        is_loopback,
+        require_keys_for_bind,
+    )
+
+    if is_loopback(host):
+        return
+    if engine == "vllm":
+        raise typer.BadParameter(f"{host!r} is not a loopback address, and the vLLM engine's "
+                                 "app takes no API keys: serve it on 127.0.0.1",
+                                 param_hint="--host")
+    try:
+        require_keys_for_bind(Access.of(api_keys_from_env()), host)
+    except ValueError as error:  # KeysRequired, or RAYKV_API_KEYS malformed
+        raise typer.BadParameter(str(error), param_hint="--host") from None
 
 
 def _build(engine: Engine, args: dict):
