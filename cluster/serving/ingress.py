@@ -131,6 +131,9 @@ def serve_bind_host(timeout_s: float = 10.0) -> str | None:
         return None
     try:
         controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:  # no Serve on this cluster (yet)
+        return None
+    try:
         return ray.get(controller.get_http_config.remote(), timeout=timeout_s).host
     except Exception:  # unknown, which the callers take as non-loopback
         log.warning("could not read Serve's HTTP options", exc_info=True)

@@ -41,6 +41,14 @@ def test_a_non_loopback_or_unknown_bind_without_keys_is_refused(host):
     require_keys_for_bind(KEYED, host)  # with keys: fine
 
 
+def test_the_bind_is_unknown_without_ray_and_so_refused():
+    from cluster.serving.ingress import serve_bind_host
+
+    assert serve_bind_host() is None  # no Ray here: nothing to read, and nothing started
+    with pytest.raises(KeysRequired, match="could not be checked"):
+        require_keys_for_bind(Access(), serve_bind_host())
+
+
 def test_loopback_without_keys_is_allowed():
     require_keys_for_bind(Access(), "127.0.0.1")
 
