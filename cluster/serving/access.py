@@ -1,5 +1,5 @@
-"""The ingress's front door, before any body is parsed: a bound on the request's size, and,
-when API keys are configured, a bearer token that names the caller's namespace.
+"""The ingress's front door, before any body is parsed: a bound on the request's size, and
+API keys, each naming the namespace its caller may use.
 
     Authorization: Bearer <key>   ->  the request runs in the namespace that key belongs to;
                                       an x-raykv-namespace header naming another is a 403
@@ -7,36 +7,139 @@ when API keys are configured, a bearer token that names the caller's namespace.
                                       of the body is read; a chunked body is read (at most
                                       the limit) before the app sees it
 
+Without keys, nothing tells callers apart: the app then serves the "default" namespace only
+(a header naming another is a 403, never trusted), and refuses to start where that would
+expose anything (`require_keys_for_namespaces`, `require_keys_for_bind`): when namespaces other
+than "default" are in use, or when HTTP binds anything but a loopback address.
+
+Keys are kept as blake3 digests: the app's arguments, which Serve checkpoints in the GCS (and
+so in its Redis), never hold a usable key.
+
 A pure ASGI middleware: nothing past the limit is ever buffered.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import blake3
 
 from cluster.serving import protocol
 
 NAMESPACE_KEY = "raykv_namespace"  # in the ASGI scope's state: who the key belongs to
+DEFAULT_NAMESPACE = "default"  # the one namespace served without keys
+ENV_VAR = "RAYKV_API_KEYS"
+KEYS_HOWTO = (f"Set API keys: {ENV_VAR}='{{\"<key>\": \"<namespace>\", ...}}' in the Ray nodes' "
+              f"environment (on Kubernetes: env {ENV_VAR} from a Secret, as manifests/kuberay "
+              f"does; see manifests/README.md), or the app's api_keys argument. Without keys "
+              f"raykv serves only the '{DEFAULT_NAMESPACE}' namespace, on a loopback address "
+              f"(127.0.0.1).")
+
+
+class KeysRequired(ValueError):
+    """Serving without API keys would let callers reach what is not theirs."""
+
+
+def key_digest(key: str) -> bytes:
+    """What is kept of an API key (32 bytes of blake3 in its own context)."""
+    return blake3.blake3(key.encode(), derive_key_context="raykv api key v1").digest()
+
+
+def api_keys_from_env() -> dict[str, str]:
+    """RAYKV_API_KEYS (a JSON object: key -> namespace), {} when unset; ValueError when it is
+    not such an object."""
+    raw = os.environ.get(ENV_VAR, "").strip()
+    if not raw:
+        return {}
+    try:
+        keys = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{ENV_VAR} is not JSON ({error.msg}); it must be an object of API "
+                         f"key to namespace, e.g. '{{\"<key>\": \"default\"}}'") from None
+    return check_api_keys(keys, ENV_VAR)
+
+
+def check_api_keys(keys, where: str = "api_keys") -> dict[str, str]:
+    """keys as a dict of non-empty key -> non-empty namespace; ValueError naming `where`."""
+    if not isinstance(keys, dict):
+        raise ValueError(f"{where} must be an object of API key to namespace, "
+                         f"got {type(keys).__name__}")
+    for key, namespace in keys.items():
+        if not isinstance(key, str) or not key.strip() or key != key.strip():
+            raise ValueError(f"{where}: an API key must be a non-empty string without "
+                             f"surrounding spaces")
+        if not isinstance(namespace, str) or not namespace:
+            raise ValueError(f"{where}: the namespace of each key must be a non-empty string")
+    return dict(keys)
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether binding `host` accepts connections from this machine only. Anything else, an
+    unknown host (None) included, counts as reachable from elsewhere."""
+    if not host:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # another host name: it may resolve anywhere
+        return False
 
 
 @dataclass(frozen=True, slots=True)
 class Access:
-    """api_keys: key -> namespace ({} : no key needed); max_request_bytes: a body's limit."""
+    """key_digests: key_digest(key) -> namespace ({}: no key needed, and only the default
+    namespace served); max_request_bytes: a body's limit."""
 
-    api_keys: dict[str, str] = field(default_factory=dict)
+    key_digests: dict[bytes, str] = field(default_factory=dict)
     max_request_bytes: int = 1 << 20
+
+    @classmethod
+    def of(cls, api_keys: dict[str, str], max_request_bytes: int = 1 << 20) -> Access:
+        """From plain keys (key -> namespace); only their digests are kept."""
+        digests = {key_digest(key): namespace for key, namespace in api_keys.items()}
+        return cls(digests, max_request_bytes)
+
+    @property
+    def keyed(self) -> bool:
+        return bool(self.key_digests)
 
     def namespace_of(self, authorization: str | None) -> str | None:
         """The key's namespace, or None for a missing or wrong key (compared in constant time)."""
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key:
+        if scheme.lower() != "bearer" or not key.strip():
             return None
-        for known, namespace in self.api_keys.items():
-            if hmac.compare_digest(known.encode(), key.strip().encode()):
+        presented = key_digest(key.strip())
+        for known, namespace in self.key_digests.items():
+            if hmac.compare_digest(known, presented):
                 return namespace
         return None
+
+
+def require_keys_for_namespaces(access: Access, namespaces: Iterable[str]) -> None:
+    """KeysRequired when there are no keys and namespaces other than the default are in use:
+    keyless, any caller could name any of them (read their prefixes' cached_tokens, spend
+    their rate limits)."""
+    others = sorted(set(namespaces) - {DEFAULT_NAMESPACE})
+    if others and not access.keyed:
+        raise KeysRequired(f"raykv's Serve app refuses to start without API keys: namespaces "
+                           f"other than '{DEFAULT_NAMESPACE}' are in use ({', '.join(others)}), "
+                           f"and without keys any caller could use any of them. {KEYS_HOWTO}")
+
+
+def require_keys_for_bind(access: Access, bind_host: str | None) -> None:
+    """KeysRequired when there are no keys and HTTP binds a non-loopback (or unknown) host."""
+    if access.keyed or is_loopback(bind_host):
+        return
+    where = f"{bind_host!r}" if bind_host else "an address that could not be checked"
+    raise KeysRequired(f"raykv's Serve app refuses to start without API keys: its HTTP binds "
+                       f"{where}, not a loopback address, so any host that reaches it could "
+                       f"call it. {KEYS_HOWTO}")
 
 
 # One ingress per replica process: its settings, set when it starts (the middleware is built
@@ -58,7 +161,7 @@ class AccessMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
-        if self.access.api_keys:
+        if self.access.keyed:
             namespace = self.access.namespace_of(headers.get("authorization"))
             if namespace is None:
                 return await _reply(send, 401, "Incorrect API key provided: pass "

@@ -9,22 +9,26 @@ settings given, else the defaults) and returns the application. `raykv serve` ca
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Literal
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve.config import RequestRouterConfig
 
-from cluster.api import ensure_running
+from cluster.api import ensure_running, quotas
 from cluster.core.config import CacheConfig
 from cluster.core.membership import kv_nodes
 from cluster.core.spec import ModelSpec
-from cluster.serving.access import Access
+from cluster.serving.access import (
+    Access,
+    api_keys_from_env,
+    check_api_keys,
+    require_keys_for_bind,
+    require_keys_for_namespaces,
+)
 from cluster.serving.deployments import EngineDeployment
 from cluster.serving.engine import EngineConfig
-from cluster.serving.ingress import Ingress, IngressSettings
+from cluster.serving.ingress import Ingress, IngressSettings, serve_bind_host
 from cluster.serving.model import SHAPES
 from policies.admission import AdmissionLimits, TenantLimits
 
@@ -72,11 +76,6 @@ class AdmissionArgs(BaseModel):
                                self.default_tenant.limits())
 
 
-def _api_keys_from_env() -> dict[str, str]:
-    raw = os.environ.get("RAYKV_API_KEYS")
-    return json.loads(raw) if raw else {}
-
-
 class AppArgs(BaseModel):
     """What `serve run ... key=value` or `raykv serve` may set."""
 
@@ -95,16 +94,35 @@ class AppArgs(BaseModel):
     cache: dict | None = Field(None, description="CacheConfig fields, used when raykv is not "
                                "running yet")
     admission: AdmissionArgs = Field(default_factory=AdmissionArgs)
-    api_keys: dict[str, str] = Field(default_factory=_api_keys_from_env, description="bearer "
-                                     "keys -> the namespace each may use ({}: no key needed; "
-                                     "default: RAYKV_API_KEYS, a JSON object)")
+    api_keys: dict[str, str] = Field(default_factory=api_keys_from_env, description="bearer "
+                                     "keys -> the namespace each may use (default: "
+                                     "RAYKV_API_KEYS, a JSON object). Without keys only the "
+                                     "default namespace is served, and only on a loopback "
+                                     "bind: the app refuses to start otherwise")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="a request body's limit (413)")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys_valid(cls, value):
+        return check_api_keys(value)
 
 
 def ensure_cache(cache: dict | None) -> CacheConfig:
     """The running service's config (a running service is adopted as it is, and a warning
     names what differs from `cache`); the service is started with `cache` when none runs."""
     return ensure_running(CacheConfig(**(cache or {})))
+
+
+def require_keys(front_door: Access, settings: AppArgs) -> None:
+    """Refuse (KeysRequired) to build a keyless app that would serve namespaces other than
+    the default (registered on the service, or given admission settings), or bind HTTP
+    beyond loopback. The bind is checked here when Serve already runs, and again by each
+    ingress replica as it starts (a builder may run before Serve does)."""
+    namespaces = {*quotas()["namespaces"], *settings.admission.tenants}
+    require_keys_for_namespaces(front_door, namespaces)
+    bind_host = serve_bind_host()
+    if bind_host is not None:
+        require_keys_for_bind(front_door, bind_host)
 
 
 def build_app(args: dict | None = None):
@@ -123,7 +141,8 @@ def build_app(args: dict | None = None):
                            "resources": {config.node_resource: 0.001}},
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[settings.router]),
     ).bind(engine_config, settings.model)
+    front_door = Access.of(settings.api_keys, settings.max_request_bytes)
+    require_keys(front_door, settings)
     ingress = IngressSettings(settings.max_context_tokens, settings.default_max_tokens,
-                              settings.admission.limits(),
-                              Access(settings.api_keys, settings.max_request_bytes))
+                              settings.admission.limits(), front_door)
     return Ingress.bind(engine, ModelSpec.preset(settings.model), ingress)

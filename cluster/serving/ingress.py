@@ -104,15 +104,40 @@ class IngressSettings:
 
 def _namespace(request: Request) -> str:
     """The request's namespace: its API key's when keys are configured (a header naming
-    another one is refused), else the x-raykv-namespace header, else "default"."""
-    asked = request.headers.get("x-raykv-namespace")
+    another one is refused), else "default". Without keys a header naming another namespace
+    is refused too: nothing tells that caller from any other, so it would read (through
+    cached_tokens) and spend (its rate limit) another tenant's cache."""
+    asked = request.headers.get("x-raykv-namespace") or None
     owned = request.scope.get("state", {}).get(access.NAMESPACE_KEY)
     if owned is None:
-        return asked or "default"
+        if asked not in (None, access.DEFAULT_NAMESPACE):
+            raise ApiError(403, f"namespace {asked!r} needs an API key: without API keys this "
+                           f"server serves only the {access.DEFAULT_NAMESPACE!r} namespace",
+                           "permission_error", "namespace_forbidden")
+        return access.DEFAULT_NAMESPACE
     if asked is not None and asked != owned:
         raise ApiError(403, f"this API key may not use namespace {asked!r}", "permission_error",
                        "namespace_forbidden")
     return owned
+
+
+def serve_bind_host(timeout_s: float = 10.0) -> str | None:
+    """The host Serve's HTTP proxies bind, as Serve's controller holds it (its http_options),
+    or None where it cannot be read: no Ray, no Serve controller, no answer in time."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    if not ray.is_initialized():
+        return None
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:  # no Serve on this cluster (yet)
+        return None
+    try:
+        return ray.get(controller.get_http_config.remote(), timeout=timeout_s).host
+    except Exception:  # unknown, which the callers take as non-loopback
+        log.warning("could not read Serve's HTTP options", exc_info=True)
+        return None
 
 
 def _usage(chunk: Chunk) -> dict:
@@ -180,6 +205,9 @@ class Ingress:
     """OpenAI-compatible HTTP in front of the engine deployment."""
 
     def __init__(self, engine, spec: ModelSpec, settings: IngressSettings):
+        # Checked here too, not only when the app is built: a builder may run before Serve
+        # (`serve run`), while a replica always runs under the controller that binds HTTP.
+        access.require_keys_for_bind(settings.access, serve_bind_host())
         self.engine = engine.options(stream=True)
         self.spec = spec
         self.config = running_config()

@@ -12,6 +12,7 @@ the recompute baseline. It prints what the cache did and writes a PNG.
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import tempfile
 import time
@@ -68,19 +69,24 @@ def _engine_stats() -> list[dict]:
     return list({r["replica"]: r for r in (reply.result() for reply in replies)}.values())
 
 
-def run_workload(url: str, console) -> dict:
+def tenant_keys() -> dict[str, str]:
+    """A fresh API key per tenant (namespace -> key): the app serves tenants only with keys."""
+    return {tenant: secrets.token_urlsafe(24) for tenant in TENANTS}
+
+
+def run_workload(url: str, console, keys: dict[str, str]) -> dict:
     from rich.progress import Progress
 
     trace = make_trace(SHAPE, TENANTS)
     total = sum(len(s.users) for s in trace)
     with Progress(console=console) as progress:
         task = progress.add_task("chats with the cache", total=total)
-        cached = Replay(url, MODEL, CONCURRENCY).run(
+        cached = Replay(url, MODEL, CONCURRENCY, bearer_keys=keys).run(
             trace, on_record=lambda _: progress.advance(task))
         hits = _node_hits()
         engines = _engine_stats()
         task = progress.add_task("the same chats, uncachable (recompute)", total=total)
-        recompute = Replay(url, MODEL, CONCURRENCY, prefix=_uncachable).run(
+        recompute = Replay(url, MODEL, CONCURRENCY, prefix=_uncachable, bearer_keys=keys).run(
             trace, on_record=lambda _: progress.advance(task))
     remote_pages = sum(c.get("remote_pages", 0) for e in engines
                        for c in e.get("clients", {}).values())
@@ -198,9 +204,11 @@ def run_demo(png_path: Path, num_nodes: int) -> dict:
             nodes = start(cache_config(disk_dir))["nodes"]
             url = start_serve(free_port())
             console.print(f"raykv on {len(nodes)} nodes; deploying the Serve app ...")
-            deploy({"model": MODEL, "engine_num_cpus": 0, "max_ongoing_requests": 2})
+            keys = tenant_keys()
+            deploy({"model": MODEL, "engine_num_cpus": 0, "max_ongoing_requests": 2,
+                    "api_keys": {key: tenant for tenant, key in keys.items()}})
             console.print(f"OpenAI API at {url}/v1 ({time.perf_counter() - start_s:.0f} s)")
-            figures = run_workload(url, console)
+            figures = run_workload(url, console, keys)
             show_operations(console)
     finally:
         shutil.rmtree(disk_dir, ignore_errors=True)

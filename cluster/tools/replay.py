@@ -217,12 +217,15 @@ def prompt_text(request: TraceRequest) -> str:
     return f"[{request.prefix_id}] {prefix[: request.prefix_tokens]} #{request.request_id}"
 
 
-def _post(url: str, model: str, request: TraceRequest, start_wall_s: float) -> Outcome:
+def _post(url: str, model: str, request: TraceRequest, start_wall_s: float,
+          bearer_keys: dict[str, str]) -> Outcome:
     import requests
 
     time.sleep(max(0.0, start_wall_s + request.arrival_s - time.time()))
     begin_wall_s = time.time()
     headers = {"x-raykv-namespace": request.tenant, "x-raykv-priority": request.priority}
+    if request.tenant in bearer_keys:
+        headers["authorization"] = f"Bearer {bearer_keys[request.tenant]}"
     body = {"model": model, "prompt": prompt_text(request), "max_tokens": 2}
     cached = 0
     try:
@@ -238,11 +241,13 @@ def _post(url: str, model: str, request: TraceRequest, start_wall_s: float) -> O
                    request.prefix_tokens, cached, 0, status)
 
 
-def replay_http(trace: list[TraceRequest], url: str, model: str,
-                max_connections: int = 64) -> list[Outcome]:
-    """Run `trace` against the Serve app at `url` (every request as `model`); an Outcome's
-    fetch_s is the whole request's latency there, its status the HTTP status."""
+def replay_http(trace: list[TraceRequest], url: str, model: str, max_connections: int = 64,
+                bearer_keys: dict[str, str] | None = None) -> list[Outcome]:
+    """Run `trace` against the Serve app at `url` (every request as `model`, each with its
+    tenant's API key in `bearer_keys`, namespace -> key, where the app has keys); an
+    Outcome's fetch_s is the whole request's latency there, its status the HTTP status."""
     start_wall_s = time.time() + START_DELAY_S
+    keys = bearer_keys or {}
     with ThreadPoolExecutor(max_connections) as pool:
-        futures = [pool.submit(_post, url, model, r, start_wall_s) for r in trace]
+        futures = [pool.submit(_post, url, model, r, start_wall_s, keys) for r in trace]
         return [f.result() for f in futures]

@@ -30,7 +30,8 @@ def serve_command(
                                                 "Ray Serve LLM (needs the vllm extra)")] = "raykv",
     accelerator: Annotated[Accelerator, typer.Option(help="vLLM on its CPU backend (float32) "
                                                           "or on GPUs (bf16)")] = "cpu",
-    host: Annotated[str, typer.Option(help="HTTP bind address")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="HTTP bind address; any but a loopback one needs "
+                                           "API keys (RAYKV_API_KEYS)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
     address: Annotated[str | None, typer.Option(help="Ray cluster address (default: "
                                                      "RAY_ADDRESS, else a local Ray)")] = None,
@@ -48,8 +49,10 @@ def serve_command(
 
     from cluster.api import _ensure_ray
     from cluster.core.config import CacheConfig
+    from cluster.serving.access import KeysRequired
 
     console = Console()
+    _check_bind(engine, host)
     if address:
         os.environ["RAY_ADDRESS"] = address
     _ensure_ray(CacheConfig())
@@ -61,7 +64,12 @@ def serve_command(
         _check_fits(_vllm_args(args))  # refused in seconds, not stuck unscheduled
     serve.start(http_options={"host": host, "port": port},
                 logging_config={"log_level": logging.WARNING})
-    app = _build(engine, args)
+    try:
+        app = _build(engine, args)
+    except KeysRequired as error:  # e.g. namespaces besides the default, and no keys
+        serve.shutdown()
+        ray.shutdown()
+        raise typer.BadParameter(str(error)) from None
     console.print(f"raykv: deploying {model} ({engine} engine, {router} router) ...")
     try:
         serve._run(app, _blocking=False, name=APP_NAME, route_prefix="/")
@@ -127,6 +135,28 @@ def _wait_ready(timeout_s: float) -> None:
             raise _refuse(f"the app is not ready ({state}) after {timeout_s:g} s: "
                           f"{app.message if app else ''} {why}")
         time.sleep(POLL_S)
+
+
+def _check_bind(engine: Engine, host: str) -> None:
+    """Refuse a non-loopback --host before anything starts: raykv's app needs API keys
+    there, and the vLLM app (Ray Serve LLM's ingress) takes none."""
+    from cluster.serving.access import (
+        Access,
+        api_keys_from_env,
+        is_loopback,
+        require_keys_for_bind,
+    )
+
+    if is_loopback(host):
+        return
+    if engine == "vllm":
+        raise typer.BadParameter(f"{host!r} is not a loopback address, and the vLLM engine's "
+                                 "app takes no API keys: serve it on 127.0.0.1",
+                                 param_hint="--host")
+    try:
+        require_keys_for_bind(Access.of(api_keys_from_env()), host)
+    except ValueError as error:  # KeysRequired, or RAYKV_API_KEYS malformed
+        raise typer.BadParameter(str(error), param_hint="--host") from None
 
 
 def _build(engine: Engine, args: dict):

@@ -100,6 +100,7 @@ class Replay:
     prefix: Callable[[int, int], str] | None = None  # (session, turn) -> text put first
     timeout_s: float = 120.0
     records: list[Record] = field(default_factory=list)
+    bearer_keys: dict[str, str] = field(default_factory=dict)  # namespace -> its API key
 
     def run(self, sessions: list[Session], on_record=None) -> list[Record]:
         work: queue.Queue = queue.Queue()
@@ -144,6 +145,8 @@ class Replay:
         body = {"model": self.model, "messages": messages, "max_tokens": session.max_tokens,
                 "stream": session.stream, "stream_options": {"include_usage": True}}
         headers = {"x-raykv-namespace": session.namespace}
+        if session.namespace in self.bearer_keys:
+            headers["authorization"] = f"Bearer {self.bearer_keys[session.namespace]}"
         record = Record(session.tenant, 0, 0, 0)
         start_s = time.perf_counter()
         try:

@@ -19,6 +19,8 @@ from cluster.tools.redis_server import free_port
 MODEL = "tiny-llama"
 ADMISSION = {"max_in_flight": 1, "max_queued": 1, "max_wait_s": 1.0,
              "tenants": {"acme": {"rate_per_s": 0.2, "burst": 1}}}
+KEYS = {"default": "key-default", "acme": "key-acme"}  # two tenants: keys are required
+AUTH = {"authorization": f"Bearer {KEYS['default']}"}
 
 
 @pytest.fixture(scope="module")
@@ -29,20 +31,22 @@ def url(ray_cluster, disk_root):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
     serve.run(build_app({"model": MODEL, "engine_num_cpus": 0, "max_ongoing_requests": 2,
-                         "max_context_tokens": 2048, "admission": ADMISSION}),
+                         "max_context_tokens": 2048, "admission": ADMISSION,
+                         "api_keys": {key: namespace for namespace, key in KEYS.items()}}),
               name="raykv", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
 
 def post(url: str, headers: dict | None = None, max_tokens: int = 4) -> requests.Response:
-    return requests.post(f"{url}/v1/completions", headers=headers or {}, timeout=60,
+    return requests.post(f"{url}/v1/completions", headers={**AUTH, **(headers or {})},
+                         timeout=60,
                          json={"model": MODEL, "prompt": "kettles " * 20,
                                "max_tokens": max_tokens})
 
 
 def test_a_tenant_over_its_rate_gets_429_rate_limited(url):
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS["acme"], max_retries=0,
                            default_headers={"x-raykv-namespace": "acme"})
     client.completions.create(model=MODEL, prompt="first", max_tokens=2)
     with pytest.raises(openai.RateLimitError) as refused:
@@ -66,7 +70,7 @@ def test_a_burst_past_slots_and_queue_is_429_overloaded_not_a_hang(url):
     assert refused.json()["error"]["code"] == "overloaded"
     assert int(refused.headers["retry-after"]) >= 1
     assert elapsed_s < 60
-    gate = requests.get(f"{url}/v1/raykv/admission", timeout=30).json()
+    gate = requests.get(f"{url}/v1/raykv/admission", headers=AUTH, timeout=30).json()
     assert gate["in_flight"] == 0 and gate["waiting"] == [0, 0, 0]
 
 
@@ -85,7 +89,7 @@ def test_a_spiky_trace_replayed_over_http_is_answered_or_refused(url):
                        ramp_s=0.5, num_prefixes=6, prefix_pages=(1, 2), page_tokens=16,
                        models=(MODEL,), tenants=("default", "acme"), seed=5)
     trace = make_trace(shape)
-    outcomes = replay_http(trace, url, MODEL)
+    outcomes = replay_http(trace, url, MODEL, bearer_keys=KEYS)
     statuses = [o.status for o in outcomes]
     assert len(outcomes) == len(trace) and set(statuses) <= {200, 429}, statuses
     assert statuses.count(429) >= 1 and statuses.count(200) >= 1

@@ -280,9 +280,12 @@ def _secret_ref(env_entry: dict) -> tuple[str, str]:
     return ref["name"], ref["key"]
 
 
+REDIS_SECRET = ("raykv-redis", "password")  # created by the operator (manifests/README.md)
+
+
 def test_one_redis_for_gcs_fault_tolerance_and_the_directory():
-    secret, service = the("Secret"), the("Service")
-    secret_ref = (secret["metadata"]["name"], next(iter(secret["stringData"])))
+    service = the("Service")
+    secret_ref = REDIS_SECRET
     address = f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
     (redis,) = the("Deployment")["spec"]["template"]["spec"]["containers"]
     assert _secret_ref(env_of(redis)["REDIS_PASSWORD"]) == secret_ref
@@ -309,6 +312,8 @@ def test_the_key_secret_comes_from_a_secret_never_a_literal():
             entry = env_of(pod_spec["containers"][0])["RAYKV_KEY_SECRET"]
             assert "value" not in entry, (label, group)
             assert _secret_ref(entry) == ("raykv-key-secret", "secret"), (label, group)
+            # required: without it the pod waits, rather than run with a secret kept in Redis
+            assert not entry["valueFrom"]["secretKeyRef"].get("optional"), (label, group)
 
 
 # ---- one Ray, one raykv -----------------------------------------------------------------------

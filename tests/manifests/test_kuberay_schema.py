@@ -15,7 +15,8 @@ from tests.manifests._manifests import SCHEMAS, kubernetes_docs
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rayservices.yaml",
              "RayJob": "ray.io_rayjobs.yaml"}
 CORE_KINDS = {"Secret": "v1", "Service": "v1", "PersistentVolumeClaim": "v1",
-              "Deployment": "apps/v1", "StorageClass": "storage.k8s.io/v1"}
+              "Deployment": "apps/v1", "StorageClass": "storage.k8s.io/v1",
+              "NetworkPolicy": "networking.k8s.io/v1"}  # its schema: test_security.py
 _SCHEMA_LISTS = ("anyOf", "allOf", "oneOf")
 
 
