@@ -15,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+from cluster.core.dataplane.auth import Authority
 from cluster.core.dataplane.endpoint import Endpoint
 from cluster.core.dataplane.pull import pull_pages
 from tests.unit._fakes import drive
@@ -93,7 +94,8 @@ def test_a_pull_whose_receive_outlives_its_lease_overwrites_no_other_page(stores
 
     async def scenario() -> int | None:
         pulling = asyncio.ensure_future(
-            pull_pages(store, transport, endpoint, (G, [key(50)], ""), 5.0))
+            pull_pages(store, transport, endpoint,
+                       (G, [key(50)], "", Authority.of_node(b"p" * 32, b"n" * 32)), 5.0))
         await asyncio.to_thread(transport.started.wait, 10)
         assert store.expire(FAR_FUTURE_S) == 1  # the pull's reservation lapses mid-receive
         for i in range(6):  # more pages than the host tier holds: every free slot reused

@@ -178,9 +178,9 @@ def ratios_of(faults: dict, soak: dict) -> dict[str, float]:
                                + soak["client_errors"] + faults["fuzz"]["failures"]),
         "fuzz_cases": float(faults["fuzz"]["cases"])}
     ratios.update({f"recovery_s_{name}": f["recovery_s"] for name, f in per_fault.items()})
-    stalled = per_fault["stalled_writer"]
-    ratios.update({"stalled_writer_wrong_bytes": float(stalled["wrong_bytes"]),
-                   "stalled_writes": float(stalled["stalled_writes"])})
+    stalled = per_fault.get("stalled_writer", {})  # absent: 0 stalled writes, which fails
+    ratios.update({"stalled_writer_wrong_bytes": float(stalled.get("wrong_bytes", 0)),
+                   "stalled_writes": float(stalled.get("stalled_writes", 0))})
     ratios.update({name: faults_security.read_ratio(per_fault.get(fault, {}))
                    for name, fault in faults_security.RATIOS.items()})
     ratios.update({"soak_rss_growth": soak["rss_growth"], "soak_leases": float(soak["leases"]),
