@@ -280,3 +280,18 @@ def test_a_request_mac_is_one_cheap_pass_over_the_keys():
         wire.encode_request(wire.ReadRequest(G, keys), authority, bytes(32))
     per_request_s = (time.perf_counter() - started_s) / 100
     assert per_request_s < 0.005  # 4096 pages (a long prompt): well under the transfer
+
+
+def test_the_page_port_is_a_setting_and_a_start_option():
+    from pydantic import ValidationError
+    from typer.testing import CliRunner
+
+    from cluster.core.config import CacheConfig
+    from cluster.tools.cli import app
+
+    assert CacheConfig().page_port == 7460 and CacheConfig(page_port=0).page_port == 0
+    for bad in (-1, 65530):  # the range [page_port, page_port + 16) must fit
+        with pytest.raises(ValidationError):
+            CacheConfig(page_port=bad)
+    result = CliRunner().invoke(app, ["start", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "--page-port" in result.output

@@ -258,20 +258,27 @@ class DiskArena:
         if not freed:
             return 0
         assert not self._closed, "disk arena is closed"
-        self._run(self._zero_one, [(slot,) for slot in freed])
-        self._count(written_bytes=HEADER_BYTES * len(freed))
+        errors = [error for error in self._run(self._zero_one, [(slot,) for slot in freed])
+                  if error is not None]
+        self._count(written_bytes=HEADER_BYTES * (len(freed) - len(errors)))
+        if errors:
+            logger.warning("disk tier in %s: zeroing the headers of %d freed slots failed "
+                           "(their pages may come back after a restart): %s", self.dir_path,
+                           len(errors), errors[0])
         with self._lock:
             for slot in freed:
                 self._slots.free(slot)
         return len(freed)
 
-    def _zero_one(self, slot: int) -> None:
+    def _zero_one(self, slot: int) -> OSError | None:
         fd, offset = self._locate(slot)
         try:
+            if self.faults is not None:
+                self.faults.before_io(writing=True)
             pwritev_all(fd, [self._zero_header], offset)
+            return None
         except OSError as error:
-            logger.warning("disk tier: zeroing the header of freed slot %d failed: %s", slot,
-                           error)
+            return error
 
     @property
     def slots(self) -> ChunkedSlots:
