@@ -28,6 +28,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.core.config import CacheConfig
+from cluster.serving.access import Access, api_keys_from_env, check_api_keys
 from cluster.serving.vllm_service import RaykvSettings
 
 log = logging.getLogger("raykv.vllm")
@@ -53,6 +54,8 @@ class VllmAppArgs:
     accelerator           "cpu" (vLLM's CPU backend: float32, one CPU per replica) or "gpu"
                           (one GPU per replica, bf16 unless engine_kwargs name a dtype)
     kv_cache_gib          vLLM's own KV space per replica on CPU (VLLM_CPU_KVCACHE_SPACE)
+    api_keys              bearer key -> namespace (default: RAYKV_API_KEYS); without keys the
+                          app starts only on a loopback bind (cluster/serving/vllm_ingress.py)
     """
 
     model_source: str
@@ -64,6 +67,7 @@ class VllmAppArgs:
     engine_kwargs: dict = field(default_factory=dict)
     accelerator: str = "cpu"
     kv_cache_gib: int = 1
+    api_keys: dict = field(default_factory=api_keys_from_env)
 
     def __post_init__(self):
         if self.accelerator not in ENGINE_DTYPES:
@@ -150,7 +154,25 @@ def build_vllm_app(args: VllmAppArgs, cache: CacheConfig | None = None):
                          f"raykv service's pages are {running.page_tokens}: build its settings "
                          "with router_settings(..., page_tokens=<the service's>)")
     address = ray.get_runtime_context().gcs_address
-    return build_openai_app({"llm_configs": [llm_config(args, address)]})
+    return build_openai_app({"llm_configs": [llm_config(args, address)],
+                             "ingress_cls_config": keyed_ingress(args)})
+
+
+def keyed_ingress(args: VllmAppArgs) -> dict:
+    """Ray Serve LLM's ingress_cls_config for raykv's keyed OpenAI ingress. Refuses
+    (KeysRequired) a keyless app where Serve already binds beyond loopback; each ingress
+    replica checks again as it starts (Serve may start after this builder runs)."""
+    from cluster.serving.access import require_keys_for_bind
+    from cluster.serving.ingress import serve_bind_host
+    from cluster.serving.vllm_ingress import KeyedOpenAiIngress
+
+    access = Access.of(check_api_keys(args.api_keys))
+    bind_host = serve_bind_host()
+    if bind_host is not None:
+        require_keys_for_bind(access, bind_host)
+    return {"ingress_cls": KeyedOpenAiIngress,
+            "ingress_extra_kwargs": {"key_digests": access.key_digests,
+                                     "namespace": args.namespace}}
 
 
 def router_settings(router: str, model_source: str, model_id: str, namespace: str,

@@ -52,7 +52,7 @@ def serve_command(
     from cluster.serving.access import KeysRequired
 
     console = Console()
-    _check_bind(engine, host)
+    _check_bind(host)
     if address:
         os.environ["RAY_ADDRESS"] = address
     _ensure_ray(CacheConfig())
@@ -137,9 +137,9 @@ def _wait_ready(timeout_s: float) -> None:
         time.sleep(POLL_S)
 
 
-def _check_bind(engine: Engine, host: str) -> None:
-    """Refuse a non-loopback --host before anything starts: raykv's app needs API keys
-    there, and the vLLM app (Ray Serve LLM's ingress) takes none."""
+def _check_bind(host: str) -> None:
+    """Refuse a non-loopback --host without API keys before anything starts: both apps (raykv's
+    and the vLLM one, behind raykv's keyed ingress) need them there."""
     from cluster.serving.access import (
         Access,
         api_keys_from_env,
@@ -149,10 +149,6 @@ def _check_bind(engine: Engine, host: str) -> None:
 
     if is_loopback(host):
         return
-    if engine == "vllm":
-        raise typer.BadParameter(f"{host!r} is not a loopback address, and the vLLM engine's "
-                                 "app takes no API keys: serve it on 127.0.0.1",
-                                 param_hint="--host")
     try:
         require_keys_for_bind(Access.of(api_keys_from_env()), host)
     except ValueError as error:  # KeysRequired, or RAYKV_API_KEYS malformed
