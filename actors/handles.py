@@ -171,8 +171,9 @@ class NodeHandle:
     def descriptors(self, geometry: PageGeometry):
         return self.actor.descriptors.remote(geometry)
 
-    def reserve(self, geometry: PageGeometry, keys: list[PageKey], namespace: str = ""):
-        return self.actor.reserve.remote(geometry, keys, namespace)
+    def reserve(self, geometry: PageGeometry, keys: list[PageKey], namespace: str = "",
+                tier: int | None = None):
+        return self.actor.reserve.remote(geometry, keys, namespace, tier)
 
     def commit(self, reservation_id: int):
         return self.actor.commit.remote(reservation_id)

@@ -243,12 +243,14 @@ class NodeCacheActor:
         await self.ready()
         return self.store.pool(geometry).geometry.page_bytes
 
-    async def reserve(self, geometry: PageGeometry, keys: list[PageKey], namespace: str = ""):
-        """(stamp, reservation_id, slots): see NodeStore.reserve; each slot as (tier, slot,
-        generation), which the client's copy checks under the slot's write fence. Then, after
-        answering, the next memory chunk is readied ahead of the puts that will need it."""
+    async def reserve(self, geometry: PageGeometry, keys: list[PageKey], namespace: str = "",
+                      tier: int | None = None):
+        """(stamp, reservation_id, slots): see NodeStore.reserve (tier None: the fastest with
+        room); each slot as (tier, slot, generation), which the client's copy checks under the
+        slot's write fence. Then, after answering, the next memory chunk is readied ahead of
+        the puts that will need it."""
         await self.ready()
-        reservation_id, slots = await self.store.reserve(geometry, keys, None, namespace)
+        reservation_id, slots = await self.store.reserve(geometry, keys, tier, namespace)
         places = self.store.pool(geometry).places(slots)
         self._grow_soon(geometry)
         return self._stamp(geometry), reservation_id, places

@@ -26,7 +26,7 @@ from cluster.core.config import CacheConfig
 from cluster.core.copies import copy_pages
 from cluster.core.dataplane.auth import ClientSecrets
 from cluster.core.dataplane.transport import make_transport
-from cluster.core.geometry import PageGeometry
+from cluster.core.geometry import HOST, PageGeometry
 from cluster.core.keys import KeyChain, PageKey
 from cluster.core.kvcheck import check_kv, check_out, page_slices
 from cluster.core.spec import ModelSpec
@@ -182,22 +182,43 @@ class KVClient:
         view = self.view
         if view.local is None:
             return (yield from self._put_remote(keys, kv))
-        (reply,) = yield Wait([view.home.reserve(self.geometry, keys, self.namespace)])
-        if failed(reply):
-            view.note_failures([reply])
+        reserved = yield from self._reserve_mapped(keys)
+        if reserved is None:
             return 0
-        stamp, reservation_id, slots = reply
-        mine = [(p, slot) for p, slot in enumerate(slots) if slot is not None]
+        reservation_id, slots, mine = reserved
         if mine:
-            if not (yield from view.slabs.ensure(stamp)):
-                view.home.abort(reservation_id)
-                return 0
             view.slabs.prefault()  # chunks the node readied ahead since the last put
             slots = slots[: (yield from self._copy_in(keys, kv, reservation_id, mine))]
             view.slabs.prefault()  # and the one it readied after this reserve
         stored_tokens = len(slots) * self.page_tokens  # the prefix that is stored now
         view.counters["put_tokens"] += stored_tokens
         return stored_tokens
+
+    def _reserve_mapped(self, keys: list[PageKey], tier: int | None = None) -> Steps:
+        """reserve (one call), and map what it names: (reservation_id, slots, ours as
+        (position, place)), or None when nothing can be put. A VRAM slot on a GPU this process
+        does not see (a worker that sees a renumbered subset of the node's GPUs) cannot be
+        written here: that reservation goes back and the pages are reserved in host memory
+        instead (one more call), so the put still lands."""
+        view = self.view
+        (reply,) = yield Wait([view.home.reserve(self.geometry, keys, self.namespace, tier)])
+        if failed(reply):
+            view.note_failures([reply])
+            return None
+        stamp, reservation_id, slots = reply
+        mine = [(p, slot) for p, slot in enumerate(slots) if slot is not None]
+        if not mine:
+            return reservation_id, slots, mine
+        if not (yield from view.slabs.ensure(stamp)):
+            view.home.abort(reservation_id)
+            return None
+        if len(view.slabs.pages([place for _, place in mine])) == len(mine):
+            return reservation_id, slots, mine
+        view.home.abort(reservation_id)
+        view.counters["unmapped_pages"] += 1
+        if tier == HOST:  # host memory is always mapped: only a torn mapping gets here
+            return None
+        return (yield from self._reserve_mapped(keys, HOST))
 
     def _copy_in(self, keys: list[PageKey], kv: torch.Tensor, reservation_id: int,
                  mine: list) -> Steps[int]:

@@ -91,16 +91,18 @@ class FakeNode:
         return self._call("touch", len(keys))
 
     # puts: reserve in `put_tier` (the host arena unless told), commit makes them visible
-    def reserve(self, geometry: PageGeometry, keys: list, namespace: str = ""):
+    def reserve(self, geometry: PageGeometry, keys: list, namespace: str = "",
+                tier: int | None = None):
+        put_tier = self.put_tier if tier is None else tier
         slots = []
         for key in keys:
             if key in self.pages:
                 slots.append(None)
                 continue
-            slot = self.arenas[self.put_tier].alloc()
+            slot = self.arenas[put_tier].alloc()
             if slot is None:
                 break
-            slots.append((self.put_tier, slot, self.arenas[self.put_tier].generation(slot)))
+            slots.append((put_tier, slot, self.arenas[put_tier].generation(slot)))
         self.reserved = dict(zip(keys, slots, strict=False))
         return self._call("reserve", (self.stamp(), 42, slots))
 

@@ -13,7 +13,7 @@ import torch
 
 from cluster.client import KVClient
 from cluster.core.config import CacheConfig
-from cluster.core.geometry import DEVICE, PageGeometry
+from cluster.core.geometry import DEVICE, HOST, PageGeometry
 from cluster.core.keys import page_keys
 from cluster.core.spec import ModelSpec
 from cluster.core.tiers.chunks import Share, TierBudget
@@ -187,16 +187,21 @@ def test_a_chunk_granted_after_the_client_mapped_is_mapped_before_the_copy(prefi
     world.close()
 
 
-def test_a_page_in_a_chunk_the_client_cannot_map_fails_the_put_and_frees_its_slots(
-        prefix, monkeypatch):
-    """A chunk on a GPU this process does not see: the put stores nothing, raises nothing,
-    and its reservation is given back."""
+def test_a_put_into_chunks_the_client_cannot_map_lands_in_host_memory(prefix, monkeypatch):
+    """VRAM chunks on a GPU this process does not see (a worker shown one of the node's GPUs):
+    the device reservation goes back and the pages are reserved, written and committed in
+    host memory instead; nothing raises and nothing is lost."""
     world = World(prefix)
     monkeypatch.setattr(DeviceMaps, "_open", lambda self, handle: None)
-    assert world.put(list(range(2 * PAGE_TOKENS)), kv_of(1.0, 2)) == 0
-    assert world.node.calls[-1] == "abort" and "commit" not in world.node.calls
+    tokens = list(range(2 * PAGE_TOKENS))
+    assert world.put(tokens, kv_of(1.0, 2)) == 2 * PAGE_TOKENS
+    calls = world.node.calls
+    assert calls[calls.index("abort") + 1:] == ["reserve", "commit"]
     assert world.arenas[DEVICE].slots.num_used == 0
+    assert world.arenas[HOST].slots.num_used == 2
     assert world.view.counters["unmapped_pages"] == 1
+    num_tokens, out = drive(world.client._get(tokens, None))
+    assert num_tokens == 2 * PAGE_TOKENS and torch.equal(out, kv_of(1.0, 2))
     world.close()
 
 
