@@ -52,8 +52,9 @@ class CacheConfig(BaseModel):
     heartbeat_s: float = Field(1.0, gt=0)
     node_timeout_s: float = Field(4.0, gt=0)
     disk_threads: int = Field(4, ge=1, le=64)
-    transport: Literal["tcp"] = Field("tcp", description="how pages move between nodes "
-                                      "(cluster/core/dataplane/transport.py registers them)")
+    transport: Literal["tcp", "nixl"] = Field(
+        "tcp", description="how pages move between nodes: tcp, or nixl (RDMA / shared memory "
+        "through UCX where NIXL is installed, else TCP; cluster/core/dataplane/transport.py)")
     ray_namespace: str = "raykv"
     rebalance: bool = Field(True, description="run the control loop: hot prefixes replicated, "
                             "cold pages moved off hot nodes, kv nodes requested")

@@ -17,6 +17,7 @@ from cluster.core.keys import KEY_BYTES, PageKey
 
 MAGIC = b"RKV1"
 OP_READ = 1
+OP_PUSH = 2  # the same request, answered by a NIXL write into the reader's buffer
 STATUS_OK, STATUS_REFUSED = 0, 1
 ACK = b"A"
 MAX_KEYS = 1 << 16
@@ -36,16 +37,17 @@ class PeerGone(ConnectionError):
 
 @dataclass(frozen=True, slots=True)
 class ReadRequest:
-    """Pages of one geometry, by key, in chain order."""
+    """Pages of one geometry, by key, in chain order; `op` says how they travel back."""
 
     geometry: PageGeometry
     keys: tuple[PageKey, ...]
+    op: int = OP_READ
 
 
 def encode_request(request: ReadRequest) -> bytes:
     dtype = request.geometry.dtype.encode()
     assert len(dtype) <= 16, f"dtype name too long: {request.geometry.dtype}"
-    head = REQUEST.pack(MAGIC, OP_READ, *request.geometry.shape, dtype, len(request.keys))
+    head = REQUEST.pack(MAGIC, request.op, *request.geometry.shape, dtype, len(request.keys))
     return head + b"".join(request.keys)
 
 
@@ -59,11 +61,11 @@ def read_request(sock: socket.socket) -> ReadRequest | None:
         raise
     magic, op, *rest = REQUEST.unpack(head)
     shape, dtype, num_keys = tuple(rest[:5]), rest[5].rstrip(b"\0").decode(), rest[6]
-    if magic != MAGIC or op != OP_READ or num_keys > MAX_KEYS:
+    if magic != MAGIC or op not in (OP_READ, OP_PUSH) or num_keys > MAX_KEYS:
         raise PeerGone(f"not a raykv request (magic {magic!r}, op {op}, {num_keys} keys)")
     blob = recv_exact(sock, num_keys * KEY_BYTES)
     keys = tuple(PageKey(blob[i : i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES))
-    return ReadRequest(PageGeometry(shape, dtype), keys)
+    return ReadRequest(PageGeometry(shape, dtype), keys, op)
 
 
 def recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
