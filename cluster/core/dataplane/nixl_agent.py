@@ -1,7 +1,8 @@
 """This process's NIXL agent (UCX underneath), loaded only if NIXL installs and starts here.
 
-    shared_agent()  -> NixlAgent | None     one per process; None when NIXL is absent or its
-                                            backend will not start (then TCP carries the pages)
+    shared_agent()  -> NixlAgent | None     one per process, made in the background; None
+                                            until then, and when NIXL is absent or its backend
+                                            will not start (then TCP carries the pages)
     agent.push(offer, pages, deadline_s)    write pinned pages into a reader's staging buffer
     agent.staging   StagingPool             registered host buffers this process reads into
 
@@ -31,6 +32,7 @@ log = logging.getLogger("raykv.dataplane")
 BACKEND = "UCX"
 STAGING_BYTES = 16 << 20  # one staging buffer; a larger read goes in several rounds
 MAX_STAGING_BUFFERS = 8  # per process; past it a read goes over TCP
+QUARANTINE_S = 300.0  # a staging buffer whose exchange broke is not reused before this
 MAX_REMOTE_AGENTS = 256  # readers whose metadata an owner keeps loaded
 POLL_FIRST_S, POLL_MAX_S = 20e-6, 1e-3
 # The packages that carry NIXL's Python API: the meta package (it picks the CUDA build that
@@ -88,13 +90,14 @@ class StagingPool:
     def __init__(self, agent: NixlAgent):
         self._agent = agent
         self._free: list[Staging] = []
-        self._quarantined: list[Staging] = []
+        self._quarantined: list[tuple[float, Staging]] = []
         self._count = 0
         self._lock = threading.Lock()
 
     def take(self, min_bytes: int) -> Staging | None:
         """A free buffer of at least min_bytes, or a new one; None past the bound."""
         with self._lock:
+            self._reclaim()
             for index, staging in enumerate(self._free):
                 if staging.offer.length_bytes >= min_bytes:
                     return self._free.pop(index)
@@ -113,11 +116,18 @@ class StagingPool:
             self._free.append(staging)
 
     def quarantine(self, staging: Staging) -> None:
-        """Never hand this buffer out again: a write into it may still land. It stays
-        allocated and registered (and counts against the bound) until the process ends."""
+        """Hold this buffer back: a write into it may still land (its exchange broke). It
+        stays allocated and registered, and comes back after QUARANTINE_S, far past any
+        owner's deadline for a write (half its call timeout), after which it cancels it."""
         with self._lock:
-            self._quarantined.append(staging)
+            self._quarantined.append((time.monotonic() + QUARANTINE_S, staging))
         self._agent.counters["quarantined_buffers"] += 1
+
+    def _reclaim(self) -> None:
+        now_s = time.monotonic()
+        self._free += [staging for until_s, staging in self._quarantined if until_s <= now_s]
+        self._quarantined = [(until_s, staging) for until_s, staging in self._quarantined
+                             if until_s > now_s]
 
     def close(self) -> None:
         """Deregister the free buffers (those in use are dropped when given back later)."""
@@ -239,22 +249,71 @@ def _release(handle) -> None:
         log.warning("NIXL: releasing a transfer handle failed: %s", error)
 
 
+PROBE_TIMEOUT_S = 60.0
+PROBE = ("from cluster.core.dataplane.nixl_agent import NixlAgent; NixlAgent(); "
+         "print('NIXL-OK', flush=True)")
+
+
+def probe() -> str | None:
+    """Start an agent in a child process first: None when it starts, else why not. A NIXL
+    whose UCX backend fails to start crashes its process at exit (SIGSEGV in NIXL 1.5.1's
+    teardown), so a process makes its own agent only once a child has made one."""
+    import subprocess
+    import sys
+
+    path = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [path, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
+                              text=True, timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"the NIXL probe did not run: {error}"
+    if "NIXL-OK" in done.stdout:
+        return None
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    return (lines[-1] if lines else f"the NIXL probe exited with {done.returncode}")[-500:]
+
+
 _shared: NixlAgent | None = None
 _shared_error: str | None = None
 _shared_lock = threading.Lock()
+_started = threading.Event()
+_ready = threading.Event()
 
 
-def shared_agent() -> NixlAgent | None:
-    """This process's agent, made on first use; None (logged once) when NIXL cannot run."""
-    global _shared, _shared_error
+def start_agent() -> None:
+    """Make this process's agent in the background (probe first); idempotent."""
     with _shared_lock:
-        if _shared is None and _shared_error is None:
-            try:
-                _shared = NixlAgent()
-            except Exception as error:  # absent package, no UCX transport, a broken install
-                _shared_error = f"{type(error).__name__}: {error}"
-                log.warning("NIXL unavailable here, pages go over TCP: %s", _shared_error)
-        return _shared
+        if _started.is_set():
+            return
+        _started.set()
+    threading.Thread(target=_make_agent, name="raykv-nixl-start", daemon=True).start()
+
+
+def _make_agent() -> None:
+    global _shared, _shared_error
+    try:
+        load_api()
+        reason = probe()
+        if reason is not None:
+            raise NixlError(reason)
+        agent = NixlAgent()
+    except Exception as error:  # absent package, no UCX transport, a broken install
+        _shared_error = f"{type(error).__name__}: {error}"
+        log.warning("NIXL unavailable here, pages go over TCP: %s", _shared_error)
+    else:
+        _shared = agent
+    finally:
+        _ready.set()
+
+
+def shared_agent(wait_s: float = 0.0) -> NixlAgent | None:
+    """This process's agent: None while it is being made (waiting up to wait_s for it) and
+    when NIXL cannot run here (logged once; then TCP carries every page)."""
+    start_agent()
+    _ready.wait(wait_s)
+    return _shared
 
 
 def unavailable_reason() -> str | None:

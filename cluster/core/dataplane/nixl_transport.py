@@ -32,8 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 from cluster.core.dataplane import wire
 from cluster.core.dataplane.connections import ConnectionPool, close_shared_pool, shared_pool
 from cluster.core.dataplane.endpoint import PageRead
-from cluster.core.dataplane.nixl_agent import (STAGING_BYTES, NixlAgent, Offer, Staging,
-                                              shared_agent)
+from cluster.core.dataplane.nixl_agent import (
+    STAGING_BYTES,
+    NixlAgent,
+    Offer,
+    Staging,
+    shared_agent,
+    start_agent,
+)
 from cluster.core.dataplane.reader import _joined, _lanes, read_pages
 from cluster.core.dataplane.server import PageServer, PageSource
 
@@ -43,6 +49,7 @@ OFFER = struct.Struct("<4sQQI")  # magic, staging address, its length, metadata 
 OFFER_MAGIC = b"RKNX"
 STATUS_PUSHED = 2  # the pages were written; a verdict follows (a TCP server never says it)
 MAX_METADATA_BYTES = 1 << 20
+AGENT_START_S = 60.0  # a server waits this long for NIXL to start (a probe, then the agent)
 _threads: ThreadPoolExecutor | None = None
 _threads_lock = threading.Lock()
 
@@ -113,8 +120,11 @@ class NixlTransport:
 
     name = NAME
 
+    def __init__(self) -> None:
+        start_agent()  # in the background: reads go over TCP until the agent is up
+
     def serve(self, source: PageSource, host: str, timeout_s: float, epoch: int) -> PageServer:
-        agent = shared_agent()
+        agent = shared_agent(wait_s=AGENT_START_S)
         if agent is None:  # logged once by shared_agent: this node serves TCP only
             return PageServer(source, host, timeout_s, epoch)
         return NixlPageServer(source, host, timeout_s, epoch, agent)
@@ -134,32 +144,39 @@ class NixlTransport:
 
 @dataclasses.dataclass
 class _Lane:
-    """One lane of a read, and what became of it."""
+    """One lane of a read: its staging buffer and connection while it runs, and its count."""
 
     read: PageRead
     count: int | None = 0
     rest_over_tcp: bool = False
+    staging: Staging | None = None
+    sock: socket.socket | None = None
 
 
 def read_nixl(pool: ConnectionPool, agent: NixlAgent | None, reads: list[PageRead],
               timeout_s: float) -> list[int | None]:
     """Per read, the leading pages that arrived intact (None: the owner could not be read).
-    Owners without NIXL, or all of them when this process has none, are read over TCP."""
+    Owners without NIXL, or all of them when this process has none, are read over TCP.
+
+    As over TCP, every lane's first request goes out before any reply is awaited, so all
+    owners write at once; the lanes then finish in parallel threads."""
     if agent is None:
         return read_pages(pool, reads, timeout_s)
     deadline_s = time.monotonic() + timeout_s
     lanes = [[_Lane(part) for part in _lanes(read)] if _pushable(read) else None
              for read in reads]
     work = [lane for read_lanes in lanes if read_lanes for lane in read_lanes]
-    futures = [_lane_threads().submit(_push_lane, pool, agent, lane, deadline_s)
-               for lane in work[1:]]
+    for lane in work:
+        _start(pool, agent, lane, deadline_s)
+    over_tcp = [i for i, read_lanes in enumerate(lanes) if read_lanes is None]
+    threads = _lane_threads()
+    tcp = threads.submit(read_pages, pool, [reads[i] for i in over_tcp], timeout_s)
+    futures = [threads.submit(_finish, pool, agent, lane, deadline_s) for lane in work[1:]]
     if work:
-        _push_lane(pool, agent, work[0], deadline_s)
+        _finish(pool, agent, work[0], deadline_s)
     for future in futures:
         future.result()
-    over_tcp = [i for i, read_lanes in enumerate(lanes) if read_lanes is None]
-    tcp_counts = read_pages(pool, [reads[i] for i in over_tcp], timeout_s) if over_tcp else []
-    by_tcp = dict(zip(over_tcp, tcp_counts, strict=True))
+    by_tcp = dict(zip(over_tcp, tcp.result(), strict=True))
     return [by_tcp[i] if read_lanes is None
             else _joined([lane.read for lane in read_lanes], [lane.count for lane in read_lanes])
             for i, read_lanes in enumerate(lanes)]
@@ -169,56 +186,82 @@ def _pushable(read: PageRead) -> bool:
     return read.endpoint.transport == NAME and len(read.keys) > 0
 
 
-def _push_lane(pool: ConnectionPool, agent: NixlAgent, lane: _Lane, deadline_s: float) -> None:
-    """The lane over NIXL; what NIXL could not carry (no staging buffer free, a refused
-    write) then over TCP, within the same deadline."""
-    _push(pool, agent, lane, deadline_s)
-    done = lane.count or 0
-    if not lane.rest_over_tcp or done >= len(lane.read.keys):
-        return
+def _start(pool: ConnectionPool, agent: NixlAgent, lane: _Lane, deadline_s: float) -> None:
+    """A staging buffer, a connection and the first request; none free: the lane goes TCP."""
     read = lane.read
+    page_bytes = read.geometry.page_bytes
+    lane.staging = agent.staging.take(
+        page_bytes * min(len(read.keys), _pages_per_round(page_bytes)))
+    if lane.staging is None:
+        lane.rest_over_tcp = True
+        return
+    try:
+        lane.sock = pool.take(read.endpoint, max(0.001, deadline_s - time.monotonic()))
+    except OSError as error:  # no connection: nothing was asked, the buffer is clean
+        _return_staging(agent, lane.staging, clean=True)
+        lane.staging = None
+        _failed(pool, agent, lane, error)
+        return
+    try:
+        _request(lane.sock, read, 0, lane.staging)
+    except OSError as error:
+        _failed(pool, agent, lane, error)
+
+
+def _finish(pool: ConnectionPool, agent: NixlAgent, lane: _Lane, deadline_s: float) -> None:
+    """The lane's rounds over NIXL, then over TCP what NIXL could not carry (no staging buffer
+    free, a refused write), within the same deadline."""
+    if lane.sock is not None:
+        try:
+            clean = _rounds(lane.sock, lane.read, lane.staging, lane)
+            pool.give(lane.read.endpoint, lane.sock)
+            _return_staging(agent, lane.staging, clean)
+        except OSError as error:  # ConnectionError, TimeoutError and PeerGone are OSErrors
+            _failed(pool, agent, lane, error)
+    done, read = lane.count or 0, lane.read
+    if not lane.rest_over_tcp or done >= len(read.keys):
+        return
     rest = PageRead(read.endpoint, read.geometry, read.keys[done:], read.dests[done:])
     (more,) = read_pages(pool, [rest], max(0.0, deadline_s - time.monotonic()))
     agent.counters["tcp_fallback_pages"] += more or 0
     lane.count = done + more if more is not None else (done or None)
 
 
-def _push(pool: ConnectionPool, agent: NixlAgent, lane: _Lane, deadline_s: float) -> None:
+def _failed(pool: ConnectionPool, agent: NixlAgent, lane: _Lane, error: OSError) -> None:
+    """The owner is gone, stalled or misbehaved: the lane's pages not yet in are a miss."""
     read = lane.read
-    page_bytes = read.geometry.page_bytes
-    staging = agent.staging.take(page_bytes * min(len(read.keys), _pages_per_round(page_bytes)))
-    if staging is None:
-        lane.rest_over_tcp = True
-        return
-    sock, clean = None, False
-    try:
-        sock = pool.take(read.endpoint, max(0.001, deadline_s - time.monotonic()))
-        clean = _rounds(sock, read, staging, lane)
-        pool.give(read.endpoint, sock)
-    except OSError as error:  # ConnectionError, TimeoutError and PeerGone are OSErrors
-        log.warning("NIXL read of %d pages from %s:%d failed: %s", len(read.keys),
-                    read.endpoint.host, read.endpoint.port, error)
-        if sock is not None:
-            pool.discard(sock)
-        pool.forget(read.endpoint)
-        lane.count = lane.count or None
-    finally:
-        _return_staging(agent, staging, clean)
+    log.warning("NIXL read of %d pages from %s:%d failed: %s", len(read.keys),
+                read.endpoint.host, read.endpoint.port, error)
+    if lane.sock is not None:
+        pool.discard(lane.sock)
+    pool.forget(read.endpoint)
+    _return_staging(agent, lane.staging, clean=False)
+    lane.sock = None
+    lane.count = lane.count or None
 
 
 def _pages_per_round(page_bytes: int) -> int:
     return max(1, STAGING_BYTES // page_bytes)
 
 
+def _request(sock: socket.socket, read: PageRead, start: int, staging: Staging) -> None:
+    """Ask for the pages from `start` that the staging buffer holds, to be written there."""
+    per_round = staging.offer.length_bytes // read.geometry.page_bytes
+    request = wire.ReadRequest(read.geometry, read.keys[start : start + per_round],
+                               wire.OP_PUSH)
+    sock.sendall(wire.encode_request(request) + encode_offer(staging.offer))
+
+
 def _rounds(sock: socket.socket, read: PageRead, staging: Staging, lane: _Lane) -> bool:
-    """Request rounds of as many pages as the staging buffer holds; False when a write was
-    refused (the rest goes over TCP, and the buffer may still be written to)."""
+    """Rounds of as many pages as the staging buffer holds (the first already asked for);
+    False when a write was refused (the rest goes over TCP, and the buffer may yet be
+    written to)."""
     page_bytes = read.geometry.page_bytes
     per_round = staging.offer.length_bytes // page_bytes
     for start in range(0, len(read.keys), per_round):
-        keys = read.keys[start : start + per_round]
-        request = wire.ReadRequest(read.geometry, keys, wire.OP_PUSH)
-        sock.sendall(wire.encode_request(request) + encode_offer(staging.offer))
+        if start:
+            _request(sock, read, start, staging)
+        wanted = min(per_round, len(read.keys) - start)
         status, num_pages, reply_page_bytes = wire.REPLY.unpack(
             wire.recv_exact(sock, wire.REPLY.size))
         if status == wire.STATUS_REFUSED:
@@ -227,14 +270,14 @@ def _rounds(sock: socket.socket, read: PageRead, staging: Staging, lane: _Lane) 
         if status == wire.STATUS_OK and num_pages == 0:
             return True  # the owner holds none of them
         if status != STATUS_PUSHED or reply_page_bytes != page_bytes \
-                or not 0 < num_pages <= len(keys):
+                or not 0 < num_pages <= wanted:
             raise wire.PeerGone(f"bad reply: status {status}, {num_pages} pages of "
                                 f"{reply_page_bytes} bytes")
         (good,) = wire.VERDICT.unpack(wire.recv_exact(sock, wire.VERDICT.size))
         good = min(good, num_pages)
         _copy_out(staging.view, read.dests[start : start + good], page_bytes)
         lane.count = (lane.count or 0) + good
-        if good < len(keys):
+        if good < wanted:
             return True
     return True
 
@@ -249,9 +292,11 @@ def _copy_out(staging: memoryview, dests, page_bytes: int) -> None:
             offset = end
 
 
-def _return_staging(agent: NixlAgent, staging: Staging, clean: bool) -> None:
+def _return_staging(agent: NixlAgent, staging: Staging | None, clean: bool) -> None:
     """A buffer goes back for reuse only after a clean exchange: after a refused or broken
     one, a write into it may still land, so it is never handed out again (kept, not freed)."""
+    if staging is None:
+        return
     if clean:
         agent.staging.give(staging)
     else:
