@@ -159,28 +159,35 @@ class NixlAgent:
 
     def push(self, offer: Offer, pages: list[torch.Tensor], deadline_s: float) -> None:
         """Write pages[i] to offer.address + i * page bytes and wait until it is done;
-        NixlError (or the backend's own error) when it fails or passes the deadline."""
+        NixlError (or the backend's own error) when it fails or passes the deadline. Pages in
+        host memory and in VRAM (a prefix across tiers) go as one write per memory type."""
         page_bytes = pages[0].numel()
         if len(pages) * page_bytes > offer.length_bytes:
             raise NixlError(f"{len(pages)} pages do not fit a {offer.length_bytes}-byte buffer")
         remote = self._remote(offer.metadata)
-        registered = self.api.register_memory(_regions(pages), _mem_type(pages), [BACKEND])
-        handle = None
+        registered, handles = [], []
         try:
-            local = self.api.get_xfer_descs(_descriptors(pages), _mem_type(pages))
-            targets = [(offer.address + i * page_bytes, page_bytes, 0) for i in range(len(pages))]
-            remote_descs = self.api.get_xfer_descs(targets, "DRAM")
-            handle = self.api.initialize_xfer("WRITE", local, remote_descs, remote, b"",
-                                              [BACKEND])
-            self._wait(handle, self.api.transfer(handle), deadline_s)
+            for mem_type, indices in _by_mem_type(pages).items():
+                group = [pages[i] for i in indices]
+                registered.append(self.api.register_memory(_regions(group), mem_type,
+                                                            [BACKEND]))
+                local = self.api.get_xfer_descs(_descriptors(group), mem_type)
+                targets = [(offer.address + i * page_bytes, page_bytes, 0) for i in indices]
+                handle = self.api.initialize_xfer("WRITE", local, self.api.get_xfer_descs(
+                    targets, "DRAM"), remote, b"", [BACKEND])
+                handles.append((handle, self.api.transfer(handle)))
+            for handle, state in handles:
+                self._wait(handle, state, deadline_s)
             self.counters["pushes"] += 1
             self.counters["pushed_bytes"] += len(pages) * page_bytes
         except Exception:
             self.counters["push_failures"] += 1
             raise
         finally:
-            _release(handle)
-            self.api.deregister_memory(registered, [BACKEND])
+            for handle, _ in handles:
+                _release(handle)
+            for registration in registered:
+                self.api.deregister_memory(registration, [BACKEND])
 
     def _remote(self, metadata: bytes) -> str:
         """Load a reader's metadata (again: it grows with its staging buffers); its name."""
@@ -214,8 +221,12 @@ class NixlAgent:
         self.staging.close()
 
 
-def _mem_type(pages: list[torch.Tensor]) -> str:
-    return "VRAM" if pages[0].is_cuda else "DRAM"
+def _by_mem_type(pages: list[torch.Tensor]) -> dict[str, list[int]]:
+    """Page indices by NIXL memory type: DRAM for host memory, VRAM for a GPU's."""
+    groups: dict[str, list[int]] = {}
+    for index, page in enumerate(pages):
+        groups.setdefault("VRAM" if page.is_cuda else "DRAM", []).append(index)
+    return groups
 
 
 def _device(page: torch.Tensor) -> int:
