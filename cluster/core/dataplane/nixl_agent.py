@@ -144,8 +144,11 @@ class NixlAgent:
 
     def __init__(self, api_module=None):
         module = load_api() if api_module is None else api_module
+        # No progress thread: NIXL's polls without pause (a core per process, idle or not).
+        # An owner progresses while it waits for its write, a reader while it waits for the
+        # reply (progress()); UCX needs both ends to, over TCP and to connect.
         config = module.nixl_agent_config(
-            enable_prog_thread=True, enable_listen_thread=False, backends=[BACKEND],
+            enable_prog_thread=False, enable_listen_thread=False, backends=[BACKEND],
             sync_mode=module.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
         self.name = f"raykv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.api = module.nixl_agent(self.name, config)
@@ -188,6 +191,10 @@ class NixlAgent:
                 _release(handle)
             for registration in registered:
                 self.api.deregister_memory(registration, [BACKEND])
+
+    def progress(self) -> None:
+        """Let UCX move what waits on this end (a connection being set up, TCP's bytes)."""
+        self.api.get_new_notifs()
 
     def _remote(self, metadata: bytes) -> str:
         """Load a reader's metadata (again: it grows with its staging buffers); its name."""

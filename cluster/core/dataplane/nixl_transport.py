@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import select
 import socket
 import struct
 import threading
@@ -49,6 +50,7 @@ OFFER = struct.Struct("<4sQQI")  # magic, staging address, its length, metadata 
 OFFER_MAGIC = b"RKNX"
 STATUS_PUSHED = 2  # the pages were written; a verdict follows (a TCP server never says it)
 MAX_METADATA_BYTES = 1 << 20
+PROGRESS_TICK_MS = 1  # while a reader waits for a reply, it progresses its NIXL this often
 AGENT_START_S = 60.0  # a server waits this long for NIXL to start (a probe, then the agent)
 _threads: ThreadPoolExecutor | None = None
 _threads_lock = threading.Lock()
@@ -213,7 +215,7 @@ def _finish(pool: ConnectionPool, agent: NixlAgent, lane: _Lane, deadline_s: flo
     free, a refused write), within the same deadline."""
     if lane.sock is not None:
         try:
-            clean = _rounds(lane.sock, lane.read, lane.staging, lane)
+            clean = _rounds(lane.sock, lane.read, lane.staging, lane, agent, deadline_s)
             pool.give(lane.read.endpoint, lane.sock)
             _return_staging(agent, lane.staging, clean)
         except OSError as error:  # ConnectionError, TimeoutError and PeerGone are OSErrors
@@ -252,7 +254,19 @@ def _request(sock: socket.socket, read: PageRead, start: int, staging: Staging) 
     sock.sendall(wire.encode_request(request) + encode_offer(staging.offer))
 
 
-def _rounds(sock: socket.socket, read: PageRead, staging: Staging, lane: _Lane) -> bool:
+def _await_reply(sock: socket.socket, agent: NixlAgent, deadline_s: float) -> None:
+    """Progress this end's NIXL until the owner's reply is there (the owner's write needs
+    it); TimeoutError past the deadline."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    while not poller.poll(PROGRESS_TICK_MS):
+        if time.monotonic() > deadline_s:
+            raise TimeoutError("no reply from the owner within the deadline")
+        agent.progress()
+
+
+def _rounds(sock: socket.socket, read: PageRead, staging: Staging, lane: _Lane,
+            agent: NixlAgent, deadline_s: float) -> bool:
     """Rounds of as many pages as the staging buffer holds (the first already asked for);
     False when a write was refused (the rest goes over TCP, and the buffer may yet be
     written to)."""
@@ -262,6 +276,7 @@ def _rounds(sock: socket.socket, read: PageRead, staging: Staging, lane: _Lane) 
         if start:
             _request(sock, read, start, staging)
         wanted = min(per_round, len(read.keys) - start)
+        _await_reply(sock, agent, deadline_s)
         status, num_pages, reply_page_bytes = wire.REPLY.unpack(
             wire.recv_exact(sock, wire.REPLY.size))
         if status == wire.STATUS_REFUSED:
