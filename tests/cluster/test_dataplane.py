@@ -94,9 +94,10 @@ def test_a_node_actor_listens_on_its_page_server_and_nothing_more(nodes):
     endpoint = ray.get(node(nodes["a"]).dataplane())
     pid = stats(nodes["a"])["pid"]
     strategy = NodeAffinitySchedulingStrategy(nodes["a"], soft=False)
-    plain = ray.get(PlainWorker.options(scheduling_strategy=strategy).remote().pid.remote())
-    # A fresh worker's own server was seen listening a moment after its first call, not at it.
-    wait_until(lambda: listening(plain), 10, "the plain worker's own server to listen")
+    # The handle is kept: a dropped one ends the worker, its listeners with it (they were
+    # seen gone before they were counted).
+    worker = PlainWorker.options(scheduling_strategy=strategy).remote()
+    plain = ray.get(worker.pid.remote())
     extra = listening(pid)
     # A Ray worker's own, plus the page server; with NIXL, plus UCX's one listener, on
     # loopback (UCX_NET_DEVICES=lo above), which NIXL's writes into this node connect to.
