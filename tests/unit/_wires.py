@@ -14,7 +14,7 @@ import pytest
 
 from cluster.core.dataplane.connections import ConnectionPool
 from cluster.core.dataplane.reader import read_pages
-from cluster.core.dataplane.server import PageServer
+from cluster.core.dataplane.server import Listen, PageServer
 
 WIRES = ("tcp", "nixl-shm", "nixl-tcp")
 UCX_TLS = {"nixl-shm": "shm,tcp", "nixl-tcp": "tcp"}
@@ -64,12 +64,12 @@ class Wire:
     def endpoint_kind(self) -> str:
         return "tcp" if self.owner is None else "nixl"
 
-    def serve(self, source, host: str, timeout_s: float) -> PageServer:
+    def serve(self, source, listen: Listen, timeout_s: float) -> PageServer:
         if self.owner is None:
-            return PageServer(source, host, timeout_s)
+            return PageServer(source, listen, timeout_s)
         from cluster.core.dataplane.nixl_transport import NixlPageServer
 
-        return NixlPageServer(source, host, timeout_s, 0, self.owner)
+        return NixlPageServer(source, listen, timeout_s, 0, self.owner)
 
     def read(self, pool: ConnectionPool, reads, timeout_s: float) -> list[int | None]:
         if self.reader is None:

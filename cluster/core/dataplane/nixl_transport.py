@@ -14,9 +14,11 @@ pages' bytes move by a NIXL write (UCX: RDMA, shared memory or TCP, whichever it
 
 The owner's memory is never exposed: it hands out no descriptor and no remote key, only the
 bytes a request was given. A reader exposes just its staging buffers, and only to owners it
-sent a request to. Anything NIXL-specific that fails (no NIXL here, an owner whose write
-failed: reply REFUSED) sends the same pages over TCP on the same server; a peer that is gone
-or stalls is a miss, as with TCP. See docs/dataplane.md ("NIXL").
+sent a request to. A PUSH passes the same checks as a READ (the connection's handshake, the
+request's MAC, only its namespace's pages); a refused one is answered REFUSED, nothing
+written. Anything NIXL-specific that fails (no NIXL here, an owner whose write failed: reply
+PUSH_FAILED) sends the same pages over TCP on the same server; a peer that is gone or stalls
+is a miss, as with TCP. See docs/dataplane.md ("NIXL").
 """
 
 from __future__ import annotations
@@ -42,13 +44,14 @@ from cluster.core.dataplane.nixl_agent import (
     start_agent,
 )
 from cluster.core.dataplane.reader import _joined, _lanes, read_pages
-from cluster.core.dataplane.server import PageServer, PageSource
+from cluster.core.dataplane.server import Listen, PageServer, PageSource, ServedPages
 
 log = logging.getLogger("raykv.dataplane")
 NAME = "nixl"
 OFFER = struct.Struct("<4sQQI")  # magic, staging address, its length, metadata length
 OFFER_MAGIC = b"RKNX"
 STATUS_PUSHED = 2  # the pages were written; a verdict follows (a TCP server never says it)
+STATUS_PUSH_FAILED = 3  # the NIXL write failed: the reader reads the same pages over TCP
 MAX_METADATA_BYTES = 1 << 20
 PROGRESS_TICK_MS = 1  # while a reader waits for a reply, it progresses its NIXL this often
 AGENT_START_S = 60.0  # a server waits this long for NIXL to start (a probe, then the agent)
@@ -72,11 +75,13 @@ def read_offer(sock: socket.socket) -> Offer:
 
 class NixlPageServer(PageServer):
     """A PageServer that also answers PUSH requests with a NIXL write (readers without NIXL
-    keep sending READ requests, answered over TCP as ever)."""
+    keep sending READ requests, answered over TCP as ever). A PUSH passes the same gates as a
+    READ: the connection's handshake and per-peer limits (PageServer's), the request's tag
+    (guard.permits), and only the pages of its namespace (source.open)."""
 
-    def __init__(self, source: PageSource, host: str, timeout_s: float, epoch: int,
+    def __init__(self, source: PageSource, listen: Listen, timeout_s: float, epoch: int,
                  agent: NixlAgent):
-        super().__init__(source, host, timeout_s, epoch)
+        super().__init__(source, listen, timeout_s, epoch)
         self.agent = agent
         self.endpoint = dataclasses.replace(self.endpoint, transport=NAME)
         self.counters.update({"pushed_pages": 0, "refused_pushes": 0})
@@ -88,33 +93,41 @@ class NixlPageServer(PageServer):
         if request.op != wire.OP_PUSH:
             super()._serve_read(sock, request)
             return
-        offer = read_offer(sock)
+        offer = read_offer(sock)  # read even when refused: the stream stays in step
         self.counters["requests"] += 1
         page_bytes = request.geometry.page_bytes
+        if not self.guard.permits(request.claim):  # nothing is pinned, nothing is written
+            self.counters["refused_requests"] += 1
+            sock.sendall(wire.REPLY.pack(wire.STATUS_REFUSED, 0, page_bytes))
+            return
         served = self.source.open(request)
         if served is None:
             sock.sendall(wire.REPLY.pack(wire.STATUS_OK, 0, page_bytes))
             return
         try:
-            # Half the timeout: the reader still waits for our REFUSED, and reads over TCP.
-            deadline_s = time.monotonic() + self.timeout_s / 2
-            try:
-                self.agent.push(offer, list(served.pages), deadline_s)
-            except Exception as error:  # NIXL's own errors are not OSErrors
-                log.warning("NIXL write of %d pages failed, the reader goes TCP: %s",
-                            len(served.pages), error)
-                self.counters["refused_pushes"] += 1
-                sock.sendall(wire.REPLY.pack(wire.STATUS_REFUSED, 0, page_bytes))
-                return
-            good = self.source.verify(served)
-            self.counters["pushed_pages"] += good
-            self.counters["served_pages"] += good
-            self.counters["served_bytes"] += good * page_bytes
-            self.counters["torn_pages"] += len(served.pages) - good
-            sock.sendall(wire.REPLY.pack(STATUS_PUSHED, len(served.pages), page_bytes)
-                         + wire.VERDICT.pack(good))
+            self._push(sock, offer, served, page_bytes)
         finally:
             self.source.close(served)
+
+    def _push(self, sock: socket.socket, offer: Offer, served: ServedPages,
+              page_bytes: int) -> None:
+        # Half the timeout: the reader still waits for our PUSH_FAILED, and reads over TCP.
+        deadline_s = time.monotonic() + self.timeout_s / 2
+        try:
+            self.agent.push(offer, list(served.pages), deadline_s)
+        except Exception as error:  # NIXL's own errors are not OSErrors
+            log.warning("NIXL write of %d pages failed, the reader goes TCP: %s",
+                        len(served.pages), error)
+            self.counters["refused_pushes"] += 1
+            sock.sendall(wire.REPLY.pack(STATUS_PUSH_FAILED, 0, page_bytes))
+            return
+        good = self.source.verify(served)
+        self.counters["pushed_pages"] += good
+        self.counters["served_pages"] += good
+        self.counters["served_bytes"] += good * page_bytes
+        self.counters["torn_pages"] += len(served.pages) - good
+        sock.sendall(wire.REPLY.pack(STATUS_PUSHED, len(served.pages), page_bytes)
+                     + wire.VERDICT.pack(good))
 
 
 class NixlTransport:
@@ -125,11 +138,12 @@ class NixlTransport:
     def __init__(self) -> None:
         start_agent()  # in the background: reads go over TCP until the agent is up
 
-    def serve(self, source: PageSource, host: str, timeout_s: float, epoch: int) -> PageServer:
+    def serve(self, source: PageSource, listen: Listen, timeout_s: float,
+              epoch: int) -> PageServer:
         agent = shared_agent(wait_s=AGENT_START_S)
         if agent is None:  # logged once by shared_agent: this node serves TCP only
-            return PageServer(source, host, timeout_s, epoch)
-        return NixlPageServer(source, host, timeout_s, epoch, agent)
+            return PageServer(source, listen, timeout_s, epoch)
+        return NixlPageServer(source, listen, timeout_s, epoch, agent)
 
     def read(self, reads: list[PageRead], timeout_s: float) -> list[int | None]:
         return read_nixl(shared_pool(), shared_agent(), reads, timeout_s)
@@ -185,7 +199,9 @@ def read_nixl(pool: ConnectionPool, agent: NixlAgent | None, reads: list[PageRea
 
 
 def _pushable(read: PageRead) -> bool:
-    return read.endpoint.transport == NAME and len(read.keys) > 0
+    """Over NIXL: an owner that advertises it, pages to ask for, and a credential to ask
+    with (without one, read_pages logs it and the read is a miss without a connection)."""
+    return read.endpoint.transport == NAME and len(read.keys) > 0 and read.authority is not None
 
 
 def _start(pool: ConnectionPool, agent: NixlAgent, lane: _Lane, deadline_s: float) -> None:
@@ -197,16 +213,17 @@ def _start(pool: ConnectionPool, agent: NixlAgent, lane: _Lane, deadline_s: floa
     if lane.staging is None:
         lane.rest_over_tcp = True
         return
-    try:
-        lane.sock = pool.take(read.endpoint, max(0.001, deadline_s - time.monotonic()))
+    try:  # the server's handshake, as over TCP (auth.py)
+        lane.sock = pool.take(read.endpoint, read.authority.peer_key,
+                              max(0.001, deadline_s - time.monotonic()))
     except OSError as error:  # no connection: nothing was asked, the buffer is clean
         _return_staging(agent, lane.staging, clean=True)
         lane.staging = None
         _failed(pool, agent, lane, error)
         return
     try:
-        _request(lane.sock, read, 0, lane.staging)
-    except OSError as error:
+        _request(pool, lane.sock, read, 0, lane.staging)
+    except (OSError, KeyError) as error:  # KeyError: the pool was closed under us
         _failed(pool, agent, lane, error)
 
 
@@ -215,21 +232,23 @@ def _finish(pool: ConnectionPool, agent: NixlAgent, lane: _Lane, deadline_s: flo
     free, a refused write), within the same deadline."""
     if lane.sock is not None:
         try:
-            clean = _rounds(lane.sock, lane.read, lane.staging, lane, agent, deadline_s)
-            pool.give(lane.read.endpoint, lane.sock)
+            clean = _rounds(pool, lane, agent, deadline_s)
+            pool.give(lane.read.endpoint, lane.read.authority.peer_key, lane.sock)
             _return_staging(agent, lane.staging, clean)
-        except OSError as error:  # ConnectionError, TimeoutError and PeerGone are OSErrors
+        except (OSError, KeyError) as error:  # PeerGone is an OSError; KeyError: pool closed
             _failed(pool, agent, lane, error)
     done, read = lane.count or 0, lane.read
     if not lane.rest_over_tcp or done >= len(read.keys):
         return
-    rest = PageRead(read.endpoint, read.geometry, read.keys[done:], read.dests[done:])
+    rest = PageRead(read.endpoint, read.geometry, read.keys[done:], read.dests[done:],
+                    read.authority)
     (more,) = read_pages(pool, [rest], max(0.0, deadline_s - time.monotonic()))
     agent.counters["tcp_fallback_pages"] += more or 0
     lane.count = done + more if more is not None else (done or None)
 
 
-def _failed(pool: ConnectionPool, agent: NixlAgent, lane: _Lane, error: OSError) -> None:
+def _failed(pool: ConnectionPool, agent: NixlAgent, lane: _Lane,
+            error: BaseException) -> None:
     """The owner is gone, stalled or misbehaved: the lane's pages not yet in are a miss."""
     read = lane.read
     log.warning("NIXL read of %d pages from %s:%d failed: %s", len(read.keys),
@@ -246,12 +265,15 @@ def _pages_per_round(page_bytes: int) -> int:
     return max(1, STAGING_BYTES // page_bytes)
 
 
-def _request(sock: socket.socket, read: PageRead, start: int, staging: Staging) -> None:
-    """Ask for the pages from `start` that the staging buffer holds, to be written there."""
+def _request(pool: ConnectionPool, sock: socket.socket, read: PageRead, start: int,
+             staging: Staging) -> None:
+    """Ask for the pages from `start` that the staging buffer holds, to be written there;
+    MACed as a TCP read is (reader._start), for the connection's session."""
     per_round = staging.offer.length_bytes // read.geometry.page_bytes
     request = wire.ReadRequest(read.geometry, read.keys[start : start + per_round],
-                               wire.OP_PUSH)
-    sock.sendall(wire.encode_request(request) + encode_offer(staging.offer))
+                               op=wire.OP_PUSH)
+    frame = wire.encode_request(request, read.authority, pool.session(sock))
+    sock.sendall(frame + encode_offer(staging.offer))
 
 
 def _await_reply(sock: socket.socket, agent: NixlAgent, deadline_s: float) -> None:
@@ -265,23 +287,27 @@ def _await_reply(sock: socket.socket, agent: NixlAgent, deadline_s: float) -> No
         agent.progress()
 
 
-def _rounds(sock: socket.socket, read: PageRead, staging: Staging, lane: _Lane,
-            agent: NixlAgent, deadline_s: float) -> bool:
+def _rounds(pool: ConnectionPool, lane: _Lane, agent: NixlAgent, deadline_s: float) -> bool:
     """Rounds of as many pages as the staging buffer holds (the first already asked for);
-    False when a write was refused (the rest goes over TCP, and the buffer may yet be
-    written to)."""
+    False when a write failed (the rest goes over TCP, and the buffer may yet be written
+    to). A refused request (its tag) ends the lane with what it has: nothing was written."""
+    sock, read, staging = lane.sock, lane.read, lane.staging
     page_bytes = read.geometry.page_bytes
     per_round = staging.offer.length_bytes // page_bytes
     for start in range(0, len(read.keys), per_round):
         if start:
-            _request(sock, read, start, staging)
+            _request(pool, sock, read, start, staging)
         wanted = min(per_round, len(read.keys) - start)
         _await_reply(sock, agent, deadline_s)
         status, num_pages, reply_page_bytes = wire.REPLY.unpack(
             wire.recv_exact(sock, wire.REPLY.size))
-        if status == wire.STATUS_REFUSED:
+        if status == STATUS_PUSH_FAILED:
             lane.rest_over_tcp = True
             return False
+        if status == wire.STATUS_REFUSED:
+            log.warning("the page server %s:%d refused a push in namespace %r (its MAC)",
+                        read.endpoint.host, read.endpoint.port, read.authority.namespace)
+            return True
         if status == wire.STATUS_OK and num_pages == 0:
             return True  # the owner holds none of them
         if status != STATUS_PUSHED or reply_page_bytes != page_bytes \
