@@ -67,8 +67,9 @@ class CacheConfig(BaseModel):
         "before the node reports them on disk, so a power cut loses no page reported there; "
         "volatile: no fdatasync (faster writes), a power cut may lose pages written shortly "
         "before it (a process crash loses none either way; never wrong bytes)")
-    transport: Literal["tcp"] = Field("tcp", description="how pages move between nodes "
-                                      "(cluster/core/dataplane/transport.py registers them)")
+    transport: Literal["tcp", "nixl"] = Field(
+        "tcp", description="how pages move between nodes: tcp, or nixl (RDMA / shared memory "
+        "through UCX where NIXL is installed, else TCP; cluster/core/dataplane/transport.py)")
     page_port: int = Field(7460, ge=0, le=65535 - 15, description="the data plane's port: "
                            "a node actor takes the first free one of [page_port, page_port "
                            "+ 16) on its node's address (several simulated nodes share a "

@@ -1,7 +1,11 @@
 """The data plane between real node actors on a 3-raylet Cluster: each node actor listens on
 one socket on its node's address and nothing else; connections are reused across gets and
 closed on stop(); an owner that stalls, then dies, while a reader waits on it is a miss, not a
-hang and not wrong bytes; replication (pull) goes through the same page servers."""
+hang and not wrong bytes; replication (pull) goes through the same page servers.
+
+Every test runs over TCP and over NIXL (UCX picks shared memory between the simulated nodes'
+processes, its control messages on loopback TCP): the node actors serve NIXL pushes beside
+TCP reads, and the replicas and node actors read with NIXL."""
 
 from __future__ import annotations
 
@@ -27,16 +31,33 @@ from tests.kv import kv_for
 TINY = ModelSpec.preset("tiny-llama")
 GEOMETRY = PageGeometry.of(TINY, 16)
 TIMEOUT_S = 3.0
+# UCX on loopback only (its listeners too); the workers inherit it from the raylets, which
+# the module's Cluster starts after this import.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
-@pytest.fixture(scope="module")
-def nodes(ray_cluster, disk_root):
+def nixl_installed() -> bool:
+    from cluster.core.dataplane.nixl_agent import load_api
+
+    try:
+        load_api()
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def nodes(request, ray_cluster, disk_root):
+    if request.param == "nixl" and not nixl_installed():
+        pytest.skip("NIXL is not installed")
     # No control loop: its replication would pull pages too, and these tests count them.
     start(CacheConfig(page_tokens=16, device_bytes=0, host_bytes=256 * 8192,
                       disk_bytes=1 << 20, disk_dir=disk_root, call_timeout_s=TIMEOUT_S,
-                      rebalance=False))
+                      rebalance=False, transport=request.param))
     a, b = node_id_of("node_a"), node_id_of("node_b")
-    return {"a": a, "b": b, "ra": replica_on(a, TINY), "rb": replica_on(b, TINY)}
+    yield {"a": a, "b": b, "ra": replica_on(a, TINY), "rb": replica_on(b, TINY),
+           "transport": request.param}
+    stop()  # the next transport starts its own service
 
 
 def node(node_id: str) -> NodeHandle:
@@ -73,14 +94,36 @@ def test_a_node_actor_listens_on_its_page_server_and_nothing_more(nodes):
     endpoint = ray.get(node(nodes["a"]).dataplane())
     pid = stats(nodes["a"])["pid"]
     strategy = NodeAffinitySchedulingStrategy(nodes["a"], soft=False)
-    plain = ray.get(PlainWorker.options(scheduling_strategy=strategy).remote().pid.remote())
+    # The handle is kept: a dropped one ends the worker, its listeners with it (they were
+    # seen gone before they were counted).
+    worker = PlainWorker.options(scheduling_strategy=strategy).remote()
+    plain = ray.get(worker.pid.remote())
     extra = listening(pid)
-    assert len(extra) == len(listening(plain)) + 1  # a Ray worker's own, plus one
-    assert (endpoint.host, endpoint.port) in extra
+    # A Ray worker's own, plus the page server; with NIXL, plus UCX's one listener, on
+    # loopback (UCX_NET_DEVICES=lo above), which NIXL's writes into this node connect to.
+    ucx = {address for address in extra - listening(plain) if address[0] == "127.0.0.1"
+           and address != (endpoint.host, endpoint.port)} if nodes["transport"] == "nixl" \
+        else set()
+    assert len(ucx) == (1 if nodes["transport"] == "nixl" else 0)
+    assert len(extra) == len(listening(plain)) + 1 + len(ucx)
+    assert (endpoint.host, endpoint.port) in extra and endpoint.transport == nodes["transport"]
     assert endpoint.host == ray.util.get_node_ip_address() and endpoint.host != "0.0.0.0"
 
 
+def nixl_up(replica) -> bool:
+    """Whether the replica's NIXL agent is up (made in the background after connect(); its
+    reads go over TCP until then)."""
+    def up(_self) -> bool:
+        from cluster.core.dataplane.nixl_agent import shared_agent
+
+        return shared_agent(wait_s=60.0) is not None
+
+    return ray.get(replica.__ray_call__.remote(up))
+
+
 def test_gets_go_through_the_data_plane_on_reused_connections(nodes):
+    if nodes["transport"] == "nixl":
+        assert nixl_up(nodes["rb"])
     before = stats(nodes["a"])["dataplane"]
     for i in range(3):
         tokens, kv = put_on_a(nodes, 10_000 + 100 * i, seed=i)
@@ -94,6 +137,8 @@ def test_gets_go_through_the_data_plane_on_reused_connections(nodes):
     # only while another pull of theirs is still in flight).
     assert after["accepted"] - before["accepted"] <= min(4, requests - 2)
     assert after["served_pages"] - before["served_pages"] == 24
+    if nodes["transport"] == "nixl":  # every page was written by NIXL, none sent over TCP
+        assert after["pushed_pages"] - before["pushed_pages"] == 24
 
 
 def test_replication_pulls_through_the_page_servers(nodes):

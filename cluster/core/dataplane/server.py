@@ -199,6 +199,8 @@ class PageServer:
         return None
 
     def _serve_read(self, sock: socket.socket, request: wire.ReadRequest) -> None:
+        if request.op != wire.OP_READ:  # a PUSH is for a NIXL server (nixl_transport.py)
+            raise wire.PeerGone(f"op {request.op} is not served here")
         self.counters["requests"] += 1
         if not self.guard.permits(request.claim):
             self.counters["refused_requests"] += 1

@@ -4,9 +4,10 @@
     read(reads, timeout_s) -> per read, leading pages that arrived intact (None: it failed)
     close()                -> close this process's connections
 
-TCP is the one built: it runs everywhere, and on this kind of machine it moved pages faster
-than every other candidate measured (docs/dataplane.md). A transport for RDMA or NVLink
-(NIXL, UCX) would implement the same three calls and register here.
+TCP runs everywhere, and on this kind of machine it moved pages faster than every other
+candidate measured (docs/dataplane.md). NIXL (nixl_transport.py) keeps TCP's page servers as
+the control path and moves the bytes with a NIXL write: RDMA (GPUDirect for VRAM pages) where
+UCX finds it; where NIXL is absent or fails, the same pages go over TCP.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Protocol
 
 from cluster.core.dataplane.connections import close_shared_pool, shared_pool
 from cluster.core.dataplane.endpoint import PageRead
+from cluster.core.dataplane.nixl_transport import NixlTransport
 from cluster.core.dataplane.reader import read_pages
 from cluster.core.dataplane.server import Listen, PageServer, PageSource
 
@@ -52,7 +54,8 @@ class TcpTransport:
         close_shared_pool()
 
 
-TRANSPORTS: dict[str, Callable[[], Transport]] = {"tcp": TcpTransport}
+TRANSPORTS: dict[str, Callable[[], Transport]] = {"tcp": TcpTransport,
+                                                   "nixl": NixlTransport}
 
 
 def make_transport(name: str) -> Transport:

@@ -22,6 +22,7 @@ from cluster.core.keys import KEY_BYTES, PageKey
 
 MAGIC = b"RKV2"
 OP_READ = 1
+OP_PUSH = 2  # the same request, answered by a NIXL write into the reader's buffer
 STATUS_OK, STATUS_REFUSED = 0, 1
 ACK = b"A"
 MAX_KEYS = 1 << 16
@@ -43,11 +44,13 @@ class PeerGone(ConnectionError):
 @dataclass(frozen=True, slots=True)
 class ReadRequest:
     """Pages of one geometry, by key, in chain order; `claim` is the authority it came with
-    (set by read_request; a reader's own requests carry none)."""
+    (set by read_request; a reader's own requests carry none); `op` says how they travel back
+    (OP_READ: on the connection; OP_PUSH: a NIXL write into the reader's buffer)."""
 
     geometry: PageGeometry
     keys: tuple[PageKey, ...]
     claim: Claim | None = None
+    op: int = OP_READ
 
 
 def encode_request(request: ReadRequest, authority: Authority, session: bytes) -> bytes:
@@ -57,7 +60,7 @@ def encode_request(request: ReadRequest, authority: Authority, session: bytes) -
     namespace = authority.namespace.encode()
     if len(namespace) > MAX_NAMESPACE_BYTES:
         raise ValueError(f"namespace name over {MAX_NAMESPACE_BYTES} bytes")
-    head = REQUEST.pack(MAGIC, OP_READ, *request.geometry.shape, dtype, len(request.keys),
+    head = REQUEST.pack(MAGIC, request.op, *request.geometry.shape, dtype, len(request.keys),
                         authority.kind, len(namespace))
     keys = b"".join(request.keys)
     tag = authority.tag(session, head + namespace + keys)
@@ -76,7 +79,7 @@ def read_request(sock: socket.socket, session: bytes) -> ReadRequest | None:
     magic, op, *rest = REQUEST.unpack(head)
     shape, dtype, num_keys = tuple(rest[:5]), rest[5].rstrip(b"\0"), rest[6]
     kind, namespace_len = rest[7], rest[8]
-    if magic != MAGIC or op != OP_READ or num_keys > MAX_KEYS:
+    if magic != MAGIC or op not in (OP_READ, OP_PUSH) or num_keys > MAX_KEYS:
         raise PeerGone(f"not a raykv request (magic {magic!r}, op {op}, {num_keys} keys)")
     tag = recv_exact(sock, MAC_BYTES)
     namespace = recv_exact(sock, namespace_len)
@@ -87,7 +90,7 @@ def read_request(sock: socket.socket, session: bytes) -> ReadRequest | None:
     except (UnicodeDecodeError, ValueError, TypeError) as error:
         raise PeerGone(f"not a raykv request: {error}") from None
     keys = tuple(PageKey(blob[i : i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES))
-    return ReadRequest(geometry, keys, claim)
+    return ReadRequest(geometry, keys, claim, op)
 
 
 def recv_exact(sock: socket.socket, num_bytes: int) -> bytes:

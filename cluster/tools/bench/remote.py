@@ -23,6 +23,13 @@ local). Bytes are checked after every read, untimed. GB/s = prompt bytes / secon
 Replication: A's prompt H is pulled to B by B's node actor (NodeCacheActor.pull, what the
 control loop's replication calls), then H is read on B and on A by their clients, alternating,
 REPLICA_READS times each after a warm-up: replicated_get_vs_local_get compares the two.
+
+NIXL (when installed): the service restarts with transport="nixl" (4 MiB pages), so A's page
+server answers both TCP reads and NIXL pushes. B reads the same prompt from it into out, over
+TCP and over NIXL alternately (the order flips every round), NIXL_ROUNDS rounds after a
+warm-up pair, with the same parallelism (the same lanes); nixl_vs_tcp is the median of the
+rounds' (TCP seconds / NIXL seconds), i.e. NIXL's bytes/s over TCP's. UCX picks the path: on
+this one-host cluster that is shared memory (CMA), not RDMA.
 """
 
 from __future__ import annotations
@@ -58,10 +65,12 @@ DATAPLANE_PROMPT = 1001
 GOALS = {"remote_get_vs_tcp": {"min": 0.8}, "remote_get_vs_ray": {"min": 3.0},
          "replicated_get_vs_local_get": {"min": 0.9}}
 NODES = ("bench_node_a", "bench_node_b", "bench_node_c")
+NIXL_ROUNDS = 5  # timed pairs; at least 3 in a quick run too
 CONTENDERS = ("raykv", "dataplane", "tcp", "tcp_rows", "sendfile", "ray")
 
 
-def _service_config(page_bytes: int, num_reps: int, disk_dir: str) -> CacheConfig:
+def _service_config(page_bytes: int, num_reps: int, disk_dir: str,
+                    transport: str = "tcp") -> CacheConfig:
     """Host tiers that hold every prompt of the run: A stores them all, B pulls each one."""
     page_tokens = page_bytes // SPEC.bytes_per_token
     assert SPEC.page_bytes(page_tokens) == page_bytes, "a page must be whole tokens"
@@ -70,7 +79,8 @@ def _service_config(page_bytes: int, num_reps: int, disk_dir: str) -> CacheConfi
     return CacheConfig(page_tokens=page_tokens, device_bytes=0,
                        host_bytes=(num_reps + 4) * PROMPT_BYTES, disk_bytes=0,
                        eviction="lru", call_timeout_s=30.0, rebalance=False,
-                       disk_dir=os.path.join(disk_dir, f"{page_bytes // MiB}mib"))
+                       transport=transport,
+                       disk_dir=os.path.join(disk_dir, f"{page_bytes // MiB}mib-{transport}"))
 
 
 def _wait_located(reader, prompt: int, num_pages: int) -> None:
@@ -172,6 +182,47 @@ def measure_size(page_mib: int, num_reps: int, disk_dir: str, roles: dict,
             "raykv_put_ms": statistics.median(put_s) * 1e3, **figures}
 
 
+def measure_nixl(num_rounds: int, disk_dir: str, roles: dict, node_ids: dict) -> dict:
+    """The same prompt from A's page server over TCP and over NIXL, in alternating pairs."""
+    from cluster import start
+
+    page_bytes = RATIO_PAGE_MIB * MiB
+    writer, reader = roles["writer"], roles["reader"]
+    common.stop_service()
+    start(_service_config(page_bytes, 1, disk_dir, transport="nixl"))
+    ray.get([writer.setup.remote(page_bytes, PROMPT_BYTES),
+             reader.setup.remote(page_bytes, PROMPT_BYTES)])
+    ray.get(writer.put.remote(DATAPLANE_PROMPT))
+    _wait_located(reader, DATAPLANE_PROMPT, PROMPT_BYTES // page_bytes)
+    endpoint = ray.get(NodeHandle.lookup(node_ids["a"], CacheConfig()).dataplane())
+    why_not = ray.get(reader.nixl_up.remote())
+    if endpoint.transport != "nixl" or why_not is not None:
+        return {"skipped": why_not or "A's node serves TCP only (NIXL did not start there)"}
+    read = lambda name: ray.get(reader.dataplane_s.remote(DATAPLANE_PROMPT, endpoint,  # noqa: E731
+                                                          name))
+    read("tcp"), read("nixl")  # warm-up: connections, staging buffers, UCX endpoints
+    seconds: dict[str, list[float]] = {"tcp": [], "nixl": []}
+    for round_index in range(num_rounds):
+        for name in (("tcp", "nixl") if round_index % 2 == 0 else ("nixl", "tcp")):
+            seconds[name].append(read(name))
+    served = ray.get(NodeHandle.lookup(node_ids["a"], CacheConfig()).stats())["dataplane"]
+    return {"page_mib": RATIO_PAGE_MIB, "rounds": num_rounds, "per_round_s": seconds,
+            "gbps": {name: PROMPT_BYTES / statistics.median(values) / 1e9
+                     for name, values in seconds.items()},
+            "pushed_pages": served.get("pushed_pages", 0),
+            "nixl_vs_tcp": common.median_ratio(seconds["tcp"], seconds["nixl"])}
+
+
+def _nixl_installed() -> bool:
+    from cluster.core.dataplane.nixl_agent import load_api
+
+    try:
+        load_api()
+    except ImportError:
+        return False
+    return True
+
+
 # ---- the cluster, ratios, report -----------------------------------------------------------
 
 
@@ -228,18 +279,22 @@ def ratios_of(per_size: dict[str, dict]) -> dict[str, float]:
     return ratios
 
 
-def measure_sizes(num_reps: int, disk_dir: str) -> dict[str, dict]:
+def measure_sizes(num_reps: int, disk_dir: str) -> tuple[dict[str, dict], dict]:
+    """Per page size, the contenders; then NIXL against TCP (skipped without NIXL)."""
     from rich.progress import Progress
 
     per_size: dict[str, dict] = {}
     roles, node_ids = _peers_on_nodes()
     with Progress() as progress:
-        steps = common.Steps(progress, "remote", len(PAGE_MIB))
+        steps = common.Steps(progress, "remote", len(PAGE_MIB) + 1)
         for page_mib in PAGE_MIB:
             steps(f"{page_mib} MiB pages")
             per_size[f"{page_mib}MiB"] = measure_size(page_mib, num_reps, disk_dir, roles,
                                                       node_ids)
-    return per_size
+        steps("NIXL against TCP")
+        nixl = (measure_nixl(NIXL_ROUNDS, disk_dir, roles, node_ids) if _nixl_installed()
+                else {"skipped": "NIXL is not installed (pip install nixl)"})
+    return per_size, nixl
 
 
 def run(json_path: str | None, quick: bool) -> dict:
@@ -248,7 +303,7 @@ def run(json_path: str | None, quick: bool) -> dict:
     disk_dir = tempfile.mkdtemp(prefix="raykv-bench-remote-", dir="/tmp")
     cluster = _start_cluster()
     try:
-        per_size = measure_sizes(num_reps, disk_dir)
+        per_size, nixl = measure_sizes(num_reps, disk_dir)
     finally:
         try:
             common.stop_service()
@@ -263,7 +318,8 @@ def run(json_path: str | None, quick: bool) -> dict:
                          "object_store_bytes_per_node": OBJECT_STORE_BYTES, "nodes": 3,
                          "transport": CacheConfig().transport,
                          "top_tier": "host (device_bytes=0)", "quick": quick},
-              "machine": machine, "per_size": per_size, "ratios": ratios_of(per_size),
+              "machine": machine, "per_size": per_size, "nixl": nixl,
+              "ratios": {**ratios_of(per_size), "nixl_vs_tcp": nixl.get("nixl_vs_tcp")},
               "goals": GOALS, "notes": NOTES + (["quick run: fewer repetitions"] if quick
                                                 else [])}
     print_report(result)

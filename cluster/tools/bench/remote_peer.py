@@ -26,6 +26,7 @@ class BenchPeer:
 
     def __init__(self) -> None:
         self.client = None
+        self.transports: dict = {}
         self.raw: dict[int, list] = {}
         self.server = self.reader = None
 
@@ -117,26 +118,39 @@ class BenchPeer:
 
         return common.timed(both)[0]
 
-    def dataplane_s(self, prompt: int, endpoint) -> float:
-        """The data plane alone: the owner's page server straight into `out`, no Ray call."""
+    def dataplane_s(self, prompt: int, endpoint, transport: str | None = None) -> float:
+        """The data plane alone: the owner's page server straight into `out`, no Ray call;
+        over the client's transport, or the one named (nixl_vs_tcp reads with both)."""
         from cluster.core.dataplane.endpoint import PageRead, TensorPages
+        from cluster.core.dataplane.transport import make_transport
         from cluster.core.kvcheck import page_slices
 
         client = self.client
         keys = tuple(client.keys(self.tokens(prompt)))
         self.out.zero_()
+        if transport is not None and transport not in self.transports:
+            self.transports[transport] = make_transport(transport)
+        wire = client.view.transport if transport is None else self.transports[transport]
 
         def read() -> list:
             pages = TensorPages(self.out, [self.out[:, :, :, page_slices(p, client.page_tokens)]
                                            for p in range(len(keys))])
-            return client.view.transport.read([PageRead(endpoint, client.geometry, keys,
-                                                        pages, client.view.authority)], 30.0)
+            return wire.read([PageRead(endpoint, client.geometry, keys, pages,
+                                       client.view.authority)], 30.0)
 
         read_s, (count,) = common.timed(read)
         if count != len(keys):
             raise RuntimeError(f"the data plane read {count} of {len(keys)} pages")
         common.check_same(self.out, self.kv, f"data plane read of prompt {prompt}")
         return read_s
+
+    def nixl_up(self) -> str | None:
+        """None once this process's NIXL agent is up (made in the background), else why not."""
+        from cluster.core.dataplane.nixl_agent import shared_agent, unavailable_reason
+
+        if shared_agent(wait_s=120.0) is not None:
+            return None
+        return unavailable_reason() or "the NIXL agent did not start within 120 s"
 
     def stream_s(self, address: tuple[str, int], op: bytes) -> float:
         """A raw TCP stream of the same bytes from A's stream server (connection reused)."""

@@ -29,7 +29,19 @@ def print_report(result: dict) -> None:
                       for key, label in GBPS_ROWS)),
         common.table("where the time goes, ms per prompt (medians)", header,
                      ([label, *(f"{per_size[s]['ms'][key]:.1f}" for s in sizes)]
-                      for key, label in MS_ROWS))])
+                      for key, label in MS_ROWS)),
+        *_nixl_tables(result.get("nixl", {}), mib)])
+
+
+def _nixl_tables(nixl: dict, mib: int) -> list:
+    if "nixl_vs_tcp" not in nixl:
+        return [common.table("NIXL against TCP", ["", "skipped"],
+                             [["why", nixl.get("skipped", "not measured")]])]
+    rows = [[name, f"{nixl['gbps'][name]:.2f}"] for name in ("tcp", "nixl")]
+    rows.append(["nixl_vs_tcp (median of rounds)", f"{nixl['nixl_vs_tcp']:.3f}"])
+    return [common.table(f"A's page server -> out, {mib} MiB prompt, {nixl['page_mib']} MiB "
+                         f"pages, {nixl['rounds']} rounds: GB/s (medians)",
+                         ["read over", "GB/s"], rows)]
 
 
 NOTES = [
@@ -56,4 +68,9 @@ NOTES = [
     "the machine has 2 cores shared by the three raylets, the actors and both ends of every "
     "transfer; other engineers' jobs ran on it too (see machine.loadavg_*)",
     f"kv geometry: {common.LLAMA_8B_KV.name}, bf16, 128 KiB per token",
+    "nixl_vs_tcp: the service restarted with transport=nixl at 4 MiB pages; B reads the same "
+    "prompt from A's page server into out over TCP and over NIXL (A writes it into B's "
+    "registered staging, B copies it into out's rows), in pairs whose order flips every "
+    "round, after a warm-up pair; the median of the rounds' (TCP seconds / NIXL seconds). "
+    "UCX chooses NIXL's path: on this one-host cluster shared memory (CMA), not RDMA",
 ]
