@@ -140,16 +140,6 @@ def allocate(name: str, shape: Sequence[int], dtype: torch.dtype,
     return flat.as_strided(tuple(shape), order_strides(LAYOUT_ORDERS[name], shape))
 
 
-def selfcheck(device: str) -> list[tuple[str, bool, str]]:
-    """Round-trip every layout this module knows, byte for byte, on tensors of `device`
-    ("cpu", "cuda", "cuda:1"): every KVCacheLayout member as layer views and as one tensor,
-    16-token blocks, partial blocks, MLA, fp8, int8 with its scales, the CPU backend's blocks.
-    Returns (name, ok, detail) rows (cluster/core/kv_layout_check.py)."""
-    from cluster.core.kv_layout_check import run
-
-    return run(device)
-
-
 def layout_name(layer: torch.Tensor, layer_stride: int | None) -> str:
     """The KVCacheLayout member whose order these strides follow ("strided" if none). Axes of
     size 1 are left out: their stride says nothing."""

@@ -1,5 +1,5 @@
 """Checks of cluster/core/kv_layout.py against an independent reference, on any device (pure:
-torch only). `make gpu-check` runs them on CUDA through kv_layout.selfcheck; the unit tests on
+torch only). `make gpu-check` runs them on CUDA through selfcheck below; the unit tests on
 CPU.
 
 The reference writes token by token through vLLM's logical per-layer view [B, H, N, C] with
@@ -188,8 +188,11 @@ def _bytes_differ(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((left != right).sum().item())
 
 
-def run(device: str) -> list[tuple[str, bool, str]]:
-    """(name, ok, detail) per case on `device`; on CUDA also a page already on the device."""
+def selfcheck(device: str) -> list[tuple[str, bool, str]]:
+    """Round-trip every layout kv_layout knows, byte for byte, on tensors of `device` ("cpu",
+    "cuda", "cuda:1"): every KVCacheLayout member as layer views and as one tensor, 16-token
+    blocks, partial blocks, MLA, fp8, int8 with its scales, the CPU backend's blocks; on CUDA
+    also a page already on the device. Returns (name, ok, detail) rows."""
     rows = []
     for case in cases():
         rows.append((case.name, *_guarded(case, device, None)))

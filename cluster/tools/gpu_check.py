@@ -19,7 +19,7 @@ It exits non-zero on any FAIL; without CUDA every check is a SKIP and it exits 0
                       gpu_memory_utilization next to raykv's default device_bytes
     device_get        a get from mapped VRAM chunks into a KV tensor, against one cudaMemcpy
                       of the same bytes (torch copy), as a ratio
-    connector/<name>  cluster.core.kv_layout.selfcheck("cuda"): gather/scatter per layout
+    connector/<name>  cluster.core.kv_layout_check.selfcheck("cuda"): gather/scatter per layout
 """
 
 from __future__ import annotations
@@ -370,11 +370,11 @@ def check_device_get(report: Report) -> None:
 
 def check_connector_layouts(report: Report, device: str) -> None:
     try:
-        from cluster.core import kv_layout
+        from cluster.core.kv_layout_check import selfcheck
     except ImportError:
-        report.line("SKIP", "connector layouts", "cluster.core.kv_layout not present")
+        report.line("SKIP", "connector layouts", "cluster.core.kv_layout_check not present")
         return
-    for name, ok, detail in kv_layout.selfcheck(device):
+    for name, ok, detail in selfcheck(device):
         report.check(f"connector/{name}", ok, detail)
 
 

@@ -83,9 +83,9 @@ def test_the_connector_layouts_check_runs_the_selfcheck_or_says_why_not(capsys):
     report = Report()
     check_connector_layouts(report, "cpu")
     try:
-        import cluster.core.kv_layout  # noqa: F401
+        import cluster.core.kv_layout_check  # noqa: F401
     except ImportError:
         assert capsys.readouterr().out == \
-            "SKIP connector layouts: cluster.core.kv_layout not present\n"
+            "SKIP connector layouts: cluster.core.kv_layout_check not present\n"
         return
     assert report.checks and set(report.checks.values()) == {"PASS"}, capsys.readouterr().out

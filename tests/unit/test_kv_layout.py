@@ -17,7 +17,6 @@ from cluster.core.kv_layout import (
     describe_caches,
     layout_name,
     order_strides,
-    selfcheck,
 )
 
 CASES = check.cases()
@@ -41,7 +40,7 @@ def test_cases_cover_every_member_in_both_forms():
 
 
 def test_selfcheck_rows_for_the_gpu_check():
-    rows = selfcheck("cpu")
+    rows = check.selfcheck("cpu")
     assert [name for name, _, _ in rows] == [case.name for case in CASES]
     assert all(ok for _, ok, _ in rows), [row for row in rows if not row[1]]
     assert all(isinstance(detail, str) and detail for _, _, detail in rows)
