@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from cluster.tools.bench.harness import failed
 from cluster.tools.ops_cli import start_command, status_command, stop_command
 from cluster.tools.quota_cli import quota_app
 from cluster.tools.serve_cli import serve_command
@@ -56,6 +57,11 @@ def _bench(name: str, json_path: Path | None, quick: bool, **extra) -> None:
     module = importlib.import_module(BENCHMARKS[name])
     result = module.run(str(json_path) if json_path else None, quick, **extra)
     typer.echo(json.dumps(result["ratios"], indent=2))
+    not_exercised = failed(result)
+    if not_exercised:  # a ratio that nothing exercised fails the run rather than passing
+        for name, why in not_exercised.items():
+            typer.echo(f"FAILED {name}: not exercised: {why}", err=True)
+        raise typer.Exit(2)
 
 
 def _register(name: str, help_text: str) -> None:

@@ -10,7 +10,6 @@ A result is a dict that a benchmark fills and hands to `finish`:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -23,6 +22,9 @@ from importlib import metadata
 import numpy as np
 
 from cluster.core.spec import ModelSpec
+
+# The rules (rounds, pairing, goals, the JSON) live in the harness; re-exported for callers.
+from cluster.tools.bench.harness import finish, goal_text, goals_met, ratio_table  # noqa: F401
 
 MiB = 1 << 20
 # Llama-3.1-8B's KV geometry, bf16: 128 KiB per token, so a 1 MiB page is 8 tokens.
@@ -95,33 +97,6 @@ def machine_info() -> dict:
             "packages": {name: _version(name) for name in PACKAGES},
             "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
             "loadavg_start": list(os.getloadavg())}
-
-
-def goals_met(ratios: dict[str, float], goals: dict[str, dict[str, float]]) -> dict[str, bool]:
-    """name -> whether ratios[name] lies within goals[name]'s "min" and "max" (each optional)."""
-    met = {}
-    for name, goal in goals.items():
-        value = ratios[name]
-        met[name] = bool(goal.get("min", -math.inf) <= value <= goal.get("max", math.inf))
-    return met
-
-
-def goal_text(goal: dict[str, float] | None) -> str:
-    if not goal:
-        return ""
-    return " ".join(f"{'<=' if bound == 'max' else '>='} {value:g}"
-                    for bound, value in goal.items())
-
-
-def finish(result: dict, json_path: str | None) -> dict:
-    """Add "met" and the closing load average, print the ratios, write the JSON."""
-    result["met"] = goals_met(result["ratios"], result["goals"])
-    result["machine"]["loadavg_end"] = list(os.getloadavg())
-    print_tables([ratio_table(result)])
-    if json_path:
-        with open(json_path, "w") as file:
-            json.dump(result, file, indent=2)
-    return result
 
 
 # ---- Ray and the service --------------------------------------------------------------------
@@ -254,17 +229,6 @@ def table(title: str, header: list[str], rows: Iterable[list[str]]):
     for row in rows:
         result.add_row(*row)
     return result
-
-
-def ratio_table(result: dict):
-    rows = []
-    for name, value in result["ratios"].items():
-        met = result.get("met", {}).get(name)
-        rows.append([name, f"{value:.3f}", goal_text(result["goals"].get(name)),
-                     "" if met is None else ("[green]yes[/]" if met else "[red]NO[/]")])
-    basis = result.get("ratio_basis")
-    return table(f"ratios{f' ({basis})' if basis else ''}", ["ratio", "value", "goal", "met"],
-                 rows)
 
 
 def print_tables(tables: Iterable) -> None:
