@@ -89,13 +89,29 @@ def _version(package: str) -> str | None:
         return None
 
 
+def _commit() -> str | None:
+    """The git commit the run's code came from, "+dirty" when the work tree has changes: a
+    figure is only quotable for the code it ran on."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.strip() + ("+dirty" if dirty.strip() else "")
+
+
 def machine_info() -> dict:
     """Cores, memory, platform, package versions and the load average now."""
     return {"nproc": os.cpu_count(),
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "platform": platform.platform(), "python": platform.python_version(),
             "packages": {name: _version(name) for name in PACKAGES},
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "commit": _commit(),
             "loadavg_start": list(os.getloadavg())}
 
 
