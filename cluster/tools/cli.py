@@ -97,6 +97,23 @@ _register_plotted("burst", "A spiky multi-model trace on 3 simulated nodes, reba
                            "off: p99 fetch latency, hit ratio, memory per model over time.")
 
 
+@bench_app.command("summary")
+def summary_command(
+    bench_dir: Annotated[Path, typer.Argument(help="folder of benchmark JSON files")] = Path(
+        "docs/bench"),
+    doc: Annotated[Path | None, typer.Option(help="rewrite this file's summary block")] = None,
+) -> None:
+    """The summary table of every JSON result in BENCH_DIR, as markdown (with --doc, written
+    into that file's summary block instead)."""
+    from cluster.tools.bench import summary
+
+    if doc is None:
+        typer.echo(summary.table(bench_dir))
+        return
+    changed = summary.rewrite(doc, bench_dir)
+    typer.echo(f"{doc}: summary {'rewritten' if changed else 'already current'}")
+
+
 @app.command("demo")
 def demo_command(
     png: Annotated[Path, typer.Option(help="where to write the chart")] = Path("out/demo.png"),
