@@ -378,7 +378,9 @@ class NodeStore:
                 "reservations": len(self.reservations),
                 "quarantined_slots": sum(len(p.quarantined) for p in self.pools.values()),
                 "disk_bytes_read": sum(d.bytes_read for d in disks),
-                "disk_bytes_written": sum(d.bytes_written for d in disks), **self.counters}
+                "disk_bytes_written": sum(d.bytes_written for d in disks),
+                "disk_checksum_failures": sum(d.checksum_failures for d in disks),
+                **self.counters}
 
     def set_quotas(self, models: dict[str, Quota], namespaces: dict[str, Quota],
                    model_names: dict[str, str] | None = None) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.tools.bench import common, directory, faults, remote, tiers
+from cluster.tools.bench import directory, remote, tiers
 from cluster.tools.bench.remote_peer import prompt_tokens
 
 
@@ -97,19 +97,3 @@ def test_vllm_workload_alternates_engines_and_counts_cross_engine_tokens():
     assert expected[2] == (SYSTEM_TOKENS, first_turn - SYSTEM_TOKENS)
     assert expected[3] == expected[2]  # session 1's first turn was engine 1's
     assert len(requests[3].prompt) == first_turn + TURN_TOKENS
-
-
-@pytest.mark.parametrize("stalled_writes, wrong, met", [(2, 0, True), (0, 0, False),
-                                                        (2, 1, False)])
-def test_the_stalled_writer_fault_fails_on_wrong_bytes_and_when_nothing_stalled(
-        stalled_writes, wrong, met):
-    fault = {"wrong_bytes": 0, "client_errors": 0, "recovery_s": 1.0}
-    per_fault = {"node": dict(fault), "stalled_writer": {
-        **fault, "wrong_bytes": wrong, "stalled_writes": stalled_writes}}
-    soak = {"wrong_bytes": 0, "client_errors": 0, "rss_growth": 0.0, "leases": 0,
-            "reservations": 0, "files_left": 0}
-    ratios = faults.ratios_of({"per_fault": per_fault, "fuzz": {"cases": 10_000,
-                                                                "failures": 0}}, soak)
-    assert ratios["stalled_writer_wrong_bytes"] == wrong
-    verdict = common.goals_met(ratios, faults.goals_for(ratios))
-    assert (verdict["stalled_writer_wrong_bytes"] and verdict["stalled_writes"]) is met

@@ -232,6 +232,7 @@ def test_corrupt_payload_byte_is_a_miss_and_dropped_by_scan(disk_dir):
                      [aligned_empty(8192) for _ in slots]):
             metas = arena.read_pages(slots, outs)
             assert metas == [_meta(*items[0][1:]), None, _meta(*items[2][1:])]
+        assert arena.checksum_failures == 2  # once per read of the damaged page
     with _arena(disk_dir) as reopened:
         assert [slot for slot, _ in reopened.scan()] == [slots[0], slots[2]]
         assert (reopened.num_used, reopened.num_free) == (2, 6)
@@ -244,6 +245,7 @@ def test_corrupt_header_is_a_miss_and_dropped_by_scan(disk_dir, offset_in_slot):
         _flip_byte(disk_dir, items[0][0], offset_in_slot)
         outs = [np.zeros(3000, np.uint8) for _ in items]
         assert arena.read_pages([s for s, *_ in items], outs) == [None, _meta(*items[1][1:])]
+        assert arena.checksum_failures == 1
     with _arena(disk_dir) as reopened:
         assert [slot for slot, _ in reopened.scan()] == [items[1][0]]
 
@@ -253,6 +255,19 @@ def test_never_written_slot_and_short_out_are_misses(disk_dir):
         (slot, *_), = _write(arena, [5000])
         outs = [np.zeros(4999, np.uint8), np.zeros(100, np.uint8)]
         assert arena.read_pages([slot, 7], outs) == [None, None]
+        assert arena.checksum_failures == 1  # slot 7 holds no page; a short out is no damage
+
+
+def test_a_slab_torn_mid_page_counts_checksum_failures(disk_dir):
+    with _arena(disk_dir) as arena:
+        items = _write(arena, [6000, 6000, 6000])
+        slots = [slot for slot, *_ in items]
+        os.truncate(os.path.join(disk_dir, "slab-00000.bin"),
+                    max(slots[1:]) * SLOT_BYTES + HEADER_BYTES + 3000)
+        outs = [np.zeros(6000, np.uint8) for _ in slots]
+        metas = arena.read_pages(slots, outs)
+        assert metas[0] == _meta(*items[0][1:]) and metas.count(None) >= 1
+        assert arena.checksum_failures == metas.count(None)
 
 
 def test_geometry_mismatch_raises_and_deletes_nothing(disk_dir):

@@ -383,6 +383,7 @@ def test_stats_figures(stores):
         "misses_pages": 1, "expired_reservations": 0, "expired_leases": 0,
             "optimistic_hits_pages": 0, "optimistic_reads": 0,
         "disk_bytes_read": 0, "disk_bytes_written": DISK_SLOT_BYTES,  # one page, header incl.
+        "disk_checksum_failures": 0,
         "evictions": {"device": 3, "host": 1, "disk": 0}, "disk_read_us_per_token": 0.0,
     }
     store.release(lease_id)

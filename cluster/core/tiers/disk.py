@@ -7,7 +7,8 @@
 
 A batch of pages goes out (or comes back) in parallel: os.pwritev/os.preadv in a small thread
 pool, which release the GIL, through pooled 4096-aligned buffers. A page whose header or payload
-fails its checksum reads as None, a miss. manifest.json pins the geometry; reopening with
+fails its checksum (or a short read: a torn slab) reads as None, a miss, and is counted in
+checksum_failures. manifest.json pins the geometry; reopening with
 another one raises ValueError.
 
 Durability (set_durability): "durable" fdatasyncs the slab files a batch wrote before
@@ -127,6 +128,7 @@ class DiskArena:
         self._slots.on_release = self._punch_chunk
         self.bytes_read = 0  # bytes moved from disk, headers and 4096 padding included
         self.bytes_written = 0  # bytes moved to disk, likewise
+        self.checksum_failures = 0  # slots read that did not verify: damaged or torn pages
         make_private_dir(self.dir_path)
         ensure_manifest(self.dir_path, self._geometry())
         self._fds = self._open_slabs()
@@ -294,10 +296,12 @@ class DiskArena:
     def num_free(self) -> int:
         return self._slots.num_free
 
-    def _count(self, read_bytes: int = 0, written_bytes: int = 0) -> None:
+    def _count(self, read_bytes: int = 0, written_bytes: int = 0,
+               checksum_failures: int = 0) -> None:
         with self._lock:
             self.bytes_read += read_bytes
             self.bytes_written += written_bytes
+            self.checksum_failures += checksum_failures
 
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
@@ -439,10 +443,12 @@ class DiskArena:
             read_bytes = os.preadv(fd, iovecs, offset)
             meta = self._parse_header(header) if read_bytes == HEADER_BYTES + span_bytes else None
             if meta is None or meta.payload_bytes > out.nbytes:
+                self._count(checksum_failures=int(meta is None))  # a short out is no damage
                 return None, read_bytes
             if meta.payload_bytes > head_bytes:
                 out[head_bytes : meta.payload_bytes] = tail[: meta.payload_bytes - head_bytes]
         if _checksum(out[: meta.payload_bytes]) != meta.checksum:
+            self._count(checksum_failures=1)
             return None, read_bytes
         return meta, read_bytes
 

@@ -12,6 +12,8 @@ fault that lasts, holds it for `hold_s` and undoes it), and returns extra figure
     serve_replica        kill one engine replica of the Serve app; Serve replaces it
     flipped_disk_bytes   flip a payload byte of every page in the head node's slab files
     torn_write           truncate the head node's slab in the middle of a page
+                         (both: then wait until the workload read a damaged page, seen as
+                         the node's disk_checksum_failures rising; it must rise)
     full_disk            every disk write fails with ENOSPC, for hold_s
     slow_disk            20 ms before every disk read and write, for hold_s
     event_batches        half the head node's event batches lost, the rest reordered, hold_s
@@ -19,6 +21,7 @@ fault that lasts, holds it for `hold_s` and undoes it), and returns extra figure
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,11 +31,18 @@ import ray
 from actors.handles import DirectoryHandle, NodeHandle
 from cluster.core.config import CacheConfig
 from cluster.tools.bench.faults_stalled import stalled_writer
-from cluster.tools.bench.faults_workload import Record, Workload, page_sums, wrong_pages
+from cluster.tools.bench.faults_workload import (
+    Workload,
+    checked_get,
+    full_get,
+    page_sums,
+)
 from cluster.tools.doomed_writer import DoomedWriter, known_kv
 from cluster.tools.slab_faults import flip_page_bytes, tear_slab
 
 CALL_TIMEOUT_S = 30.0
+DAMAGE_READ_WAIT_S = 30.0
+MID_PUT_TOKENS = 64
 
 
 @dataclass
@@ -84,12 +94,12 @@ def _redis(ctx: Context) -> dict:
 
 
 def _client_mid_put(ctx: Context) -> dict:
-    """A writer dies mid-put; then (as a workload op, every 0.2 s) put the same prompt again
-    until it is stored, and read it back checked. Before that, any hit is a half page."""
+    """A writer dies mid-put; then (as an op, every 0.2 s) put the same prompt again until it
+    is stored, and read it back checked, 3 times. Before that, any hit is a half page."""
     from cluster import connect
 
-    tokens = [7_000_000 + i for i in range(64)]
-    kv = known_kv(ctx.spec, 64, 424242)
+    tokens = [7_000_000 + i for i in range(MID_PUT_TOKENS)]
+    kv = known_kv(ctx.spec, MID_PUT_TOKENS, 424242)
     sums = page_sums(kv, ctx.config.page_tokens)
     doomed = DoomedWriter.options(scheduling_strategy=_on(ctx.head_id)).remote(ctx.spec)
     try:
@@ -98,21 +108,20 @@ def _client_mid_put(ctx: Context) -> dict:
         pass  # it died, as it should
     client = connect(ctx.spec)
     deadline_s = time.monotonic() + ctx.config.reserve_lease_s + 30
-    while time.monotonic() < deadline_s:
-        start_s = time.monotonic()
-        num_tokens, got = client.get(tokens)
-        wrong = wrong_pages(got, num_tokens, sums, ctx.config.page_tokens)
-        stored = client.put(tokens, kv) if not num_tokens else 64
-        ctx.workload.add(Record("mid_put", start_s, time.monotonic(),
-                                stored == 64 and not wrong, wrong))
-        if stored == 64:
-            break
+    while (not ctx.workload.op("mid_put", _reput, client, tokens, kv, sums).ok
+           and time.monotonic() < deadline_s):
         time.sleep(0.2)
-    num_tokens, got = client.get(tokens)
-    wrong = wrong_pages(got, num_tokens, sums, ctx.config.page_tokens)
-    ctx.workload.add(Record("mid_put", time.monotonic(), time.monotonic(),
-                            num_tokens == 64 and not wrong, wrong))
+    for _ in range(3):
+        ctx.workload.op("mid_put", full_get, client, tokens, sums)
     return {"reserve_lease_s": ctx.config.reserve_lease_s}
+
+
+def _reput(client, tokens: list[int], kv, sums: list[int]) -> tuple[bool, int]:
+    """An op: a get (any page it finds must hold the bytes put), then a put of what is
+    missing; ok once every token is stored."""
+    num_tokens, wrong = checked_get(client, tokens, sums)
+    stored = client.put(tokens, kv) if num_tokens < len(tokens) else num_tokens
+    return stored == len(tokens) and not wrong, wrong
 
 
 def _on(node_id: str):
@@ -138,16 +147,24 @@ def _serve_replica(ctx: Context) -> dict:
     return {"replaced_s": time.monotonic() - killed_s}
 
 
-def _disk_dir(ctx: Context) -> str:
-    return ray.get(_head(ctx).stats(), timeout=CALL_TIMEOUT_S)["disk_dir"]
+def _damaged(damage: Callable[[str], int], what: str) -> Callable[[Context], dict]:
+    """Damage the head node's slabs (damage(disk_dir) -> pages damaged), then wait until the
+    workload read a damaged page: the node's disk_checksum_failures rose (or
+    DAMAGE_READ_WAIT_S passed; then the fault was not exercised)."""
 
+    def inject(ctx: Context) -> dict:
+        head = _head(ctx)
+        before = ray.get(head.stats(), timeout=CALL_TIMEOUT_S)
+        damaged = damage(before["disk_dir"])
+        deadline_s = time.monotonic() + DAMAGE_READ_WAIT_S
+        while True:
+            after = ray.get(head.stats(), timeout=CALL_TIMEOUT_S)["disk_checksum_failures"]
+            failures = after - before["disk_checksum_failures"]
+            if failures > 0 or time.monotonic() > deadline_s:
+                return {what: damaged, "checksum_failures": failures}
+            time.sleep(0.2)
 
-def _flipped_disk_bytes(ctx: Context) -> dict:
-    return {"damaged_pages": flip_page_bytes(_disk_dir(ctx))}
-
-
-def _torn_write(ctx: Context) -> dict:
-    return {"torn_pages": tear_slab(_disk_dir(ctx))}
+    return inject
 
 
 def _held(kind: str, **params) -> Callable[[Context], dict]:
@@ -171,8 +188,8 @@ FAULTS: dict[str, tuple[Callable[[Context], dict], tuple[str, ...]]] = {
     "client_mid_put": (_client_mid_put, ("mid_put",)),
     "stalled_writer": (stalled_writer, KV_KINDS),
     "serve_replica": (_serve_replica, ("http",)),
-    "flipped_disk_bytes": (_flipped_disk_bytes, KV_KINDS),
-    "torn_write": (_torn_write, KV_KINDS),
+    "flipped_disk_bytes": (_damaged(flip_page_bytes, "damaged_pages"), KV_KINDS),
+    "torn_write": (_damaged(tear_slab, "torn_pages"), KV_KINDS),
     "full_disk": (_held("full_disk"), KV_KINDS),
     "slow_disk": (_held("slow_disk", delay_s=0.02), KV_KINDS),
     "event_batches": (_held("event_batches", drop_fraction=0.5, reorder=True, seed=1),
@@ -182,19 +199,16 @@ FAULTS: dict[str, tuple[Callable[[Context], dict], tuple[str, ...]]] = {
 
 def http_loop(url: str, model: str, expected: dict[str, str]):
     """A workload thread: greedy completions of fixed prompts over HTTP; the text must be the
-    one answered before any fault. An OpenAI-shaped error is a clear error (not ok, not an
-    unhandled error)."""
+    one answered before any fault. An OpenAI-shaped error is a clear error (not ok, not a
+    client error)."""
     import requests
 
     def loop(work: Workload) -> None:
-        prompts = list(expected)
-        index = 0
-        while work.running():
-            text_prompt = prompts[index % len(prompts)]
-            index += 1
-            start_s = time.monotonic()
-            work.add(_http_record(requests, url, model, text_prompt, expected[text_prompt],
-                                  start_s))
+        for index in itertools.count():
+            if not work.running():
+                return
+            text_prompt = list(expected)[index % len(expected)]
+            work.op("http", _http_op, requests, url, model, text_prompt, expected[text_prompt])
             time.sleep(0.05)
 
     return loop
@@ -205,20 +219,17 @@ def completion(requests_module, url: str, model: str, text_prompt: str):
         "model": model, "prompt": text_prompt, "max_tokens": 4, "temperature": 0})
 
 
-def _http_record(requests_module, url, model, text_prompt, expected, start_s) -> Record:
-    try:
-        reply = completion(requests_module, url, model, text_prompt)
-    except requests_module.RequestException as error:
-        return Record("http", start_s, time.monotonic(), False, 0, repr(error))
-    end_s = time.monotonic()
+def _http_op(requests_module, url, model, text_prompt, expected) -> tuple[bool, int]:
+    """An op: one completion. A 200 must carry the expected text (else a wrong answer); an
+    OpenAI-shaped error is not ok; anything else (no answer, not JSON) raises: an error."""
+    reply = completion(requests_module, url, model, text_prompt)
     try:
         body = reply.json()
-    except ValueError:
-        return Record("http", start_s, end_s, False, 0, f"HTTP {reply.status_code}, not JSON")
+    except ValueError as error:
+        raise RuntimeError(f"HTTP {reply.status_code}, not JSON") from error
     if reply.status_code == 200:
         text = body["choices"][0]["text"]
-        return Record("http", start_s, end_s, text == expected, int(text != expected))
-    clear = isinstance(body.get("error"), dict) and "message" in body["error"]
-    return Record("http", start_s, end_s, False, 0,
-                  "" if clear else f"HTTP {reply.status_code}: {str(body)[:200]}")
-
+        return text == expected, int(text != expected)
+    if isinstance(body.get("error"), dict) and "message" in body["error"]:
+        return False, 0
+    raise RuntimeError(f"HTTP {reply.status_code}: {str(body)[:200]}")

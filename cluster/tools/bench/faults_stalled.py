@@ -25,7 +25,7 @@ import time
 import ray
 
 from actors.handles import NodeHandle
-from cluster.tools.bench.faults_workload import Record, page_sums, wrong_pages
+from cluster.tools.bench.faults_workload import checked_get, page_sums, put_and_get
 from cluster.tools.doomed_writer import STALLS, DoomedWriter, known_kv
 
 CALL_TIMEOUT_S = 30.0
@@ -73,35 +73,32 @@ def _one_stall(ctx, head: NodeHandle, client, stall: str, index: int) -> int:
 
 
 def _burst(ctx, client, index: int) -> list[tuple[list[int], list[int]]]:
-    """Puts of more pages than the host tier holds, each read back checked (as Records);
+    """Puts of more pages than the host tier holds, each read back checked (as ops);
     returns (tokens, page sums) of each prompt."""
     page_bytes = ctx.spec.bytes_per_token * ctx.config.page_tokens
     num_pages = ctx.config.host_bytes // page_bytes + 64
     num_prompts = -(-num_pages * ctx.config.page_tokens // BURST_PROMPT_TOKENS)
     burst = []
     for prompt in range(num_prompts):
-        seed = 50_000 + 1000 * index + prompt
         tokens = [TOKEN_BASE + 1_000_000 * (index + 1) + BURST_PROMPT_TOKENS * prompt + i
                   for i in range(BURST_PROMPT_TOKENS)]
-        kv = known_kv(ctx.spec, BURST_PROMPT_TOKENS, seed)
-        start_s = time.monotonic()
-        stored = client.put(tokens, kv)
-        num_tokens, got = client.get(tokens)
+        kv = known_kv(ctx.spec, BURST_PROMPT_TOKENS, 50_000 + 1000 * index + prompt)
         sums = page_sums(kv, ctx.config.page_tokens)
-        wrong = wrong_pages(got, num_tokens, sums, ctx.config.page_tokens)
-        ctx.workload.add(Record("stalled", start_s, time.monotonic(),
-                                stored == BURST_PROMPT_TOKENS and not wrong, wrong))
+        ctx.workload.op("stalled", put_and_get, client, tokens, kv, sums)
         burst.append((tokens, sums))
     return burst
 
 
 def _check(ctx, client, burst: list, kind: str) -> None:
-    """Read every prompt of the burst again, after the late write; record wrong pages."""
+    """Read every prompt of the burst again, after the late write (as ops: ok unless a page
+    came back with other bytes; one evicted since is no failure)."""
     for tokens, sums in burst:
-        start_s = time.monotonic()
-        num_tokens, got = client.get(tokens)
-        wrong = wrong_pages(got, num_tokens, sums, ctx.config.page_tokens)
-        ctx.workload.add(Record(kind, start_s, time.monotonic(), not wrong, wrong))
+        ctx.workload.op(kind, _unchanged, client, tokens, sums)
+
+
+def _unchanged(client, tokens: list[int], sums: list[int]) -> tuple[bool, int]:
+    wrong = checked_get(client, tokens, sums)[1]
+    return not wrong, wrong
 
 
 def _expired(head: NodeHandle) -> int:

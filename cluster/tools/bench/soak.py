@@ -21,7 +21,7 @@ from actors.handles import NodeHandle
 from cluster.core.config import CacheConfig
 from cluster.core.membership import kv_nodes
 from cluster.core.tiers.node_slot import slot_shm_prefix
-from cluster.tools.bench.faults_workload import Workload
+from cluster.tools.bench.faults_workload import Workload, tally
 from cluster.tools.slab_faults import files_under, shm_segments
 
 SETTLE_S = 10.0
@@ -42,8 +42,9 @@ def rss_bytes(pids: list[int]) -> dict[int, int]:
 
 
 def run_soak(spec, config: CacheConfig, duration_s: float, num_threads: int = 2) -> dict:
-    """The workload for `duration_s` (the first quarter, at most 30 s, is the warm-up); RSS
-    growth per process, and the leases and reservations left once it stopped."""
+    """The workload for `duration_s` (the first quarter, at most 30 s, is the warm-up); the
+    tally of every operation, RSS growth per process, and the leases and reservations left
+    once it stopped."""
     warmup_s = min(30.0, duration_s / 4)
     work = Workload(spec, num_threads, max_ops=10**7)
     work.start([])
@@ -55,10 +56,7 @@ def run_soak(spec, config: CacheConfig, duration_s: float, num_threads: int = 2)
     work.stop()
     growth = {pid: (after[pid] - before[pid]) / before[pid] for pid in pids}
     left = _wait_quiet(config)
-    records = work.records
-    return {"duration_s": duration_s, "warmup_s": warmup_s, "ops": len(records),
-            "wrong_bytes": sum(r.wrong for r in records),
-            "client_errors": sum(1 for r in records if r.error),
+    return {"duration_s": duration_s, "warmup_s": warmup_s, **tally(work.records),
             "rss_before_bytes": before, "rss_after_bytes": after,
             "rss_growth": max(growth.values()), "rss_growth_by_pid": growth, **left}
 
