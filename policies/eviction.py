@@ -26,7 +26,8 @@ IsPinned = Callable[[Key], bool]
 
 MAX_FREQ = 3  # S3-FIFO's 2-bit saturating access counter
 SMALL_FRACTION = 0.1
-HORIZON_FACTOR = 0.5  # RecencyFrequencyPolicy: a reuse's bonus, in cache capacities
+HORIZON_FACTOR = 2.0  # RecencyFrequencyPolicy: a reuse's bonus, in median reuse distances
+MEDIAN_STEP = 0.01  # RecencyFrequencyPolicy: the running median's step, relative to it
 GHOST_FACTOR = 4  # RecencyFrequencyPolicy: removed keys whose uses it remembers
 MAX_USES = 16  # RecencyFrequencyPolicy: uses past this earn no more bonus
 
@@ -218,16 +219,23 @@ class RecencyFrequencyPolicy:
         clock      +1 per new key: time counted in insertions
         priority   clock at the last use + horizon x log2(min(uses, MAX_USES))
         victims    smallest priority first; on a tie the key used later goes first
-        ghost      the uses of the last GHOST_FACTOR x capacity removed keys: a key put back
-                   keeps counting, as S3-FIFO's ghost queue remembers
+        horizon    HORIZON_FACTOR x the median first-reuse distance: the clock's advance
+                   between a key's first and second use (seen on access, or when a removed
+                   key is put back), a running median; fixed for the accesses of one tick
+        ghost      the (uses, last use) of the last GHOST_FACTOR x capacity removed keys: a
+                   key put back keeps counting, as S3-FIFO's ghost queue remembers
 
-    horizon = HORIZON_FACTOR x capacity_pages: a key read again once more outlives one used
-    once by half a cache's worth of insertions. On a prefix cache most pages are written by
-    one prompt and never read again; a page read by a second request (a conversation that
-    went on, a shared system prompt) is likelier to be read again, so it stays longer.
+    On a prefix cache most pages are written by one prompt and never read again; a page read
+    by a second request (a conversation that went on, a shared system prompt) is likelier to
+    be read again, and more so with each use. Such a page outlives a page used once by
+    `horizon` insertions (twice that at four uses). The horizon follows the workload's own
+    reuse distance rather than the cache's size: a bonus in multiples of the capacity that
+    saves a small cache from one-time pages keeps stale pages too long in a large one. Only
+    first reuses count: a shared prefix read by every request would pull the median to ~0.
+
     Pages are read root first, so a page's parent has at least its uses and a last read at
     least as late, and ties go to the later call: of a prefix read again, the leaves leave
-    before their ancestors. The new pages of one put still leave root first, as under LRU.
+    before their ancestors. The new pages of one put leave root first, as under LRU.
 
     A heap with lazy deletion: O(log n) per call. victims() pops and pushes back: O(num_pages
     log n) plus the pinned keys it skips; it changes no key's priority.
@@ -235,20 +243,28 @@ class RecencyFrequencyPolicy:
 
     def __init__(self, capacity_pages: int) -> None:
         _check_capacity(capacity_pages)
-        self.horizon = HORIZON_FACTOR * capacity_pages
+        self.reuse_distance = float(capacity_pages)  # a running median, until it has data
+        self.horizon = HORIZON_FACTOR * self.reuse_distance
         self.ghost_capacity_pages = max(1, int(GHOST_FACTOR * capacity_pages))
         self._clock = 0
         self._calls = 0
-        self._uses: dict[Key, int] = {}
-        self._ghost: OrderedDict[Key, int] = OrderedDict()  # removed key -> its uses
+        self._uses: dict[Key, tuple[int, int]] = {}  # key -> (uses, clock at the last use)
+        self._ghost: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # removed keys' too
         self._rank: dict[Key, tuple[float, int]] = {}
         self._heap: list[tuple[float, int, Key]] = []
 
-    def _touch(self, key: Key, uses: int, tick: int) -> None:
-        self._uses[key] = uses
+    def _reused(self, last_use: int) -> None:
+        """Move the running median of reuse distances one step towards this one."""
+        distance = self._clock - last_use
+        step = max(1.0, MEDIAN_STEP * self.reuse_distance)
+        self.reuse_distance += step if distance > self.reuse_distance else -step
+        self.reuse_distance = max(1.0, self.reuse_distance)
+
+    def _touch(self, key: Key, uses: int) -> None:
+        self._uses[key] = (uses, self._clock)
         self._calls += 1
         bonus = self.horizon * math.log2(min(uses, MAX_USES))
-        rank = self._rank[key] = (tick + bonus, -self._calls)
+        rank = self._rank[key] = (self._clock + bonus, -self._calls)
         heapq.heappush(self._heap, (*rank, key))
         if len(self._heap) > 2 * len(self._rank) + 64:  # too many stale entries: rebuild
             self._heap = [(*r, k) for k, r in self._rank.items()]
@@ -259,18 +275,26 @@ class RecencyFrequencyPolicy:
             self.on_access(key)
             return
         self._clock += 1
-        self._touch(key, self._ghost.pop(key, 0) + 1, self._clock)
+        past = self._ghost.pop(key, None)
+        if past is not None and past[0] == 1:
+            self._reused(past[1])
+        # A new tick: the horizon moves now only, so that the pages of a prefix read at one
+        # tick rank by their uses and call order alone (leaves first).
+        self.horizon = HORIZON_FACTOR * self.reuse_distance
+        self._touch(key, (past[0] if past else 0) + 1)
 
     def on_access(self, key: Key) -> None:
-        uses = self._uses.get(key)
-        if uses is not None:
-            self._touch(key, uses + 1, self._clock)
+        held = self._uses.get(key)
+        if held is not None:
+            if held[0] == 1:
+                self._reused(held[1])
+            self._touch(key, held[0] + 1)
 
     def on_remove(self, key: Key) -> None:
-        uses = self._uses.pop(key, None)
-        if uses is not None:
+        held = self._uses.pop(key, None)
+        if held is not None:
             del self._rank[key]
-            self._ghost[key] = uses
+            self._ghost[key] = held
             while len(self._ghost) > self.ghost_capacity_pages:
                 self._ghost.popitem(last=False)
 

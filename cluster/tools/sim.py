@@ -7,7 +7,9 @@ Only the eviction part exists so far (`--part eviction`); routing and scale come
                store) and Belady's prefix-closed optimum (cluster/core/belady.py). Each
                request hits the longest prefix of its blocks that the cache holds
                (cluster/core/sim_cache.py: DirectoryIndex lookup, policy victims, puts).
-               The hit ratio is hit tokens (whole 512-token blocks) over input tokens.
+               The hit ratio is hit tokens (whole 512-token blocks) over input tokens. Only
+               a prompt's full blocks are cached (raykv keys full pages only), for every
+               contender, Belady included.
 
 Ratios (no rounds: the simulation is deterministic, so each is one exact figure):
     eviction_vs_belady_min   min over C >= 5k blocks of raykv's default policy / Belady
@@ -48,10 +50,16 @@ def default_policy() -> str:
 
 
 def trace_chains(path: str, limit: int | None = None) -> tuple[list, list[list[bytes]]]:
-    """The trace's requests and the page keys of each one's blocks."""
+    """The trace's requests and the page keys of each one's full blocks: raykv keys only
+    full pages, so a prompt's partial last block is neither stored nor hit."""
     requests = read_trace(path, limit)
     keys = BlockKeys(KeyChain.of(ModelSpec.preset(MODEL), "default", BLOCK_TOKENS))
-    return requests, [keys.keys(request) for request in requests]
+    return requests, [keys.keys(r)[: r.input_tokens // BLOCK_TOKENS] for r in requests]
+
+
+def unlimited_hits(chains: Sequence[Sequence[bytes]]) -> int:
+    """Hit blocks of a cache that never evicts."""
+    return sum(belady_hits(chains, len({key for chain in chains for key in chain})))
 
 
 def policy_hits(name: str, chains: Sequence[Sequence[bytes]], capacity_blocks: int) -> int:
@@ -138,7 +146,8 @@ def run(trace_path: str, json_path: str | None = None, plot_path: str | None = N
         hit_ratio = eviction_hit_ratios(chains, input_tokens, CAPACITIES_BLOCKS, step)
     eviction = {"capacity_blocks": list(CAPACITIES_BLOCKS), "hit_ratio": hit_ratio,
                 "default_policy": default_policy(),
-                "unlimited_hit_ratio": unlimited_hit_ratio(requests)}
+                "unlimited_hit_ratio": hit_tokens(unlimited_hits(chains)) / input_tokens,
+                "unlimited_hit_ratio_all_blocks": unlimited_hit_ratio(requests)}
     report = Report("sim", "token hit ratio", _config(trace_path, requests, limit), GOALS,
                     _notes(len(requests), len(chains)))
     report["eviction"] = eviction
@@ -160,8 +169,9 @@ def _config(trace_path: str, requests: list, limit: int | None) -> dict:
 
 def _notes(num_requests: int, num_chains: int) -> list[str]:
     return [f"eviction: {num_requests} requests, one global cache per capacity and policy; "
-            "a request hits the longest prefix of its 512-token blocks that the cache holds "
-            "(hit ratio = 512 x hit blocks / input tokens)",
+            "a request hits the longest prefix of its full 512-token blocks that the cache "
+            "holds (hit ratio = 512 x hit blocks / input tokens; a partial last block is "
+            "never cached, as raykv keys full pages only)",
             "belady: the offline optimum closed under prefixes, with bypass (an upper bound "
             "for any policy); raykv: the default policy (CacheConfig.eviction)",
             "pages whose ancestor was evicted stay stored but unreachable (no cascade), as in "

@@ -126,12 +126,15 @@ def test_s3fifo_ghost_is_bounded():
 
 
 def test_recfreq_a_reused_key_outlives_later_single_use_keys():
-    policy = filled(RecencyFrequencyPolicy(8), 4)  # horizon 4: clock 1..4 at the inserts
-    policy.on_access(key(0))  # priority 4 + 4 x log2(2) = 8
-    assert policy.victims(4, never) == [key(1), key(2), key(3), key(0)]
-    for i in range(4, 8):  # clocks 5..8: key(0) (8) goes after them all but key(7) (8, later)
+    policy = filled(RecencyFrequencyPolicy(8), 4)  # clock 1..4; median reuse distance 8
+    assert policy.horizon == 16
+    policy.on_access(key(0))  # a first reuse after 3 ticks: the median steps to 7
+    assert policy.reuse_distance == 7 and policy.horizon == 16  # until the next tick
+    assert policy.victims(4, never) == [key(1), key(2), key(3), key(0)]  # key(0): 4 + 16
+    for i in range(4, 8):  # clocks 5..8 (< 20)
         policy.on_insert(key(i))
-    assert policy.victims(8, never)[-2:] == [key(7), key(0)]
+    assert policy.horizon == 14
+    assert policy.victims(8, never)[-1] == key(0)
 
 
 def test_recfreq_ties_go_to_the_later_use_so_leaves_go_first():
@@ -142,11 +145,11 @@ def test_recfreq_ties_go_to_the_later_use_so_leaves_go_first():
 
 
 def test_recfreq_ghost_remembers_uses_of_removed_keys():
-    policy = RecencyFrequencyPolicy(2)  # horizon 1, ghost 8
+    policy = RecencyFrequencyPolicy(2)  # median reuse distance 2, ghost 8
     policy.on_insert(key(0))
     policy.on_remove(key(0))
     policy.on_insert(key(1))  # clock 2
-    policy.on_insert(key(0))  # clock 3, second use: 3 + 1
+    policy.on_insert(key(0))  # clock 3, its second use: the median steps to 1, so 3 + 2
     policy.on_insert(key(2))  # clock 4
     assert policy.victims(3, never) == [key(1), key(2), key(0)]
     for i in range(10, 30):  # the ghost forgets the oldest removals
