@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from cluster.core.belady import belady_hits
 from cluster.core.config import CacheConfig
@@ -156,7 +157,7 @@ def run(trace_path: str, json_path: str | None = None, plot_path: str | None = N
             report.ratio(name, value)
     report["wall_s"] = time.perf_counter() - started_s
     if plot_path:
-        plot_eviction(eviction, plot_path, f"{len(requests)} requests of {trace_path}")
+        plot_eviction(eviction, plot_path, f"{len(requests)} requests of {Path(trace_path).name}")
     return report.finish(json_path)
 
 
