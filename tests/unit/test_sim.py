@@ -60,3 +60,13 @@ def test_a_small_trace_gives_every_policy_and_the_bound(tmp_path, monkeypatch):
     assert (tmp_path / "sim.png").stat().st_size > 10_000
     with pytest.raises(ValueError, match="unknown part"):
         sim.run(str(trace), parts=("routing",))
+
+
+def test_the_default_policy_is_no_worse_than_lru_on_conversations(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, num_requests=800, seed=3)
+    requests, chains = sim.trace_chains(str(trace))
+    for capacity_blocks in (60, 250, 1000):
+        raykv = sim.policy_hits(sim.default_policy(), chains, capacity_blocks)
+        assert raykv >= sim.policy_hits("lru", chains, capacity_blocks), capacity_blocks
+        assert raykv <= sim.policy_hits("belady", chains, capacity_blocks)
