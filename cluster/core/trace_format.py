@@ -67,6 +67,7 @@ def parse_request(line: str) -> BlockRequest:
 
 
 def iter_trace(lines: Iterable[str]) -> Iterator[BlockRequest]:
+    """The requests of a trace's lines, skipping blank ones."""
     for line in lines:
         if line.strip():
             yield parse_request(line)

@@ -129,9 +129,17 @@ def sim_command(
     prefix-closed optimum; token hit ratios and the eviction ratios."""
     from cluster.tools import sim
 
+    unknown = sorted(set(part or ()) - set(sim.PARTS))
+    if unknown:
+        raise typer.BadParameter(f"unknown part(s) {unknown}; this version has {list(sim.PARTS)}",
+                                 param_hint="--part")
     result = sim.run(str(trace), str(json_path) if json_path else None,
                      str(plot) if plot else None, tuple(part or sim.PARTS), limit)
     typer.echo(json.dumps(result["ratios"], indent=2))
+    for name, why in failed(result).items():
+        typer.echo(f"FAILED {name}: not exercised: {why}", err=True)
+    if failed(result):
+        raise typer.Exit(2)
 
 
 @app.command("demo")
