@@ -15,6 +15,8 @@ Keys are any hashable (page keys are 16-byte ``bytes``). Unknown keys are harmle
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Protocol, runtime_checkable
@@ -24,6 +26,10 @@ IsPinned = Callable[[Key], bool]
 
 MAX_FREQ = 3  # S3-FIFO's 2-bit saturating access counter
 SMALL_FRACTION = 0.1
+HORIZON_FACTOR = 2.0  # RecencyFrequencyPolicy: a reuse's bonus, in median reuse distances
+MEDIAN_STEP = 0.01  # RecencyFrequencyPolicy: the running median's step, relative to it
+GHOST_FACTOR = 4  # RecencyFrequencyPolicy: removed keys whose uses it remembers
+MAX_USES = 16  # RecencyFrequencyPolicy: uses past this earn no more bonus
 
 
 @runtime_checkable
@@ -206,9 +212,119 @@ class S3FIFOPolicy:
         return key in self._small or key in self._main
 
 
+class RecencyFrequencyPolicy:
+    """Recency with a bonus for reuse: evict the key whose last use, pushed into the future by
+    a bonus that grows with its number of uses, is oldest (in the manner of LRFU and GDSF).
+
+        clock      +1 per new key: time counted in insertions
+        priority   clock at the last use + horizon x log2(min(uses, MAX_USES))
+        victims    smallest priority first; on a tie the key used later goes first
+        horizon    HORIZON_FACTOR x the median first-reuse distance: the clock's advance
+                   between a key's first and second use (seen on access, or when a removed
+                   key is put back), a running median; fixed for the accesses of one tick
+        ghost      the (uses, last use) of the last GHOST_FACTOR x capacity removed keys: a
+                   key put back keeps counting, as S3-FIFO's ghost queue remembers
+
+    On a prefix cache most pages are written by one prompt and never read again; a page read
+    by a second request (a conversation that went on, a shared system prompt) is likelier to
+    be read again, and more so with each use. Such a page outlives a page used once by
+    `horizon` insertions (twice that at four uses). The horizon follows the workload's own
+    reuse distance rather than the cache's size: a bonus in multiples of the capacity that
+    saves a small cache from one-time pages keeps stale pages too long in a large one. Only
+    first reuses count: a shared prefix read by every request would pull the median to ~0.
+
+    Pages are read root first, so a page's parent has at least its uses and a last read at
+    least as late, and ties go to the later call: of a prefix read again, the leaves leave
+    before their ancestors. The new pages of one put leave root first, as under LRU.
+
+    A heap with lazy deletion: O(log n) per call. victims() pops and pushes back: O(num_pages
+    log n) plus the pinned keys it skips; it changes no key's priority.
+    """
+
+    def __init__(self, capacity_pages: int) -> None:
+        _check_capacity(capacity_pages)
+        self.reuse_distance = float(capacity_pages)  # a running median, until it has data
+        self.horizon = HORIZON_FACTOR * self.reuse_distance
+        self.ghost_capacity_pages = max(1, int(GHOST_FACTOR * capacity_pages))
+        self._clock = 0
+        self._calls = 0
+        self._uses: dict[Key, tuple[int, int]] = {}  # key -> (uses, clock at the last use)
+        self._ghost: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # removed keys' too
+        self._rank: dict[Key, tuple[float, int]] = {}
+        self._heap: list[tuple[float, int, Key]] = []
+
+    def _reused(self, last_use: int) -> None:
+        """Move the running median of reuse distances one step towards this one."""
+        distance = self._clock - last_use
+        step = max(1.0, MEDIAN_STEP * self.reuse_distance)
+        self.reuse_distance += step if distance > self.reuse_distance else -step
+        self.reuse_distance = max(1.0, self.reuse_distance)
+
+    def _touch(self, key: Key, uses: int) -> None:
+        self._uses[key] = (uses, self._clock)
+        self._calls += 1
+        bonus = self.horizon * math.log2(min(uses, MAX_USES))
+        rank = self._rank[key] = (self._clock + bonus, -self._calls)
+        heapq.heappush(self._heap, (*rank, key))
+        if len(self._heap) > 2 * len(self._rank) + 64:  # too many stale entries: rebuild
+            self._heap = [(*r, k) for k, r in self._rank.items()]
+            heapq.heapify(self._heap)
+
+    def on_insert(self, key: Key) -> None:
+        if key in self._uses:
+            self.on_access(key)
+            return
+        self._clock += 1
+        past = self._ghost.pop(key, None)
+        if past is not None and past[0] == 1:
+            self._reused(past[1])
+        # A new tick: the horizon moves now only, so that the pages of a prefix read at one
+        # tick rank by their uses and call order alone (leaves first).
+        self.horizon = HORIZON_FACTOR * self.reuse_distance
+        self._touch(key, (past[0] if past else 0) + 1)
+
+    def on_access(self, key: Key) -> None:
+        held = self._uses.get(key)
+        if held is not None:
+            if held[0] == 1:
+                self._reused(held[1])
+            self._touch(key, held[0] + 1)
+
+    def on_remove(self, key: Key) -> None:
+        held = self._uses.pop(key, None)
+        if held is not None:
+            del self._rank[key]
+            self._ghost[key] = held
+            while len(self._ghost) > self.ghost_capacity_pages:
+                self._ghost.popitem(last=False)
+
+    def victims(self, num_pages: int, is_pinned: IsPinned) -> list[Key]:
+        """Smallest priorities first, skipping pinned keys; no key is removed."""
+        _check_num_pages(num_pages)
+        out: list[Key] = []
+        popped: list[tuple[float, int, Key]] = []
+        while len(out) < num_pages and self._heap:
+            entry = heapq.heappop(self._heap)
+            if self._rank.get(entry[2]) != entry[:2]:
+                continue  # stale: used again or removed since
+            popped.append(entry)
+            if not is_pinned(entry[2]):
+                out.append(entry[2])
+        for entry in popped:
+            heapq.heappush(self._heap, entry)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._uses)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._uses
+
+
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
     "s3fifo": S3FIFOPolicy,
+    "recfreq": RecencyFrequencyPolicy,
 }
 
 

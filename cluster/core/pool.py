@@ -50,7 +50,7 @@ class PoolLimits:
     device_bytes: int
     host_bytes: int
     disk_bytes: int
-    eviction: str = "s3fifo"
+    eviction: str = "recfreq"
     disk_codec: str = "none"
     use_cuda: bool = False
     shm_prefix: str = "raykv"

@@ -114,6 +114,34 @@ def summary_command(
     typer.echo(f"{doc}: summary {'rewritten' if changed else 'already current'}")
 
 
+@app.command("sim")
+def sim_command(
+    trace: Annotated[Path, typer.Option(help="a block trace in Mooncake's JSONL format")],
+    json_path: JsonPath = None,
+    plot: PlotPath = None,
+    part: Annotated[list[str] | None, typer.Option(
+        help="what to simulate; only 'eviction' exists so far (routing and scale come later)"
+    )] = None,
+    limit: Annotated[int | None, typer.Option(help="only the trace's first LIMIT requests")] = None,
+) -> None:
+    """Replay a block trace offline through raykv's own policies. The eviction part: one
+    global cache of 1k..50k blocks under every eviction policy raykv ships and Belady's
+    prefix-closed optimum; token hit ratios and the eviction ratios."""
+    from cluster.tools import sim
+
+    unknown = sorted(set(part or ()) - set(sim.PARTS))
+    if unknown:
+        raise typer.BadParameter(f"unknown part(s) {unknown}; this version has {list(sim.PARTS)}",
+                                 param_hint="--part")
+    result = sim.run(str(trace), str(json_path) if json_path else None,
+                     str(plot) if plot else None, tuple(part or sim.PARTS), limit)
+    typer.echo(json.dumps(result["ratios"], indent=2))
+    for name, why in failed(result).items():
+        typer.echo(f"FAILED {name}: not exercised: {why}", err=True)
+    if failed(result):
+        raise typer.Exit(2)
+
+
 @app.command("demo")
 def demo_command(
     png: Annotated[Path, typer.Option(help="where to write the chart")] = Path("out/demo.png"),

@@ -3,11 +3,14 @@
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policies.eviction import (
     EVICTION_POLICIES,
     EvictionPolicy,
     LRUPolicy,
+    RecencyFrequencyPolicy,
     S3FIFOPolicy,
     make_policy,
 )
@@ -119,6 +122,63 @@ def test_s3fifo_ghost_is_bounded():
     assert all(policy.queue_of(key(i)) == "ghost" for i in range(11, 20))
 
 
+# ---- recency + frequency ---------------------------------------------------------------
+
+
+def test_recfreq_a_reused_key_outlives_later_single_use_keys():
+    policy = filled(RecencyFrequencyPolicy(8), 4)  # clock 1..4; median reuse distance 8
+    assert policy.horizon == 16
+    policy.on_access(key(0))  # a first reuse after 3 ticks: the median steps to 7
+    assert policy.reuse_distance == 7 and policy.horizon == 16  # until the next tick
+    assert policy.victims(4, never) == [key(1), key(2), key(3), key(0)]  # key(0): 4 + 16
+    for i in range(4, 8):  # clocks 5..8 (< 20)
+        policy.on_insert(key(i))
+    assert policy.horizon == 14
+    assert policy.victims(8, never)[-1] == key(0)
+
+
+def test_recfreq_ties_go_to_the_later_use_so_leaves_go_first():
+    policy = filled(RecencyFrequencyPolicy(8), 3)
+    for i in range(3):  # a prefix read again root first: equal uses, equal clock
+        policy.on_access(key(i))
+    assert policy.victims(3, never) == [key(2), key(1), key(0)]
+
+
+def test_recfreq_ghost_remembers_uses_of_removed_keys():
+    policy = RecencyFrequencyPolicy(2)  # median reuse distance 2, ghost 8
+    policy.on_insert(key(0))
+    policy.on_remove(key(0))
+    policy.on_insert(key(1))  # clock 2
+    policy.on_insert(key(0))  # clock 3, its second use: the median steps to 1, so 3 + 2
+    policy.on_insert(key(2))  # clock 4
+    assert policy.victims(3, never) == [key(1), key(2), key(0)]
+    for i in range(10, 30):  # the ghost forgets the oldest removals
+        policy.on_insert(key(i))
+        policy.on_remove(key(i))
+    policy.on_remove(key(0))
+    assert len(policy._ghost) == policy.ghost_capacity_pages == 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4), min_size=1, max_size=12))
+def test_recfreq_never_ranks_a_read_page_before_its_descendants(paths):
+    """Prompts written, then read again, root first (no removals): every ancestor leaves
+    after its descendants. (Pages only written, never read, leave root first.)"""
+    policy = RecencyFrequencyPolicy(64)
+    for path in [*paths, *paths]:
+        chain = [tuple(path[: i + 1]) for i in range(len(path))]
+        for page in chain:
+            if page in policy:
+                policy.on_access(page)
+            else:
+                policy.on_insert(page)
+    order = policy.victims(len(policy), never)
+    position = {page: i for i, page in enumerate(order)}
+    for page, at in position.items():
+        for depth in range(1, len(page)):
+            assert position[page[:depth]] > at, (page, order)
+
+
 @pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
 def test_pinned_keys_are_never_returned(name):
     policy = make_policy(name, 10)
@@ -150,7 +210,7 @@ def test_registry_and_make_policy():
     assert isinstance(make_policy("S3FIFO", 4), S3FIFOPolicy)
     for name in EVICTION_POLICIES:
         assert isinstance(make_policy(name, 4), EvictionPolicy)
-    with pytest.raises(ValueError, match="lru, s3fifo"):
+    with pytest.raises(ValueError, match="lru, recfreq, s3fifo"):
         make_policy("arc", 4)
     with pytest.raises(ValueError, match="capacity_pages"):
         make_policy("s3fifo", 0)

@@ -1,0 +1,87 @@
+"""One global cache of C blocks, driven per request as raykv's node store drives a tier, with
+raykv's own eviction policy and its own directory index deciding.
+
+Per request (a chain of page keys, root first):
+
+    lookup    DirectoryIndex.prefix_runs(keys): the longest prefix the cache holds (hits)
+    get       policy.on_access(key) for each hit page, in chain order (Pool.acquire does so)
+    put       the pages not stored (Pool.reserve skips stored ones, without an access):
+              policy.victims(shortfall, is_pinned=never) makes room first, each victim goes
+              (policy.on_remove), then each new page is inserted (policy.on_insert); at most
+              C new pages per request
+    events    every change goes through the node's EventStream into the DirectoryIndex, as
+              the node actor sends it to its directory shard
+
+A policy's victim need not be a leaf. As in the service, nothing cascades: a page whose
+ancestor left stays stored, taking room, but no lookup reaches it (prefix_runs stops at the
+first missing page) until a later put stores the ancestor again; then it hits once more. The
+engine reads its prefix into its own buffer before it prefills and puts (aget with out=), so
+nothing of the request is pinned while room is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cluster.core.directory_index import APPLIED, DirectoryIndex
+from cluster.core.events import EventStream
+from cluster.core.geometry import HOST
+from cluster.core.keys import PageKey
+from policies.eviction import EvictionPolicy
+
+NODE_ID = "global"
+
+
+def _never(_key: PageKey) -> bool:
+    return False
+
+
+class GlobalCache:
+    """A cache of `capacity_blocks` pages under one eviction policy, with a directory."""
+
+    def __init__(self, policy: EvictionPolicy, capacity_blocks: int) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        self.policy = policy
+        self.capacity_blocks = capacity_blocks
+        self.stored: set[PageKey] = set()
+        self.index = DirectoryIndex()
+        self.stream = EventStream(NODE_ID, epoch=1, num_shards=1)
+        batch = self.stream.resync(0, [])
+        accepted = self.index.replace_node(NODE_ID, 1, [], batch.seq)
+        self.stream.on_resync(0, batch.seq, accepted)
+        self.counters = {"evictions": 0, "inserts": 0, "stranded_hits": 0}
+
+    def serve(self, keys: Sequence[PageKey]) -> int:
+        """One request: its hit pages (the longest stored prefix), then its put."""
+        num_hit = sum(num_pages for _, num_pages in self.index.prefix_runs(list(keys)))
+        for key in keys[:num_hit]:
+            self.policy.on_access(key)
+        fresh = [k for k in dict.fromkeys(keys[num_hit:]) if k not in self.stored]
+        # Stored pages past the first miss: kept, but their ancestor had left.
+        self.counters["stranded_hits"] += len(keys) - num_hit - len(fresh)
+        fresh = fresh[: self.capacity_blocks]
+        shortfall = len(self.stored) + len(fresh) - self.capacity_blocks
+        if shortfall > 0:
+            self._evict(shortfall)
+        for key in fresh[: self.capacity_blocks - len(self.stored)]:
+            self.stored.add(key)
+            self.policy.on_insert(key)
+            self.stream.record(key, HOST)
+            self.counters["inserts"] += 1
+        self._sync()
+        return num_hit
+
+    def _evict(self, num_pages: int) -> None:
+        for key in self.policy.victims(num_pages, _never):
+            self.policy.on_remove(key)
+            self.stored.discard(key)
+            self.stream.record(key, None)
+            self.counters["evictions"] += 1
+
+    def _sync(self) -> None:
+        for shard, batch in self.stream.outgoing():
+            status = self.index.apply(batch)
+            self.stream.on_status(shard, batch.seq, status)
+            if status != APPLIED:
+                raise RuntimeError(f"the directory answered {status} to batch {batch.seq}")

@@ -1,0 +1,72 @@
+"""`raykv sim --part eviction`: the ratios' arithmetic, and the JSON and plot of a small
+synthetic trace in Mooncake's format. No Ray."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from cluster.tools import sim
+
+
+def test_eviction_ratios_take_the_worst_capacity():
+    hit_ratio = {"raykv": [0.05, 0.2, 0.3], "belady": [0.2, 0.25, 0.3], "lru": [0.04, 0.2, 0.32]}
+    ratios = sim.eviction_ratios([1000, 5000, 10000], hit_ratio)
+    assert ratios["eviction_vs_belady_min"] == pytest.approx(0.8)  # C >= 5k only
+    assert ratios["eviction_vs_lru_min"] == pytest.approx(0.3 / 0.32)
+    assert sim.eviction_ratios([1000], {k: v[:1] for k, v in hit_ratio.items()}) == {
+        "eviction_vs_belady_min": None, "eviction_vs_lru_min": pytest.approx(1.25)}
+
+
+def write_trace(path, num_requests: int = 300, seed: int = 0) -> None:
+    """Conversations that go on: each request extends an earlier one's prompt or starts anew
+    from the shared block 0."""
+    rng = random.Random(seed)
+    prompts: list[list[int]] = []
+    next_id = 1
+    with open(path, "w") as file:
+        for i in range(num_requests):
+            base = rng.choice(prompts) if prompts and rng.random() < 0.6 else [0]
+            num_new = rng.randint(1, 6)
+            ids = base + list(range(next_id, next_id + num_new))
+            next_id += num_new
+            prompts.append(ids)
+            row = {"timestamp": i * 100, "input_length": 512 * len(ids) - rng.randrange(2) * 100,
+                   "output_length": 10, "hash_ids": ids}
+            file.write(json.dumps(row) + "\n")
+
+
+def test_a_small_trace_gives_every_policy_and_the_bound(tmp_path, monkeypatch):
+    monkeypatch.setattr(sim, "CAPACITIES_BLOCKS", (20, 50, 100, 5000))
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace)
+    out = tmp_path / "sim.json"
+    result = sim.run(str(trace), str(out), str(tmp_path / "sim.png"), limit=250)
+    written = json.loads(out.read_text())
+    eviction = written["eviction"]
+    assert eviction["capacity_blocks"] == [20, 50, 100, 5000]
+    assert set(eviction["hit_ratio"]) == {"raykv", "belady", *sim.EVICTION_POLICIES}
+    assert eviction["hit_ratio"]["raykv"] == eviction["hit_ratio"][sim.default_policy()]
+    for name, ratios in eviction["hit_ratio"].items():
+        assert all(r <= b + 1e-12 for r, b in zip(ratios, eviction["hit_ratio"]["belady"],
+                                                 strict=True)), name
+    # 5000 blocks hold the whole trace: every policy reaches the unlimited cache
+    for ratios in eviction["hit_ratio"].values():
+        assert ratios[-1] == pytest.approx(eviction["unlimited_hit_ratio"])
+    assert written["config"]["num_requests"] == 250
+    assert set(result["ratios"]) == set(sim.GOALS)
+    assert (tmp_path / "sim.png").stat().st_size > 10_000
+    with pytest.raises(ValueError, match="unknown part"):
+        sim.run(str(trace), parts=("routing",))
+
+
+def test_the_default_policy_is_no_worse_than_lru_on_conversations(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, num_requests=800, seed=3)
+    requests, chains = sim.trace_chains(str(trace))
+    for capacity_blocks in (60, 250, 1000):
+        raykv = sim.policy_hits(sim.default_policy(), chains, capacity_blocks)
+        assert raykv >= sim.policy_hits("lru", chains, capacity_blocks), capacity_blocks
+        assert raykv <= sim.policy_hits("belady", chains, capacity_blocks)
