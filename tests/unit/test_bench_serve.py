@@ -78,3 +78,13 @@ def test_a_baseline_that_cached_nothing_or_never_evicted_fails_its_ratios():
     assert result.ratios["ttft_p50_vs_prefix_router"] is None
     assert "evicted nothing" in result["not_exercised"]["ttft_p50_vs_prefix_router"]
     assert result.ratios["ttft_p50_vs_local_prefix"] == 1.0
+
+
+def test_evicted_pages_count_the_local_lrus_or_every_tier_of_raykv():
+    assert serve.evicted_pages({"local_cache.evicted_pages": 7, "engine.requests": 3}) == 7
+    assert serve.evicted_pages({"node.evictions.host": 4, "node.evictions.disk": 2,
+                                "node.hits_host": 9}) == 6
+    totals = {}
+    serve._add(totals, "engine", {"requests": 2, "replica": "r1", "ok": True})
+    serve._add(totals, "engine", {"requests": 3, "clients": {}})
+    assert totals == {"engine.requests": 5}

@@ -111,7 +111,7 @@ def warm_up(url: str) -> None:
 
 def run_contender(name: str, plan: Plan, trace: list) -> dict:
     """A fresh Serve instance (and, on raykv's cache, a fresh service) replaying `trace`:
-    {"summary", "ttft_ms", "evicted_pages"}."""
+    {"summary", "ttft_ms", "evicted_pages", "cache"}."""
     from ray import serve
 
     from cluster import start, stop
@@ -125,23 +125,47 @@ def run_contender(name: str, plan: Plan, trace: list) -> dict:
         deploy(app_args(name, plan))
         warm_up(url)
         records = Replay(url, MODEL, concurrency=CONCURRENCY).run(trace)
+        cache = cache_figures(CONTENDERS[name][1])
         return {"summary": summarize(records),
                 "ttft_ms": sorted(r.ttft_s * 1e3 for r in records if r.status == 200),
-                "evicted_pages": _evicted_pages(CONTENDERS[name][1])}
+                "evicted_pages": evicted_pages(cache), "cache": cache}
     finally:
         serve.shutdown()
         stop()
         shutil.rmtree(disk_dir, ignore_errors=True)
 
 
-def _evicted_pages(own_cache: bool) -> int:
-    """Pages the caches let go during the replay: the replicas' own LRUs, or raykv's tiers
-    (demoted or dropped) on every node."""
-    if own_cache:
-        return sum(s["local_cache"]["evicted_pages"] for s in _engine_stats())
-    from cluster.api import status
+def cache_figures(own_cache: bool) -> dict:
+    """What the caches did during the replay, summed over the replicas that answered:
+    engine.* (requests, cached tokens, failed stores), client.* (raykv clients: pages read on
+    this node or another, failed calls) or local_cache.* (pages matched, stored, evicted), and
+    node.* (raykv's tiers: hits per tier, pages demoted or dropped per tier)."""
+    totals: dict[str, int] = {}
+    for stats in _engine_stats():
+        _add(totals, "engine", stats)
+        if own_cache:
+            _add(totals, "local_cache", stats["local_cache"])
+        for counters in () if own_cache else stats["clients"].values():
+            _add(totals, "client", counters)
+    if not own_cache:
+        from cluster.api import status
 
-    return sum(sum(node.get("evictions", {}).values()) for node in status()["nodes"])
+        for node in status()["nodes"]:
+            _add(totals, "node", {k: v for k, v in node.items() if k.startswith("hits_")})
+            _add(totals, "node.evictions", node.get("evictions", {}))
+    return totals
+
+
+def evicted_pages(cache: dict) -> int:
+    """Pages the caches let go: the replicas' own LRUs, or raykv's tiers on every node."""
+    return cache.get("local_cache.evicted_pages", 0) + sum(
+        v for k, v in cache.items() if k.startswith("node.evictions."))
+
+
+def _add(totals: dict[str, int], prefix: str, counters: dict) -> None:
+    for name, value in counters.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            totals[f"{prefix}.{name}"] = totals.get(f"{prefix}.{name}", 0) + value
 
 
 def _engine_stats() -> list[dict]:
@@ -289,8 +313,9 @@ def run(json_path: str | None, quick: bool, plot_path: str | None = None) -> dic
         Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
         plot(rounds, plot_path)
     report["ttft_p50_ms_per_round"] = order
-    report["per_round"] = {n: [{**r["summary"], "evicted_pages": r["evicted_pages"]}
-                               for r in per_round] for n, per_round in rounds.items()}
+    report["per_round"] = {n: [{**r["summary"], "evicted_pages": r["evicted_pages"],
+                                "cache": r["cache"]} for r in per_round]
+                           for n, per_round in rounds.items()}
     report["stronger_local_per_round"] = [stronger_local(rounds, i)
                                           for i in range(plan.num_rounds)]
     report["ttft_ms"] = {n: [r["ttft_ms"] for r in per_round] for n, per_round in rounds.items()}
