@@ -5,6 +5,10 @@
 
 `build_app` starts the cache service on the cluster when it is not running (with the `cache`
 settings given, else the defaults) and returns the application. `raykv serve` calls it.
+
+With `local_cache` the engines use no raykv at all: each replica keeps only its own prefix
+cache (cluster/serving/local_cache.py), as engines do without raykv, and the service is
+neither started nor asked; `raykv bench serve` runs this as its baseline.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from typing import Literal
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray.serve.config import RequestRouterConfig
 
 from cluster.api import ensure_running, quotas
@@ -29,6 +33,7 @@ from cluster.serving.access import (
 from cluster.serving.deployments import EngineDeployment
 from cluster.serving.engine import EngineConfig
 from cluster.serving.ingress import Ingress, IngressSettings, serve_bind_host
+from cluster.serving.local_cache import LocalCacheSettings
 from cluster.serving.model import SHAPES
 from policies.admission import AdmissionLimits, TenantLimits
 
@@ -76,6 +81,18 @@ class AdmissionArgs(BaseModel):
                                self.default_tenant.limits())
 
 
+class LocalCacheArgs(BaseModel):
+    """Each engine replica's own prefix cache, instead of raykv's shared one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    page_tokens: int = Field(16, ge=1, description="tokens per cached page")
+    capacity_bytes: int = Field(256 << 20, ge=1, description="KV bytes each replica holds")
+
+    def settings(self) -> LocalCacheSettings:
+        return LocalCacheSettings(self.page_tokens, self.capacity_bytes)
+
+
 class AppArgs(BaseModel):
     """What `serve run ... key=value` or `raykv serve` may set."""
 
@@ -93,6 +110,9 @@ class AppArgs(BaseModel):
     seed: int = 0
     cache: dict | None = Field(None, description="CacheConfig fields, used when raykv is not "
                                "running yet")
+    local_cache: LocalCacheArgs | None = Field(None, description="each engine replica keeps "
+                                               "only its own prefix cache (as vLLM's automatic "
+                                               "prefix caching does); raykv is not used")
     admission: AdmissionArgs = Field(default_factory=AdmissionArgs)
     api_keys: dict[str, str] = Field(default_factory=api_keys_from_env, description="bearer "
                                      "keys -> the namespace each may use (default: "
@@ -100,6 +120,13 @@ class AppArgs(BaseModel):
                                      "default namespace is served, and only on a loopback "
                                      "bind: the app refuses to start otherwise")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="a request body's limit (413)")
+
+    @model_validator(mode="after")
+    def _router_has_its_cache(self):
+        if self.local_cache is not None and self.router == "raykv":
+            raise ValueError("router 'raykv' routes by raykv's cache; with local_cache choose "
+                             "'pow2' or 'prefix'")
+        return self
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -118,19 +145,21 @@ def require_keys(front_door: Access, settings: AppArgs) -> None:
     the default (registered on the service, or given admission settings), or bind HTTP
     beyond loopback. The bind is checked here when Serve already runs, and again by each
     ingress replica as it starts (a builder may run before Serve does)."""
-    namespaces = {*quotas()["namespaces"], *settings.admission.tenants}
-    require_keys_for_namespaces(front_door, namespaces)
+    registered = quotas()["namespaces"] if settings.local_cache is None else ()
+    require_keys_for_namespaces(front_door, {*registered, *settings.admission.tenants})
     bind_host = serve_bind_host()
     if bind_host is not None:
         require_keys_for_bind(front_door, bind_host)
 
 
 def build_app(args: dict | None = None):
-    """A Serve application of the OpenAI API over engines on raykv's cache."""
+    """A Serve application of the OpenAI API over engines on raykv's cache (or, with
+    `local_cache`, each on its own)."""
     settings = AppArgs(**(args or {}))
     if settings.model not in SHAPES:
         raise ValueError(f"unknown model {settings.model!r}; known: {sorted(SHAPES)}")
-    config = ensure_cache(settings.cache)
+    local = settings.local_cache.settings() if settings.local_cache else None
+    config = ensure_cache(settings.cache) if local is None else CacheConfig()
     replicas = settings.replicas or len(kv_nodes(config.node_resource, ray.nodes()))
     engine_config = EngineConfig(settings.model, settings.seed, settings.max_context_tokens,
                                  settings.max_ongoing_requests)
@@ -140,9 +169,9 @@ def build_app(args: dict | None = None):
         ray_actor_options={"num_cpus": settings.engine_num_cpus,
                            "resources": {config.node_resource: 0.001}},
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[settings.router]),
-    ).bind(engine_config, settings.model)
+    ).bind(engine_config, settings.model, local)
     front_door = Access.of(settings.api_keys, settings.max_request_bytes)
     require_keys(front_door, settings)
     ingress = IngressSettings(settings.max_context_tokens, settings.default_max_tokens,
-                              settings.admission.limits(), front_door)
+                              settings.admission.limits(), front_door, local)
     return Ingress.bind(engine, ModelSpec.preset(settings.model), ingress)

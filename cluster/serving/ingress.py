@@ -37,6 +37,7 @@ from cluster.serving import access, protocol, tokenizer
 from cluster.serving.access import Access
 from cluster.serving.admission import AdmissionGate, Overloaded
 from cluster.serving.engine import Chunk, GenerationRequest
+from cluster.serving.local_cache import LocalCacheSettings
 from policies.admission import AdmissionLimits
 
 log = logging.getLogger("raykv.ingress")
@@ -100,6 +101,7 @@ class IngressSettings:
     default_max_tokens: int = 16
     admission: AdmissionLimits | None = None
     access: Access = field(default_factory=Access)
+    local_cache: LocalCacheSettings | None = None  # the engines' own caches; no raykv
 
 
 def _namespace(request: Request) -> str:
@@ -210,7 +212,8 @@ class Ingress:
         access.require_keys_for_bind(settings.access, serve_bind_host())
         self.engine = engine.options(stream=True)
         self.spec = spec
-        self.config = running_config()
+        self.local_cache = settings.local_cache
+        self.config = running_config() if self.local_cache is None else None
         self.chains: dict[str, KeyChain] = {}  # namespace -> its key chain (secret inside)
         self.unknown: dict[str, float] = {}  # namespace -> when the controller refused it
         self.max_context_tokens = settings.max_context_tokens
@@ -287,6 +290,10 @@ class Ingress:
         at run time is served within that)."""
         chain = self.chains.get(namespace)
         if chain is not None:
+            return chain
+        if self.local_cache is not None:  # no service: keyed as the engines' own caches key
+            chain = self.chains[namespace] = KeyChain.of(self.spec, namespace,
+                                                         self.local_cache.page_tokens)
             return chain
         now_s = time.monotonic()
         if now_s - self.unknown.get(namespace, -NAMESPACE_REFRESH_S) >= NAMESPACE_REFRESH_S:
