@@ -3,8 +3,10 @@
 Every contender does the same work: the page's bytes end up in a buffer the caller owns, a
 preallocated numpy array that is already touched (page faults are not measured; a fresh
 buffer fills ~3x slower here). A zero-copy view into a store is not a get, so Ray's get is
-followed by a copy. Each result is the median of REPS timed runs after one warm-up run; the
-destination is checked against the source after the last run (outside the timing).
+followed by a copy, made with raykv's own copy routine and threads (copy_rows); Redis can be
+given as many connections as raykv's get has copy threads. Each result is the median of REPS
+timed runs after one warm-up run; the destination is checked against the source after the last
+run (outside the timing).
 
 Page contents: page i = BASE ^ (i & 0xFF), BASE a fixed byte ramp, so a mixed-up page is caught.
 """
@@ -66,13 +68,11 @@ def memcpy_gbps(page_bytes: int, num_pages: int) -> float:
     """np.copyto page by page from a touched source pool into a touched destination pool."""
     src, dst = page_pool(page_bytes, num_pages), touched_buffer(page_bytes, num_pages)
 
-    def run_s() -> float:
-        start_s = time.perf_counter()
+    def run() -> None:
         for i in range(num_pages):
             np.copyto(dst[i], src[i])
-        return time.perf_counter() - start_s
 
-    gbps = median_gbps(run_s, page_bytes * num_pages)
+    gbps = median_gbps(lambda: _timed_s(run), page_bytes * num_pages)
     check_pool(dst)
     return gbps
 
@@ -82,11 +82,13 @@ def fio_path() -> str | None:
     return shutil.which("fio") or shutil.which("fio", path="/usr/bin")
 
 
-def _fio_argv(file_path: str, rw: str, block_bytes: int, num_jobs: int, size_bytes: int):
+def _fio_argv(file_path: str, rw: str, block_bytes: int, num_jobs: int, size_bytes: int,
+              sync_every: int) -> list[str]:
+    sync = [f"--fdatasync={sync_every}"] if sync_every else []
     return [fio_path(), "--name=raykv-peer", f"--filename={file_path}", f"--rw={FIO_RW[rw]}",
             f"--bs={block_bytes}", f"--size={size_bytes}", f"--numjobs={num_jobs}",
             "--direct=1", "--ioengine=psync", "--group_reporting", "--output-format=json",
-            "--time_based", f"--runtime={FIO_RUNTIME_S}", "--randrepeat=0"]
+            "--time_based", f"--runtime={FIO_RUNTIME_S}", "--randrepeat=0", *sync]
 
 
 def _run_fio_json(argv: list[str]) -> dict:
@@ -96,13 +98,16 @@ def _run_fio_json(argv: list[str]) -> dict:
     return json.loads(proc.stdout[proc.stdout.index("{"):])
 
 
-def fio_gbps(dir_path: str, rw: str, block_bytes: int, num_jobs: int, size_bytes: int) -> float:
+def fio_gbps(dir_path: str, rw: str, block_bytes: int, num_jobs: int, size_bytes: int,
+             sync_every: int = 0) -> float:
     """fio O_DIRECT psync bandwidth on a size_bytes file in dir_path (a real disk, not tmpfs).
 
     rw "read" runs randread and "write" randwrite: a slab cache reads and writes slots at
     scattered, block-aligned offsets, not as one stream (at >= 1 MiB blocks the two are
     about equal on NVMe anyway). num_jobs threads share one file; before a read, fio lays
     the file out (untimed); each run is time-based for FIO_RUNTIME_S. The file is deleted.
+    sync_every > 0 (writes): each job fdatasyncs after every sync_every of its writes
+    (--fdatasync), the limit of durable writes at that block size and queue depth.
     """
     if fio_path() is None:
         raise RuntimeError("fio not found on PATH; install fio (apt fio)")
@@ -112,7 +117,8 @@ def fio_gbps(dir_path: str, rw: str, block_bytes: int, num_jobs: int, size_bytes
         raise ValueError(f"size_bytes {size_bytes} must be a multiple of block_bytes {block_bytes}")
     file_path = os.path.join(dir_path, f"raykv-fio-{uuid.uuid4().hex}.dat")
     try:
-        report = _run_fio_json(_fio_argv(file_path, rw, block_bytes, num_jobs, size_bytes))
+        report = _run_fio_json(_fio_argv(file_path, rw, block_bytes, num_jobs, size_bytes,
+                                          sync_every))
     finally:
         if os.path.exists(file_path):
             os.remove(file_path)
@@ -128,39 +134,56 @@ def _redis_client(url: str):
     return redis.Redis.from_url(url)
 
 
-def redis_gbps(url: str, page_bytes: int, num_pages: int) -> dict[str, float]:
-    """{"set", "get"}: pipelined SET of num_pages pages, then pipelined GET copied into a buffer.
-
-    Keys are raykv:peer:<uuid>:<i>, deleted afterwards. One connection, no transaction.
+def redis_gbps(url: str, page_bytes: int, num_pages: int,
+               num_connections: int = 1) -> dict[str, float]:
+    """{"set", "get"}: pipelined SETs of num_pages pages, then pipelined GETs copied into a
+    touched buffer, as redis-py's docs recommend for bulk (one pipeline per connection, no
+    transaction, hiredis). The pages are split over num_connections connections, each in
+    its own thread (page i on connection i % num_connections), so that Redis gets as many
+    connections as the contender it stands against has threads; each thread copies its own
+    pages out with np.copyto. Keys are raykv:peer:<uuid>:<i>, deleted afterwards.
     """
-    client = _redis_client(url)
+    from concurrent.futures import ThreadPoolExecutor
+
+    clients = [_redis_client(url) for _ in range(num_connections)]
     src, dst = page_pool(page_bytes, num_pages), touched_buffer(page_bytes, num_pages)
     keys = [f"raykv:peer:{uuid.uuid4().hex}:{i}" for i in range(num_pages)]
+    shares = [range(c, num_pages, num_connections) for c in range(num_connections)]
 
-    def set_s() -> float:
-        start_s = time.perf_counter()
-        pipe = client.pipeline(transaction=False)
-        for key, page in zip(keys, src, strict=True):
-            pipe.set(key, memoryview(page))
+    def set_share(c: int) -> None:
+        pipe = clients[c].pipeline(transaction=False)
+        for i in shares[c]:
+            pipe.set(keys[i], memoryview(src[i]))
         pipe.execute()
-        return time.perf_counter() - start_s
 
-    def get_s() -> float:
-        start_s = time.perf_counter()
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(key)
-        for i, value in enumerate(pipe.execute()):
+    def get_share(c: int) -> None:
+        pipe = clients[c].pipeline(transaction=False)
+        for i in shares[c]:
+            pipe.get(keys[i])
+        for i, value in zip(shares[c], pipe.execute(), strict=True):
             np.copyto(dst[i], np.frombuffer(value, dtype=np.uint8))
-        return time.perf_counter() - start_s
+
+    pool = ThreadPoolExecutor(num_connections)
+
+    def on_every_connection(share_fn: Callable[[int], None]) -> Callable[[], float]:
+        return lambda: _timed_s(lambda: list(pool.map(share_fn, range(num_connections))))
 
     try:
-        result = {"set": median_gbps(set_s, src.nbytes), "get": median_gbps(get_s, dst.nbytes)}
+        result = {"set": median_gbps(on_every_connection(set_share), src.nbytes),
+                  "get": median_gbps(on_every_connection(get_share), dst.nbytes)}
         check_pool(dst)
     finally:
-        client.delete(*keys)
-        client.close()
+        pool.shutdown()
+        clients[0].delete(*keys)
+        for client in clients:
+            client.close()
     return result
+
+
+def _timed_s(run: Callable[[], object]) -> float:
+    start_s = time.perf_counter()
+    run()
+    return time.perf_counter() - start_s
 
 
 class RedisExists:
@@ -197,8 +220,8 @@ class RedisExists:
 def ray_gbps(page_bytes: int, num_pages: int) -> dict[str, float]:
     """{"put", "get"} in this process; the caller has called ray.init.
 
-    put = ray.put of each page (a numpy array); get = ray.get of all refs, then np.copyto
-    of each (zero-copy plasma view) into a touched buffer.
+    put = ray.put of each page (a numpy array); get = ray.get of all refs, then copy_rows of
+    them (zero-copy plasma views) into a touched buffer.
     """
     src = page_pool(page_bytes, num_pages)
     put, refs = _ray_put_gbps(src)
@@ -221,18 +244,28 @@ def _ray_put_gbps(src: np.ndarray) -> tuple[float, list]:
     return median_gbps(put_s, src.nbytes), refs
 
 
+def copy_rows(dst: np.ndarray, pages: list[np.ndarray]) -> None:
+    """dst[i] = pages[i] for each page, with raykv's own copy routine and threads
+    (copies.copy_pages: np.copyto per page, a batch >= 8 MiB split over its thread pool), so
+    that a peer's copy out is as parallel as raykv's get."""
+    import warnings
+
+    import torch
+
+    from cluster.core.copies import copy_pages
+
+    with warnings.catch_warnings():  # a read-only (plasma) page: only ever read here
+        warnings.simplefilter("ignore", UserWarning)
+        pairs = [(torch.from_numpy(row), torch.from_numpy(page))
+                 for row, page in zip(dst, pages, strict=True)]
+    copy_pages(pairs)
+
+
 def _ray_get_gbps(refs: list, page_bytes: int, num_pages: int) -> float:
     import ray
 
     dst = touched_buffer(page_bytes, num_pages)
-
-    def get_s() -> float:
-        start_s = time.perf_counter()
-        for i, page in enumerate(ray.get(refs)):
-            np.copyto(dst[i], page)
-        return time.perf_counter() - start_s
-
-    gbps = median_gbps(get_s, dst.nbytes)
+    gbps = median_gbps(lambda: _timed_s(lambda: copy_rows(dst, ray.get(refs))), dst.nbytes)
     check_pool(dst)
     return gbps
 
