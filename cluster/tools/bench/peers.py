@@ -217,18 +217,6 @@ class RedisExists:
         self.client.close()
 
 
-def ray_gbps(page_bytes: int, num_pages: int) -> dict[str, float]:
-    """{"put", "get"} in this process; the caller has called ray.init.
-
-    put = ray.put of each page (a numpy array); get = ray.get of all refs, then copy_rows of
-    them (zero-copy plasma views) into a touched buffer.
-    """
-    src = page_pool(page_bytes, num_pages)
-    put, refs = _ray_put_gbps(src)
-    del src
-    return {"put": put, "get": _ray_get_gbps(refs, page_bytes, num_pages)}
-
-
 def _ray_put_gbps(src: np.ndarray) -> tuple[float, list]:
     """ray.put GB/s of each page of src, and the refs of the last run (kept alive)."""
     import ray

@@ -272,7 +272,7 @@ def peer_contenders(session: Session, redis_url: str) -> dict[str, Callable[[int
 
 def measure_host(session: Session, redis_url: str) -> dict[str, list[float]]:
     """Batch 0 put and checked byte for byte, a warm-up put; every host contender once a round
-    in rotating order; batch 0 checked again. GB/s per round."""
+    in rotating order; batch 0 checked again, and no page gone to disk. GB/s per round."""
     plan = session.plan
     session.put_batch()
     session.check_batch(0)
@@ -283,6 +283,8 @@ def measure_host(session: Session, redis_url: str) -> dict[str, list[float]]:
         "put": lambda _: _gbps(plan, common.median_s(session.put_batch, PUT_REPS)),
         **peer_contenders(session, redis_url)}, plan.rounds)
     session.check_batch(0)
+    session.expect("put", session.node_stat("disk_bytes_written") == 0,
+                   "a host put demoted pages to disk: the host tier was too small")
     return {**rounds, **session.side}
 
 
