@@ -41,15 +41,21 @@ def test_memcpy_limits_run_copy_pages_between_private_pages_and_the_sessions_ten
         assert put_dst.is_contiguous() and put_dst.data_ptr() != get_src.data_ptr()
 
 
-def test_peer_copy_out_uses_copy_pages_and_fills_the_buffer(copied):
+@pytest.mark.parametrize("page_shape", [None, (2, 2, 4, 4, 1024)])
+def test_peer_copy_out_uses_copy_pages_and_fills_the_kv_layout(copied, page_shape):
     pool = peers.page_pool(64 << 10, 4)
     read_only = [page.copy() for page in pool]
     for page in read_only:
         page.flags.writeable = False
-    dst = peers.touched_buffer(64 << 10, 4)
+    dst = peers.kv_windows(64 << 10, 4, page_shape)
     peers.copy_rows(dst, read_only)
     peers.check_pool(dst)
     assert len(copied) == 1 and len(copied[0]) == 4
+    if page_shape:  # page 1 starts 4 tokens into one buffer, not after page 0's bytes
+        assert dst[1].base is dst[0].base and not dst[1].flags.c_contiguous
+        dst[0][0, 0, 0, 0, 0] ^= 1
+        with pytest.raises(RuntimeError, match="page 0"):
+            peers.check_pool(dst)
 
 
 class _FakeSession:

@@ -4,7 +4,8 @@ Every contender does the same work: the page's bytes end up in a buffer the call
 preallocated numpy array that is already touched (page faults are not measured; a fresh
 buffer fills ~3x slower here). A zero-copy view into a store is not a get, so Ray's get is
 followed by a copy, made with raykv's own copy routine and threads (copy_rows); Redis can be
-given as many connections as raykv's get has copy threads. Each result is the median of REPS
+given as many connections as raykv's get has copy threads. With a page_shape, a get fills the
+same strided layout raykv's get fills (kv_windows). Each result is the median of REPS
 timed runs after one warm-up run; the destination is checked against the source after the last
 run (outside the timing).
 
@@ -49,11 +50,25 @@ def touched_buffer(page_bytes: int, num_pages: int) -> np.ndarray:
     return buf
 
 
-def check_pool(pool: np.ndarray) -> None:
-    """Raise RuntimeError unless pool holds the reference contents (see page_pool)."""
-    base = _base_page(pool.shape[1])
-    for i in range(pool.shape[0]):
-        if not np.array_equal(pool[i], base ^ np.uint8(i & 0xFF)):
+def kv_windows(page_bytes: int, num_pages: int,
+               page_shape: tuple[int, ...] | None = None) -> list[np.ndarray]:
+    """Where a get puts page i: with page_shape (a page's uint8 shape [L, 2, H, T, D bytes]),
+    tokens i*T.. of a touched [L, 2, H, num_pages * T, D bytes] buffer, laid out as raykv's
+    get fills `out` (strided windows); without, row i of a touched_buffer."""
+    if page_shape is None:
+        return list(touched_buffer(page_bytes, num_pages))
+    *outer, page_tokens, row_bytes = page_shape
+    buffer = np.empty((*outer, num_pages * page_tokens, row_bytes), dtype=np.uint8)
+    buffer.fill(0xA5)
+    return [buffer[..., i * page_tokens:(i + 1) * page_tokens, :] for i in range(num_pages)]
+
+
+def check_pool(pool) -> None:
+    """Raise RuntimeError unless pool (rows, or kv_windows) holds the reference contents
+    (see page_pool), page i's bytes in C order."""
+    base = _base_page(pool[0].size)
+    for i, page in enumerate(pool):
+        if not np.array_equal(page.reshape(-1), base ^ np.uint8(i & 0xFF)):
             raise RuntimeError(f"page {i} holds different bytes than were stored")
 
 
@@ -134,19 +149,20 @@ def _redis_client(url: str):
     return redis.Redis.from_url(url)
 
 
-def redis_gbps(url: str, page_bytes: int, num_pages: int,
-               num_connections: int = 1) -> dict[str, float]:
+def redis_gbps(url: str, page_bytes: int, num_pages: int, num_connections: int = 1,
+               page_shape: tuple[int, ...] | None = None) -> dict[str, float]:
     """{"set", "get"}: pipelined SETs of num_pages pages, then pipelined GETs copied into a
     touched buffer, as redis-py's docs recommend for bulk (one pipeline per connection, no
     transaction, hiredis). The pages are split over num_connections connections, each in
     its own thread (page i on connection i % num_connections), so that Redis gets as many
     connections as the contender it stands against has threads; each thread copies its own
-    pages out with np.copyto. Keys are raykv:peer:<uuid>:<i>, deleted afterwards.
+    pages out with np.copyto, into kv_windows(..., page_shape). Keys are raykv:peer:<uuid>:<i>,
+    deleted afterwards.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     clients = [_redis_client(url) for _ in range(num_connections)]
-    src, dst = page_pool(page_bytes, num_pages), touched_buffer(page_bytes, num_pages)
+    src, dst = page_pool(page_bytes, num_pages), kv_windows(page_bytes, num_pages, page_shape)
     keys = [f"raykv:peer:{uuid.uuid4().hex}:{i}" for i in range(num_pages)]
     shares = [range(c, num_pages, num_connections) for c in range(num_connections)]
 
@@ -161,7 +177,7 @@ def redis_gbps(url: str, page_bytes: int, num_pages: int,
         for i in shares[c]:
             pipe.get(keys[i])
         for i, value in zip(shares[c], pipe.execute(), strict=True):
-            np.copyto(dst[i], np.frombuffer(value, dtype=np.uint8))
+            np.copyto(dst[i], np.frombuffer(value, dtype=np.uint8).reshape(dst[i].shape))
 
     pool = ThreadPoolExecutor(num_connections)
 
@@ -170,7 +186,7 @@ def redis_gbps(url: str, page_bytes: int, num_pages: int,
 
     try:
         result = {"set": median_gbps(on_every_connection(set_share), src.nbytes),
-                  "get": median_gbps(on_every_connection(get_share), dst.nbytes)}
+                  "get": median_gbps(on_every_connection(get_share), src.nbytes)}
         check_pool(dst)
     finally:
         pool.shutdown()
@@ -232,8 +248,8 @@ def _ray_put_gbps(src: np.ndarray) -> tuple[float, list]:
     return median_gbps(put_s, src.nbytes), refs
 
 
-def copy_rows(dst: np.ndarray, pages: list[np.ndarray]) -> None:
-    """dst[i] = pages[i] for each page, with raykv's own copy routine and threads
+def copy_rows(dst: list[np.ndarray], pages: list[np.ndarray]) -> None:
+    """dst[i] = pages[i] (reshaped) for each page, with raykv's own copy routine and threads
     (copies.copy_pages: np.copyto per page, a batch >= 8 MiB split over its thread pool), so
     that a peer's copy out is as parallel as raykv's get."""
     import warnings
@@ -244,25 +260,29 @@ def copy_rows(dst: np.ndarray, pages: list[np.ndarray]) -> None:
 
     with warnings.catch_warnings():  # a read-only (plasma) page: only ever read here
         warnings.simplefilter("ignore", UserWarning)
-        pairs = [(torch.from_numpy(row), torch.from_numpy(page))
+        pairs = [(torch.from_numpy(row), torch.from_numpy(page.reshape(row.shape)))
                  for row, page in zip(dst, pages, strict=True)]
     copy_pages(pairs)
 
 
-def _ray_get_gbps(refs: list, page_bytes: int, num_pages: int) -> float:
+def _ray_get_gbps(refs: list, page_bytes: int, num_pages: int,
+                  page_shape: tuple[int, ...] | None) -> float:
     import ray
 
-    dst = touched_buffer(page_bytes, num_pages)
-    gbps = median_gbps(lambda: _timed_s(lambda: copy_rows(dst, ray.get(refs))), dst.nbytes)
+    dst = kv_windows(page_bytes, num_pages, page_shape)
+    gbps = median_gbps(lambda: _timed_s(lambda: copy_rows(dst, ray.get(refs))),
+                       page_bytes * num_pages)
     check_pool(dst)
     return gbps
 
 
-def ray_gbps_remote(page_bytes: int, num_pages: int) -> dict[str, float]:
+def ray_gbps_remote(page_bytes: int, num_pages: int,
+                    page_shape: tuple[int, ...] | None = None) -> dict[str, float]:
     """{"put", "get"} as a same-node client would see them: the driver puts, a worker gets.
 
     The get runs in a Ray task (another worker process) pinned to this node, so it reads
-    the driver's objects from the local plasma store, as a raykv client on this node would.
+    the driver's objects from the local plasma store, as a raykv client on this node would:
+    one ray.get of every page's ref, then copy_rows into kv_windows(..., page_shape).
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -273,5 +293,5 @@ def ray_gbps_remote(page_bytes: int, num_pages: int) -> dict[str, float]:
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     remote_get = ray.remote(num_cpus=0, scheduling_strategy=here)(_ray_get_gbps)
     # refs inside a list are passed as refs, not resolved, so the worker times its own get
-    get = ray.get(remote_get.remote(refs, page_bytes, num_pages))
+    get = ray.get(remote_get.remote(refs, page_bytes, num_pages, page_shape))
     return {"put": put, "get": get}

@@ -13,7 +13,8 @@ QUICK_BATCH_BYTES) moves through every contender, each run once a round in rotat
     memcpy_put   copies.copy_pages from `kv`'s page slices into private page buffers (limit)
     put          client.put(tokens, kv) of a fresh batch: reserve RPC, copies, commit RPC
     redis_get    pipelined GETs on COPY_THREADS connections, each copying its pages out (peer)
-    ray_get      another worker ray.gets the driver's ray.put pages, copies them out (peer)
+    ray_get      another worker ray.gets the driver's ray.put pages, copies them out with
+                 copies.copy_pages (peer); both peers fill a KV tensor laid out as `out`
 
 Disk contenders (disk.py), likewise in rotating rounds: fio O_DIRECT psync, bs = page, numjobs
 = disk_threads, against DiskArena.write_pages / read_pages on as many threads, volatile and
@@ -25,8 +26,8 @@ size's own are in per_size. A ratio whose path was not taken (a get that asked t
 get that did not, an e2e step that left the disk alone) is null, unmet, and fails the run.
 
 Phases (phases_ms): the get and the put taken apart through the calls the client makes (keys,
-acquire, match, both together, copies; reserve, copies, commit), each step timed alone, so that
-a missed goal shows which step holds the time.
+acquire, match, both together, copies; reserve, mapping a new chunk, copies, commit), each
+step timed alone, so that a missed goal shows which step holds the time.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import ray
+import torch
 
 from cluster.client import fenced_copy
 from cluster.core.config import CacheConfig
@@ -253,9 +255,11 @@ def cold_get_gbps(session: Session) -> float:
 
 
 def peer_contenders(session: Session, redis_url: str) -> dict[str, Callable[[int], float]]:
-    """Redis on COPY_THREADS connections and Ray's get in another worker (peers.py); their
-    SET and put figures are kept alongside."""
+    """Redis on COPY_THREADS connections and Ray's get in another worker (peers.py), each
+    filling a KV tensor laid out as `out` (its page windows); their SET and put figures are
+    kept alongside."""
     plan = session.plan
+    page_shape = tuple(session.kv[:, :, :, :plan.page_tokens].view(torch.uint8).shape)
 
     def peer(name: str, measure: Callable[[], dict[str, float]], put: str):
         def run(_: int) -> float:
@@ -265,9 +269,9 @@ def peer_contenders(session: Session, redis_url: str) -> dict[str, Callable[[int
         return run
 
     return {"redis_get": peer("redis", lambda: peers.redis_gbps(
-                redis_url, plan.page_bytes, plan.num_pages, COPY_THREADS), "set"),
-            "ray_get": peer("ray", lambda: peers.ray_gbps_remote(plan.page_bytes,
-                                                                 plan.num_pages), "put")}
+                redis_url, plan.page_bytes, plan.num_pages, COPY_THREADS, page_shape), "set"),
+            "ray_get": peer("ray", lambda: peers.ray_gbps_remote(
+                plan.page_bytes, plan.num_pages, page_shape), "put")}
 
 
 def measure_host(session: Session, redis_url: str) -> dict[str, list[float]]:
@@ -334,7 +338,7 @@ def put_phases_s(session: Session) -> dict[str, float]:
         lambda: ray.get(client.local.reserve(client.geometry, keys)))
     if len(slots) != len(keys) or None in slots:
         raise RuntimeError(f"reserve found room for {len(slots)} of {len(keys)} pages")
-    common.map_slabs(client, stamp)
+    map_s, _ = common.timed(lambda: common.map_slabs(client, stamp))  # a new chunk: mapped
     pairs = [(page, kv[:, :, :, page_slices(p, plan.page_tokens)])
              for p, page in enumerate(client.view.slabs.pages(slots))]
     copy = lambda: fenced_copy(client.view.slabs, slots, pairs)  # noqa: E731
@@ -343,7 +347,7 @@ def put_phases_s(session: Session) -> dict[str, float]:
     commit_s, _ = common.timed(lambda: ray.get(client.local.commit(reservation_id)))
     if not copied:
         raise RuntimeError("the put's copy was fenced off: its reservation lapsed")
-    return {"put_keys": keys_s, "reserve": reserve_s, "put_copies": copies_s,
+    return {"put_keys": keys_s, "reserve": reserve_s, "put_map": map_s, "put_copies": copies_s,
             "put_copies_rewrite": rewrite_s, "commit": commit_s}
 
 
@@ -426,8 +430,9 @@ NOTES = [
     "a batch (acquire + directory match sent together, copies, release); its slabs are mapped "
     "already, as any running client's are: a new client's one-time mapping is not timed",
     "redis: pipelined SET/GET (hiredis, loopback), as many connections as copy threads, each "
-    "thread copying its values into a touched buffer; ray: another worker on this node "
-    "ray.gets the driver's ray.put pages and copies them out with copies.copy_pages",
+    "thread copying its values out; ray: another worker on this node ray.gets the driver's "
+    "ray.put pages and copies them out with copies.copy_pages; both fill a touched KV tensor "
+    "laid out as out (page i: its tokens i*T..), as raykv's get does",
     "disk: fio O_DIRECT psync randread/randwrite, bs = page, numjobs = disk_threads, for "
     "FIO_RUNTIME_S, against DiskArena.read_pages/write_pages (checksums included) on "
     "disk_threads threads, batches at random slots for >= ARENA_MIN_S, files in /tmp; durable: "
