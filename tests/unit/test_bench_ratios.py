@@ -9,34 +9,43 @@ from cluster.tools.bench.remote_peer import prompt_tokens
 def test_tiers_plans_whole_token_pages_and_a_host_tier_for_every_put():
     plan = tiers.plan_for(4, False, "/tmp")
     assert plan.page_tokens == 32 and plan.num_pages == 16
-    assert plan.batch_bytes == tiers.BATCH_BYTES
-    assert plan.disk_rounds == tiers.DISK_ROUNDS
-    assert tiers.plan_for(1, False, "/tmp").disk_rounds == 1
+    assert plan.batch_bytes == tiers.BATCH_BYTES and plan.rounds == tiers.ROUNDS
+    assert tiers.plan_for(4, True, "/tmp").rounds >= 3 and plan.disk_rounds >= 3
     config = tiers._service_config(plan)
-    host_batches = config.host_bytes // plan.batch_bytes
-    # batch 0, the warm-up, rounds x (timed puts + puts taken apart), one spare
-    assert host_batches == 2 + plan.rounds * 2 * tiers.PUT_REPS + 1
+    # batch 0, the warm-up, rounds x timed puts, the puts taken apart, one spare
+    assert config.host_bytes // plan.batch_bytes == 2 + (plan.rounds + 1) * tiers.PUT_REPS + 1
     assert config.device_bytes == 0 and config.eviction == "lru"
+    disk_slots = config.disk_bytes // (tiers.DISK_HEADER_BYTES + plan.page_bytes)
+    # what the fill pushes down (one more than the e2e gets read), every e2e put's batch
+    assert disk_slots >= (plan.num_e2e_gets + 1 + plan.disk_rounds * tiers.E2E_REPS) * 16
 
 
-def test_tiers_ratios_pair_rounds_and_summarise_prefers_the_ratio_size():
-    host = {"get": [3.0, 4.0, 2.0], "put": [1.0, 1.0, 1.0], "memcpy": [6.0, 8.0, 4.0]}
-    disk = {"arena_read": [1.0], "fio_read": [1.0], "arena_write": [0.9], "fio_write": [1.0],
-            "arena_durable_write": [0.6], "fio_durable_write": [0.5]}
-    raw = {"host_get": 3.0, "redis_get": 0.5, "ray_remote_get": 6.0, "ray_get": 3.0,
-           "disk_e2e_get": 0.5, "disk_e2e_put": 0.5, "fio_read": 1.0, "fio_write": 1.0}
-    ratios = tiers.size_ratios(host, disk, raw)
-    assert ratios["host_get_vs_memcpy"] == 0.5
-    assert ratios["host_get_vs_redis"] == 6.0 and ratios["host_get_vs_ray"] == 0.5
-    assert ratios["disk_write_vs_raw"] == pytest.approx(0.9)
-    assert ratios["durable_write_vs_raw"] == pytest.approx(1.2)
-    assert ratios["durable_write_vs_volatile"] == pytest.approx(0.6 / 0.9)
-    assert "durable_write_vs_raw" in tiers.GOALS
-    main, geomean = tiers.summarise({"1MiB": {"ratios": {"r": 1.0}},
-                                     "4MiB": {"ratios": {"r": 4.0}}})
-    assert main == {"r": 4.0} and geomean["r"] == pytest.approx(2.0)
-    main, _ = tiers.summarise({"1MiB": {"ratios": {"r": 1.0}}, "16MiB": {"ratios": {"r": 4.0}}})
-    assert main["r"] == pytest.approx(2.0)
+def _tiers_rounds() -> dict[str, list[float]]:
+    rounds = {name: [1.0, 1.0, 1.0] for pair in tiers.RATIOS.values() for name in pair}
+    rounds.update(get=[3.0, 4.0, 2.0], memcpy_get=[6.0, 4.0, 4.0], redis_get=[0.5, 1.0, 0.1])
+    return rounds
+
+
+def test_tiers_ratios_are_medians_of_per_round_ratios_with_their_spread():
+    result = tiers.size_result(_tiers_rounds(), {})
+    assert result["ratios"]["host_get_vs_memcpy"] == 0.5
+    assert result["spread"]["host_get_vs_memcpy"] == {"min": 0.5, "max": 1.0,
+                                                      "rounds": [0.5, 1.0, 0.5]}
+    assert result["ratios"]["host_get_vs_redis"] == 6.0
+    assert result["gbps"]["get"] == 3.0 and result["not_exercised"] == {}
+    assert set(tiers.GOALS) < set(tiers.RATIOS)
+    assert "host_get_cold_vs_memcpy" not in tiers.GOALS  # reported, no goal
+
+
+def test_tiers_a_path_not_taken_nulls_every_ratio_that_uses_its_figure():
+    result = tiers.size_result(_tiers_rounds(), {"get": "asked the node",
+                                                 "e2e_get": "no disk read"})
+    uses_get = {n for n, pair in tiers.RATIOS.items() if "get" in pair}
+    assert uses_get == {"host_get_vs_memcpy", "host_get_vs_redis", "host_get_vs_ray"}
+    nulled = {n for n, v in result["ratios"].items() if v is None}
+    assert nulled == uses_get | {"disk_e2e_get_vs_raw_read"} == set(result["not_exercised"])
+    assert result["not_exercised"]["host_get_vs_ray"] == "get: asked the node"
+    assert result["ratios"]["host_get_cold_vs_memcpy"] == 0.25
 
 
 def _shard_figures(match_ms: float, ping_ms: float) -> dict:

@@ -37,9 +37,10 @@ def test_memcpy_gbps():
 
 
 @pytest.mark.skipif(redis_server_path() is None, reason="redis-server not installed")
-def test_redis_gbps_round_trips_and_cleans_up():
+@pytest.mark.parametrize("num_connections", [1, 3])
+def test_redis_gbps_round_trips_and_cleans_up(num_connections):
     with RedisServer() as server:
-        result = peers.redis_gbps(server.url, PAGE_BYTES, NUM_PAGES)
+        result = peers.redis_gbps(server.url, PAGE_BYTES, NUM_PAGES, num_connections)
         assert set(result) == {"set", "get"}
         for value in result.values():
             _assert_gbps(value)
@@ -67,11 +68,11 @@ def test_redis_get_fills_the_callers_buffer_with_what_was_set(monkeypatch):
 
 
 @pytest.mark.skipif(peers.fio_path() is None, reason="fio not installed")
-@pytest.mark.parametrize("rw", ["read", "write"])
-def test_fio_gbps_on_real_disk_deletes_its_file(monkeypatch, rw):
+@pytest.mark.parametrize(("rw", "sync_every"), [("read", 0), ("write", 0), ("write", 4)])
+def test_fio_gbps_on_real_disk_deletes_its_file(monkeypatch, rw, sync_every):
     monkeypatch.setattr(peers, "FIO_RUNTIME_S", 1)
     with tempfile.TemporaryDirectory(dir="/tmp") as dir_path:
-        _assert_gbps(peers.fio_gbps(dir_path, rw, 64 << 10, 2, 4 << 20))
+        _assert_gbps(peers.fio_gbps(dir_path, rw, 64 << 10, 2, 4 << 20, sync_every))
         assert os.listdir(dir_path) == []
 
 
@@ -92,9 +93,9 @@ RAY_SCRIPT = """
 import ray
 from cluster.tools.bench import peers
 ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-local = peers.ray_gbps(64 << 10, 8)
-remote = peers.ray_gbps_remote(256 << 10, 4)
-for name, result in (("local", local), ("remote", remote)):
+small = peers.ray_gbps_remote(64 << 10, 8)
+large = peers.ray_gbps_remote(4 << 20, 4)  # 16 MiB: copied out on copies.COPY_THREADS threads
+for name, result in (("small", small), ("large", large)):
     print(name, result["put"], result["get"])
 ray.shutdown()
 """
@@ -107,7 +108,7 @@ def test_ray_gbps_in_a_subprocess():
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split() for line in proc.stdout.splitlines()]
-    assert [line[0] for line in lines] == ["local", "remote"], proc.stdout
+    assert [line[0] for line in lines] == ["small", "large"], proc.stdout
     for line in lines:
         for value in line[1:]:
             _assert_gbps(float(value))

@@ -1,24 +1,33 @@
 """The disk tier itself next to fio, for `raykv bench tiers`: DiskArena.write_pages and
 read_pages (what demotion and promotion run) against fio O_DIRECT psync at the same block
-size and thread count, interleaved in rounds, on files in the same directory (a real disk).
+size, with numjobs = the arena's threads (CacheConfig.disk_threads: each thread, like each fio
+job, has one pread/pwrite in flight), interleaved in rotating rounds, on files in the same
+directory (a real disk).
 
 Writes run twice: in the volatile mode against plain fio randwrite (disk_write_vs_raw), and
-in the durable mode (an fdatasync per batch before write_pages returns) against fio
-randwrite with --fdatasync=1 (an fdatasync after every write of every job), the limit of
-durable writes at that block size and queue depth (durable_write_vs_raw)."""
+in the durable mode (one fdatasync per batch of num_pages pages before write_pages returns)
+against fio randwrite with --fdatasync=num_pages (each job fdatasyncs after every num_pages of
+its writes: as many syncs per byte written, without the arena's wait for the batch's last
+write), the limit of durable writes at that block size and queue depth
+(durable_write_vs_raw).
+
+End to end (e2e_contenders, run in the same rounds): the service with its host tier full, a
+put that demotes a batch to disk and a get that reads one up, each required to have moved a
+batch's bytes through the disk tier (the node's disk_bytes_written / disk_bytes_read)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
+import statistics
 import time
-import uuid
 from collections.abc import Callable
 
 import numpy as np
 
 from cluster.core.config import CacheConfig
-from cluster.tools.bench import common, peers
+from cluster.tools.bench import common, harness, peers
 
 DISK_REPS = 5  # at least this many batches per disk tier measurement
 ARENA_MIN_S = 0.6  # ... and at least this long
@@ -76,18 +85,19 @@ class ArenaBench:
 
         return common.warm_median_s(checksums, DISK_REPS) * 1e3
 
+    def write_batch(self, _: int = 0) -> None:
+        """One batch at random slots (noted for the reads)."""
+        slots = self.rng.choice(self.arena.num_slots, self.num_pages, replace=False).tolist()
+        self.arena.write_pages([(s, k, 0, p) for s, k, p in
+                                zip(slots, self.keys, self.payloads, strict=True)])
+        self.written.append(slots)
+
     def write_gbps(self, durability: str = "volatile") -> float:
-        """Write batches in that durability mode (disk.py's set_durability)."""
+        """Write batches in that durability mode (cluster/core/tiers/disk.py's
+        set_durability)."""
         self.arena.set_durability(durability)
-
-        def write(_: int) -> None:
-            slots = self.rng.choice(self.arena.num_slots, self.num_pages, replace=False).tolist()
-            self.arena.write_pages([(s, k, 0, p) for s, k, p in
-                                    zip(slots, self.keys, self.payloads, strict=True)])
-            self.written.append(slots)
-
         self.written = []
-        return self._timed_batches(write)
+        return self._timed_batches(self.write_batch)
 
     def read_gbps(self) -> float:
         """Reads the written batches round robin; checks every page of the last one."""
@@ -104,49 +114,69 @@ class ArenaBench:
         return gbps
 
 
-def fio_durable_write_gbps(dir_path: str, block_bytes: int, num_jobs: int,
-                           size_bytes: int) -> float:
-    """fio randwrite as peers.fio_gbps runs it, plus --fdatasync=1 (each job fdatasyncs after
-    every write): durable writes at that block size and queue depth (num_jobs)."""
-    file_path = os.path.join(dir_path, f"raykv-fio-{uuid.uuid4().hex}.dat")
-    argv = peers._fio_argv(file_path, "write", block_bytes, num_jobs, size_bytes)
-    try:
-        report = peers._run_fio_json([*argv, "--fdatasync=1"])
-    finally:
-        if os.path.exists(file_path):
-            os.remove(file_path)
-    return report["jobs"][0]["write"]["bw_bytes"] / 1e9
-
-
-DISK_ROUND_NAMES = ("fio_write", "arena_write", "fio_durable_write", "arena_durable_write",
-                    "fio_read", "arena_read", "arena_checksum_ms")
-
-
-def measure_disk(disk_dir: str, page_bytes: int, num_pages: int,
-                 num_rounds: int) -> dict[str, list[float]]:
-    """Per round, in disk_dir: fio write, the arena's (volatile) write, fio durable write, the
-    arena's durable write, fio read, the arena's read."""
+def measure_disk(disk_dir: str, page_bytes: int, num_pages: int, num_rounds: int,
+                 extra: dict[str, Callable[[int], float]] | None = None) -> dict[str, list[float]]:
+    """GB/s per round of each contender, in disk_dir, every round in rotating order
+    (harness.interleave): fio randwrite and the arena's (volatile) write; fio randwrite with an
+    fdatasync every num_pages writes of each job and the arena's durable write (an fdatasync
+    per batch of num_pages pages: as many syncs per byte); fio randread and the arena's read;
+    and `extra`'s contenders. Then "arena_checksum_ms" once."""
     from cluster.core.tiers.disk import DiskArena
 
-    threads = CacheConfig().disk_threads
+    threads = CacheConfig().disk_threads  # the service's disk tier runs as many
     fio_bytes = DISK_FILE_BYTES // page_bytes * page_bytes
+
+    def fio(rw: str, sync_every: int = 0) -> Callable[[int], float]:
+        return lambda _: peers.fio_gbps(disk_dir, rw, page_bytes, threads, fio_bytes, sync_every)
+
     arena_dir = os.path.join(disk_dir, "arena")
-    rounds: dict[str, list[float]] = {n: [] for n in DISK_ROUND_NAMES}
     with DiskArena(arena_dir, DISK_FILE_BYTES, page_bytes, threads) as arena:
         if not arena.direct_io:
             raise RuntimeError(f"O_DIRECT does not work in {disk_dir}")
         bench = ArenaBench(arena, page_bytes, num_pages)
-        pairs = (("write", lambda: peers.fio_gbps(disk_dir, "write", page_bytes, threads,
-                                                  fio_bytes), bench.write_gbps),
-                 ("durable_write", lambda: fio_durable_write_gbps(disk_dir, page_bytes,
-                                                                  threads, fio_bytes),
-                  lambda: bench.write_gbps("durable")),
-                 ("read", lambda: peers.fio_gbps(disk_dir, "read", page_bytes, threads,
-                                                 fio_bytes), bench.read_gbps))
-        for _ in range(num_rounds):
-            for name, fio_gbps, arena_gbps in pairs:
-                rounds[f"fio_{name}"].append(fio_gbps())
-                rounds[f"arena_{name}"].append(arena_gbps())
-            rounds["arena_checksum_ms"].append(bench.checksum_ms())
+        bench.write_batch()  # something for a read that comes first to read
+        rounds = harness.interleave({
+            "fio_write": fio("write"), "arena_write": lambda _: bench.write_gbps(),
+            "fio_durable_write": fio("write", num_pages),
+            "arena_durable_write": lambda _: bench.write_gbps("durable"),
+            "fio_read": fio("read"), "arena_read": lambda _: bench.read_gbps(),
+            **(extra or {})}, num_rounds)
+        rounds["arena_checksum_ms"] = [bench.checksum_ms()]
     shutil.rmtree(arena_dir, ignore_errors=True)
     return rounds
+
+
+# ---- the disk tier end to end, through the service (tiers.Session) -------------------------
+
+
+def fill_host(session, num_batches: int) -> bool:
+    """Put fresh batches until the disk tier holds num_batches batches: the host tier is then
+    full, and each put demotes its least recently used batch (1, 2, ...: tiers reads batch 0
+    all along). False if a bounded number of puts did not get there."""
+    wanted_pages = num_batches * session.plan.num_pages
+    for _ in range(num_batches + 5):  # the host tier's spare batch, then a batch down a put
+        if session.node_stat("pages")["disk"] >= wanted_pages:
+            return True
+        session.put_batch()
+    return session.node_stat("pages")["disk"] >= wanted_pages
+
+
+def e2e_contenders(session, reps: int) -> dict[str, Callable[[int], float]]:
+    """GB/s of "e2e_put": `reps` puts, each of which must demote a batch to disk; "e2e_get":
+    gets of batches 1, 2, ... (demoted first), each of which must read its batch up from disk,
+    checked byte for byte (untimed). A step that left the disk alone marks its figure unmet."""
+    batch_bytes = session.plan.batch_bytes
+    on_disk = itertools.count(1)
+
+    def moved_s(figure: str, stat: str, run: Callable[[], float], why: str) -> float:
+        before = session.node_stat(stat)
+        seconds = statistics.median(run() for _ in range(reps))
+        session.expect(figure, session.node_stat(stat) - before >= reps * batch_bytes, why)
+        return seconds
+
+    return {"e2e_put": lambda _: batch_bytes / 1e9 / moved_s(
+                "e2e_put", "disk_bytes_written", lambda: common.timed(session.put_batch)[0],
+                "an e2e put did not demote a batch to disk"),
+            "e2e_get": lambda _: batch_bytes / 1e9 / moved_s(
+                "e2e_get", "disk_bytes_read", lambda: session.check_batch(next(on_disk)),
+                "an e2e get did not read its batch from disk")}

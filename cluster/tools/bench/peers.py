@@ -3,8 +3,11 @@
 Every contender does the same work: the page's bytes end up in a buffer the caller owns, a
 preallocated numpy array that is already touched (page faults are not measured; a fresh
 buffer fills ~3x slower here). A zero-copy view into a store is not a get, so Ray's get is
-followed by a copy. Each result is the median of REPS timed runs after one warm-up run; the
-destination is checked against the source after the last run (outside the timing).
+followed by a copy, made with raykv's own copy routine and threads (copy_rows); Redis can be
+given as many connections as raykv's get has copy threads. With a page_shape, a get fills the
+same strided layout raykv's get fills (kv_windows). Each result is the median of REPS
+timed runs after one warm-up run; the destination is checked against the source after the last
+run (outside the timing).
 
 Page contents: page i = BASE ^ (i & 0xFF), BASE a fixed byte ramp, so a mixed-up page is caught.
 """
@@ -47,11 +50,25 @@ def touched_buffer(page_bytes: int, num_pages: int) -> np.ndarray:
     return buf
 
 
-def check_pool(pool: np.ndarray) -> None:
-    """Raise RuntimeError unless pool holds the reference contents (see page_pool)."""
-    base = _base_page(pool.shape[1])
-    for i in range(pool.shape[0]):
-        if not np.array_equal(pool[i], base ^ np.uint8(i & 0xFF)):
+def kv_windows(page_bytes: int, num_pages: int,
+               page_shape: tuple[int, ...] | None = None) -> list[np.ndarray]:
+    """Where a get puts page i: with page_shape (a page's uint8 shape [L, 2, H, T, D bytes]),
+    tokens i*T.. of a touched [L, 2, H, num_pages * T, D bytes] buffer, laid out as raykv's
+    get fills `out` (strided windows); without, row i of a touched_buffer."""
+    if page_shape is None:
+        return list(touched_buffer(page_bytes, num_pages))
+    *outer, page_tokens, row_bytes = page_shape
+    buffer = np.empty((*outer, num_pages * page_tokens, row_bytes), dtype=np.uint8)
+    buffer.fill(0xA5)
+    return [buffer[..., i * page_tokens:(i + 1) * page_tokens, :] for i in range(num_pages)]
+
+
+def check_pool(pool) -> None:
+    """Raise RuntimeError unless pool (rows, or kv_windows) holds the reference contents
+    (see page_pool), page i's bytes in C order."""
+    base = _base_page(pool[0].size)
+    for i, page in enumerate(pool):
+        if not np.array_equal(page.reshape(-1), base ^ np.uint8(i & 0xFF)):
             raise RuntimeError(f"page {i} holds different bytes than were stored")
 
 
@@ -66,13 +83,11 @@ def memcpy_gbps(page_bytes: int, num_pages: int) -> float:
     """np.copyto page by page from a touched source pool into a touched destination pool."""
     src, dst = page_pool(page_bytes, num_pages), touched_buffer(page_bytes, num_pages)
 
-    def run_s() -> float:
-        start_s = time.perf_counter()
+    def run() -> None:
         for i in range(num_pages):
             np.copyto(dst[i], src[i])
-        return time.perf_counter() - start_s
 
-    gbps = median_gbps(run_s, page_bytes * num_pages)
+    gbps = median_gbps(lambda: _timed_s(run), page_bytes * num_pages)
     check_pool(dst)
     return gbps
 
@@ -82,11 +97,13 @@ def fio_path() -> str | None:
     return shutil.which("fio") or shutil.which("fio", path="/usr/bin")
 
 
-def _fio_argv(file_path: str, rw: str, block_bytes: int, num_jobs: int, size_bytes: int):
+def _fio_argv(file_path: str, rw: str, block_bytes: int, num_jobs: int, size_bytes: int,
+              sync_every: int) -> list[str]:
+    sync = [f"--fdatasync={sync_every}"] if sync_every else []
     return [fio_path(), "--name=raykv-peer", f"--filename={file_path}", f"--rw={FIO_RW[rw]}",
             f"--bs={block_bytes}", f"--size={size_bytes}", f"--numjobs={num_jobs}",
             "--direct=1", "--ioengine=psync", "--group_reporting", "--output-format=json",
-            "--time_based", f"--runtime={FIO_RUNTIME_S}", "--randrepeat=0"]
+            "--time_based", f"--runtime={FIO_RUNTIME_S}", "--randrepeat=0", *sync]
 
 
 def _run_fio_json(argv: list[str]) -> dict:
@@ -96,13 +113,16 @@ def _run_fio_json(argv: list[str]) -> dict:
     return json.loads(proc.stdout[proc.stdout.index("{"):])
 
 
-def fio_gbps(dir_path: str, rw: str, block_bytes: int, num_jobs: int, size_bytes: int) -> float:
+def fio_gbps(dir_path: str, rw: str, block_bytes: int, num_jobs: int, size_bytes: int,
+             sync_every: int = 0) -> float:
     """fio O_DIRECT psync bandwidth on a size_bytes file in dir_path (a real disk, not tmpfs).
 
     rw "read" runs randread and "write" randwrite: a slab cache reads and writes slots at
     scattered, block-aligned offsets, not as one stream (at >= 1 MiB blocks the two are
     about equal on NVMe anyway). num_jobs threads share one file; before a read, fio lays
     the file out (untimed); each run is time-based for FIO_RUNTIME_S. The file is deleted.
+    sync_every > 0 (writes): each job fdatasyncs after every sync_every of its writes
+    (--fdatasync), the limit of durable writes at that block size and queue depth.
     """
     if fio_path() is None:
         raise RuntimeError("fio not found on PATH; install fio (apt fio)")
@@ -112,7 +132,8 @@ def fio_gbps(dir_path: str, rw: str, block_bytes: int, num_jobs: int, size_bytes
         raise ValueError(f"size_bytes {size_bytes} must be a multiple of block_bytes {block_bytes}")
     file_path = os.path.join(dir_path, f"raykv-fio-{uuid.uuid4().hex}.dat")
     try:
-        report = _run_fio_json(_fio_argv(file_path, rw, block_bytes, num_jobs, size_bytes))
+        report = _run_fio_json(_fio_argv(file_path, rw, block_bytes, num_jobs, size_bytes,
+                                          sync_every))
     finally:
         if os.path.exists(file_path):
             os.remove(file_path)
@@ -128,39 +149,57 @@ def _redis_client(url: str):
     return redis.Redis.from_url(url)
 
 
-def redis_gbps(url: str, page_bytes: int, num_pages: int) -> dict[str, float]:
-    """{"set", "get"}: pipelined SET of num_pages pages, then pipelined GET copied into a buffer.
-
-    Keys are raykv:peer:<uuid>:<i>, deleted afterwards. One connection, no transaction.
+def redis_gbps(url: str, page_bytes: int, num_pages: int, num_connections: int = 1,
+               page_shape: tuple[int, ...] | None = None) -> dict[str, float]:
+    """{"set", "get"}: pipelined SETs of num_pages pages, then pipelined GETs copied into a
+    touched buffer, as redis-py's docs recommend for bulk (one pipeline per connection, no
+    transaction, hiredis). The pages are split over num_connections connections, each in
+    its own thread (page i on connection i % num_connections), so that Redis gets as many
+    connections as the contender it stands against has threads; each thread copies its own
+    pages out with np.copyto, into kv_windows(..., page_shape). Keys are raykv:peer:<uuid>:<i>,
+    deleted afterwards.
     """
-    client = _redis_client(url)
-    src, dst = page_pool(page_bytes, num_pages), touched_buffer(page_bytes, num_pages)
+    from concurrent.futures import ThreadPoolExecutor
+
+    clients = [_redis_client(url) for _ in range(num_connections)]
+    src, dst = page_pool(page_bytes, num_pages), kv_windows(page_bytes, num_pages, page_shape)
     keys = [f"raykv:peer:{uuid.uuid4().hex}:{i}" for i in range(num_pages)]
+    shares = [range(c, num_pages, num_connections) for c in range(num_connections)]
 
-    def set_s() -> float:
-        start_s = time.perf_counter()
-        pipe = client.pipeline(transaction=False)
-        for key, page in zip(keys, src, strict=True):
-            pipe.set(key, memoryview(page))
+    def set_share(c: int) -> None:
+        pipe = clients[c].pipeline(transaction=False)
+        for i in shares[c]:
+            pipe.set(keys[i], memoryview(src[i]))
         pipe.execute()
-        return time.perf_counter() - start_s
 
-    def get_s() -> float:
-        start_s = time.perf_counter()
-        pipe = client.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(key)
-        for i, value in enumerate(pipe.execute()):
-            np.copyto(dst[i], np.frombuffer(value, dtype=np.uint8))
-        return time.perf_counter() - start_s
+    def get_share(c: int) -> None:
+        pipe = clients[c].pipeline(transaction=False)
+        for i in shares[c]:
+            pipe.get(keys[i])
+        for i, value in zip(shares[c], pipe.execute(), strict=True):
+            np.copyto(dst[i], np.frombuffer(value, dtype=np.uint8).reshape(dst[i].shape))
+
+    pool = ThreadPoolExecutor(num_connections)
+
+    def on_every_connection(share_fn: Callable[[int], None]) -> Callable[[], float]:
+        return lambda: _timed_s(lambda: list(pool.map(share_fn, range(num_connections))))
 
     try:
-        result = {"set": median_gbps(set_s, src.nbytes), "get": median_gbps(get_s, dst.nbytes)}
+        result = {"set": median_gbps(on_every_connection(set_share), src.nbytes),
+                  "get": median_gbps(on_every_connection(get_share), src.nbytes)}
         check_pool(dst)
     finally:
-        client.delete(*keys)
-        client.close()
+        pool.shutdown()
+        clients[0].delete(*keys)
+        for client in clients:
+            client.close()
     return result
+
+
+def _timed_s(run: Callable[[], object]) -> float:
+    start_s = time.perf_counter()
+    run()
+    return time.perf_counter() - start_s
 
 
 class RedisExists:
@@ -194,18 +233,6 @@ class RedisExists:
         self.client.close()
 
 
-def ray_gbps(page_bytes: int, num_pages: int) -> dict[str, float]:
-    """{"put", "get"} in this process; the caller has called ray.init.
-
-    put = ray.put of each page (a numpy array); get = ray.get of all refs, then np.copyto
-    of each (zero-copy plasma view) into a touched buffer.
-    """
-    src = page_pool(page_bytes, num_pages)
-    put, refs = _ray_put_gbps(src)
-    del src
-    return {"put": put, "get": _ray_get_gbps(refs, page_bytes, num_pages)}
-
-
 def _ray_put_gbps(src: np.ndarray) -> tuple[float, list]:
     """ray.put GB/s of each page of src, and the refs of the last run (kept alive)."""
     import ray
@@ -221,27 +248,41 @@ def _ray_put_gbps(src: np.ndarray) -> tuple[float, list]:
     return median_gbps(put_s, src.nbytes), refs
 
 
-def _ray_get_gbps(refs: list, page_bytes: int, num_pages: int) -> float:
+def copy_rows(dst: list[np.ndarray], pages: list[np.ndarray]) -> None:
+    """dst[i] = pages[i] (reshaped) for each page, with raykv's own copy routine and threads
+    (copies.copy_pages: np.copyto per page, a batch >= 8 MiB split over its thread pool), so
+    that a peer's copy out is as parallel as raykv's get."""
+    import warnings
+
+    import torch
+
+    from cluster.core.copies import copy_pages
+
+    with warnings.catch_warnings():  # a read-only (plasma) page: only ever read here
+        warnings.simplefilter("ignore", UserWarning)
+        pairs = [(torch.from_numpy(row), torch.from_numpy(page.reshape(row.shape)))
+                 for row, page in zip(dst, pages, strict=True)]
+    copy_pages(pairs)
+
+
+def _ray_get_gbps(refs: list, page_bytes: int, num_pages: int,
+                  page_shape: tuple[int, ...] | None) -> float:
     import ray
 
-    dst = touched_buffer(page_bytes, num_pages)
-
-    def get_s() -> float:
-        start_s = time.perf_counter()
-        for i, page in enumerate(ray.get(refs)):
-            np.copyto(dst[i], page)
-        return time.perf_counter() - start_s
-
-    gbps = median_gbps(get_s, dst.nbytes)
+    dst = kv_windows(page_bytes, num_pages, page_shape)
+    gbps = median_gbps(lambda: _timed_s(lambda: copy_rows(dst, ray.get(refs))),
+                       page_bytes * num_pages)
     check_pool(dst)
     return gbps
 
 
-def ray_gbps_remote(page_bytes: int, num_pages: int) -> dict[str, float]:
+def ray_gbps_remote(page_bytes: int, num_pages: int,
+                    page_shape: tuple[int, ...] | None = None) -> dict[str, float]:
     """{"put", "get"} as a same-node client would see them: the driver puts, a worker gets.
 
     The get runs in a Ray task (another worker process) pinned to this node, so it reads
-    the driver's objects from the local plasma store, as a raykv client on this node would.
+    the driver's objects from the local plasma store, as a raykv client on this node would:
+    one ray.get of every page's ref, then copy_rows into kv_windows(..., page_shape).
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -252,5 +293,5 @@ def ray_gbps_remote(page_bytes: int, num_pages: int) -> dict[str, float]:
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     remote_get = ray.remote(num_cpus=0, scheduling_strategy=here)(_ray_get_gbps)
     # refs inside a list are passed as refs, not resolved, so the worker times its own get
-    get = ray.get(remote_get.remote(refs, page_bytes, num_pages))
+    get = ray.get(remote_get.remote(refs, page_bytes, num_pages, page_shape))
     return {"put": put, "get": get}
