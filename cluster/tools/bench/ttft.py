@@ -26,13 +26,14 @@ import tempfile
 import time
 
 from cluster.core.config import MiB
+from cluster.core.spec import ModelSpec
 from cluster.tools.bench import common, harness
 
 MODEL = "tiny-llama"
 PROMPT_TOKENS = 8192
 CACHED_TOKENS = 7680  # 30 pages of 256
 PAGE_TOKENS = 256
-KV_BYTES_PER_TOKEN = 256  # tiny-llama
+KV_BYTES_PER_TOKEN = ModelSpec.preset(MODEL).bytes_per_token  # 512: a page is 128 KiB
 HOST_PROMPTS = 4  # the host tier holds this many prompts' KV
 REPS, QUICK_REPS = 9, 3
 CASES = ("host", "disk", "recompute", "ideal")
@@ -223,7 +224,6 @@ def run(json_path: str | None, quick: bool) -> dict:
     from rich.progress import Progress
 
     from cluster import connect, start, stop
-    from cluster.core.spec import ModelSpec
     from cluster.serving.engine import Engine, EngineConfig
 
     reps = QUICK_REPS if quick else REPS
