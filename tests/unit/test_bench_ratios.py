@@ -2,8 +2,9 @@
 
 import pytest
 
-from cluster.tools.bench import directory, remote, tiers
+from cluster.tools.bench import directory, harness, remote, tiers
 from cluster.tools.bench.remote_peer import prompt_tokens
+from cluster.tools.redis_server import RedisServer, redis_server_path
 
 
 def test_tiers_plans_whole_token_pages_and_a_host_tier_for_every_put():
@@ -48,23 +49,59 @@ def test_tiers_a_path_not_taken_nulls_every_ratio_that_uses_its_figure():
     assert result["ratios"]["host_get_cold_vs_memcpy"] == 0.25
 
 
-def _shard_figures(match_ms: float, ping_ms: float) -> dict:
-    names = ("ping", "ping_all", "shard_match", "match", "lookup_e2e", "redis_exists")
-    figures = {f"{n}_{s}_ms": 1.0 for n in names for s in ("p50", "p99")}
-    figures.update(match_p50_ms=match_ms, ping_p50_ms=ping_ms, redis_exists_p50_ms=6.0)
-    figures["cpu_us_per_call"] = {n: {"server_us": 1.0, "client_us": 1.0}
-                                  for n in directory.CPU_CALLS}
-    figures["throughput_keys_per_s"] = {"1": 1e5, "2": 2e5}
-    return figures
+def _shard_figures(match_ms: list[float], wrong_matches: int = 0,
+                   redis_prefix: int = directory.PARTIAL_PAGES) -> dict:
+    agreement = {"expected": [directory.NUM_PAGES, directory.PARTIAL_PAGES],
+                 "raykv": [directory.NUM_PAGES, directory.PARTIAL_PAGES],
+                 "redis": [directory.NUM_PAGES, redis_prefix]}
+    return {"p50_ms_per_round": {"noop": [2.0, 1.0, 4.0], "match": match_ms,
+                                 "lookup_e2e": [6.0, 6.0, 6.0], "redis": [12.0, 12.0, 12.0]},
+            "wrong_answers": {"noop": 0, "match": wrong_matches, "lookup_e2e": 0, "redis": 0},
+            "prefix_agreement": agreement}
 
 
-def test_directory_ratios_use_match_over_ping_and_redis_over_match():
-    ratios = directory.ratios_of({"1": _shard_figures(3.0, 2.0), "2": _shard_figures(4.0, 2.0)})
-    assert ratios["lookup_p50_vs_noop_rpc"] == 1.5
-    assert ratios["directory_vs_redis"] == 2.0
-    assert ratios["match_p50_2_vs_1_shards"] == pytest.approx(4 / 3)
-    assert ratios["shard_scaling_1_to_2"] == 1.0
-    assert set(directory.GOALS) <= set(ratios)
+def _directory_report(per_shards: dict) -> harness.Report:
+    report = harness.Report("directory", "ms", {}, directory.GOALS)
+    directory.add_ratios(report, per_shards)
+    return report
+
+
+def test_directory_ratios_pair_rounds_per_shard_count():
+    report = _directory_report({"1": _shard_figures([3.0, 1.0, 10.0]),
+                                "2": _shard_figures([4.0, 4.0, 4.0])})
+    # per round: match / noop = 1.5, 1.0, 2.5; redis / match = 4, 12, 1.2
+    assert report.ratios["lookup_p50_vs_noop_rpc"] == 1.5
+    assert report["spread"]["lookup_p50_vs_noop_rpc"]["rounds"] == [1.5, 1.0, 2.5]
+    assert report.ratios["directory_vs_redis"] == 4.0
+    assert report.ratios["lookup_p50_vs_noop_rpc_2_shards"] == 2.0
+    assert set(directory.GOALS) <= set(report.ratios)
+    assert not report["not_exercised"]
+
+
+def test_directory_ratios_fail_on_a_wrong_answer_or_a_disagreeing_redis_walk():
+    report = _directory_report({"1": _shard_figures([3.0, 3.0, 3.0], wrong_matches=1)})
+    assert report.ratios["lookup_p50_vs_noop_rpc"] is None
+    assert report.ratios["directory_vs_redis"] is None
+    assert report.ratios["lookup_e2e_p50_vs_noop_rpc"] == 3.0
+    report = _directory_report({"1": _shard_figures([3.0, 3.0, 3.0], redis_prefix=299)})
+    assert report.ratios["lookup_p50_vs_noop_rpc"] == 1.5
+    assert report.ratios["directory_vs_redis"] is None
+    assert "disagree" in report["not_exercised"]["directory_vs_redis"]
+    assert harness.failed(report.finish(None)) == report["not_exercised"]
+
+
+@pytest.mark.skipif(redis_server_path() is None, reason="redis-server not installed")
+def test_the_redis_lua_walk_stops_at_the_first_missing_key():
+    keys = directory.missing_keys(8)
+    with RedisServer() as server:
+        walk = directory.RedisPrefixWalk(server.url, keys[:5])
+        try:
+            assert walk.longest_prefix() == 5
+            assert walk.longest_prefix(keys) == 5
+            assert walk.longest_prefix([keys[0], keys[6], keys[1]]) == 1
+            assert walk.longest_prefix(keys[6:]) == 0
+        finally:
+            walk.close()
 
 
 def test_directory_breakdown_without_ray_answers_one_run():

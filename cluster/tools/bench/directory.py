@@ -1,29 +1,29 @@
-"""`raykv bench directory`: longest-prefix lookup of a 128K-token prompt vs its floors and peers.
+"""`raykv bench directory`: longest-prefix lookup of a 128K-token prompt vs a no-op RPC and Redis.
 
-A 128K-token prompt (512 pages of 256 tokens, 16 KiB each) is put through the client for real,
-then, from the driver on a private local Ray, side by side in one interleaved loop (REPS times;
-each repetition times every contender once, in a rotating order, so that a noisy neighbour slows
-them all alike):
+A 128K-token prompt (512 pages of 256 tokens) is put through the client for real. Then, from
+the driver of a private local Ray, for 1 and then 2 directory shards (the service restarted in
+between), harness.interleave runs these contenders in rotating order, each round a batch of
+calls of each (their p50 is the round's figure):
 
-    ping             shard.ping: a no-op call to a directory shard actor      (the RPC floor)
-    ping all         ray.get of a ping to every shard at once (= ping with 1 shard)
-    shard match      ray.get(shard.match(keys_blob)) on every shard at once, blobs prepared
-                     beforehand, runs not expanded                     (the wire call alone)
-    match            client.directory.match(keys): keys precomputed; split by shard, one blob
-                     per shard, one RPC per shard in parallel, runs expanded and merged
-                                                                       (the directory's part)
-    lookup e2e       client.lookup(tokens): page keys (blake3 chain) + match
-    redis EXISTS     one pipelined EXISTS per key of the same 512 keys, SET beforehand
-                     (redis-py + hiredis, loopback TCP)                              (peer)
+    noop        a no-op `ping` sent to every shard that a lookup asks (all of them: the client
+                splits the keys by shard and asks each shard once, in parallel), awaited as a
+                lookup awaits its answers (cluster.calls.run_sync: ray.wait, then ray.get)
+                                                                        (the RPC floor)
+    match       client.locate_keys(keys): keys precomputed; one blob per shard, one call per
+                shard in parallel, the answers' runs expanded and merged  (the directory's part)
+    lookup_e2e  client.lookup(tokens): the page keys (blake3 chain) + match
+    redis       Redis doing the walk server-side: the same 512 keys SET beforehand on a real
+                redis-server (loopback), one EVALSHA of a Lua script that walks the keys until
+                the first miss and returns the prefix length (redis-py + hiredis, 1 connection)
 
-for 1 and 2 directory shards (the service stopped and started in between). Then throughput:
-match calls in a closed loop from 1 and 2 client threads, in page-keys/s, in total and per
-shard, and the CPU each call costs in the shard process(es) and in the client. The machine has
-2 cores shared by the driver, the shards, the node actor and Ray's own processes, so shard
-scaling here shows overhead, not capacity.
+Every call's answer is checked (all 512 pages found; every shard answered the ping), and,
+outside the timing, raykv and the Lua walk must give the same prefix length on the full key
+list and on one that misses after PARTIAL_PAGES pages. A wrong answer makes its ratios null
+(the run fails). Ratios are medians of per-round ratios (harness.Report.paired).
 
-Breakdown (no Ray): the same 512-key match in-process, step by step: keys, blob join, the
-shard's split, DirectoryIndex.prefix_runs, expanding the runs, pickling the blob and the answer.
+Breakdown (no Ray): the same 512-key match in-process, step by step: keys, the client's split
+and join into one blob, the shard's split, DirectoryIndex.prefix_runs, expanding the runs,
+pickling the blob and the answer.
 """
 
 from __future__ import annotations
@@ -31,49 +31,134 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import statistics
 import tempfile
-import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
 import ray
 
 from actors.handles import expand_runs, split_by_shard
+from cluster.calls import Wait, run_sync
 from cluster.core.config import CacheConfig
 from cluster.core.keys import KEY_BYTES
 from cluster.core.spec import ModelSpec
-from cluster.tools.bench import common
-from cluster.tools.bench.peers import RedisExists
+from cluster.tools.bench import common, harness
+from cluster.tools.bench.peers import _redis_client
 
-MiB = common.MiB
 PAGE_TOKENS = 256
 NUM_PAGES = 512
 NUM_TOKENS = NUM_PAGES * PAGE_TOKENS  # 128K tokens
+PARTIAL_PAGES = 300  # the checked stop: raykv and the Lua walk must both stop here
 SHARD_COUNTS = (1, 2)
-CLIENT_THREADS = (1, 2)
-REPS = 300
-QUICK_REPS = 50
-WARMUP_REPS = 20
-THROUGHPUT_S = 2.0
-QUICK_THROUGHPUT_S = 1.0
-THROUGHPUT_WINDOWS = 5  # per thread count, alternating
+ROUNDS, QUICK_ROUNDS = 9, 3
+CALLS_PER_ROUND, QUICK_CALLS_PER_ROUND = 40, 15
+WARMUP_CALLS = 20
 INDEX_REPS = 50
-HOST_BYTES = 32 * MiB  # the 8 MiB prompt and room to spare
-OBJECT_STORE_BYTES = 128 * MiB
+HOST_BYTES = 32 * common.MiB  # the 8 MiB prompt and room to spare
+OBJECT_STORE_BYTES = 128 * common.MiB
 VOCAB = 128_256
 # 2 x 1 layer x 1 kv head x 16 x fp16 = 64 B per token: a 256-token page is 16 KiB.
 SPEC = ModelSpec("bench-dir", 1, 1, 16, "float16")
-GOALS = {
-    "lookup_p50_vs_noop_rpc": {"max": 1.5},
-    "directory_vs_redis": {"min": 2.0},
-}
-CONTENDERS = ("ping", "ping_all", "shard_match", "match", "lookup_e2e", "redis_exists")
-CPU_CALLS = ("ping", "shard_match", "match")
+GOALS = {"lookup_p50_vs_noop_rpc": {"max": 1.5}, "directory_vs_redis": {"min": 2.0}}
+CONTENDERS = ("noop", "match", "lookup_e2e", "redis")
+# What a user would run instead: the keys in Redis and the walk in Redis itself, one round trip.
+LUA_PREFIX_WALK = """
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then return i - 1 end
+end
+return #KEYS
+"""
 
 
 def prompt_tokens() -> np.ndarray:
     return np.random.default_rng(0).integers(0, VOCAB, NUM_TOKENS, dtype=np.int64)
+
+
+def missing_keys(num_keys: int) -> list[bytes]:
+    """Keys no one stored (random 16-byte values, like real keys)."""
+    blob = np.random.default_rng(1).bytes(num_keys * KEY_BYTES)
+    return [blob[i:i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]
+
+
+class RedisPrefixWalk:
+    """A page directory on Redis: each page key SET (its value a location), a lookup one
+    EVALSHA of LUA_PREFIX_WALK over the keys. The server is ours alone; the keys are deleted
+    on close."""
+
+    def __init__(self, url: str, keys: list[bytes]) -> None:
+        self.client = _redis_client(url)
+        self.keys = list(keys)
+        self.walk = self.client.register_script(LUA_PREFIX_WALK)
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.keys:
+            pipe.set(key, b"node-0:host")
+        pipe.execute()
+
+    def longest_prefix(self, keys: list[bytes] | None = None) -> int:
+        """How many leading keys (default: all that were SET) Redis holds, in pages."""
+        return int(self.walk(keys=self.keys if keys is None else keys))
+
+    def close(self) -> None:
+        self.client.delete(*self.keys)
+        self.client.close()
+
+
+def _noop_steps(directory):
+    """A ping to every shard, awaited as a lookup's calls are (cluster.calls.Wait)."""
+    return (yield Wait(directory.ping()))
+
+
+class Batches:
+    """Contenders for harness.interleave: each round runs `calls` timed calls of a contender,
+    keeps every time and counts the answers that were not the expected one; the round's figure
+    is the batch's p50 in seconds."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls = calls
+        self.times_s: dict[str, list[float]] = {}
+        self.wrong: dict[str, int] = {}
+
+    def contender(self, name: str, call: Callable[[], object],
+                  expected: object) -> Callable[[int], float]:
+        self.times_s[name], self.wrong[name] = [], 0
+
+        def run(_round: int) -> float:
+            batch_s = []
+            for _ in range(self.calls):
+                elapsed_s, answer = common.timed(call)
+                batch_s.append(elapsed_s)
+                self.wrong[name] += answer != expected
+            self.times_s[name].extend(batch_s)
+            return statistics.median(batch_s)
+
+        return run
+
+
+def _contenders(client, tokens: np.ndarray, walk: RedisPrefixWalk,
+                batches: Batches) -> dict[str, Callable[[int], float]]:
+    keys, directory = walk.keys, client.directory
+    calls = {
+        "noop": (lambda: sorted(run_sync(_noop_steps(directory), client.timeout_s)),
+                 list(range(len(directory.shards)))),
+        "match": (lambda: len(client.locate_keys(keys)), NUM_PAGES),
+        "lookup_e2e": (lambda: client.lookup(tokens), NUM_TOKENS),
+        "redis": (walk.longest_prefix, NUM_PAGES),
+    }
+    for call, _ in calls.values():
+        for _ in range(WARMUP_CALLS):
+            call()
+    return {name: batches.contender(name, call, expected)
+            for name, (call, expected) in calls.items()}
+
+
+def prefix_agreement(client, walk: RedisPrefixWalk) -> dict[str, list[int]]:
+    """Outside the timing: the prefix length (pages) raykv and the Lua walk give for the full
+    key list and for one whose keys after PARTIAL_PAGES were never stored."""
+    partial = walk.keys[:PARTIAL_PAGES] + missing_keys(NUM_PAGES - PARTIAL_PAGES)
+    return {"expected": [NUM_PAGES, PARTIAL_PAGES],
+            "raykv": [len(client.locate_keys(k)) for k in (walk.keys, partial)],
+            "redis": [walk.longest_prefix(k) for k in (walk.keys, partial)]}
 
 
 def _service_config(num_shards: int, disk_dir: str) -> CacheConfig:
@@ -83,169 +168,68 @@ def _service_config(num_shards: int, disk_dir: str) -> CacheConfig:
 
 
 def _start_client(num_shards: int, disk_dir: str, tokens: np.ndarray):
-    """The service with num_shards shards, holding the prompt (put and found again)."""
+    """The service with num_shards shards, holding the prompt (put, then found again)."""
     client = common.start_service(_service_config(num_shards, disk_dir), SPEC)
     stored = client.put(tokens, common.page_kv(SPEC, PAGE_TOKENS, NUM_PAGES))
-    if stored != NUM_TOKENS:
-        raise RuntimeError(f"put stored {stored} of {NUM_TOKENS} tokens")
-    found = client.lookup(tokens)
-    if found != NUM_TOKENS:
-        raise RuntimeError(f"lookup found {found} of {NUM_TOKENS} tokens after the put")
+    if stored != NUM_TOKENS or client.lookup(tokens) != NUM_TOKENS:
+        raise RuntimeError(f"the put stored {stored} of {NUM_TOKENS} tokens or was not found")
     return client
 
 
-def _shard_match(directory, keys: list) -> Callable[[], int]:
-    """The raw wire call: every shard's prefix_runs(blob) at once; pages found, summed over
-    shards (the blobs are joined inside the timed call, as a client does)."""
-    def call() -> int:
-        _, refs = directory.prefix_refs(keys)
-        return sum(count for runs in ray.get(refs) for _, count in runs)
-
-    return call
-
-
-def _no_count(call: Callable[[], object]) -> Callable[[], None]:
-    """A no-op RPC: it finds nothing, so measure_latency checks no count."""
-    def run() -> None:
-        call()
-
-    return run
-
-
-def _contenders(client, tokens: np.ndarray, keys: list, redis: RedisExists
-                ) -> dict[str, Callable[[], int | None]]:
-    """name -> a call returning how many pages it found (a lookup must find them all), or
-    None for a no-op."""
-    directory = client.directory
-    return {
-        "ping": _no_count(lambda: ray.get(directory.ping()[0])),
-        "ping_all": _no_count(lambda: ray.get(directory.ping())),
-        "shard_match": _shard_match(directory, keys),
-        "match": lambda: len(client.locate_keys(keys)),
-        "lookup_e2e": lambda: client.lookup(tokens) // PAGE_TOKENS,
-        "redis_exists": redis.longest_prefix,
-    }
-
-
-def measure_latency(contenders: dict[str, Callable[[], int | None]], reps: int) -> dict[str, list]:
-    """Each repetition times every contender once, the order rotating per repetition."""
-    names = list(contenders)
-    for _ in range(WARMUP_REPS):
-        for name in names:
-            contenders[name]()
-    times_s: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            elapsed_s, found = common.timed(contenders[name])
-            times_s[name].append(elapsed_s)
-            if found is not None and found != NUM_PAGES:
-                raise RuntimeError(f"{name} found {found} of {NUM_PAGES} pages")
-    return times_s
-
-
-def measure_throughput(client, keys: list, num_threads: int, duration_s: float) -> float:
-    """Page-keys matched per second by num_threads threads calling match in a closed loop."""
-    calls = [0] * num_threads
-    errors: list[BaseException] = []
-    deadline_s = time.perf_counter() + duration_s
-
-    def loop(slot: int) -> None:
-        try:
-            while time.perf_counter() < deadline_s:
-                if len(client.locate_keys(keys)) != NUM_PAGES:
-                    raise RuntimeError("match lost pages under load")
-                calls[slot] += 1
-        except BaseException as error:  # noqa: BLE001 - re-raised in the driver below
-            errors.append(error)
-
-    start_s = time.perf_counter()
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(num_threads)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    elapsed_s = time.perf_counter() - start_s
-    if errors:
-        raise errors[0]
-    return sum(calls) * NUM_PAGES / elapsed_s
-
-
-def measure_throughputs(client, keys: list, duration_s: float) -> dict[str, float]:
-    """Median page-keys/s per client-thread count over THROUGHPUT_WINDOWS short windows that
-    alternate between the thread counts (so load from neighbours hits each count alike)."""
-    windows: dict[str, list[float]] = {str(n): [] for n in CLIENT_THREADS}
-    for _ in range(THROUGHPUT_WINDOWS):
-        for n in CLIENT_THREADS:
-            windows[str(n)].append(measure_throughput(client, keys, n,
-                                                      duration_s / THROUGHPUT_WINDOWS))
-    return common.medians(windows)
-
-
-def _pid_of(actor) -> int:
-    from ray._private.state import actors
-
-    return int(actors(actor._actor_id.hex())["Pid"])
-
-
-def _cpu_ns(pids: list[int]) -> int:
-    """CPU time used so far by every thread of the processes (from /proc, Linux)."""
-    total_ns = 0
-    for pid in pids:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{task}/schedstat") as file:
-                    total_ns += int(file.read().split()[0])
-            except (OSError, ValueError):
-                pass  # a thread that exited meanwhile
-    return total_ns
-
-
-def measure_cpu(contenders: dict[str, Callable], shard_pids: list[int],
-                calls: int) -> dict[str, dict[str, float]]:
-    """CPU microseconds per call in the called shard(s) and in this (client) process."""
-    cpu = {}
-    for name in CPU_CALLS:
-        pids = shard_pids[:1] if name == "ping" else shard_pids
-        client_ns, server_ns = time.process_time_ns(), _cpu_ns(pids)
-        for _ in range(calls):
-            contenders[name]()
-        cpu[name] = {"server_us": (_cpu_ns(pids) - server_ns) / calls / 1e3,
-                     "client_us": (time.process_time_ns() - client_ns) / calls / 1e3}
-    return cpu
-
-
-def _latency_figures(times_s: dict[str, list[float]]) -> dict[str, float]:
-    figures = {}
-    for name, values in times_s.items():
-        figures.update({f"{name}_{stat}": value
-                        for stat, value in common.latency_ms(values).items()})
-    return figures
-
-
-def measure_shards(num_shards: int, disk_dir: str, redis_url: str, reps: int,
-                   duration_s: float) -> dict:
+def measure_shards(num_shards: int, disk_dir: str, redis_url: str, num_rounds: int,
+                   calls: int) -> dict:
+    """One service run: per-round p50s (ms), pooled p50/p99 (ms), wrong answers, agreement."""
     tokens = prompt_tokens()
     client = _start_client(num_shards, disk_dir, tokens)
-    keys = client.keys(tokens)
-    redis = RedisExists(redis_url, keys)
+    walk = RedisPrefixWalk(redis_url, client.keys(tokens))
+    batches = Batches(calls)
     try:
-        contenders = _contenders(client, tokens, keys, redis)
-        times_s = measure_latency(contenders, reps)
-        cpu = measure_cpu(contenders, [_pid_of(s) for s in client.directory.shards], reps)
-        throughput = measure_throughputs(client, keys, duration_s)
+        rounds = harness.interleave(_contenders(client, tokens, walk, batches), num_rounds)
+        agreement = prefix_agreement(client, walk)
     finally:
-        redis.close()
-    figures: dict = {"num_shards": num_shards, **_latency_figures(times_s)}
-    figures["match_keys_per_s_p50"] = NUM_PAGES / (figures["match_p50_ms"] / 1e3)
-    figures["cpu_us_per_call"] = cpu
-    figures["throughput_keys_per_s"] = throughput
-    figures["throughput_keys_per_s_per_shard"] = {n: v / num_shards
-                                                  for n, v in throughput.items()}
-    return figures
+        walk.close()
+    return {"num_shards": num_shards,
+            "p50_ms_per_round": {n: [s * 1e3 for s in v] for n, v in rounds.items()},
+            **{f"{stat}_ms": {n: common.percentile_ms(v, q) for n, v in batches.times_s.items()}
+               for stat, q in (("p50", 50), ("p99", 99))},
+            "wrong_answers": batches.wrong, "prefix_agreement": agreement}
 
 
-# ---- what a match adds to the ping floor, without Ray ---------------------------------------
+# ---- ratios --------------------------------------------------------------------------------
+
+
+PAIRS = {"lookup_p50_vs_noop_rpc": ("match", "noop"), "directory_vs_redis": ("redis", "match"),
+         "lookup_e2e_p50_vs_noop_rpc": ("lookup_e2e", "noop"),
+         "lookup_e2e_vs_redis": ("redis", "lookup_e2e")}
+
+
+def _unsound(figures: dict, contenders: tuple[str, str]) -> str:
+    """Why a ratio of these two contenders cannot stand ("" when it can): a wrong answer, or
+    raykv and the Lua walk disagreeing on a prefix length."""
+    wrongs = {name: figures["wrong_answers"][name] for name in contenders
+              if figures["wrong_answers"][name]}
+    if wrongs:
+        return f"wrong answers: {wrongs}"
+    agreement = figures["prefix_agreement"]
+    if "redis" in contenders and not (
+            agreement["raykv"] == agreement["redis"] == agreement["expected"]):
+        return f"raykv and Redis disagree on the prefix: {agreement}"
+    return ""
+
+
+def add_ratios(report: harness.Report, per_shards: dict[str, dict]) -> None:
+    """The paired ratios of each shard count (the contract's names at 1 shard, `_2_shards`
+    after them for 2), each null when an answer it rests on was wrong."""
+    for shards, figures in per_shards.items():
+        suffix = "" if shards == "1" else f"_{shards}_shards"
+        rounds = figures["p50_ms_per_round"]
+        for name, (top, bottom) in PAIRS.items():
+            why = _unsound(figures, (top, bottom))
+            if report.require(name + suffix, not why, why):
+                report.paired(name + suffix, rounds[top], rounds[bottom])
+
+
+# ---- what a match adds to the no-op floor, without Ray --------------------------------------
 
 
 def measure_breakdown(reps: int) -> dict[str, float]:
@@ -278,93 +262,40 @@ def measure_breakdown(reps: int) -> dict[str, float]:
             "answer_bytes": len(pickle.dumps(runs, 5)), "answer_runs": len(runs)}
 
 
-# ---- ratios, report ------------------------------------------------------------------------
+# ---- report --------------------------------------------------------------------------------
 
 
-def _cpu_us(figures: dict, name: str) -> float:
-    cpu = figures["cpu_us_per_call"][name]
-    return cpu["server_us"] + cpu["client_us"]
-
-
-def ratios_of(per_shards: dict[str, dict]) -> dict[str, float]:
-    one, two = per_shards["1"], per_shards.get("2")
-    ratios = {
-        "lookup_p50_vs_noop_rpc": one["match_p50_ms"] / one["ping_p50_ms"],
-        "directory_vs_redis": one["redis_exists_p50_ms"] / one["match_p50_ms"],
-        "shard_match_p50_vs_noop_rpc": one["shard_match_p50_ms"] / one["ping_p50_ms"],
-        "lookup_p99_vs_noop_rpc_p99": one["match_p99_ms"] / one["ping_p99_ms"],
-        "lookup_e2e_p50_vs_noop_rpc": one["lookup_e2e_p50_ms"] / one["ping_p50_ms"],
-        "lookup_e2e_vs_redis": one["redis_exists_p50_ms"] / one["lookup_e2e_p50_ms"],
-        "match_cpu_vs_noop_rpc_cpu": _cpu_us(one, "match") / _cpu_us(one, "ping"),
-    }
-    if two is not None:
-        threads = str(max(CLIENT_THREADS))
-        ratios["lookup_p50_vs_noop_rpc_2_shards"] = two["match_p50_ms"] / two["ping_all_p50_ms"]
-        ratios["match_p50_2_vs_1_shards"] = two["match_p50_ms"] / one["match_p50_ms"]
-        ratios["shard_scaling_1_to_2"] = (two["throughput_keys_per_s"][threads]
-                                          / one["throughput_keys_per_s"][threads])
-        ratios["shard_scaling_1_to_2_one_client"] = (two["throughput_keys_per_s"]["1"]
-                                                     / one["throughput_keys_per_s"]["1"])
-    return ratios
-
-
-LABELS = {"ping": "ping (no-op RPC)", "ping_all": "ping all shards",
-          "shard_match": "shard.match(blob), raw", "match": "client.directory.match",
-          "lookup_e2e": "client.lookup (keys + match)", "redis_exists": "redis EXISTS x512"}
-
-
-def _tables(result: dict) -> list:
-    per_shards = result["per_shards"]
-    shards = list(per_shards)
+def _tables(per_shards: dict, breakdown: dict) -> list:
     latency = common.table(
-        f"lookup of {NUM_TOKENS} tokens ({NUM_PAGES} pages), ms",
-        ["contender", *(f"{n}sh {s}" for n in shards for s in ("p50", "p99"))],
-        ([LABELS[key], *(f"{per_shards[n][f'{key}_{s}_ms']:.3f}"
-                         for n in shards for s in ("p50", "p99"))] for key in CONTENDERS))
-    cpu = common.table(
-        "CPU per call, us (called shard(s) | client process)",
-        ["call", *(f"{n}sh {side}" for n in shards for side in ("shard", "client"))],
-        ([LABELS[key], *(f"{per_shards[n]['cpu_us_per_call'][key][f'{side}_us']:.0f}"
-                         for n in shards for side in ("server", "client"))]
-         for key in CPU_CALLS))
-    throughput = common.table(
-        "match throughput, M page-keys/s",
-        ["client threads", *(f"{n}sh {kind}" for n in shards for kind in ("total", "/shard"))],
-        ([str(t), *(f"{per_shards[n][key][str(t)] / 1e6:.3f}" for n in shards
-                    for key in ("throughput_keys_per_s", "throughput_keys_per_s_per_shard"))]
-         for t in CLIENT_THREADS))
-    breakdown = common.table("one 512-key match without Ray", ["part", "value"],
-                             ([name, f"{value:.1f}"]
-                              for name, value in result["breakdown"].items()))
-    return [latency, cpu, throughput, breakdown]
+        f"lookup of {NUM_TOKENS} tokens ({NUM_PAGES} pages), ms over every call",
+        ["contender", *(f"{n}sh {s}" for n in per_shards for s in ("p50", "p99"))],
+        ([name, *(f"{per_shards[n][f'{s}_ms'][name]:.3f}"
+                  for n in per_shards for s in ("p50", "p99"))] for name in CONTENDERS))
+    parts = common.table("one 512-key match without Ray", ["part", "value"],
+                         ([name, f"{value:.1f}"] for name, value in breakdown.items()))
+    return [latency, parts]
 
 
 NOTES = [
-    "latencies: p50/p99 over REPS interleaved repetitions from the driver of a private local "
-    "Ray (2 CPUs); every repetition times each contender once, order rotating",
-    "lookup_p50_vs_noop_rpc = client.directory.match(keys) p50 / shard.ping p50 with 1 shard "
-    "(keys precomputed; the client joins them into one blob, the shard answers in runs "
-    "[[locations, num_pages]], the client expands them); shard_match_p50_vs_noop_rpc: the "
-    "raw ray.get(shard.match(blob)) with the blob prepared and the runs left as they are; "
-    "lookup_e2e_* include computing the 512 keys (blake3 chain over 128K tokens); "
-    "lookup_p50_vs_noop_rpc_2_shards divides by the ping-every-shard p50",
-    "directory_vs_redis = redis EXISTS-pipeline p50 / match p50 (1 shard); Redis runs on "
-    "loopback, one pipeline of 512 EXISTS per lookup, redis-py with hiredis",
-    "throughput: closed-loop match calls from 1 and 2 threads of the driver, the median of "
-    "THROUGHPUT_WINDOWS windows (alternating thread counts) of THROUGHPUT_S / windows "
-    "each; shard_scaling_1_to_2 = 2-shard / 1-shard page-keys/s with 2 client threads. "
-    "On 2 cores the driver threads (GIL-bound), the shard actors, the node actor and Ray's "
-    "raylet/GCS share 2 CPUs, so this shows the cost of sharding here, not its capacity",
-    "CPU per call: REPS sequential calls each, CPU time of every thread of the called "
-    "shard process(es) (/proc/<pid>/task/*/schedstat) and of this client process "
-    "(process_time), divided by REPS; match_cpu_vs_noop_rpc_cpu compares shard + client CPU",
-    "breakdown: the steps of one match without Ray, in this process (us): keys, the "
-    "client's split and join into one blob, the shard's split of the blob, match_runs, "
-    "expand_runs, and pickle round trips of the blob and of the answer",
+    f"workload: one prompt of {NUM_TOKENS} tokens = {NUM_PAGES} pages of {PAGE_TOKENS} tokens "
+    "(16 KiB each), put once; every lookup finds all of it; 1 and 2 directory shards, private "
+    "local Ray with 2 CPUs; Redis: a real redis-server on loopback, our own",
+    "rounds: harness.interleave, contenders in rotating order; a round runs a batch of calls "
+    "per contender (after a warm-up), its figure the batch's p50; ratios are medians of the "
+    "per-round ratios; p50_ms/p99_ms pool every call",
+    "lookup_p50_vs_noop_rpc = client.locate_keys(keys) / a no-op ping to the same shards "
+    "(every shard, as a lookup asks every shard), both awaited through cluster.calls.run_sync; "
+    "keys precomputed. lookup_e2e_* add the page keys (blake3 chain over 128K tokens)",
+    "directory_vs_redis = Redis / raykv: one EVALSHA of a Lua walk (EXISTS key by key until the "
+    "first miss, the prefix length back; less than raykv's answer, which carries locations) "
+    "over the same 512 keys, one connection, redis-py with hiredis; its prefix lengths are "
+    f"checked against raykv's, full and stopping at page {PARTIAL_PAGES}",
+    "the ratios suffixed _2_shards: the same with 2 directory shards (the noop pings both)",
+    "breakdown: the steps of one match without Ray, in this process (us)",
 ]
 
 
-def measure_all(reps: int, duration_s: float, disk_dir: str) -> tuple[dict, dict]:
+def measure_all(num_rounds: int, calls: int, disk_dir: str) -> tuple[dict, dict]:
     from rich.progress import Progress
 
     from cluster.tools.redis_server import RedisServer
@@ -374,21 +305,25 @@ def measure_all(reps: int, duration_s: float, disk_dir: str) -> tuple[dict, dict
         steps = common.Steps(progress, "directory", len(SHARD_COUNTS) + 1)
         for num_shards in SHARD_COUNTS:
             steps(f"{num_shards} shard(s)")
-            per_shards[str(num_shards)] = measure_shards(num_shards, disk_dir,
-                                                         redis_server.url, reps, duration_s)
+            per_shards[str(num_shards)] = measure_shards(num_shards, disk_dir, redis_server.url,
+                                                         num_rounds, calls)
         steps("breakdown")
         breakdown = measure_breakdown(INDEX_REPS)
     return per_shards, breakdown
 
 
 def run(json_path: str | None, quick: bool) -> dict:
-    reps = QUICK_REPS if quick else REPS
-    duration_s = QUICK_THROUGHPUT_S if quick else THROUGHPUT_S
-    machine = common.machine_info()
+    num_rounds = QUICK_ROUNDS if quick else ROUNDS
+    calls = QUICK_CALLS_PER_ROUND if quick else CALLS_PER_ROUND
+    config = {"num_tokens": NUM_TOKENS, "page_tokens": PAGE_TOKENS, "num_pages": NUM_PAGES,
+              "page_bytes": SPEC.page_bytes(PAGE_TOKENS), "rounds": num_rounds,
+              "calls_per_round": calls, "warmup_calls": WARMUP_CALLS,
+              "shard_counts": list(SHARD_COUNTS), "quick": quick}
+    report = harness.Report("directory", "ms", config, GOALS, NOTES)
     started_ray = common.ensure_local_ray(OBJECT_STORE_BYTES, num_cpus=2)
     disk_dir = tempfile.mkdtemp(prefix="raykv-bench-dir-", dir="/tmp")
     try:
-        per_shards, breakdown = measure_all(reps, duration_s, disk_dir)
+        per_shards, breakdown = measure_all(num_rounds, calls, disk_dir)
     finally:
         try:
             common.stop_service()
@@ -396,16 +331,7 @@ def run(json_path: str | None, quick: bool) -> dict:
             shutil.rmtree(disk_dir, ignore_errors=True)
             if started_ray:
                 ray.shutdown()
-    result = {"benchmark": "directory", "unit": "ms (latency), page-keys/s (throughput)",
-              "config": {"num_tokens": NUM_TOKENS, "page_tokens": PAGE_TOKENS,
-                         "num_pages": NUM_PAGES, "page_bytes": SPEC.page_bytes(PAGE_TOKENS),
-                         "reps": reps, "warmup_reps": WARMUP_REPS, "throughput_s": duration_s,
-                         "throughput_windows": THROUGHPUT_WINDOWS,
-                         "client_threads": list(CLIENT_THREADS),
-                         "shard_counts": list(SHARD_COUNTS), "quick": quick},
-              "machine": machine, "per_shards": per_shards, "breakdown": breakdown,
-              "ratios": ratios_of(per_shards), "goals": GOALS,
-              "notes": NOTES + (["quick run: fewer repetitions, shorter throughput runs"]
-                                if quick else [])}
-    common.print_tables(_tables(result))
-    return common.finish(result, json_path)
+    report["per_shards"], report["breakdown"] = per_shards, breakdown
+    add_ratios(report, per_shards)
+    common.print_tables(_tables(per_shards, breakdown))
+    return report.finish(json_path)

@@ -1,47 +1,50 @@
-"""`raykv bench hashing`: what computing page keys costs, in ns per prompt token.
+"""`raykv bench hashing`: what computing page keys costs, in ns per prompt token. No Ray.
 
-Side by side, in one run and over the same prompt bytes (128K tokens, little-endian uint32):
+Over the same prompt (128K tokens), harness.interleave runs these contenders in rotating order,
+each round's figure the median of a few calls, in ns per token:
 
-    page_keys (numpy ids)   the client's path: validate + canonicalise + chained blake3 per page
-    page_keys (list ids)    the same from a Python list of ints (what many engines hold)
-    blake3 chain            the design's floor: blake3(prev | page bytes) per page, nothing else
-    xxh3_128 chain          the same chain with xxh3-128 (the design's other allowed hash)
-    blake3 / xxh3_128       one call over all the bytes (hash throughput, no per-page cost)
-    memcpy                  np.copyto of the token bytes (touching the bytes once)
+    keys (list ids)     KeyChain.keys(list of ints): what KVClient.keys, the ingress and the
+                        vLLM connector run on the token ids they hold (Python lists):
+                        validate + canonicalise to little-endian uint32 + chained blake3 per page
+    keys (numpy ids)    the same from a numpy int64 array
+    blake3 chain        the design's floor: blake3(prev | page bytes) per page in a bare loop
+    xxh3_128 chain      the same chain with xxh3-128 (the design's other allowed hash)
 
-Each figure is the median of REPS timed runs after a warm-up. No Ray.
+at page_tokens 256 and 16, and over the whole prompt: canonical_tokens from a list and from
+numpy, and one blake3 call over all the bytes (hash throughput, no per-page cost). Outside the
+timing, both key paths and the blake3 chain must give the same keys.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 
 import blake3
 import numpy as np
 import xxhash
 
-from cluster.core.keys import KEY_BYTES, canonical_tokens, chain_keys, namespace_key, page_keys
+from cluster.core.keys import KEY_BYTES, KeyChain, canonical_tokens
 from cluster.core.spec import ModelSpec
-from cluster.tools.bench.common import finish, machine_info, print_tables, table, warm_median_s
+from cluster.tools.bench import harness
+from cluster.tools.bench.common import print_tables, table, timed
 
-NUM_TOKENS = 128 * 1024
-QUICK_TOKENS = 16 * 1024
+NUM_TOKENS, QUICK_TOKENS = 128 * 1024, 16 * 1024
 PAGE_TOKENS = (256, 16)
-REPS = 15
-QUICK_REPS = 7
+ROUNDS, QUICK_ROUNDS = 7, 3
+CALLS_PER_ROUND = 3
 VOCAB = 128_256  # Llama-3 vocabulary: ids need the full uint32 range's low 17 bits
 SPEC = ModelSpec.preset("llama-3.1-8b")
 NAMESPACE = "default"
+SECRET = b"bench-namespace-secret"  # a namespace's secret, as a client's chain has one
 GOALS = {"hash_ns_per_token": {"max": 30.0}}
-NOTES = ("hash_ns_per_token: cluster.core.keys.page_keys over a NUM_TOKENS prompt given as a numpy "
-         "int64 array, page_tokens 256, median ns per token; the _pt16 and _list ratios are "
-         "the same at page_tokens 16 and from a Python list (informational, no goal); "
-         "hash_vs_blake3_chain = page_keys / a bare Python loop of chained blake3 calls.")
-
-
-def median_ns_per_token(run: Callable[[], object], num_tokens: int, reps: int) -> float:
-    """Warm up once, then the median of `reps` timed calls, in ns per token."""
-    return warm_median_s(run, reps) / num_tokens * 1e9
+NOTES = ("hash_ns_per_token: KeyChain.keys (what KVClient.keys runs; root precomputed, with a "
+         "namespace secret) over a NUM_TOKENS prompt given as a Python list of ints, as the "
+         "ingress, the engine and the vLLM connector hold token ids; page_tokens 256; the "
+         "median over rounds of each round's median ns per token. _numpy: the same from a "
+         "numpy int64 array; _pt16: at page_tokens 16 (informational, no goal). "
+         "hash_vs_blake3_chain = keys (numpy ids) / a bare Python loop of chained blake3 "
+         "calls, paired per round; it is null unless both give the same keys.")
 
 
 def _chain(hash_bytes: Callable[[bytes], bytes], data: bytes, root: bytes,
@@ -59,71 +62,79 @@ def _blake3_16(data: bytes) -> bytes:
     return blake3.blake3(data).digest(KEY_BYTES)
 
 
-def _memcpy(src: np.ndarray, dst: np.ndarray) -> Callable[[], None]:
-    return lambda: np.copyto(dst, src)
-
-
-def measure(num_tokens: int, page_tokens_list: tuple[int, ...], reps: int) -> dict:
-    """ns per token of every contender; {"per_page_tokens": {pt: {...}}, "whole_prompt": {...}}."""
+def calls_of(num_tokens: int, page_tokens_list: tuple[int, ...]) -> dict[str, Callable]:
+    """name -> a call over the same prompt: "<call>_pt<page tokens>" per page size, and the
+    whole-prompt calls."""
     ids = np.random.default_rng(0).integers(0, VOCAB, num_tokens, dtype=np.int64)
     ids_list = ids.tolist()
-    canonical = canonical_tokens(ids)
-    data = canonical.tobytes()
-    time_it = lambda run: median_ns_per_token(run, num_tokens, reps)  # noqa: E731
-    per_size: dict[str, dict[str, float]] = {}
-    for page_tokens in page_tokens_list:
-        root = namespace_key(SPEC, NAMESPACE, page_tokens)
-        per_size[str(page_tokens)] = {
-            "page_keys_numpy": time_it(lambda pt=page_tokens: page_keys(SPEC, NAMESPACE, pt, ids)),
-            "page_keys_list": time_it(
-                lambda pt=page_tokens: page_keys(SPEC, NAMESPACE, pt, ids_list)),
-            "chain_keys_only": time_it(lambda pt=page_tokens, r=root: chain_keys(canonical, r, pt)),
-            "blake3_chain": time_it(lambda pt=page_tokens, r=root: _chain(_blake3_16, data, r, pt)),
-            "xxh3_128_chain": time_it(
-                lambda pt=page_tokens, r=root: _chain(xxhash.xxh3_128_digest, data, r, pt)),
-        }
-    dst = np.empty_like(canonical)
-    dst.fill(0)
-    whole = {
-        "blake3_oneshot": time_it(lambda: _blake3_16(data)),
-        "xxh3_128_oneshot": time_it(lambda: xxhash.xxh3_128_digest(data)),
-        "memcpy": time_it(_memcpy(canonical, dst)),
-        "canonical_tokens_numpy": time_it(lambda: canonical_tokens(ids)),
-        "canonical_tokens_list": time_it(lambda: canonical_tokens(ids_list)),
-    }
-    return {"per_page_tokens": per_size, "whole_prompt": whole}
+    data = canonical_tokens(ids).tobytes()
+    calls: dict[str, Callable] = {}
+    for pt in page_tokens_list:
+        chain = KeyChain.of(SPEC, NAMESPACE, pt, SECRET)
+        calls.update({f"keys_list_pt{pt}": lambda c=chain: c.keys(ids_list),
+                      f"keys_numpy_pt{pt}": lambda c=chain: c.keys(ids),
+                      f"blake3_chain_pt{pt}": lambda c=chain, p=pt: _chain(_blake3_16, data,
+                                                                            c.root, p),
+                      f"xxh3_128_chain_pt{pt}": lambda c=chain, p=pt: _chain(
+                          xxhash.xxh3_128_digest, data, c.root, p)})
+    calls.update({"canonical_tokens_list": lambda: canonical_tokens(ids_list),
+                  "canonical_tokens_numpy": lambda: canonical_tokens(ids),
+                  "blake3_oneshot": lambda: _blake3_16(data)})
+    return calls
 
 
-def ratios_of(figures: dict) -> dict[str, float]:
-    main = figures["per_page_tokens"][str(PAGE_TOKENS[0])]
-    ratios = {"hash_ns_per_token": main["page_keys_numpy"],
-              "hash_ns_per_token_list": main["page_keys_list"],
-              "hash_vs_blake3_chain": main["page_keys_numpy"] / main["blake3_chain"]}
-    small = figures["per_page_tokens"].get(str(PAGE_TOKENS[1]))
-    if small is not None:
-        ratios["hash_ns_per_token_pt16"] = small["page_keys_numpy"]
-    return ratios
+def same_keys(calls: dict[str, Callable], page_tokens_list: tuple[int, ...]) -> bool:
+    """Both key paths and the bare blake3 chain give the same keys, at every page size."""
+    return all(calls[f"keys_list_pt{pt}"]() == calls[f"keys_numpy_pt{pt}"]()
+               == calls[f"blake3_chain_pt{pt}"]() for pt in page_tokens_list)
+
+
+def per_round_ns(calls: dict[str, Callable], num_tokens: int,
+                 num_rounds: int) -> dict[str, list[float]]:
+    """name -> each round's median ns per token (CALLS_PER_ROUND timed calls, after one
+    untimed warm-up call of each)."""
+    for call in calls.values():
+        call()
+
+    def contender(call: Callable) -> Callable[[int], float]:
+        return lambda _round: statistics.median(
+            timed(call)[0] for _ in range(CALLS_PER_ROUND)) / num_tokens * 1e9
+
+    return harness.interleave({name: contender(call) for name, call in calls.items()},
+                              num_rounds)
+
+
+def add_ratios(report: harness.Report, rounds: dict[str, list[float]], keys_agree: bool) -> None:
+    main, small = PAGE_TOKENS
+    for name, series in (("hash_ns_per_token", f"keys_list_pt{main}"),
+                         ("hash_ns_per_token_numpy", f"keys_numpy_pt{main}"),
+                         ("hash_ns_per_token_pt16", f"keys_list_pt{small}")):
+        report.ratio(name, statistics.median(rounds[series]), rounds[series])
+    if report.require("hash_vs_blake3_chain", keys_agree,
+                      "KeyChain.keys and the bare blake3 chain gave different keys"):
+        report.paired("hash_vs_blake3_chain", rounds[f"keys_numpy_pt{main}"],
+                      rounds[f"blake3_chain_pt{main}"])
 
 
 def print_report(result: dict) -> None:
-    sizes = list(result["per_page_tokens"])
-    rows = [[name, *(f"{result['per_page_tokens'][s][name]:.2f}" for s in sizes)]
-            for name in result["per_page_tokens"][sizes[0]]]
-    rows += [[name, f"{value:.2f}", *[""] * (len(sizes) - 1)]
-             for name, value in result["whole_prompt"].items()]
-    print_tables([table(f"page-key hashing, {result['config']['num_tokens']} tokens (ns/token)",
-                        ["contender", *(f"page_tokens={s}" for s in sizes)], rows)])
+    medians = result["ns_per_token"]
+    rows = [[name, f"{value:.2f}"] for name, value in medians.items()]
+    print_tables([table(f"page-key hashing, {result['config']['num_tokens']} tokens, "
+                        "ns/token (median of rounds)", ["contender", "ns/token"], rows)])
 
 
 def run(json_path: str | None, quick: bool) -> dict:
     num_tokens = QUICK_TOKENS if quick else NUM_TOKENS
-    reps = QUICK_REPS if quick else REPS
-    machine = {**machine_info(), "blake3": blake3.__version__, "xxhash": xxhash.VERSION}
-    figures = measure(num_tokens, PAGE_TOKENS, reps)
-    result = {"benchmark": "hashing", "unit": "ns per token",
-              "config": {"num_tokens": num_tokens, "page_tokens": list(PAGE_TOKENS),
-                         "reps": reps, "model": SPEC.name, "quick": quick},
-              "machine": machine, **figures, "ratios": ratios_of(figures), "goals": GOALS,
-              "notes": NOTES}
-    print_report(result)
-    return finish(result, json_path)
+    num_rounds = QUICK_ROUNDS if quick else ROUNDS
+    config = {"num_tokens": num_tokens, "page_tokens": list(PAGE_TOKENS), "rounds": num_rounds,
+              "calls_per_round": CALLS_PER_ROUND, "model": SPEC.name, "quick": quick}
+    report = harness.Report("hashing", "ns per token", config, GOALS, NOTES)
+    report["machine"].update(blake3=blake3.__version__, xxhash=xxhash.VERSION)
+    calls = calls_of(num_tokens, PAGE_TOKENS)
+    keys_agree = same_keys(calls, PAGE_TOKENS)
+    rounds = per_round_ns(calls, num_tokens, num_rounds)
+    report["ns_per_token_per_round"] = rounds
+    report["ns_per_token"] = {name: statistics.median(v) for name, v in rounds.items()}
+    add_ratios(report, rounds, keys_agree)
+    print_report(report.result)
+    return report.finish(json_path)

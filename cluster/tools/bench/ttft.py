@@ -1,14 +1,20 @@
 """`raykv bench ttft`: time to first token of an ~8K-token prompt whose first ~7.5K tokens are
-cached, on the tiny model on CPU, in one run:
+cached, on the tiny model on CPU, four cases paired per repetition:
 
     host        the prefix's pages in the host tier: the engine's aget + the suffix's prefill
     disk        the same pages on the disk tier (raw pages), read back by that get
     recompute   no cache: the whole prompt is prefilled
     ideal       the suffix alone, with the prefix's KV already in the engine's memory
 
-Each case is the engine's own path (Engine.generate, one new token), timed to its first token;
-medians of REPS. The service runs on a private local Ray; device tier off, so a cached page is
-in exactly the tier the case names.
+Each repetition (a harness.interleave round) first, untimed, caches the disk case's prefix,
+puts enough other prompts to push it from the host tier to disk, then caches the host case's
+prefix; then it runs the four cases once each, in an order rotating per repetition. Every case
+of every repetition has a prompt of its own, so that no case finds another's pages. Each case
+is the engine's own path (Engine.generate, one new token), timed to its first token. The host
+case must use all the cached tokens with no disk read, the disk case all of them with the
+node's disk-read counter rising by at least their bytes; otherwise its ratio is null. Ratios
+are medians of the per-repetition ratios. The service runs on a private local Ray; the device
+tier is off and eviction is LRU, so a cached page is in exactly the tier the case names.
 """
 
 from __future__ import annotations
@@ -20,19 +26,28 @@ import tempfile
 import time
 
 from cluster.core.config import MiB
-from cluster.tools.bench import common
+from cluster.core.spec import ModelSpec
+from cluster.tools.bench import common, harness
 
 MODEL = "tiny-llama"
 PROMPT_TOKENS = 8192
 CACHED_TOKENS = 7680  # 30 pages of 256
 PAGE_TOKENS = 256
+KV_BYTES_PER_TOKEN = ModelSpec.preset(MODEL).bytes_per_token  # 512: a page is 128 KiB
+HOST_PROMPTS = 4  # the host tier holds this many prompts' KV
 REPS, QUICK_REPS = 9, 3
+CASES = ("host", "disk", "recompute", "ideal")
 GOALS = {"ttft_host_vs_ideal": {"max": 1.15}, "ttft_disk_vs_ideal": {"max": 1.5}}
-NOTES = ("TTFT = Engine.generate to its first token (fetch of the cached prefix into a "
-         "preallocated buffer + prefill of the rest + sampling), on one event loop kept for the "
-         "whole run as a replica's is, the request already tokenized (the ingress does it); "
-         "ideal = prefill of the rest with the prefix's KV already in memory; medians. "
-         "engine_phases_ms: the engine's own fetch_s and prefill_s of each timed request.")
+NOTES = (f"workload: tiny-llama on CPU, prompts of {PROMPT_TOKENS} tokens whose first "
+         f"{CACHED_TOKENS} ({CACHED_TOKENS // PAGE_TOKENS} pages of {PAGE_TOKENS}) are cached; "
+         "one new token. TTFT = Engine.generate to its first token (fetch of the cached prefix "
+         "into a preallocated buffer + prefill of the rest + sampling), on one event loop kept "
+         "for the whole run as a replica's is, the request already tokenized (the ingress does "
+         "it); ideal = prefill of the rest with the prefix's KV already in memory. Each "
+         "repetition runs host, disk, recompute and ideal once, in rotating order, after one "
+         "untimed warm-up repetition; ratios are medians of per-repetition ratios. "
+         "engine_phases_ms: the engine's own fetch_s and prefill_s of each timed request; "
+         "checks: per repetition, cached tokens used and disk bytes read during the case.")
 
 
 def prompt_text(index: int, num_chars: int) -> str:
@@ -41,12 +56,24 @@ def prompt_text(index: int, num_chars: int) -> str:
     return " ".join(words)[: num_chars - 1]  # +1 BOS token
 
 
+def case_texts(rep: int) -> dict[str, str]:
+    """The prompts of repetition `rep`, one per case, distinct across cases and repetitions."""
+    return {case: prompt_text(offset * 1000 + rep, PROMPT_TOKENS)
+            for offset, case in enumerate(CASES)}
+
+
+def num_fillers(host_pages: int, cached_pages: int) -> int:
+    """Prompts to cache after the disk case's so that LRU has pushed all its pages to disk."""
+    return host_pages // cached_pages + 1
+
+
 def _config(disk_dir: str):
     from cluster import CacheConfig
 
-    prompt_bytes = 256 * PROMPT_TOKENS  # tiny-llama: 256 bytes of KV per token
-    return CacheConfig(page_tokens=PAGE_TOKENS, device_bytes=0, host_bytes=3 * prompt_bytes,
-                       disk_bytes=64 * prompt_bytes, disk_dir=disk_dir, disk_codec="none")
+    prompt_bytes = KV_BYTES_PER_TOKEN * PROMPT_TOKENS
+    return CacheConfig(page_tokens=PAGE_TOKENS, device_bytes=0,
+                       host_bytes=HOST_PROMPTS * prompt_bytes, disk_bytes=64 * prompt_bytes,
+                       disk_dir=disk_dir, disk_codec="none", eviction="lru")
 
 
 class Bench:
@@ -58,21 +85,20 @@ class Bench:
         self.engine, self.client = engine, client
         self.loop = asyncio.new_event_loop()
         self.phases_ms: dict[str, dict[str, list[float]]] = {}
+        self.checks: dict[str, dict[str, list[int]]] = {
+            case: {"cached_tokens": [], "disk_bytes_read": []} for case in ("host", "disk")}
 
     def close(self) -> None:
         self.loop.close()
 
-    def request(self, text: str):
+    def ttft_s(self, text: str, case: str) -> float:
+        """Seconds to the first token; the engine's fetch and prefill seconds are kept under
+        `case`, and for host and disk the cached tokens used and the disk bytes read."""
         from cluster.serving import tokenizer
         from cluster.serving.engine import GenerationRequest
         from cluster.serving.sampling import SamplingParams
 
-        return GenerationRequest(text, tokenizer.encode(text), SamplingParams(max_tokens=1))
-
-    def ttft_s(self, text: str, case: str = "") -> tuple[float, int]:
-        """(seconds to the first token, cached tokens used); the engine's own fetch and
-        prefill seconds are kept under `case`."""
-        request = self.request(text)
+        request = GenerationRequest(text, tokenizer.encode(text), SamplingParams(max_tokens=1))
 
         async def run():
             start_s = time.perf_counter()
@@ -85,12 +111,18 @@ class Bench:
             await self.engine.drain()
             return elapsed_s, head
 
+        read_before = self.disk_bytes_read()
         elapsed_s, head = self.loop.run_until_complete(run())
-        if case:
-            phases = self.phases_ms.setdefault(case, {"fetch": [], "prefill": []})
-            phases["fetch"].append(head.fetch_s * 1e3)
-            phases["prefill"].append(head.prefill_s * 1e3)
-        return elapsed_s, head.cached_tokens
+        if case in self.checks:
+            self.checks[case]["cached_tokens"].append(head.cached_tokens)
+            self.checks[case]["disk_bytes_read"].append(self.disk_bytes_read() - read_before)
+        phases = self.phases_ms.setdefault(case, {"fetch": [], "prefill": []})
+        phases["fetch"].append(head.fetch_s * 1e3)
+        phases["prefill"].append(head.prefill_s * 1e3)
+        return elapsed_s
+
+    def disk_bytes_read(self) -> int:
+        return int(self.client.stats()["node"]["disk_bytes_read"])
 
     def cache(self, text: str) -> None:
         """Store the first CACHED_TOKENS tokens' pages (a full prefill, untimed)."""
@@ -103,10 +135,16 @@ class Bench:
         if stored != CACHED_TOKENS:
             raise RuntimeError(f"put stored {stored} of {CACHED_TOKENS} tokens")
 
-    def push_to_disk(self, index: int) -> None:
-        """Fill the host tier with other pages, so earlier prompts' pages go down to disk."""
-        for filler in range(4):
-            self.cache(prompt_text(10_000 + index * 10 + filler, PROMPT_TOKENS))
+    def prepare(self, rep: int) -> None:
+        """The disk case's prefix cached, then pushed to disk by fillers; then the host case's
+        prefix cached (the newest pages, so LRU keeps it on host through the round)."""
+        texts = case_texts(rep)
+        self.cache(texts["disk"])
+        cached_pages = CACHED_TOKENS // PAGE_TOKENS
+        for filler in range(num_fillers(HOST_PROMPTS * PROMPT_TOKENS // PAGE_TOKENS,
+                                        cached_pages)):
+            self.cache(prompt_text(100_000 + rep * 10 + filler, PROMPT_TOKENS))
+        self.cache(texts["host"])
 
     def ideal_s(self, text: str) -> float:
         from cluster.serving import tokenizer
@@ -122,54 +160,81 @@ class Bench:
         sampler.next(logits)
         return time.perf_counter() - start_s
 
+    def contenders(self) -> dict:
+        """case -> the case's TTFT in ms for repetition `rep` (harness.interleave)."""
+        def case(name: str):
+            if name == "ideal":
+                return lambda rep: self.ideal_s(case_texts(rep)["ideal"]) * 1e3
+            return lambda rep: self.ttft_s(case_texts(rep)[name], name) * 1e3
 
-def measure(bench: Bench, reps: int, steps) -> dict:
-    times: dict[str, list[float]] = {"host": [], "disk": [], "recompute": [], "ideal": []}
-    cached: dict[str, list[int]] = {"host": [], "disk": []}
-    for rep in range(reps):
-        steps(f"rep {rep + 1}/{reps}")
-        text = prompt_text(rep, PROMPT_TOKENS)
-        # A prompt of its own: the engine stores what it computed, and a recompute of a text
-        # sharing `text`'s prefix would cache more of `text` than the host case is meant to.
-        times["recompute"].append(
-            bench.ttft_s(prompt_text(500 + rep, PROMPT_TOKENS), "recompute")[0])
-        times["ideal"].append(bench.ideal_s(text))
-        bench.cache(text)
-        elapsed_s, used = bench.ttft_s(text, "host")
-        times["host"].append(elapsed_s)
-        cached["host"].append(used)
-        disk_text = prompt_text(1000 + rep, PROMPT_TOKENS)
-        bench.cache(disk_text)
-        bench.push_to_disk(rep)
-        elapsed_s, used = bench.ttft_s(disk_text, "disk")
-        times["disk"].append(elapsed_s)
-        cached["disk"].append(used)
-    return {"ttft_ms": {k: [t * 1e3 for t in v] for k, v in times.items()},
-            "cached_tokens": cached, "engine_phases_ms": bench.phases_ms}
+        return {name: case(name) for name in CASES}
 
 
-def ratios_of(figures: dict) -> dict[str, float]:
-    median = {k: statistics.median(v) for k, v in figures["ttft_ms"].items()}
-    return {"ttft_host_vs_ideal": median["host"] / median["ideal"],
-            "ttft_disk_vs_ideal": median["disk"] / median["ideal"],
-            "ttft_speedup_host": median["recompute"] / median["host"],
-            "ttft_speedup_disk": median["recompute"] / median["disk"]}
+def measure(bench: Bench, reps: int, steps) -> dict[str, list[float]]:
+    """Per case, its TTFT (ms) in each repetition, after one untimed warm-up repetition."""
+    contenders = bench.contenders()
+    steps("warm-up")
+    bench.engine.warm_up()
+    bench.prepare(reps)  # the warm-up repetition's prompts come after the timed ones'
+    for contender in contenders.values():
+        contender(reps)
+    bench.phases_ms.clear()
+    bench.checks = {case: {k: [] for k in v} for case, v in bench.checks.items()}
+
+    def on_round(rep: int, order: list[str]) -> None:
+        steps(f"rep {rep + 1}/{reps}: {', '.join(order)}")
+        bench.prepare(rep)
+
+    return harness.interleave(contenders, reps, on_round)
+
+
+def exercised(checks: dict[str, dict[str, list[int]]]) -> dict[str, str]:
+    """case -> why it was not exercised ("" when it was): host must use every cached token and
+    read nothing from disk, disk every cached token and at least their bytes from disk."""
+    prefix_bytes = CACHED_TOKENS * KV_BYTES_PER_TOKEN
+    why = {}
+    for case, check in checks.items():
+        used, read = check["cached_tokens"], check["disk_bytes_read"]
+        bad_use = [n for n in used if n != CACHED_TOKENS]
+        bad_read = [n for n in read if (n != 0 if case == "host" else n < prefix_bytes)]
+        why[case] = (f"cached tokens used {used} (expected {CACHED_TOKENS} each)" if bad_use
+                     else f"disk bytes read {read} during the {case} case" if bad_read else "")
+    return why
+
+
+def add_ratios(report: harness.Report, ttft_ms: dict[str, list[float]],
+               checks: dict[str, dict[str, list[int]]]) -> None:
+    why = exercised(checks)
+    for case in ("host", "disk"):
+        if report.require(f"ttft_{case}_vs_ideal", not why[case], why[case]):
+            report.paired(f"ttft_{case}_vs_ideal", ttft_ms[case], ttft_ms["ideal"])
+        if report.require(f"ttft_speedup_{case}", not why[case], why[case]):
+            report.paired(f"ttft_speedup_{case}", ttft_ms["recompute"], ttft_ms[case])
+
+
+def _print(ttft_ms: dict[str, list[float]], phases_ms: dict) -> None:
+    rows = [[case, f"{statistics.median(ttft_ms[case]):.1f}",
+             *(f"{statistics.median(phases_ms[case][p]):.1f}" if case in phases_ms else ""
+               for p in ("fetch", "prefill"))] for case in CASES]
+    common.print_tables([common.table("TTFT (ms), median", ["case", "ms", "engine fetch",
+                                                           "engine prefill"], rows)])
 
 
 def run(json_path: str | None, quick: bool) -> dict:
     from rich.progress import Progress
 
-    from cluster import connect, stop
-    from cluster.core.spec import ModelSpec
+    from cluster import connect, start, stop
     from cluster.serving.engine import Engine, EngineConfig
 
     reps = QUICK_REPS if quick else REPS
+    config = {"model": MODEL, "prompt_tokens": PROMPT_TOKENS, "cached_tokens": CACHED_TOKENS,
+              "page_tokens": PAGE_TOKENS, "host_prompts": HOST_PROMPTS, "reps": reps,
+              "quick": quick}
+    report = harness.Report("ttft", "ms", config, GOALS, NOTES)
     started = common.ensure_local_ray(256 * MiB)
     disk_dir = tempfile.mkdtemp(prefix="raykv-bench-ttft-", dir="/tmp")
     try:
         common.stop_service()
-        from cluster import start
-
         start(_config(disk_dir))
         client = connect(ModelSpec.preset(MODEL))
         engine = Engine(EngineConfig(MODEL, max_context_tokens=PROMPT_TOKENS + 64),
@@ -177,10 +242,9 @@ def run(json_path: str | None, quick: bool) -> dict:
         bench = Bench(engine, client)
         try:
             with Progress() as progress:
-                figures = measure(bench, reps, common.Steps(progress, "ttft", reps))
+                ttft_ms = measure(bench, reps, common.Steps(progress, "ttft", reps + 1))
         finally:
             bench.close()
-        stats = client.stats()["node"]
     finally:
         stop()
         shutil.rmtree(disk_dir, ignore_errors=True)
@@ -188,18 +252,9 @@ def run(json_path: str | None, quick: bool) -> dict:
             import ray
 
             ray.shutdown()
-    medians = {k: statistics.median(v) for k, v in figures["ttft_ms"].items()}
-    result = {"benchmark": "ttft", "unit": "ms",
-              "config": {"model": MODEL, "prompt_tokens": PROMPT_TOKENS,
-                         "cached_tokens": CACHED_TOKENS, "page_tokens": PAGE_TOKENS,
-                         "reps": reps, "quick": quick},
-              "machine": common.machine_info(), **figures, "ttft_ms_median": medians,
-              "node_disk_bytes_read": stats.get("disk_bytes_read"),
-              "ratios": ratios_of(figures), "goals": GOALS, "notes": NOTES}
-    phases = {case: {name: statistics.median(v) for name, v in p.items()}
-              for case, p in figures["engine_phases_ms"].items()}
-    rows = [[k, f"{v:.1f}", f"{phases[k]['fetch']:.1f}" if k in phases else "",
-             f"{phases[k]['prefill']:.1f}" if k in phases else ""] for k, v in medians.items()]
-    common.print_tables([common.table("TTFT (ms), median", ["case", "ms", "engine fetch",
-                                                           "engine prefill"], rows)])
-    return common.finish(result, json_path)
+    report["ttft_ms"], report["checks"] = ttft_ms, bench.checks
+    report["ttft_ms_median"] = common.medians(ttft_ms)
+    report["engine_phases_ms"] = bench.phases_ms
+    add_ratios(report, ttft_ms, bench.checks)
+    _print(ttft_ms, bench.phases_ms)
+    return report.finish(json_path)
