@@ -34,6 +34,7 @@ written and read, and a mismatch is merely a miss, so it takes the fastest good 
 
 from __future__ import annotations
 
+import array as array_module
 from dataclasses import dataclass
 from typing import NewType
 
@@ -97,9 +98,26 @@ def _as_array(tokens: object) -> np.ndarray:
 
 
 def _sequence_array(tokens: list | tuple | range) -> np.ndarray:
-    """A Python sequence of ints as int64, checked per type once rather than per token."""
+    """A Python sequence of ints as int64.
+
+    The fast path is array.array("q"), which takes ints (and numpy ints) in C and refuses
+    floats, strings and nested sequences; bools, which it takes as 0 and 1, are looked for only
+    where the array holds 0 or 1. Anything it refuses goes through the checked path, which
+    names the problem.
+    """
     if not len(tokens):
         return np.zeros(0, np.int64)
+    try:
+        array = np.frombuffer(array_module.array("q", tokens), dtype=np.int64)
+    except (TypeError, OverflowError):
+        return _checked_sequence_array(tokens)
+    if any(type(tokens[i]) is bool for i in np.flatnonzero(array <= 1)):
+        raise TypeError("tokens must be integers, got bool")
+    return array
+
+
+def _checked_sequence_array(tokens: list | tuple | range) -> np.ndarray:
+    """The slow path: checked per type once rather than per token, with a clear error."""
     kinds = set(map(type, tokens))
     for kind in kinds:
         if issubclass(kind, (list, tuple, range, np.ndarray)):

@@ -208,3 +208,19 @@ def test_shard_of_is_stable_and_in_range():
         assert all(0 <= s < num_shards for s in shards)
         assert shards == [int.from_bytes(k[:8], "little") % num_shards for k in keys]
     assert len({shard_of(k, 8) for k in keys}) == 8
+
+
+def test_a_list_of_tokens_converts_fast_but_still_refuses_what_is_not_a_token_id():
+    mixed = [5, np.int64(7), 1, 0]
+    assert canonical_tokens(mixed).tolist() == [5, 7, 1, 0]
+    assert canonical_tokens(range(3)).tolist() == [0, 1, 2]
+    with pytest.raises(TypeError, match="bool"):
+        canonical_tokens([5, 9, True])  # a bool is an int to array.array: refused all the same
+    with pytest.raises(TypeError, match="float"):
+        canonical_tokens([5, 1.0])
+    with pytest.raises(ValueError, match="1-D"):
+        canonical_tokens([5, [1]])
+    with pytest.raises(ValueError, match="lie in"):
+        canonical_tokens([5, 2**70])
+    with pytest.raises(ValueError, match="lie in"):
+        canonical_tokens([5, -1])
