@@ -105,13 +105,15 @@ def test_static_split_is_in_proportion_to_working_sets_in_whole_chunks():
 
 
 @pytest.mark.parametrize("samples, violations, reached", [
-    ([0, 16, 32, 32, 28, 28], 0, True),  # filled past the floor, pushed back to it, held
+    ([0, 16, 28, 28, 28], 0, True),  # filled to the floor; the pressure left it there
+    ([0, 16, 32, 32, 28], 0, True),  # filled past the floor, pushed back to it
     ([0, 16, 32, 24, 28], 1, True),  # pushed under it once
-    ([0, 16, 24], 0, False),  # never reached the floor
-    ([0, 32, 32, 32], 0, False),  # the pressure never brought it down to the floor
-    ([0, 28, 28], 0, False),  # at the floor, never above it: nothing pushed
+    ([0, 16, 24, 24, 24], 0, False),  # never reached the floor
+    ([0, 16, 32, 32, 32], 0, False),  # the pressure never brought it down to the floor
+    ([28, 16, 32, 32, 32], 1, False),  # a dip before the pressure counts, but nothing pressed
 ])
 def test_quota_floor_counts_violations_and_whether_it_was_reached(samples, violations,
                                                                   reached):
-    assert elastic.floor_outcome(samples, 28) == {"min_quota_violations": violations,
-                                                  "reached": reached}
+    # samples 0-2: the model fills; 3-4: another model presses
+    assert elastic.floor_outcome(samples, 3, 28) == {"min_quota_violations": violations,
+                                                     "reached": reached}

@@ -159,8 +159,8 @@ def run_rebalance(node_ids: list[str], quick: bool, report: harness.Report) -> d
 
 @dataclass(frozen=True, slots=True)
 class Part:
-    run: Callable[[list[str], bool, harness.Report], dict]  # (kv node ids, quick, report) ->
-    # the part's figures; its ratios go into the report
+    # (kv node ids, quick, the run's Report) -> the part's figures; its ratios go in the Report
+    run: Callable[[list[str], bool, harness.Report], dict]
     plot: Callable  # (the part's figures, a row of axes) -> None
     num_panels: int
 

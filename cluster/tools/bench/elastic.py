@@ -24,7 +24,8 @@ Then, on one more fresh elastic service:
     min_quota_violations   the medium model gets a min above its fair share and fills its
                            working set; the large model hammers the tier while the medium's
                            holdings are sampled: samples under its min once it had reached it
-                           (not exercised unless the hammering pushed it down to the min)
+                           (not exercised unless, under the hammering, it held at most its
+                           min: the min, not its fair share, decided what it kept)
 """
 
 from __future__ import annotations
@@ -191,16 +192,17 @@ def idle_shrink(models: Models) -> dict:
             "held_after_bytes": models.held_bytes()}
 
 
-def floor_outcome(samples: list[int], floor_bytes: int) -> dict:
-    """Of a model's holdings sampled under pressure: violations (samples under the floor once
-    it had held at least the floor) and whether the pressure reached the floor (it held more,
-    and later came down to the floor or below)."""
+def floor_outcome(samples: list[int], pressure_from: int, floor_bytes: int) -> dict:
+    """Of a model's holdings sampled as it filled and then, from sample `pressure_from`, under
+    another model's pressure: violations (samples under the floor once it had held at least
+    the floor) and whether the floor was reached (it had filled to the floor, and under
+    pressure held at most the floor: the floor, not its fair share, decided what it kept)."""
     first = next((i for i, held in enumerate(samples) if held >= floor_bytes), None)
-    after = samples[first:] if first is not None else []
-    above = next((i for i, held in enumerate(after) if held > floor_bytes), None)
-    reached = above is not None and any(held <= floor_bytes for held in after[above:])
-    return {"min_quota_violations": sum(1 for held in after if held < floor_bytes),
-            "reached": reached}
+    if first is None:
+        return {"min_quota_violations": 0, "reached": False}
+    pressed = samples[max(first, pressure_from):]
+    return {"min_quota_violations": sum(1 for held in samples[first:] if held < floor_bytes),
+            "reached": any(held <= floor_bytes for held in pressed)}
 
 
 def min_violations(models: Models, num_requests: int) -> dict:
@@ -218,7 +220,8 @@ def min_violations(models: Models, num_requests: int) -> dict:
         samples.append(models.held_bytes()["medium"])
     return {"min_bytes": MEDIUM_MIN_BYTES, "samples": len(samples),
             "max_held_bytes": max(samples), "min_held_bytes": min(samples),
-            **floor_outcome(samples, MEDIUM_MIN_BYTES)}
+            "large_held_bytes": models.held_bytes()["large"],
+            **floor_outcome(samples, PROMPTS["medium"], MEDIUM_MIN_BYTES)}
 
 
 def measure(report: harness.Report, quick: bool) -> dict:
@@ -244,7 +247,7 @@ def measure(report: harness.Report, quick: bool) -> dict:
                       "the idle model held nothing, or never gave its memory back"):
         report.ratio("idle_shrink_s", idle["idle_shrink_s"])
     if report.require("min_quota_violations", floor["reached"],
-                      "the pressure never pushed the protected model down to its min"):
+                      "under pressure the protected model never held as little as its min"):
         report.ratio("min_quota_violations", floor["min_quota_violations"])
     return {"rounds": rounds, "idle": idle, "min": floor,
             "hit_ratio": {mode: statistics.median(values) for mode, values in hits.items()}}
