@@ -23,7 +23,6 @@ Pure: no Ray, no I/O.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass
 
 from cluster.core.tiers.aligned import round_up
@@ -111,27 +110,25 @@ def hidden_fraction(tax_prefetch_s: float, tax_sync_s: float) -> float:
     return 1.0 - tax_prefetch_s / tax_sync_s
 
 
-def defined_median(values) -> float:
-    """The median of the values that are not NaN (a round without a tax to compare has no
-    ratio); NaN when none is."""
-    defined = [value for value in values if not math.isnan(value)]
-    return statistics.median(defined) if defined else math.nan
+def defined(values) -> list[float]:
+    """The values that are not NaN (a round without a tax to compare has no ratio)."""
+    return [value for value in values if not math.isnan(value)]
 
 
-def tax_ratios(taxes_s: dict[str, list[float]], predicted_none_s: list[float]) -> dict[str, float]:
-    """The three ratios of the goals, from per-round taxes (round_taxes_s) and the model's
-    prediction for raw pages in each round (from that round's disk probes).
+def tax_round_ratios(taxes_s: dict[str, list[float]],
+                     predicted_none_s: list[float]) -> dict[str, list[float]]:
+    """The three ratios of the goals, one per round, from per-round taxes (round_taxes_s) and
+    the model's prediction for raw pages in each round (from that round's disk probes).
 
-    Each is the median over rounds of a ratio taken within one round, so that a round in which
-    a neighbour slowed the machine or the disk compares like with like. A round whose raw-page
-    tax came out at or below zero (noise larger than the tax) has no ratio to the tax.
+    Each is taken within one round, so that a round in which a neighbour slowed the machine or
+    the disk compares like with like; a ratio is the median of these. A round whose raw-page
+    tax came out at or below zero (noise larger than the tax) has no ratio to it: NaN.
     """
     none_s = taxes_s["none"]
     return {
-        "tax_measured_vs_model": statistics.median(
-            n / p for n, p in zip(none_s, predicted_none_s, strict=True)),
-        "tax_hidden_by_prefetch": defined_median(
-            hidden_fraction(p, n) for p, n in zip(taxes_s["none+prefetch"], none_s, strict=True)),
-        "tax_fp8_vs_none": defined_median(
-            f / n if n > 0 else math.nan for f, n in zip(taxes_s["fp8"], none_s, strict=True)),
+        "tax_measured_vs_model": [n / p for n, p in zip(none_s, predicted_none_s, strict=True)],
+        "tax_hidden_by_prefetch": [hidden_fraction(p, n) for p, n
+                                   in zip(taxes_s["none+prefetch"], none_s, strict=True)],
+        "tax_fp8_vs_none": [f / n if n > 0 else math.nan
+                            for f, n in zip(taxes_s["fp8"], none_s, strict=True)],
     }

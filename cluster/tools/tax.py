@@ -2,9 +2,11 @@
 
 It decodes tokens over a context with a fraction of its pages on raykv's disk tier, in the
 modes of cluster.core.tax_model (all resident, read when needed, prefetched, fp8 and int8
-pages), interleaved in rounds, and takes the tax as a token's time less the resident token's
-time in the same round. In the same run it measures the disk's own latency and bandwidth with
-plain O_DIRECT reads (and fio as a peer), and predicts the tax from them:
+pages). Rounds (harness.interleave: at least 3, the modes' order rotating) decode at least 32
+tokens in every mode, and the tax is a token's time less the resident token's time in the
+same round; each ratio is the median of its per-round values, with their spread. Each round
+first probes the disk's own latency and bandwidth with plain O_DIRECT reads (fio runs once, as
+a peer), and the model predicts that round's tax from them:
 
     tax per token = pages on disk x (latency + page read bytes / bandwidth)
 
@@ -39,8 +41,8 @@ from cluster.core.tax_model import MODES, RESIDENT, Mode, num_disk_pages, page_r
 from cluster.core.tiers.aligned import make_private_dir
 from cluster.core.tiers.disk import DiskArena
 from cluster.tools import tax_report
-from cluster.tools.bench import common, peers, rawdisk
-from cluster.tools.tax_cli import QUICK, TaxSettings
+from cluster.tools.bench import common, harness, peers, rawdisk
+from cluster.tools.tax_report import QUICK, TaxSettings
 
 FIO_FILE_BYTES = 128 << 20
 # The paged output must match the resident one: exactly up to summation order for raw pages,
@@ -136,21 +138,28 @@ def measure_rounds(workload: Workload, settings: TaxSettings, advance) -> dict:
     """
     queries, stall = workload.queries(settings), workload.context.stall
     rounds: dict = {"latency_s": [], "bandwidth_bytes_per_s": [],
-                    "token_s": {mode.name: [] for mode in MODES},
                     "stall_s": {mode.name: [] for mode in MODES}}
-    for round_index in range(settings.num_rounds):
+
+    def probe(round_index: int, order: list[str]) -> None:
+        if round_index:
+            advance()
         latency_s, bandwidth = probe_disk(workload, settings)
         rounds["latency_s"].append(latency_s)
         rounds["bandwidth_bytes_per_s"].append(bandwidth)
-        shift = round_index % len(MODES)
-        for mode in MODES[shift:] + MODES[:shift]:
+
+    def decode(mode: Mode):
+        def per_token_s(round_index: int) -> float:
             stall_s, start_s = stall.total_s, time.perf_counter()
             for query in queries:
                 workload.token(mode, query)
             elapsed_s = time.perf_counter() - start_s
-            rounds["token_s"][mode.name].append(elapsed_s / len(queries))
             rounds["stall_s"][mode.name].append((stall.total_s - stall_s) / len(queries))
-        advance()
+            return elapsed_s / len(queries)
+        return per_token_s
+
+    rounds["token_s"] = harness.interleave({mode.name: decode(mode) for mode in MODES},
+                                           settings.num_rounds, on_round=probe)
+    advance()
     return rounds
 
 
@@ -165,9 +174,9 @@ def _work_dir(disk_dir: str | None) -> str:
     return tempfile.mkdtemp(prefix="raykv-tax-", dir=parent)
 
 
-def measure(settings: TaxSettings) -> dict:
-    """Build the workload, measure fio and the rounds; the result without the goals' verdicts."""
-    machine = common.machine_info()
+def measure(settings: TaxSettings) -> harness.Report:
+    """Build the workload, measure fio and the rounds; the run's Report, not yet finished."""
+    report = tax_report.new_report(settings)
     root = _work_dir(settings.disk_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core computes; the loads have the other
@@ -182,10 +191,10 @@ def measure(settings: TaxSettings) -> dict:
             bar.update(task, advance=1, description="paging tax: checking every mode's output")
             errors = check_outputs(workload, workload.queries(settings)[0])
             bar.update(task, advance=1, description="paging tax: rounds (disk probes, then "
-                                                    "a token in every mode)")
+                                                    "tokens in every mode)")
             rounds = measure_rounds(workload, settings, lambda: bar.advance(task))
-        measured = tax_report.Measurements(machine, rounds, fio, errors)
-        return tax_report.build_result(settings, workload, measured)
+        tax_report.fill_report(report, workload, tax_report.Measurements(rounds, fio, errors))
+        return report
     finally:
         torch.set_num_threads(threads)
         if workload is not None:
@@ -195,11 +204,11 @@ def measure(settings: TaxSettings) -> dict:
 
 def run_tax(settings: TaxSettings, json_path: str | None, png_path: str | None) -> dict:
     """Measure, print the tables, write the PNG and the JSON; returns the result."""
-    result = measure(settings)
-    common.print_tables(tax_report.tables(result))
+    report = measure(settings)
+    common.print_tables(tax_report.tables(report.result))
     if png_path:
-        tax_report.write_png(result, png_path)
-    return common.finish(result, json_path)
+        tax_report.write_png(report.result, png_path)
+    return report.finish(json_path)
 
 
 def run(json_path: str | None, quick: bool) -> dict:

@@ -1,4 +1,5 @@
-"""The result of `raykv tax`: the JSON dict, its rich tables, its PNG and the progress bar."""
+"""`raykv tax`'s settings and its result: the JSON (through the bench harness), its rich
+tables, its PNG and the progress bar. No torch: the command line imports this module."""
 
 from __future__ import annotations
 
@@ -6,26 +7,71 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 
+from cluster.core.config import CacheConfig
+from cluster.core.spec import ModelSpec
 from cluster.core.tax_model import (
     GOALS,
     MODES,
     RESIDENT,
     DiskCost,
-    defined_median,
+    defined,
     hidden_fraction,
+    num_disk_pages,
     page_read_bytes,
     predicted_tax_s,
     round_taxes_s,
-    tax_ratios,
+    tax_round_ratios,
 )
-from cluster.tools.bench import common
+from cluster.tools.bench import common, harness
+
+# Prefetch overlaps a token's reads with its compute: time it over enough tokens that one
+# token's scheduling luck does not decide a round.
+MIN_TOKENS_PER_ROUND = 32
+
+
+@dataclass(frozen=True, slots=True)
+class TaxSettings:
+    """What one `raykv tax` run decodes, and how long it measures."""
+
+    model: str = "small-llama"
+    context_tokens: int = 65536
+    disk_fraction: float = 0.25
+    page_tokens: int = 256
+    disk_dir: str | None = None  # None: a temp dir beside raykv's default disk dir
+    num_rounds: int = 5
+    tokens_per_round: int = MIN_TOKENS_PER_ROUND
+    window_pages: int = 8
+    query_heads_per_kv_head: int = 4  # as small-llama and Llama-3.1-8B have
+    num_threads: int = CacheConfig().disk_threads
+    fio_peer: bool = True
+
+    def __post_init__(self) -> None:
+        """ValueError for settings that cannot run, before any file is written."""
+        ModelSpec.preset(self.model)
+        for name in ("page_tokens", "window_pages", "query_heads_per_kv_head", "num_threads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_rounds < harness.MIN_ROUNDS:
+            raise ValueError(f"num_rounds must be at least {harness.MIN_ROUNDS}, got "
+                             f"{self.num_rounds}")
+        if self.tokens_per_round < MIN_TOKENS_PER_ROUND:
+            raise ValueError(f"tokens_per_round must be at least {MIN_TOKENS_PER_ROUND}, got "
+                             f"{self.tokens_per_round}")
+        num_disk_pages(self.context_tokens // self.page_tokens, self.disk_fraction)
+
+
+DEFAULT = TaxSettings()
+QUICK = {"context_tokens": 16384, "num_rounds": 3, "fio_peer": False}
 
 NOTES = [
+    "workload: each round decodes tokens_per_round tokens (at least 32) in every mode, one "
+    "mode after another in an order that rotates each round (harness.interleave); a mode's "
+    "figure for a round is its mean seconds per token over those tokens",
     "stall = the time the decoding thread waited for disk pages; the rest of the tax is time "
     "the paged modes' compute took longer than the resident one's (on a busy machine: the "
     "decoding thread losing its core each time it waits)",
-    "tax = a token's time less the all-resident token's time in the same round (rounds "
-    "interleave the modes, rotating their order); per mode the median over rounds",
+    "tax = a token's time less the all-resident token's time in the same round; per mode the "
+    "median over rounds",
     "model = pages on disk x (latency + page read bytes / bandwidth); latency: median 4096-byte "
     "O_DIRECT read at queue depth 1; bandwidth: 4 MiB O_DIRECT reads over the disk-tier "
     "threads; both plain preadv on the raw pages' slab file, probed at the start of each round "
@@ -34,7 +80,9 @@ NOTES = [
     "compute: online-softmax attention of one query per (layer, query head) over every page, "
     "float32, one torch thread; the loads (read + checksum + decode) run in a pool of the disk "
     "tier's thread count, so the two share the machine's cores",
-    "ratios, and measured/model per mode: medians of ratios taken within each round",
+    "ratios, and measured/model per mode: medians of ratios taken within each round (spread: "
+    "every round's value); a round whose raw-page tax came out <= 0 has no ratio to it, and a "
+    "ratio no round defines is not exercised",
     "token_spread: (p75 - p25) / median of a mode's token times over the rounds; a busy "
     "machine shows here first",
 ]
@@ -44,7 +92,6 @@ NOTES = [
 class Measurements:
     """What one run measured, besides the workload it built."""
 
-    machine: dict  # common.machine_info() taken as the run started
     rounds: dict  # tax.measure_rounds
     fio_bytes_per_s: float | None
     output_errors: dict[str, float]  # per mode, against the resident output
@@ -71,8 +118,9 @@ def _spread(values: list[float]) -> float:
     return (p75 - p25) / statistics.median(values)
 
 
-def _per_round_median(numerators: list[float], denominators: list[float]) -> float:
-    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
+def _median_defined(values) -> float | None:
+    kept = defined(values)
+    return statistics.median(kept) if kept else None
 
 
 def _mode_figures(workload, rounds: dict, taxes_s: dict) -> dict:
@@ -92,43 +140,47 @@ def _mode_figures(workload, rounds: dict, taxes_s: dict) -> dict:
                        tax_us_per_token=statistics.median(taxes_s[mode.name]) * 1e6,
                        stall_us_per_token=statistics.median(stall_s) * 1e6,
                        model_us_per_token=statistics.median(model_s) * 1e6,
-                       measured_vs_model=_per_round_median(taxes_s[mode.name], model_s),
-                       stall_vs_model=_per_round_median(stall_s, model_s))
+                       measured_vs_model=common.median_ratio(taxes_s[mode.name], model_s),
+                       stall_vs_model=common.median_ratio(stall_s, model_s))
             if mode.step == "prefetch":
-                row["hidden"] = defined_median(
+                row["hidden"] = _median_defined(
                     hidden_fraction(p, s) for p, s
                     in zip(taxes_s[mode.name], taxes_s[mode.codec], strict=True))
         figures[mode.name] = row
     return figures
 
 
-def build_result(settings, workload, measured: Measurements) -> dict:
-    """The JSON result: settings, the machine, disk figures, per-mode figures, the rounds,
-    the ratios and goals (common.finish adds "met" and the closing load average)."""
+def new_report(settings: TaxSettings) -> harness.Report:
+    """The run's Report, made as it starts (the load average is read now)."""
+    return harness.Report("tax", "us_per_token", dataclasses.asdict(settings), GOALS, NOTES)
+
+
+def fill_report(report: harness.Report, workload, measured: Measurements) -> None:
+    """Figures, the rounds and the ratios (each the median of per-round ratios, or not
+    exercised when no round had a raw-page tax to compare) into the run's Report."""
     rounds, fio_bytes_per_s = measured.rounds, measured.fio_bytes_per_s
     taxes_s = round_taxes_s(rounds["token_s"])
     none_read_bytes = page_read_bytes(workload.disk["none"].payload_bytes)
     predicted_none_s = [predicted_tax_s(workload.num_disk, none_read_bytes, cost)
                         for cost in _round_costs(rounds)]
-    return {
-        "benchmark": "tax", "unit": "us_per_token",
-        "config": {**dataclasses.asdict(settings), "page_shape": list(workload.geometry.shape),
-                   "page_dtype": workload.geometry.dtype,
-                   "page_bytes": workload.geometry.page_bytes, "num_pages": workload.num_pages,
-                   "num_disk_pages": workload.num_disk},
-        "machine": measured.machine,
-        "disk": {"latency_us": statistics.median(rounds["latency_s"]) * 1e6,
-                 "bandwidth_gbps": statistics.median(rounds["bandwidth_bytes_per_s"]) / 1e9,
-                 "fio_randread_gbps": fio_bytes_per_s / 1e9 if fio_bytes_per_s else None,
-                 "page_read_bytes": {codec: page_read_bytes(pages.payload_bytes)
-                                     for codec, pages in workload.disk.items()}},
-        "modes": _mode_figures(workload, rounds, taxes_s),
-        "rounds": {**rounds, "tax_s": taxes_s},
-        "output_rel_error": measured.output_errors,
-        "ratios": tax_ratios(taxes_s, predicted_none_s),
-        "goals": GOALS,
-        "notes": NOTES,
-    }
+    report["config"].update(page_shape=list(workload.geometry.shape),
+                            page_dtype=workload.geometry.dtype,
+                            page_bytes=workload.geometry.page_bytes,
+                            num_pages=workload.num_pages, num_disk_pages=workload.num_disk)
+    report["disk"] = {
+        "latency_us": statistics.median(rounds["latency_s"]) * 1e6,
+        "bandwidth_gbps": statistics.median(rounds["bandwidth_bytes_per_s"]) / 1e9,
+        "fio_randread_gbps": fio_bytes_per_s / 1e9 if fio_bytes_per_s else None,
+        "page_read_bytes": {codec: page_read_bytes(pages.payload_bytes)
+                            for codec, pages in workload.disk.items()}}
+    report["modes"] = _mode_figures(workload, rounds, taxes_s)
+    report["rounds"] = {**rounds, "tax_s": taxes_s}
+    report["output_rel_error"] = measured.output_errors
+    for name, per_round in tax_round_ratios(taxes_s, predicted_none_s).items():
+        kept = defined(per_round)
+        if report.require(name, bool(kept), "no round's raw-page tax came out above zero: "
+                                            "the disk reads cost nothing measurable"):
+            report.ratio(name, statistics.median(kept), kept)
 
 
 def _fmt(value, spec: str) -> str:

@@ -1,5 +1,4 @@
-"""Spiky traces (generator, Parquet round trip), and `raykv bench burst`'s pure pieces: the
-per-second timeline, the merged ratios of its parts. No Ray."""
+"""Spiky traces: the generator and the Parquet round trip. No Ray."""
 
 from __future__ import annotations
 
@@ -7,8 +6,6 @@ import collections
 
 import pytest
 
-from cluster.tools.bench import burst, burst_plot, elastic
-from cluster.tools.replay import Outcome
 from cluster.tools.traces import (
     TraceShape,
     load_trace,
@@ -80,38 +77,3 @@ def test_prompt_tokens_share_the_prefix_and_differ_after_it():
     assert len(ta) == a.prefix_tokens + a.suffix_tokens
     assert ta[: a.prefix_tokens] == tb[: b.prefix_tokens]
     assert ta[a.prefix_tokens:] != tb[b.prefix_tokens:]
-
-
-# ---- the benchmark's pure pieces --------------------------------------------------------------
-
-
-def outcome(request_id: int, arrival_s: float, fetch_ms: float, cached: int) -> Outcome:
-    return Outcome(request_id, 0, "tiny-llama", False, arrival_s, arrival_s, fetch_ms / 1e3,
-                   100, cached)
-
-
-def test_timeline_bins_rate_hits_p99_and_memory():
-    outcomes = [outcome(0, 0.2, 5.0, 100), outcome(1, 0.7, 50.0, 0), outcome(2, 2.5, 7.0, 50)]
-    tiers = {"bytes": {"device": 1, "host": 2, "disk": 4}}
-    samples = [(0.5, "a", tiers), (0.9, "a", {"bytes": {"device": 10, "host": 20, "disk": 0}}),
-               (0.5, "b", tiers), (2.1, "b", {"bytes": {"device": 0, "host": 0, "disk": 9}})]
-    line = burst_plot.timeline(outcomes, samples, duration_s=3.0)
-    assert line["time_s"] == [0.0, 1.0, 2.0] and line["rate_per_s"] == [2.0, 0.0, 1.0]
-    assert line["hit_ratio"] == [0.5, None, 0.5]
-    assert line["fetch_p99_ms"][0] == pytest.approx(49.55) and line["fetch_p99_ms"][1] is None
-    assert line["memory_source"] == "tiers"
-    # a's last sample of bin 0 holds on (no sample since); b's changes in bin 2
-    assert line["memory_bytes"] == {"all models, device+host": [33.0, 33.0, 30.0],
-                                    "all models, disk": [4.0, 4.0, 9.0]}
-    models = [(0.5, "a", {"models": {"m1": 7}, "bytes": {}}), (0.5, "b", {"models": {"m1": 1}})]
-    line = burst_plot.timeline([], models, duration_s=1.0)
-    assert line["memory_source"] == "models" and line["memory_bytes"] == {"m1": [8.0]}
-
-
-def test_parts_registry_and_goals():
-    assert set(burst.PARTS) == {"rebalance", "elastic"}
-    assert burst.GOALS == {"p99_improvement": {"min": 2.0}, "hit_ratio_delta": {"min": -0.02}}
-    assert elastic.GOALS == {"elastic_vs_static_hit_ratio": {"min": 1.2},
-                             "min_quota_violations": {"max": 0}}
-    assert burst_plot.event_counts([{"kind": "copy"}, {"kind": "copy"}, {"kind": "drop"}]) == \
-        {"copy": 2, "drop": 1}
