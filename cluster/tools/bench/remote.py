@@ -59,7 +59,7 @@ from cluster.tools.bench.remote_report import NOTES, print_report
 MiB = common.MiB
 RATIO_PAGE_MIB = 4
 OBJECT_STORE_BYTES = 512 * MiB
-LOCATE_TIMEOUT_S = 30.0
+LOCATE_TIMEOUT_S = 60.0
 REPLICA_BASE = 100  # the replicated prompts are 100, 101, ...; the read ones 0, 1, ...
 DATAPLANE_PROMPT = 1000
 NODES = ("bench_node_a", "bench_node_b", "bench_node_c")
@@ -146,9 +146,10 @@ def _put_located(roles: Roles, prompts: list[int], num_pages: int) -> list[float
     put_s = ray.get([roles.writer.put.remote(prompt) for prompt in prompts])
     deadline_s = time.monotonic() + LOCATE_TIMEOUT_S
     for prompt in prompts:
-        while ray.get(roles.reader.located.remote(prompt)) < num_pages:
+        while (located := ray.get(roles.reader.located.remote(prompt))) < num_pages:
             if time.monotonic() > deadline_s:
-                raise RuntimeError(f"the directory did not list prompt {prompt}")
+                raise RuntimeError(f"the directory lists {located} of prompt {prompt}'s "
+                                   f"{num_pages} pages {LOCATE_TIMEOUT_S:.0f} s after its put")
             time.sleep(0.01)
     return put_s
 
