@@ -71,7 +71,7 @@ def test_remote_sizes_host_tiers_for_every_prompt_and_reads_whole_token_pages():
     # a fresh prompt read and one pulled per round and warm-up, the data plane's, no repeats
     assert len(set(plan.prompts)) == len(plan.prompts) == 2 * (plan.num_rounds + 1) + 1
     config = remote._service_config(plan, 4 << 20, "/tmp")
-    assert config.host_bytes == (len(plan.prompts) + 1) * plan.prompt_bytes
+    assert config.host_bytes == 2 * len(plan.prompts) * plan.prompt_bytes
     assert config.page_tokens == 32 and not config.rebalance
     tokens = prompt_tokens(1, plan.prompt_bytes)
     assert len(tokens) * remote.SPEC.bytes_per_token == plan.prompt_bytes

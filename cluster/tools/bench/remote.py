@@ -118,13 +118,13 @@ class Roles:
 
 def _service_config(plan: Plan, page_bytes: int, disk_dir: str,
                     transport: str = "tcp") -> CacheConfig:
-    """Host tiers that hold every prompt of the run (A stores them all, B reads or pulls
-    nearly all), and one spare."""
+    """Host tiers that hold every prompt of the run twice over (A stores them all, B reads
+    or pulls nearly all): nothing is evicted (slabs are filled on demand)."""
     page_tokens = page_bytes // SPEC.bytes_per_token
     assert SPEC.page_bytes(page_tokens) == page_bytes, "a page must be whole tokens"
     # No control loop: its replication would copy prompts to B on its own, mid-timing.
     return CacheConfig(page_tokens=page_tokens, device_bytes=0,
-                       host_bytes=(len(plan.prompts) + 1) * plan.prompt_bytes, disk_bytes=0,
+                       host_bytes=2 * len(plan.prompts) * plan.prompt_bytes, disk_bytes=0,
                        eviction="lru", call_timeout_s=30.0, rebalance=False,
                        transport=transport,
                        disk_dir=os.path.join(disk_dir, f"{page_bytes // MiB}mib-{transport}"))
@@ -141,11 +141,12 @@ def _start(plan: Plan, page_bytes: int, roles: Roles, transport: str = "tcp") ->
 
 
 def _put_located(roles: Roles, prompts: list[int], num_pages: int) -> list[float]:
-    """Put the prompts on A; wait until the directory lists them (a commit does not wait for
-    the event flush). Returns the puts' seconds."""
-    put_s = ray.get([roles.writer.put.remote(prompt) for prompt in prompts])
-    deadline_s = time.monotonic() + LOCATE_TIMEOUT_S
+    """Put the prompts on A, one by one, each until the directory lists it (a commit does
+    not wait for the event flush). Returns the puts' seconds."""
+    put_s = []
     for prompt in prompts:
+        put_s.append(ray.get(roles.writer.put.remote(prompt)))
+        deadline_s = time.monotonic() + LOCATE_TIMEOUT_S
         while (located := ray.get(roles.reader.located.remote(prompt))) < num_pages:
             if time.monotonic() > deadline_s:
                 raise RuntimeError(f"the directory lists {located} of prompt {prompt}'s "
