@@ -111,15 +111,69 @@ def test_directory_breakdown_without_ray_answers_one_run():
     assert all(value > 0 for value in figures.values())
 
 
-def test_remote_sizes_host_tiers_for_every_prompt_and_suffixes_other_sizes():
-    config = remote._service_config(4 << 20, 2, "/tmp")
-    assert config.host_bytes == (2 + 4) * remote.PROMPT_BYTES  # reps + warm-up + 2, + spare
-    assert config.page_tokens == 32
-    tokens = prompt_tokens(1, remote.PROMPT_BYTES)
-    assert len(tokens) * remote.SPEC.bytes_per_token == remote.PROMPT_BYTES
-    ratios = remote.ratios_of({"1MiB": {"ratios": {"remote_get_vs_ray": 0.5}},
-                               "4MiB": {"ratios": {"remote_get_vs_ray": 0.7}}})
-    assert ratios == {"remote_get_vs_ray": 0.7, "remote_get_vs_ray_1mib": 0.5}
+def test_remote_sizes_host_tiers_for_every_prompt_and_reads_whole_token_pages():
+    plan = remote.QUICK
+    assert plan.num_rounds >= 3 and plan.page_mib[0] == remote.RATIO_PAGE_MIB
+    # a fresh prompt read and one pulled per round and warm-up, the data plane's, no repeats
+    assert len(set(plan.prompts)) == len(plan.prompts) == 2 * (plan.num_rounds + 1) + 1
+    config = remote._service_config(plan, 4 << 20, "/tmp")
+    assert config.host_bytes == 2 * len(plan.prompts) * plan.prompt_bytes
+    assert config.page_tokens == 32 and not config.rebalance
+    tokens = prompt_tokens(1, plan.prompt_bytes)
+    assert len(tokens) * remote.SPEC.bytes_per_token == plan.prompt_bytes
+
+
+def test_the_raw_stream_uses_raykvs_lanes_and_split():
+    from cluster.core.dataplane.reader import LANES
+    from cluster.core.geometry import PageGeometry
+    from cluster.tools.bench.tcp_peer import lane_bounds, raykv_lanes
+
+    geometry = PageGeometry.of(remote.SPEC, 32)  # 4 MiB pages
+    assert raykv_lanes(geometry, remote.QUICK.prompt_bytes >> 22) == LANES == 2
+    assert raykv_lanes(geometry, 1) == 1  # one page: one connection
+    assert lane_bounds(8, 2) == [(0, 4), (4, 8)] and lane_bounds(5, 2) == [(0, 2), (2, 5)]
+
+
+def test_the_raw_stream_fills_every_page_over_its_lanes():
+    from cluster.tools.bench import peers
+    from cluster.tools.bench.tcp_peer import StreamReader, StreamServer
+
+    server = StreamServer("127.0.0.1", peers.page_pool(4096, 5))
+    reader = StreamReader(server.address, 2)
+    try:
+        out = peers.touched_buffer(4096, 5)
+        rows = [(memoryview(page[:1000]), memoryview(page[1000:])) for page in out]
+        assert reader.read_s(rows) > 0
+        peers.check_pool(out)
+    finally:
+        reader.close()
+        server.close()
+
+
+def _remote_report(phases: dict) -> dict:
+    report = harness.Report("remote", "GB/s", {}, remote.GOALS)
+    gbps = {"raykv": [2.0, 2.4, 1.0], "tcp": [2.5, 3.0, 2.0], "ray": [0.5, 0.6, 0.5],
+            "replication": [2.0, 3.0, 2.0], "tcp_rows": [2.0, 2.0, 2.0],
+            "dataplane": [2.5, 2.4, 2.0]}
+    remote.size_ratios(report, gbps, remote.exercised_of(phases, 8), "")
+    return report.result
+
+
+def test_remote_ratios_pair_rounds_and_fail_when_not_every_page_moved():
+    whole = {"remote_pages": [8, 8, 8], "replicated_pages": [8, 8, 8],
+             "resident_pages": [8, 8, 8]}
+    result = _remote_report(whole)
+    assert result["ratios"]["remote_get_vs_tcp"] == pytest.approx(0.8)
+    assert result["spread"]["remote_get_vs_tcp"]["rounds"] == pytest.approx([0.8, 0.8, 0.5])
+    assert result["ratios"]["replication_vs_tcp"] == pytest.approx(1.0)
+    assert result["ratios"]["remote_get_vs_ray"] == 4.0 and not result["not_exercised"]
+    assert set(remote.GOALS) <= set(result["ratios"])
+    partial = _remote_report({**whole, "remote_pages": [8, 7, 8], "resident_pages": [8, 8, 0]})
+    assert partial["ratios"]["remote_get_vs_tcp"] is None
+    assert partial["ratios"]["replication_vs_tcp"] is None
+    assert set(harness.failed(partial)) == {"remote_get_vs_tcp", "remote_get_vs_ray",
+                                            "replication_vs_tcp", "remote_get_vs_dataplane"}
+    assert partial["ratios"]["dataplane_vs_tcp"] is not None
 
 
 def test_vllm_workload_alternates_engines_and_counts_cross_engine_tokens():
