@@ -215,9 +215,16 @@ def back_to_back(engines: dict[str, list[Engine]], prompts: list[list[int]]
     return reads
 
 
-def run_modes(model_dir: str, plan: dict, work_dir: str) -> tuple[dict, dict]:
+def run_modes(model_dir: str, plan: dict, work_dir: str, phase_s: dict) -> tuple[dict, dict]:
     """Start every mode's two engines (and LMCache's server, and raykv), run the phases,
-    stop all; (workload answers, back-to-back reads) per mode."""
+    stop all; (workload answers, back-to-back reads) per mode. phase_s gets each phase's
+    seconds."""
+    since_s = time.monotonic()
+
+    def lap(phase: str) -> None:
+        nonlocal since_s
+        phase_s[phase], since_s = time.monotonic() - since_s, time.monotonic()
+
     port = free_port()
     server = start_lmcache(port, os.path.join(work_dir, "lmcache-server.log"))
     engines: dict[str, list[Engine]] = {}
@@ -231,8 +238,14 @@ def run_modes(model_dir: str, plan: dict, work_dir: str) -> tuple[dict, dict]:
         for pair in engines.values():  # they load side by side
             for engine in pair:
                 engine.wait_ready()
+        lap("start")
         warm_up(engines, plan["prompt_tokens"])
-        return replay(engines, plan["requests"]), back_to_back(engines, plan["back_to_back"])
+        lap("warm_up")
+        answers = replay(engines, plan["requests"])
+        lap("workload")
+        reads = back_to_back(engines, plan["back_to_back"])
+        lap("back_to_back")
+        return answers, reads
     finally:
         for pair in engines.values():
             for engine in pair:
@@ -395,9 +408,8 @@ def run(json_path: str | None, quick: bool, **_extra) -> dict:
               "page_tokens": PAGE_TOKENS, "max_tokens": MAX_TOKENS, "work_dir": work_dir}
     report = harness.Report("vllm", "ms", config, GOALS, notes_of(plan))
     report["lmcache_command"] = lmcache_command(0)[1:]
-    start_s = time.monotonic()
-    answers, reads = run_modes(model_dir, plan, work_dir)
-    report["engines_s"] = time.monotonic() - start_s
+    report["phase_s"] = {}
+    answers, reads = run_modes(model_dir, plan, work_dir, report["phase_s"])
     report["modes"] = {mode: summarize(answers[mode], reads[mode]) for mode in MODES}
     report["requests"] = request_rows(answers)
     report["layout"] = layout_cost()
