@@ -3,19 +3,36 @@ RaykvConnector, on one workload of long shared prefixes and multi-turn sessions,
 
 Run it from .venv-vllm (`make bench-vllm` builds it and LMCache's .venv-lmcache). Per mode,
 two engine processes (cluster/tools/bench/vllm_engine.py) stand in for two replicas; all six
-run at once. The workload (cluster/tools/bench/vllm_workload.py) is replayed one request at a
-time, each turn on the other engine than the turn before, and each request in the three modes
-one after another, in an order that rotates per request:
+run at once:
 
     none     vLLM alone: each engine reuses only its own prefix cache
-    lmcache  LMCacheMPConnector; its server (LMCache's venv) on a free loopback port
-    raykv    RaykvConnector; raykv on a private local Ray started here (pages of 128 tokens)
+    lmcache  LMCacheMPConnector, LMCache's multi-process mode (its docs' way to share KV
+             between vLLM instances): its server, in LMCache's venv, on a free loopback port,
+             chunks of PAGE_TOKENS, a 1 GiB L1 in CPU memory, LRU eviction, as many
+             workers as raykv's client has copy threads
+    raykv    RaykvConnector; raykv on a private local Ray started here, pages of PAGE_TOKENS,
+             a 1 GiB host tier
 
-Each request asks for one token, so its time is its time to first token (TTFT). Figures:
-TTFT p50/p99 per mode, the cross-engine hit ratio (tokens vLLM did not compute beyond what
-its own cache could hold, over the tokens only the other engine had computed), whether the
-greedy tokens with raykv are those without a connector, and what moving KV between raykv's
-layout and vLLM's blocks costs next to a memcpy of the same bytes.
+PAGE_TOKENS (128) is vLLM's CPU block, raykv's page and LMCache's chunk, and every part of
+the workload (cluster/tools/bench/vllm_workload.py) is whole pages. Phases:
+
+    warm-up       untimed, every mode: a full-length prompt on one engine, then on the other
+                  (the connector's store and load paths), and back the other way
+    workload      every request once in each mode, harness.interleave rounds of one request,
+                  the modes' order rotating per request; each turn of a session lands on the
+                  other engine than the turn before
+    back to back  per prompt and mode: one engine computes a fresh full-length prompt and the
+                  other engine asks for it right after, nothing in between (not rotated
+                  within the pair); the writer alternates per prompt
+
+Each request decodes MAX_TOKENS greedy tokens; its TTFT is timed inside the engine process.
+Ratios: ttft_vs_lmcache, the median of per-request TTFT ratios raykv / LMCache (with their
+spread); ttft_p99_vs_lmcache, raykv's p99 TTFT over LMCache's, over the same paired requests;
+cross_engine_hit_ratio, of the back-to-back reads, the tokens raykv loaded over the whole pages
+it could (all but the last token); same_output, the share of requests whose MAX_TOKENS greedy
+tokens with raykv equal those without a connector. The TTFT ratios fail (null) unless both
+caches handed KV across engines in the workload. Also: what moving KV between raykv's layout
+and vLLM's blocks costs next to a memcpy of the same bytes.
 """
 
 from __future__ import annotations
@@ -23,29 +40,38 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from cluster.tools.bench import common
-from cluster.tools.bench.vllm_workload import HitAccount, workload
+from cluster.tools.bench import common, harness
+from cluster.tools.bench.vllm_workload import (
+    PAGE_TOKENS,
+    HitAccount,
+    back_to_back_prompts,
+    loadable_tokens,
+    loaded_tokens,
+    longest_prompt_tokens,
+    warmup_prompt,
+    workload,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 # Run with -m from the repository root: run as a script, its own folder would come first on
 # sys.path, and this module (bench/vllm.py) would shadow the vllm package.
 ENGINE_MODULE = "cluster.tools.bench.vllm_engine"
 LMCACHE_PYTHON = ROOT / ".venv-lmcache" / "bin" / "python"
-BLOCK_TOKENS = 128  # vLLM's CPU block; raykv pages of the same size
+LMCACHE_L1_GB = 1
 MODEL = "small-llama"
-NUM_SESSIONS, NUM_TURNS = 8, 4
-QUICK_SESSIONS, QUICK_TURNS = 4, 2
+MAX_TOKENS = 16
+NUM_SESSIONS, NUM_TURNS, NUM_BACK_TO_BACK = 8, 4, 4
+QUICK_SESSIONS, QUICK_TURNS, QUICK_BACK_TO_BACK = 4, 2, 3
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
 MODES = ("none", "lmcache", "raykv")
-GOALS = {"ttft_vs_lmcache": {"max": 1.0}, "ttft_p99_vs_lmcache": {"max": 1.0},
+GOALS = {"ttft_vs_lmcache": {"max": 0.9}, "ttft_p99_vs_lmcache": {"max": 1.0},
          "cross_engine_hit_ratio": {"min": 0.9}, "same_output": {"min": 1.0}}
 
 
@@ -62,8 +88,8 @@ class Engine:
     def wait_ready(self) -> None:
         self._read_until("READY", START_TIMEOUT_S)
 
-    def ask(self, prompt: list[int], max_tokens: int = 1) -> dict:
-        self.process.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
+    def ask(self, prompt: list[int]) -> dict:
+        self.process.stdin.write(json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS}) + "\n")
         self.process.stdin.flush()
         return json.loads(self._read_until("RESULT ", REQUEST_TIMEOUT_S)[len("RESULT "):])
 
@@ -106,14 +132,22 @@ def wait_port(port: int, process: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"LMCache's server did not listen on {port} within {timeout_s} s")
 
 
+def lmcache_command(port: int) -> list[str]:
+    """LMCache's MP server as its docs start it (`--l1-size-gb N --eviction-policy LRU`), its
+    chunk raykv's page, with as many workers as raykv has copy threads."""
+    from cluster.core.copies import COPY_THREADS
+
+    return [str(LMCACHE_PYTHON), "-m", "lmcache.v1.multiprocess.server", "--host", "localhost",
+            "--port", str(port), "--chunk-size", str(PAGE_TOKENS), "--l1-size-gb",
+            str(LMCACHE_L1_GB), "--eviction-policy", "LRU", "--max-workers", str(COPY_THREADS),
+            "--supported-transfer-mode", "auto"]
+
+
 def start_lmcache(port: int, log_path: str) -> subprocess.Popen:
     if not LMCACHE_PYTHON.exists():
         raise RuntimeError(f"{LMCACHE_PYTHON} is missing: `make bench-vllm` builds it")
-    command = [str(LMCACHE_PYTHON), "-m", "lmcache.v1.multiprocess.server", "--host",
-               "localhost", "--port", str(port), "--chunk-size", "256", "--l1-size-gb", "1",
-               "--eviction-policy", "LRU", "--supported-transfer-mode", "auto"]
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(lmcache_command(port), stdout=log, stderr=subprocess.STDOUT)
     wait_port(port, process, START_TIMEOUT_S)
     return process
 
@@ -130,28 +164,67 @@ def transfer_config(mode: str, port: int | None, ray_address: str | None) -> dic
     return None
 
 
+def warm_up(engines: dict[str, list[Engine]], num_tokens: int) -> None:
+    """Untimed, per mode: each engine computes a full-length prompt and the other asks for it
+    right after, so that no timed request is an engine's or a connector's first."""
+    for first, second in ((0, 1), (1, 0)):
+        prompt = warmup_prompt(first, num_tokens)
+        for pair in engines.values():
+            pair[first].ask(prompt)
+            pair[second].ask(prompt)
+
+
 def replay(engines: dict[str, list[Engine]], requests: list) -> dict[str, list[dict]]:
-    """Each request on its engine in every mode, the modes one after another in an order that
-    rotates per request (a noisy neighbour slows all three alike); one untimed warm-up request
-    first on each engine."""
-    for mode_engines in engines.values():
-        for index, engine in enumerate(mode_engines):
-            engine.ask([7 + index] * 300)
-    accounts = {mode: HitAccount(BLOCK_TOKENS) for mode in engines}
-    results: dict[str, list[dict]] = {mode: [] for mode in engines}
-    order = list(engines)
-    for number, request in enumerate(requests):
-        for mode in order[number % len(order):] + order[:number % len(order)]:
+    """The workload: one harness round per request, every mode once, in rotating order."""
+    accounts = {mode: HitAccount() for mode in engines}
+    answers: dict[str, list[dict]] = {mode: [] for mode in engines}
+
+    def contender(mode: str):
+        def one(index: int) -> float:
+            request = requests[index]
             local, cross = accounts[mode].expect(request)
             answer = engines[mode][request.engine].ask(request.prompt)
-            loaded = min(max(answer["cached"] - local, 0), cross)
-            results[mode].append({**answer, "local": local, "cross": cross, "loaded": loaded,
+            answers[mode].append({**answer, "local": local, "cross": cross,
+                                  "loaded": loaded_tokens(answer["cached"], local, cross),
                                   "prompt_tokens": len(request.prompt)})
-    return results
+            return answer["ttft_s"]
+        return one
+
+    harness.interleave({mode: contender(mode) for mode in engines}, len(requests))
+    return answers
 
 
-def run_modes(model_dir: str, requests: list, work_dir: str) -> dict[str, list[dict]]:
-    """Start every mode's two engines (and LMCache's server, and raykv), replay, stop all."""
+def back_to_back(engines: dict[str, list[Engine]], prompts: list[list[int]]
+                 ) -> dict[str, list[dict]]:
+    """Per prompt and mode: one engine computes it, the other asks right after. Rounds rotate
+    the modes' order; nothing runs between a writer and its reader."""
+    reads: dict[str, list[dict]] = {mode: [] for mode in engines}
+
+    def contender(mode: str):
+        def one(index: int) -> float:
+            prompt = prompts[index]
+            writer, reader = engines[mode][index % 2], engines[mode][1 - index % 2]
+            written = writer.ask(prompt)
+            answer = reader.ask(prompt)
+            reads[mode].append({**answer, "written_ids": written["ids"],
+                                "loadable": loadable_tokens(len(prompt))})
+            return answer["ttft_s"]
+        return one
+
+    harness.interleave({mode: contender(mode) for mode in engines}, len(prompts))
+    return reads
+
+
+def run_modes(model_dir: str, plan: dict, work_dir: str, phase_s: dict) -> tuple[dict, dict]:
+    """Start every mode's two engines (and LMCache's server, and raykv), run the phases,
+    stop all; (workload answers, back-to-back reads) per mode. phase_s gets each phase's
+    seconds."""
+    since_s = time.monotonic()
+
+    def lap(phase: str) -> None:
+        nonlocal since_s
+        phase_s[phase], since_s = time.monotonic() - since_s, time.monotonic()
+
     port = free_port()
     server = start_lmcache(port, os.path.join(work_dir, "lmcache-server.log"))
     engines: dict[str, list[Engine]] = {}
@@ -162,13 +235,20 @@ def run_modes(model_dir: str, requests: list, work_dir: str) -> dict[str, list[d
             engines[mode] = [Engine(python, model_dir, transfer_config(mode, port, address),
                                     os.path.join(work_dir, f"{mode}-engine{i}.log"))
                              for i in range(2)]
-        for mode_engines in engines.values():  # they load side by side
-            for engine in mode_engines:
+        for pair in engines.values():  # they load side by side
+            for engine in pair:
                 engine.wait_ready()
-        return replay(engines, requests)
+        lap("start")
+        warm_up(engines, plan["prompt_tokens"])
+        lap("warm_up")
+        answers = replay(engines, plan["requests"])
+        lap("workload")
+        reads = back_to_back(engines, plan["back_to_back"])
+        lap("back_to_back")
+        return answers, reads
     finally:
-        for mode_engines in engines.values():
-            for engine in mode_engines:
+        for pair in engines.values():
+            for engine in pair:
                 engine.close()
         server.terminate()
         server.wait(timeout=30)
@@ -183,25 +263,79 @@ def start_raykv() -> str:
 
     common.ensure_local_ray(512 * common.MiB)
     common.stop_service()
-    start(CacheConfig(page_tokens=BLOCK_TOKENS, device_bytes=0, host_bytes=1 << 30,
+    start(CacheConfig(page_tokens=PAGE_TOKENS, device_bytes=0, host_bytes=1 << 30,
                       disk_bytes=0))
     return ray.get_runtime_context().gcs_address
 
 
-def summarize(results: list[dict]) -> dict:
-    ttft_s = [r["seconds"] for r in results]
-    cross = sum(r["cross"] for r in results)
-    return {**common.latency_ms(ttft_s), "num_requests": len(results),
-            "cross_tokens": cross, "loaded_tokens": sum(r["loaded"] for r in results),
-            "cross_engine_hit_ratio": sum(r["loaded"] for r in results) / cross if cross else 0.0,
-            "prompt_tokens": sum(r["prompt_tokens"] for r in results),
-            "cached_tokens": sum(r["cached"] for r in results)}
+# ---- figures and ratios (pure) --------------------------------------------------------------
 
 
-def same_output(engines_runs: dict[str, list[dict]]) -> float:
-    """The share of requests whose greedy tokens with raykv equal those without a connector."""
-    pairs = list(zip(engines_runs["none"], engines_runs["raykv"], strict=True))
-    return sum(a["ids"] == b["ids"] for a, b in pairs) / len(pairs)
+def summarize(answers: list[dict], reads: list[dict]) -> dict:
+    """One mode's workload TTFTs and hits, and its back-to-back reads."""
+    ttft_s = [a["ttft_s"] for a in answers]
+    cross, loaded = sum(a["cross"] for a in answers), sum(a["loaded"] for a in answers)
+    read_loaded, loadable = back_to_back_hits(reads)
+    return {**common.latency_ms(ttft_s), "num_requests": len(answers),
+            "prompt_tokens": sum(a["prompt_tokens"] for a in answers),
+            "cached_tokens": sum(a["cached"] for a in answers),
+            "cross_tokens": cross, "loaded_tokens": loaded,
+            "workload_cross_engine_hit_ratio": loaded / cross if cross else None,
+            "back_to_back": {"num_reads": len(reads), "loadable_tokens": loadable,
+                             "loaded_tokens": read_loaded,
+                             "hit_ratio": read_loaded / loadable if loadable else None,
+                             **common.latency_ms([r["ttft_s"] for r in reads])}}
+
+
+def back_to_back_hits(reads: list[dict]) -> tuple[int, int]:
+    """(tokens the readers got from the cache, whole pages they could have got)."""
+    return (sum(min(r["cached"], r["loadable"]) for r in reads),
+            sum(r["loadable"] for r in reads))
+
+
+def outputs(answers: list[dict], reads: list[dict]) -> list[list[int]]:
+    """Every greedy output of a mode: workload requests, back-to-back writers and readers."""
+    return ([a["ids"] for a in answers] + [r["written_ids"] for r in reads]
+            + [r["ids"] for r in reads])
+
+
+def same_share(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    """The share of requests whose generated ids are the same."""
+    pairs = list(zip(ours, theirs, strict=True))
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
+def fill_ratios(report: harness.Report, answers: dict[str, list[dict]],
+                reads: dict[str, list[dict]]) -> None:
+    ttft_s = {mode: [a["ttft_s"] for a in answers[mode]] for mode in answers}
+    loaded = {mode: sum(a["loaded"] for a in answers[mode]) for mode in answers}
+    both_hit = loaded["raykv"] > 0 and loaded["lmcache"] > 0
+    why = (f"tokens loaded across engines in the workload: raykv {loaded['raykv']}, lmcache "
+           f"{loaded['lmcache']}; a TTFT ratio needs both caches to have handed KV over")
+    if report.require("ttft_vs_lmcache", both_hit, why):
+        report.paired("ttft_vs_lmcache", ttft_s["raykv"], ttft_s["lmcache"])
+    if report.require("ttft_p99_vs_lmcache", both_hit, why):
+        report.ratio("ttft_p99_vs_lmcache", common.percentile_ms(ttft_s["raykv"], 99)
+                     / common.percentile_ms(ttft_s["lmcache"], 99))
+    report.paired("ttft_vs_no_connector", ttft_s["raykv"], ttft_s["none"])
+    read_loaded, loadable = back_to_back_hits(reads["raykv"])
+    if report.require("cross_engine_hit_ratio", loadable > 0, "no back-to-back read"):
+        report.ratio("cross_engine_hit_ratio", read_loaded / loadable)
+    ours, plain = outputs(answers["raykv"], reads["raykv"]), outputs(answers["none"],
+                                                                     reads["none"])
+    compared = min(len(ids) for ids in ours + plain)
+    exercised = compared >= MAX_TOKENS and (loaded["raykv"] + read_loaded) > 0
+    if report.require("same_output", exercised, f"{compared} tokens compared (at least "
+                      f"{MAX_TOKENS}), {loaded['raykv'] + read_loaded} loaded by raykv"):
+        report.ratio("same_output", same_share(ours, plain))
+    report["lmcache_same_output"] = same_share(outputs(answers["lmcache"], reads["lmcache"]),
+                                               plain)
+
+
+def request_rows(answers: dict[str, list[dict]]) -> list[dict]:
+    keys = ("ttft_s", "seconds", "cached", "local", "cross", "loaded")
+    return [{mode: {key: answers[mode][i][key] for key in keys} for mode in answers}
+            for i in range(len(answers["none"]))]
 
 
 def layout_cost(num_tokens: int = 2048, reps: int = 20) -> dict:
@@ -214,8 +348,8 @@ def layout_cost(num_tokens: int = 2048, reps: int = 20) -> dict:
     from cluster.serving.vllm_layout import BlockLayout, blocks_to_kv, kv_to_blocks
 
     spec = ModelSpec.preset(MODEL)
-    num_blocks = num_tokens // BLOCK_TOKENS
-    layers = [torch.ones(num_blocks * 2, spec.num_kv_heads, BLOCK_TOKENS, 2 * spec.head_dim)
+    num_blocks = num_tokens // PAGE_TOKENS
+    layers = [torch.ones(num_blocks * 2, spec.num_kv_heads, PAGE_TOKENS, 2 * spec.head_dim)
               for _ in range(spec.num_layers)]
     block_ids = list(range(1, 2 * num_blocks, 2))
     kv = torch.ones(spec.page_shape(num_tokens))
@@ -234,33 +368,50 @@ def layout_cost(num_tokens: int = 2048, reps: int = 20) -> dict:
             "into_blocks_vs_memcpy": memcpy_s / into_s, "out_of_blocks_vs_memcpy": memcpy_s / out_s}
 
 
-def run(json_path: str | None, quick: bool) -> dict:
+def plan_of(quick: bool) -> dict:
+    sessions, turns, num_reads = ((QUICK_SESSIONS, QUICK_TURNS, QUICK_BACK_TO_BACK) if quick
+                                  else (NUM_SESSIONS, NUM_TURNS, NUM_BACK_TO_BACK))
+    prompt_tokens = longest_prompt_tokens(turns)
+    return {"sessions": sessions, "turns": turns, "requests": workload(sessions, turns),
+            "prompt_tokens": prompt_tokens,
+            "back_to_back": back_to_back_prompts(num_reads, prompt_tokens)}
+
+
+def notes_of(plan: dict) -> list[str]:
+    return [
+        f"workload: {plan['sessions']} sessions x {plan['turns']} turns = "
+        f"{len(plan['requests'])} requests per mode; a shared system prefix, a document per "
+        f"session, each turn {PAGE_TOKENS} tokens more (prompts of up to "
+        f"{plan['prompt_tokens']} tokens, all whole pages of {PAGE_TOKENS})",
+        f"every request decodes {MAX_TOKENS} greedy tokens; TTFT is timed in the engine "
+        "process, from adding the request to vLLM's LLMEngine to its first token",
+        "warm-up: per mode, two untimed full-length prompts, each computed on one engine and "
+        "read on the other",
+        "ttft_vs_lmcache: median over the workload's requests of raykv's TTFT / LMCache's "
+        "(harness rounds of one request, the modes' order rotating); ttft_p99_vs_lmcache: "
+        "the p99 of raykv's TTFTs over the p99 of LMCache's, same requests",
+        f"cross_engine_hit_ratio: {len(plan['back_to_back'])} back-to-back reads of fresh "
+        f"{plan['prompt_tokens']}-token prompts (one engine computes, the other asks right "
+        "after): tokens loaded over whole pages loadable",
+        f"LMCache: {LMCACHE_L1_GB} GiB L1, chunk {PAGE_TOKENS}, LRU, as many workers as raykv's "
+        "copy threads (lmcache_command)"]
+
+
+def run(json_path: str | None, quick: bool, **_extra) -> dict:
     from cluster.serving.model_dir import save_model_dir
 
-    sessions, turns = (QUICK_SESSIONS, QUICK_TURNS) if quick else (NUM_SESSIONS, NUM_TURNS)
-    requests = workload(sessions, turns)
+    plan = plan_of(quick)
     work_dir = tempfile.mkdtemp(prefix="raykv-bench-vllm-")
     model_dir = save_model_dir(os.path.join(work_dir, MODEL), MODEL)
-    result = {"benchmark": "vllm", "unit": "ms", "machine": common.machine_info(),
-              "config": {"model": MODEL, "sessions": sessions, "turns": turns,
-                         "requests": len(requests), "block_tokens": BLOCK_TOKENS,
-                         "work_dir": work_dir}}
-    runs = run_modes(model_dir, requests, work_dir)
-    modes = {mode: summarize(results) for mode, results in runs.items()}
-    raykv, lmcache, none = modes["raykv"], modes["lmcache"], modes["none"]
-    result.update(modes=modes, layout=layout_cost(),
-                  requests=[{mode: {k: runs[mode][i][k] for k in ("seconds", "cached", "local",
-                                                                  "cross", "ids")}
-                             for mode in MODES} for i in range(len(requests))])
-    result["ratios"] = {
-        "ttft_vs_lmcache": raykv["p50_ms"] / lmcache["p50_ms"],
-        "ttft_p99_vs_lmcache": raykv["p99_ms"] / lmcache["p99_ms"],
-        "cross_engine_hit_ratio": raykv["cross_engine_hit_ratio"],
-        "ttft_vs_no_connector": raykv["p50_ms"] / none["p50_ms"],
-        "same_output": same_output(runs)}
-    result["goals"] = GOALS
-    result["notes"] = {"lmcache_cross_engine_hit_ratio": lmcache["cross_engine_hit_ratio"],
-                       "ttft_median_of_pairwise_ratios_vs_lmcache": statistics.median(
-                           ours["seconds"] / theirs["seconds"]
-                           for ours, theirs in zip(runs["raykv"], runs["lmcache"], strict=True))}
-    return common.finish(result, json_path)
+    config = {"model": MODEL, "sessions": plan["sessions"], "turns": plan["turns"],
+              "requests": len(plan["requests"]), "back_to_back": len(plan["back_to_back"]),
+              "page_tokens": PAGE_TOKENS, "max_tokens": MAX_TOKENS, "work_dir": work_dir}
+    report = harness.Report("vllm", "ms", config, GOALS, notes_of(plan))
+    report["lmcache_command"] = lmcache_command(0)[1:]
+    report["phase_s"] = {}
+    answers, reads = run_modes(model_dir, plan, work_dir, report["phase_s"])
+    report["modes"] = {mode: summarize(answers[mode], reads[mode]) for mode in MODES}
+    report["requests"] = request_rows(answers)
+    report["layout"] = layout_cost()
+    fill_ratios(report, answers, reads)
+    return report.finish(json_path)
