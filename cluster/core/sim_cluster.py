@@ -23,6 +23,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from cluster.core.demand import PrefixDemand
 from cluster.core.directory_index import APPLIED, DirectoryIndex
 from cluster.core.events import EventStream
 from cluster.core.geometry import DEVICE, DISK, HOST
@@ -88,6 +89,15 @@ class SimNode:
                 self._place(key, DEVICE)
         return tiers
 
+    def discard(self, keys: Sequence[PageKey]) -> int:
+        """Drop the pages of `keys` held here (the control loop's drop); how many."""
+        held = [k for k in dict.fromkeys(keys) if k in self.tier_of]
+        for key in held:
+            self._unplace(key)
+            if self.on_event:
+                self.on_event(key, None)
+        return len(held)
+
     def _place(self, key: PageKey, tier: int) -> None:
         self.tier_of[key] = tier
         self.counts[tier] += 1
@@ -135,6 +145,7 @@ class SimDirectory:
     def __init__(self, num_shards: int, split: Split, merge: Merge) -> None:
         self.shards = [DirectoryIndex() for _ in range(num_shards)]
         self.split, self.merge = split, merge
+        self.demand = [PrefixDemand() for _ in range(num_shards)]  # as each shard's actor
         self.key_ops = [0] * num_shards  # keys looked up + changes applied
         self.calls = [0] * num_shards  # lookups + batches
 
@@ -154,8 +165,9 @@ class SimDirectory:
             if status != APPLIED:
                 raise RuntimeError(f"shard {index} answered {status} to batch {batch.seq}")
 
-    def locate(self, keys: list[PageKey]) -> list:
-        """Each page of the longest prefix held anywhere: its (node_id, tier) places."""
+    def locate(self, keys: list[PageKey], now_s: float = 0.0) -> list:
+        """Each page of the longest prefix held anywhere: its (node_id, tier) places. Each
+        shard records its keys' match in its demand tracker, as the directory actor does."""
         positions = self.split(keys, len(self.shards))
         answers = []
         for index, shard_positions in enumerate(positions):
@@ -164,7 +176,10 @@ class SimDirectory:
                 continue
             self.key_ops[index] += len(shard_positions)
             self.calls[index] += 1
-            answers.append(self.shards[index].prefix_runs([keys[p] for p in shard_positions]))
+            shard_keys = [keys[p] for p in shard_positions]
+            runs = self.shards[index].prefix_runs(shard_keys)
+            self.demand[index].record(shard_keys, sum(n for _, n in runs), now_s)
+            answers.append(runs)
         return self.merge(len(keys), positions, answers)
 
 
@@ -213,13 +228,15 @@ class SimCluster:
         self._finishes: list[tuple[float, int]] = []  # heap of (finish_s, node)
         self.clock = Clock()
         self.tally = Tally()
+        self.gets = [0] * num_nodes  # per node: requests it served pages to (its own, remote)
+        self.control: Callable | None = None  # control(cluster, now_s), e.g. SimControlLoop
 
     @property
     def shared(self) -> bool:
         return self.directory is not None
 
-    def locate(self, keys: list[PageKey]) -> list | None:
-        return self.directory.locate(keys) if self.directory is not None else None
+    def locate(self, keys: list[PageKey], now_s: float = 0.0) -> list | None:
+        return self.directory.locate(keys, now_s) if self.directory is not None else None
 
     def plan(self, node: int, keys: list[PageKey], located: list | None) -> list[int]:
         """Where node `node` reads each page of its cached prefix: a tier of its own
@@ -264,22 +281,25 @@ class SimCluster:
         """Put the pages of every prefill finished by `now_s`, on its node."""
         for node, keys in self.clock.advance(now_s):
             self.nodes[node].put(keys)
-            self._sync(node)
+            self.sync_node(node)
 
-    def _sync(self, node: int) -> None:
+    def sync_node(self, node: int) -> None:
         if self.directory is not None:
             self.directory.sync(self.streams[node])
 
     def serve(self, request: SimRequest, choose: Callable) -> float:
         """One request through `choose(cluster, request, located) -> node`; its TTFT."""
         self.complete(request.arrival_s)
-        located = self.locate(request.keys)
+        if self.control is not None:
+            self.control(self, request.arrival_s)
+        located = self.locate(request.keys, request.arrival_s)
         node = choose(self, request, located)
         sources = self.plan(node, request.keys, located)
         local = [k for k, s in zip(request.keys, sources, strict=False) if s != REMOTE]
+        self._count_gets(node, sources, located)
         if local:
             self.nodes[node].acquire(local)
-            self._sync(node)
+            self.sync_node(node)
         _, finish_s = self.queues[node].admit(request.arrival_s,
                                               self.service_s(sources, request.input_tokens),
                                               request.num_blocks)
@@ -288,6 +308,15 @@ class SimCluster:
         self._queue_lens[node] += 1
         self._count(request, sources, finish_s - request.arrival_s)
         return finish_s - request.arrival_s
+
+    def _count_gets(self, node: int, sources: list[int], located: list | None) -> None:
+        if any(s != REMOTE for s in sources):
+            self.gets[node] += 1
+        servers = {self.index_of[places[0][0]] for places, s in zip(located or [], sources,
+                                                                     strict=False)
+                   if s == REMOTE}
+        for server in servers:
+            self.gets[server] += 1
 
     def _count(self, request: SimRequest, sources: list[int], ttft_s: float) -> None:
         tally = self.tally
@@ -302,4 +331,4 @@ class SimCluster:
         """Complete every prefill still running (their puts land)."""
         for node, keys in self.clock.drain():
             self.nodes[node].put(keys)
-            self._sync(node)
+            self.sync_node(node)

@@ -213,3 +213,18 @@ def test_the_simulator_runs_the_services_own_objects():
     imported = {alias.name for node in ast.walk(service) if isinstance(node, ast.ImportFrom)
                 and node.module == "policies.routing" for alias in node.names}
     assert {"prefix_scores", "rank_replicas", "has_hits", "ReplicaLoad"} <= imported
+
+
+def test_the_control_loop_replicates_a_hot_prefix_with_the_services_policy():
+    from cluster.core.sim_control import SimControlLoop, snapshot
+
+    cluster = toy_cluster(shared=True, num_nodes=3)
+    cluster.control = loop = SimControlLoop(period_s=0.5)
+    for i in range(40):  # one prefix, 10 requests a second, all served by node 0
+        cluster.serve(SimRequest(i * 0.1, [k("a"), k("b")], 1025, 3), to(0))
+    view = snapshot(cluster)
+    assert [p.holders for p in view.prefixes if p.keys == (k("a"), k("b"))][0][0] == "0"
+    assert loop.counters["passes"] >= 7 and loop.counters["copies"] >= 1
+    holders = cluster.directory.shards[0].holders([k("a"), k("b")])
+    assert len(holders) >= 2  # replicated to another node, which the directory knows
+    assert loop.counters["bytes"] == loop.counters["copied_pages"] * cluster.page_bytes
