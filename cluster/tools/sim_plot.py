@@ -48,8 +48,13 @@ def _routing(row, routing: dict) -> None:
     routers = routing["routers"]
     names = list(routers)
     positions = range(len(names))
+    floor = routing.get("global_bound", {})
     for axis, key, label in ((row[0], "ttft_p50_s", "TTFT p50 (s)"),
                              (row[1], "ttft_p99_s", "TTFT p99 (s)")):
+        if f"ttft_floor_{key[5:]}" in floor:
+            axis.axhline(floor[f"ttft_floor_{key[5:]}"], color="black", linestyle="--",
+                         linewidth=0.8, label="floor: global cache, no queue, free fetch")
+            axis.legend(fontsize=7)
         axis.bar(positions, [routers[n][key] for n in names],
                  color=["tab:red" if n == "raykv" else "tab:blue" for n in names])
         axis.set_xticks(list(positions))

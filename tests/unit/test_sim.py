@@ -73,6 +73,10 @@ def test_routing_and_scale_parts_on_a_small_trace(tmp_path, monkeypatch):
     assert set(routers) == set(sim_parts.ROUTERS)
     assert all(f["num_requests"] == 4 * 200 for f in routers.values())  # 16 nodes: 4 copies
     assert routers["raykv"]["hit_ratio"] <= written["routing"]["global_bound_hit_ratio"] + 1e-9
+    floor = written["routing"]["global_bound"]  # every request's own floor: so every percentile
+    for figures in routers.values():
+        assert figures["ttft_p50_s"] >= floor["ttft_floor_p50_s"] - 1e-12
+        assert figures["ttft_p99_s"] >= floor["ttft_floor_p99_s"] - 1e-12
     assert all(routers[n]["cross_node_bytes"] == 0 for n in ("round_robin", "pow2", "dynamo"))
     per = written["scale"]["per_nodes"]
     assert [per[n]["num_requests"] for n in ("4", "16")] == [200, 800]
