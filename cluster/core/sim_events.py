@@ -16,6 +16,7 @@ due by `now_s`, in time order, before the next arrival is routed.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import deque
 from collections.abc import Sequence
@@ -89,20 +90,22 @@ def num_copies(num_nodes: int, nodes_per_copy: int) -> int:
 
 
 def scale_trace(requests: Sequence[BlockRequest], copies: int, seed: int = 0,
-                jitter_ms: float = 60_000.0) -> list[BlockRequest]:
+                jitter_ms: float = 60_000.0, until_ms: float | None = None
+                ) -> list[BlockRequest]:
     """`copies` copies of the trace, merged by arrival: copy k's block ids are shifted past
     every id of copies before it (fresh sessions that share nothing with the others), and its
     clock by a seeded offset in [0, jitter_ms) so that copies do not arrive in lockstep.
-    Copy 0 is the trace itself."""
+    Copy 0 is the trace itself. `until_ms`: only the arrivals before it."""
     if copies < 1:
         raise ValueError(f"copies must be at least 1, got {copies}")
     span = 1 + max((b for r in requests for b in r.block_ids), default=0)
     rng = random.Random(seed)
-    out: list[BlockRequest] = list(requests)
+    until_ms = math.inf if until_ms is None else until_ms
+    out: list[BlockRequest] = [r for r in requests if r.timestamp_ms < until_ms]
     for copy in range(1, copies):
         offset_ms = rng.uniform(0.0, jitter_ms)
         out.extend(replace(r, timestamp_ms=r.timestamp_ms + offset_ms,
                            block_ids=tuple(b + copy * span for b in r.block_ids))
-                   for r in requests)
+                   for r in requests if r.timestamp_ms + offset_ms < until_ms)
     out.sort(key=lambda r: r.timestamp_ms)  # stable: equal times keep copy order
     return out

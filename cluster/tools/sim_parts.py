@@ -56,9 +56,8 @@ def sim_requests(requests: Sequence[BlockRequest], copies: int,
                  window_s: float | None = None) -> list[SimRequest]:
     """The trace replicated `copies` times, its first `window_s` seconds, as SimRequests
     keyed with raykv's keys of their full blocks."""
-    scaled = scale_trace(requests, copies)
-    if window_s is not None:
-        scaled = [r for r in scaled if r.timestamp_ms < window_s * 1000]
+    scaled = scale_trace(requests, copies,
+                         until_ms=None if window_s is None else window_s * 1000)
     keys = BlockKeys(KeyChain.of(ModelSpec.preset(MODEL), "default", BLOCK_TOKENS))
     return [SimRequest(r.timestamp_ms / 1000, keys.keys(r)[: r.input_tokens // BLOCK_TOKENS],
                        r.input_tokens, len(r.block_ids)) for r in scaled]

@@ -189,6 +189,7 @@ def test_scaling_replicates_sessions_with_fresh_ids():
     roots = {r.block_ids[0] for r in scaled}
     assert roots == {0, 3, 6}  # each copy's own root: the copies share nothing
     assert set().union(*ids) == set(range(9))
+    assert scale_trace(trace, 3, seed=1, jitter_ms=100.0, until_ms=400.0) == scaled[:3]
     assert num_copies(1024, 4) == 256
     with pytest.raises(ValueError):
         num_copies(10, 4)
