@@ -71,27 +71,28 @@ def _scale(row, scale: dict) -> None:
     per = scale["per_nodes"]
     nodes = [int(n) for n in per]
     figures = list(per.values())
+    windowed = [n for n, f in per.items() if f.get("window_s") is not None]
+    note = (f"; N >= {min(int(n) for n in windowed)}: the first {scale['window_s']:g} s only"
+            if windowed else "")
     axis = row[0]
     axis.plot(nodes, [f["ttft_p50_s"] for f in figures], marker="o", label="TTFT p50")
     axis.plot(nodes, [f["ttft_p99_s"] for f in figures], marker="o", label="TTFT p99")
     axis.set_xscale("log")
     axis.set_xlabel("nodes")
     axis.set_ylabel("seconds")
-    hits = axis.twinx()
-    hits.plot(nodes, [100 * f["hit_ratio"] for f in figures], color="green", marker="s",
-              label="hit ratio (%)")
-    hits.set_ylabel("hit ratio (%)")
-    axis.legend(loc="upper left", fontsize=8)
-    hits.legend(loc="upper right", fontsize=8)
-    axis.set_title(f"scale: raykv, constant load per node (window {scale['window_s']} s)",
-                   fontsize=9)
+    axis.legend(fontsize=8)
+    axis.grid(True, which="both", alpha=0.3)
+    axis.set_title(f"scale: raykv, constant load per node{note}", fontsize=9)
     axis = row[1]
+    axis.plot(nodes, [f["hit_ratio"] for f in figures], marker="^", label="hit ratio")
     axis.plot(nodes, [f["directory"]["shard_imbalance"] for f in figures], marker="o",
               label="shard imbalance (max / mean)")
     axis.plot(nodes, [f["speed_vs_realtime"] / 100 for f in figures], marker="s",
               label="simulator speed / 100x real time")
     axis.axhline(1.2, color="grey", linestyle=":", linewidth=0.8)
+    axis.axhline(1.0, color="grey", linestyle=":", linewidth=0.8)
     axis.set_xscale("log")
     axis.set_xlabel("nodes")
     axis.legend(fontsize=8)
     axis.grid(True, which="both", alpha=0.3)
+    axis.set_title(f"scale{note}", fontsize=9)
