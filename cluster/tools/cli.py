@@ -137,7 +137,8 @@ def sim_command(
         raise typer.BadParameter(f"unknown part(s) {unknown}; this version has {list(sim.PARTS)}",
                                  param_hint="--part")
     result = sim.run(str(trace), str(json_path) if json_path else None,
-                     str(plot) if plot else None, tuple(part or sim.PARTS), limit, window_s)
+                     str(plot) if plot else None, tuple(part or sim.PARTS),
+                     sim.Bounds(limit, window_s))
     typer.echo(json.dumps(result["ratios"], indent=2))
     for name, why in failed(result).items():
         typer.echo(f"FAILED {name}: not exercised: {why}", err=True)

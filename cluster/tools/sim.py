@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.core.belady import belady_hits
@@ -115,20 +116,27 @@ def eviction_ratios(capacities_blocks: Sequence[int], hit_ratio: dict[str, list[
             "eviction_vs_lru_min": min(vs_lru) if vs_lru else None}
 
 
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """How much of the trace to simulate: its first `limit` requests (all when None), and in
+    the scale part above 16 nodes its first `window_s` seconds (all when None)."""
+
+    limit: int | None = None
+    window_s: float | None = None
+
+
 def run(trace_path: str, json_path: str | None = None, plot_path: str | None = None,
-        parts: Sequence[str] = PARTS, limit: int | None = None,
-        window_s: float | None = None) -> dict:
-    """Simulate `parts` of the trace; the result as written to `json_path`. `limit`: the
-    trace's first requests only; `window_s`: the scale part's first seconds only."""
+        parts: Sequence[str] = PARTS, bounds: Bounds = Bounds()) -> dict:
+    """Simulate `parts` of the trace; the result as written to `json_path`."""
     from rich.progress import Progress
 
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ValueError(f"unknown part(s) {unknown}; this version has {list(PARTS)}")
     started_s = time.perf_counter()
-    requests, chains = trace_chains(trace_path, limit)
+    requests, chains = trace_chains(trace_path, bounds.limit)
     goals = {name: goal for part in parts for name, goal in PART_GOALS[part].items()}
-    report = Report("sim", "token hit ratio; TTFT s", _config(trace_path, requests, limit),
+    report = Report("sim", "token hit ratio; TTFT s", _config(trace_path, requests, bounds),
                     goals, _notes(len(requests), len(chains)))
     with Progress(transient=True) as progress:
         task = progress.add_task("sim", total=None)
@@ -142,7 +150,8 @@ def run(trace_path: str, json_path: str | None = None, plot_path: str | None = N
             report["routing"] = sim_parts.routing_part(requests, step)
             _set_ratios(report, sim_parts.routing_ratios(report["routing"]))
         if "scale" in parts:
-            report["scale"] = sim_parts.scale_part(requests, sim_parts.SCALE_NODES, window_s,
+            report["scale"] = sim_parts.scale_part(requests, sim_parts.SCALE_NODES,
+                                                   bounds.window_s,
                                                    step)
             _set_ratios(report, sim_parts.scale_ratios(report["scale"]))
     report["wall_s"] = time.perf_counter() - started_s
@@ -171,8 +180,9 @@ def _set_ratios(report: Report, ratios: dict[str, float | None]) -> None:
             report.ratio(name, value)
 
 
-def _config(trace_path: str, requests: list, limit: int | None) -> dict:
-    return {"trace": trace_path, "num_requests": len(requests), "limit": limit,
+def _config(trace_path: str, requests: list, bounds: Bounds) -> dict:
+    return {"trace": trace_path, "num_requests": len(requests), "limit": bounds.limit,
+            "window_s": bounds.window_s,
             "block_tokens": BLOCK_TOKENS, "capacities_blocks": list(CAPACITIES_BLOCKS),
             "policies": list(EVICTION_POLICIES), "default_policy": default_policy(),
             "goal_min_capacity_blocks": GOAL_MIN_CAPACITY_BLOCKS}

@@ -43,7 +43,8 @@ def test_a_small_trace_gives_every_policy_and_the_bound(tmp_path, monkeypatch):
     trace = tmp_path / "trace.jsonl"
     write_trace(trace)
     out = tmp_path / "sim.json"
-    result = sim.run(str(trace), str(out), str(tmp_path / "sim.png"), ("eviction",), limit=250)
+    result = sim.run(str(trace), str(out), str(tmp_path / "sim.png"), ("eviction",),
+                     sim.Bounds(limit=250))
     written = json.loads(out.read_text())
     eviction = written["eviction"]
     assert eviction["capacity_blocks"] == [20, 50, 100, 5000]
