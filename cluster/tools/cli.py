@@ -120,13 +120,16 @@ def sim_command(
     json_path: JsonPath = None,
     plot: PlotPath = None,
     part: Annotated[list[str] | None, typer.Option(
-        help="what to simulate; only 'eviction' exists so far (routing and scale come later)"
+        help="what to simulate: eviction, routing, scale (repeat it; all by default)"
     )] = None,
     limit: Annotated[int | None, typer.Option(help="only the trace's first LIMIT requests")] = None,
+    window_s: Annotated[float | None, typer.Option(
+        help="the scale part: only the first WINDOW_S seconds of the replicated trace")] = None,
 ) -> None:
-    """Replay a block trace offline through raykv's own policies. The eviction part: one
-    global cache of 1k..50k blocks under every eviction policy raykv ships and Belady's
-    prefix-closed optimum; token hit ratios and the eviction ratios."""
+    """Replay a block trace offline through raykv's own policies. eviction: one global
+    cache of 1k..50k blocks under every eviction policy raykv ships and Belady's bound.
+    routing: 16 simulated H100 nodes, raykv's router and shared tiers against the baselines'
+    routers. scale: 4..1024 nodes at a constant load per node."""
     from cluster.tools import sim
 
     unknown = sorted(set(part or ()) - set(sim.PARTS))
@@ -134,7 +137,8 @@ def sim_command(
         raise typer.BadParameter(f"unknown part(s) {unknown}; this version has {list(sim.PARTS)}",
                                  param_hint="--part")
     result = sim.run(str(trace), str(json_path) if json_path else None,
-                     str(plot) if plot else None, tuple(part or sim.PARTS), limit)
+                     str(plot) if plot else None, tuple(part or sim.PARTS),
+                     sim.Bounds(limit, window_s))
     typer.echo(json.dumps(result["ratios"], indent=2))
     for name, why in failed(result).items():
         typer.echo(f"FAILED {name}: not exercised: {why}", err=True)

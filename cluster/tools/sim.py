@@ -1,7 +1,5 @@
 """`raykv sim`: a block trace (Mooncake's format) through raykv's own policies, offline.
 
-Only the eviction part exists so far (`--part eviction`); routing and scale come later.
-
     eviction   one global cache of C blocks, C in CAPACITIES_BLOCKS, per eviction policy that
                raykv ships (policies/eviction.py, through the same registry as the node
                store) and Belady's prefix-closed optimum (cluster/core/belady.py). Each
@@ -10,16 +8,28 @@ Only the eviction part exists so far (`--part eviction`); routing and scale come
                The hit ratio is hit tokens (whole 512-token blocks) over input tokens. Only
                a prompt's full blocks are cached (raykv keys full pages only), for every
                contender, Belady included.
+    routing    16 nodes of the H100 profile: raykv's router and shared tiers against the
+               baselines (cluster/tools/sim_parts.py, cluster/core/sim_routers.py), TTFT and
+               hit ratio; and one global cache of the same total capacity
+    scale      4 to 1024 nodes at a constant load per node: hit ratio, TTFT, cross-node
+               bytes, directory operations per shard, shard imbalance, the simulator's speed
 
 Ratios (no rounds: the simulation is deterministic, so each is one exact figure):
-    eviction_vs_belady_min   min over C >= 5k blocks of raykv's default policy / Belady
-    eviction_vs_lru_min      min over every C of raykv's default policy / LRU
+    eviction_vs_belady_min     min over C >= 5k blocks of raykv's default policy / Belady
+    eviction_vs_lru_min        min over every C of raykv's default policy / LRU
+    sim_ttft_p50_vs_best_peer  raykv's TTFT p50 / the least p50 of the baselines (N = 16)
+    sim_ttft_p99_vs_best_peer  the same at p99
+    sim_hit_vs_global_bound    raykv's hit ratio / one global cache's of the same capacity
+    sim_nodes_max              the most nodes simulated
+    sim_speed_vs_realtime      trace seconds per wall second at N = 16
+    directory_shard_imbalance  the busiest shard's key operations / the mean (N = 1024)
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.core.belady import belady_hits
@@ -34,13 +44,21 @@ from cluster.core.trace_format import (
     read_trace,
     unlimited_hit_ratio,
 )
+from cluster.tools import sim_parts, sim_plot
 from cluster.tools.bench.harness import Report
 from policies.eviction import EVICTION_POLICIES, make_policy
 
-PARTS = ("eviction",)
+PARTS = ("eviction", "routing", "scale")
 CAPACITIES_BLOCKS = (1000, 2000, 5000, 10000, 20000, 50000)
 GOAL_MIN_CAPACITY_BLOCKS = 5000  # about one node's terabyte of DRAM for LLaMA3-70B
-GOALS = {"eviction_vs_belady_min": {"min": 0.8}, "eviction_vs_lru_min": {"min": 1.0}}
+EVICTION_GOALS = {"eviction_vs_belady_min": {"min": 0.8}, "eviction_vs_lru_min": {"min": 1.0}}
+ROUTING_GOALS = {"sim_ttft_p50_vs_best_peer": {"max": 0.8},
+                 "sim_ttft_p99_vs_best_peer": {"max": 0.7},
+                 "sim_hit_vs_global_bound": {"min": 0.95}}
+SCALE_GOALS = {"sim_nodes_max": {"min": 1024}, "sim_speed_vs_realtime": {"min": 100},
+               "directory_shard_imbalance": {"max": 1.2}}
+GOALS = {**EVICTION_GOALS, **ROUTING_GOALS, **SCALE_GOALS}
+PART_GOALS = {"eviction": EVICTION_GOALS, "routing": ROUTING_GOALS, "scale": SCALE_GOALS}
 MODEL = "small-llama"  # only names the key chain's root; eviction does not depend on it
 Step = Callable[[str], None]
 
@@ -98,36 +116,17 @@ def eviction_ratios(capacities_blocks: Sequence[int], hit_ratio: dict[str, list[
             "eviction_vs_lru_min": min(vs_lru) if vs_lru else None}
 
 
-def plot_eviction(eviction: dict, png_path: str, title: str) -> None:
-    """Hit ratio against capacity, one line per policy and the bound."""
-    import matplotlib
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """How much of the trace to simulate: its first `limit` requests (all when None), and in
+    the scale part above 16 nodes its first `window_s` seconds (all when None)."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(7, 4.5))
-    capacities = eviction["capacity_blocks"]
-    for name, ratios in eviction["hit_ratio"].items():
-        if name == "raykv":
-            continue  # drawn under its policy's own name
-        label = f"{name} (raykv default)" if name == default_policy() else name
-        style = {"color": "black", "linestyle": "--"} if name == "belady" else {}
-        axis.plot(capacities, [100 * r for r in ratios], marker="o", label=label, **style)
-    axis.axhline(100 * eviction["unlimited_hit_ratio"], color="grey", linewidth=0.8,
-                 linestyle=":", label="unlimited capacity")
-    axis.set_xscale("log")
-    axis.set_xlabel("capacity (512-token blocks)")
-    axis.set_ylabel("hit ratio (% of input tokens)")
-    axis.set_title(title)
-    axis.grid(True, which="both", alpha=0.3)
-    axis.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
+    limit: int | None = None
+    window_s: float | None = None
 
 
 def run(trace_path: str, json_path: str | None = None, plot_path: str | None = None,
-        parts: Sequence[str] = PARTS, limit: int | None = None) -> dict:
+        parts: Sequence[str] = PARTS, bounds: Bounds = Bounds()) -> dict:
     """Simulate `parts` of the trace; the result as written to `json_path`."""
     from rich.progress import Progress
 
@@ -135,34 +134,55 @@ def run(trace_path: str, json_path: str | None = None, plot_path: str | None = N
     if unknown:
         raise ValueError(f"unknown part(s) {unknown}; this version has {list(PARTS)}")
     started_s = time.perf_counter()
-    requests, chains = trace_chains(trace_path, limit)
-    input_tokens = sum(r.input_tokens for r in requests)
-    names = ["belady", *EVICTION_POLICIES]
+    requests, chains = trace_chains(trace_path, bounds.limit)
+    goals = {name: goal for part in parts for name, goal in PART_GOALS[part].items()}
+    report = Report("sim", "token hit ratio; TTFT s", _config(trace_path, requests, bounds),
+                    goals, _notes(len(requests), len(chains)))
     with Progress(transient=True) as progress:
-        task = progress.add_task("eviction", total=len(CAPACITIES_BLOCKS) * len(names))
+        task = progress.add_task("sim", total=None)
 
         def step(what: str) -> None:
-            progress.update(task, advance=1, description=f"eviction: {what}")
+            progress.update(task, advance=1, description=what)
 
-        hit_ratio = eviction_hit_ratios(chains, input_tokens, CAPACITIES_BLOCKS, step)
-    eviction = {"capacity_blocks": list(CAPACITIES_BLOCKS), "hit_ratio": hit_ratio,
-                "default_policy": default_policy(),
-                "unlimited_hit_ratio": hit_tokens(unlimited_hits(chains)) / input_tokens,
-                "unlimited_hit_ratio_all_blocks": unlimited_hit_ratio(requests)}
-    report = Report("sim", "token hit ratio", _config(trace_path, requests, limit), GOALS,
-                    _notes(len(requests), len(chains)))
-    report["eviction"] = eviction
-    for name, value in eviction_ratios(CAPACITIES_BLOCKS, hit_ratio).items():
-        if report.require(name, value is not None, "no capacity to compare at"):
-            report.ratio(name, value)
+        if "eviction" in parts:
+            _eviction(report, requests, chains, step)
+        if "routing" in parts:
+            report["routing"] = sim_parts.routing_part(requests, step)
+            _set_ratios(report, sim_parts.routing_ratios(report["routing"]))
+        if "scale" in parts:
+            report["scale"] = sim_parts.scale_part(requests, sim_parts.SCALE_NODES,
+                                                   bounds.window_s,
+                                                   step)
+            _set_ratios(report, sim_parts.scale_ratios(report["scale"]))
     report["wall_s"] = time.perf_counter() - started_s
+    report.note(sim_parts.NOTE)
     if plot_path:
-        plot_eviction(eviction, plot_path, f"{len(requests)} requests of {Path(trace_path).name}")
+        sim_plot.plot(report.result, plot_path,
+                      f"{len(requests)} requests of {Path(trace_path).name}")
     return report.finish(json_path)
 
 
-def _config(trace_path: str, requests: list, limit: int | None) -> dict:
-    return {"trace": trace_path, "num_requests": len(requests), "limit": limit,
+def _eviction(report: Report, requests: list, chains: list, step: Step) -> None:
+    input_tokens = sum(r.input_tokens for r in requests)
+    hit_ratio = eviction_hit_ratios(chains, input_tokens, CAPACITIES_BLOCKS,
+                                    lambda what: step(f"eviction: {what}"))
+    report["eviction"] = {"capacity_blocks": list(CAPACITIES_BLOCKS), "hit_ratio": hit_ratio,
+                          "default_policy": default_policy(),
+                          "unlimited_hit_ratio": hit_tokens(unlimited_hits(chains))
+                          / input_tokens,
+                          "unlimited_hit_ratio_all_blocks": unlimited_hit_ratio(requests)}
+    _set_ratios(report, eviction_ratios(CAPACITIES_BLOCKS, hit_ratio))
+
+
+def _set_ratios(report: Report, ratios: dict[str, float | None]) -> None:
+    for name, value in ratios.items():
+        if report.require(name, value is not None, "nothing to compare at"):
+            report.ratio(name, value)
+
+
+def _config(trace_path: str, requests: list, bounds: Bounds) -> dict:
+    return {"trace": trace_path, "num_requests": len(requests), "limit": bounds.limit,
+            "window_s": bounds.window_s,
             "block_tokens": BLOCK_TOKENS, "capacities_blocks": list(CAPACITIES_BLOCKS),
             "policies": list(EVICTION_POLICIES), "default_policy": default_policy(),
             "goal_min_capacity_blocks": GOAL_MIN_CAPACITY_BLOCKS}

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from cluster.tools import sim
+from cluster.tools import sim, sim_parts
 
 
 def test_eviction_ratios_take_the_worst_capacity():
@@ -43,7 +43,8 @@ def test_a_small_trace_gives_every_policy_and_the_bound(tmp_path, monkeypatch):
     trace = tmp_path / "trace.jsonl"
     write_trace(trace)
     out = tmp_path / "sim.json"
-    result = sim.run(str(trace), str(out), str(tmp_path / "sim.png"), limit=250)
+    result = sim.run(str(trace), str(out), str(tmp_path / "sim.png"), ("eviction",),
+                     sim.Bounds(limit=250))
     written = json.loads(out.read_text())
     eviction = written["eviction"]
     assert eviction["capacity_blocks"] == [20, 50, 100, 5000]
@@ -56,10 +57,36 @@ def test_a_small_trace_gives_every_policy_and_the_bound(tmp_path, monkeypatch):
     for ratios in eviction["hit_ratio"].values():
         assert ratios[-1] == pytest.approx(eviction["unlimited_hit_ratio"])
     assert written["config"]["num_requests"] == 250
-    assert set(result["ratios"]) == set(sim.GOALS)
+    assert set(result["ratios"]) == set(sim.EVICTION_GOALS)
     assert (tmp_path / "sim.png").stat().st_size > 10_000
     with pytest.raises(ValueError, match="unknown part"):
-        sim.run(str(trace), parts=("routing",))
+        sim.run(str(trace), parts=("bogus",))
+
+
+def test_routing_and_scale_parts_on_a_small_trace(tmp_path, monkeypatch):
+    monkeypatch.setattr(sim_parts, "SCALE_NODES", (4, 16))
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, num_requests=200)
+    out = tmp_path / "sim.json"
+    result = sim.run(str(trace), str(out), str(tmp_path / "sim.png"), ("routing", "scale"))
+    written = json.loads(out.read_text())
+    routers = written["routing"]["routers"]
+    assert set(routers) == set(sim_parts.ROUTERS)
+    assert all(f["num_requests"] == 4 * 200 for f in routers.values())  # 16 nodes: 4 copies
+    assert routers["raykv"]["hit_ratio"] <= written["routing"]["global_bound_hit_ratio"] + 1e-9
+    floor = written["routing"]["global_bound"]  # every request's own floor: so every percentile
+    for figures in routers.values():
+        assert figures["ttft_p50_s"] >= floor["ttft_floor_p50_s"] - 1e-12
+        assert figures["ttft_p99_s"] >= floor["ttft_floor_p99_s"] - 1e-12
+    assert all(routers[n]["cross_node_bytes"] == 0 for n in ("round_robin", "pow2", "dynamo"))
+    per = written["scale"]["per_nodes"]
+    assert [per[n]["num_requests"] for n in ("4", "16")] == [200, 800]
+    assert result["ratios"]["sim_nodes_max"] == 16
+    assert result["ratios"]["sim_speed_vs_realtime"] > 0
+    # 1,024 nodes did not run: that ratio is not exercised, and the run fails
+    assert result["ratios"]["directory_shard_imbalance"] is None
+    assert "directory_shard_imbalance" in result["not_exercised"]
+    assert (tmp_path / "sim.png").stat().st_size > 10_000
 
 
 def test_the_default_policy_is_no_worse_than_lru_on_conversations(tmp_path):

@@ -1,0 +1,334 @@
+"""A discrete-event model of a raykv cluster serving a block trace.
+
+    SimNode       one node's device, host and disk tiers, in blocks, each ordered by one of
+                  raykv's eviction policies (policies/eviction.py, the Pool's registry), moved
+                  as the Pool moves pages: a put fills the top tier and spills into host, room
+                  is made by demoting victims a tier down (disk's victims are dropped), a hit
+                  is promoted to the device tier; every change goes out as a directory event
+    SimDirectory  raykv's sharded directory: one DirectoryIndex per shard, fed by each node's
+                  EventStream batches; a lookup splits the keys by shard (shard_of) and merges
+                  the shards' prefixes with the client's own functions (passed in)
+    SimCluster    N nodes, their engine queues (sim_events.py) and, when `shared`, the
+                  directory, so that any node can fetch a page that another holds (over the
+                  NIC); without it each node sees its own cache only (the local baselines)
+
+Per request (`serve`): due completions put their pages; the router picks a node; the node's
+plan is which pages of the prompt's full blocks it reads, and from where; TTFT = queue wait +
+fetch (per source: latency + bytes / bandwidth) + prefill of the rest (sim_profiles.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from cluster.core.demand import PrefixDemand
+from cluster.core.directory_index import APPLIED, DirectoryIndex
+from cluster.core.events import EventStream
+from cluster.core.geometry import DEVICE, DISK, HOST
+from cluster.core.keys import PageKey
+from cluster.core.sim_events import Clock, EngineQueue
+from cluster.core.sim_profiles import HardwareProfile, ModelCost
+from cluster.core.trace_format import BLOCK_TOKENS
+from policies.eviction import make_policy
+
+Split = Callable[[list, int], list]  # actors.handles.split_by_shard
+Merge = Callable[[int, list, list], list]  # actors.handles.merge_shard_prefixes
+REMOTE = 3  # a plan's source kind for a page read from another node
+
+
+class SimNode:
+    """One node's tiers (see module doc). `on_event(key, tier or None)` as the Pool's."""
+
+    def __init__(self, capacities_blocks: Sequence[int], eviction: str,
+                 on_event: Callable[[PageKey, int | None], None] | None = None) -> None:
+        self.capacities = list(capacities_blocks)
+        self.tier_of: dict[PageKey, int] = {}
+        self.counts = [0, 0, 0]
+        self.policies = [make_policy(eviction, max(1, c)) for c in self.capacities]
+        self.on_event = on_event
+        self.evictions = [0, 0, 0]
+
+    def local_prefix(self, keys: Sequence[PageKey]) -> int:
+        count = 0
+        for key in keys:
+            if key not in self.tier_of:
+                break
+            count += 1
+        return count
+
+    def put(self, keys: Sequence[PageKey]) -> int:
+        """Store the pages not held yet: top tier first, the rest spilling into host."""
+        fresh = [k for k in dict.fromkeys(keys) if k not in self.tier_of]
+        stored = 0
+        for tier in (DEVICE, HOST):
+            if not fresh or self.capacities[tier] == 0:
+                continue
+            self._make_room(tier, min(len(fresh), self.capacities[tier]), frozenset(fresh))
+            room = self.capacities[tier] - self.counts[tier]
+            for key in fresh[:room]:
+                self._place(key, tier)
+            stored += min(room, len(fresh))
+            fresh = fresh[room:]
+        return stored
+
+    def acquire(self, keys: Sequence[PageKey]) -> list[int]:
+        """A hit on `keys` (held here): their tiers before, then each is accessed and the ones
+        below the device tier are promoted to it (the request's own pages pinned)."""
+        tiers = [self.tier_of[k] for k in keys]
+        for key, tier in zip(keys, tiers, strict=True):
+            self.policies[tier].on_access(key)
+        lower = [k for k, t in zip(keys, tiers, strict=True) if t != DEVICE]
+        if lower and self.capacities[DEVICE]:
+            pinned = frozenset(keys)
+            self._make_room(DEVICE, min(len(lower), self.capacities[DEVICE]), pinned)
+            room = self.capacities[DEVICE] - self.counts[DEVICE]
+            for key in lower[:room]:
+                self._unplace(key)
+                self._place(key, DEVICE)
+        return tiers
+
+    def discard(self, keys: Sequence[PageKey]) -> int:
+        """Drop the pages of `keys` held here (the control loop's drop); how many."""
+        held = [k for k in dict.fromkeys(keys) if k in self.tier_of]
+        for key in held:
+            self._unplace(key)
+            if self.on_event:
+                self.on_event(key, None)
+        return len(held)
+
+    def _place(self, key: PageKey, tier: int) -> None:
+        self.tier_of[key] = tier
+        self.counts[tier] += 1
+        self.policies[tier].on_insert(key)
+        if self.on_event:
+            self.on_event(key, tier)
+
+    def _unplace(self, key: PageKey) -> int:
+        tier = self.tier_of.pop(key)
+        self.counts[tier] -= 1
+        self.policies[tier].on_remove(key)
+        return tier
+
+    def _make_room(self, tier: int, num_pages: int, pinned: frozenset) -> None:
+        shortfall = self.counts[tier] + num_pages - self.capacities[tier]
+        if shortfall <= 0:
+            return
+        victims = self.policies[tier].victims(shortfall, pinned.__contains__)
+        for key in victims:
+            self._unplace(key)
+        self.evictions[tier] += len(victims)
+        self._demote(victims, tier + 1)
+
+    def _demote(self, keys: list[PageKey], tier: int) -> None:
+        """Into the next tier that exists (making room there), else dropped."""
+        while tier <= DISK and self.capacities[tier] == 0:
+            tier += 1
+        if tier > DISK:
+            for key in keys:
+                if self.on_event:
+                    self.on_event(key, None)
+            return
+        self._make_room(tier, min(len(keys), self.capacities[tier]), frozenset(keys))
+        room = self.capacities[tier] - self.counts[tier]
+        for key in keys[:room]:
+            self._place(key, tier)
+        for key in keys[room:]:
+            if self.on_event:
+                self.on_event(key, None)
+
+
+class SimDirectory:
+    """The directory's shards, with key operations and calls counted per shard."""
+
+    def __init__(self, num_shards: int, split: Split, merge: Merge) -> None:
+        self.shards = [DirectoryIndex() for _ in range(num_shards)]
+        self.split, self.merge = split, merge
+        self.demand = [PrefixDemand() for _ in range(num_shards)]  # as each shard's actor
+        self.key_ops = [0] * num_shards  # keys looked up + changes applied
+        self.calls = [0] * num_shards  # lookups + batches
+
+    def join(self, stream: EventStream) -> None:
+        """A node's first message to every shard: its (empty) inventory."""
+        for index, shard in enumerate(self.shards):
+            batch = stream.resync(index, [])
+            accepted = shard.replace_node(stream.node_id, stream.epoch, [], batch.seq)
+            stream.on_resync(index, batch.seq, accepted)
+
+    def sync(self, stream: EventStream) -> None:
+        for index, batch in stream.outgoing():
+            status = self.shards[index].apply(batch)
+            stream.on_status(index, batch.seq, status)
+            self.key_ops[index] += len(batch.changes)
+            self.calls[index] += 1
+            if status != APPLIED:
+                raise RuntimeError(f"shard {index} answered {status} to batch {batch.seq}")
+
+    def locate(self, keys: list[PageKey], now_s: float = 0.0) -> list:
+        """Each page of the longest prefix held anywhere: its (node_id, tier) places. Each
+        shard records its keys' match in its demand tracker, as the directory actor does."""
+        positions = self.split(keys, len(self.shards))
+        answers = []
+        for index, shard_positions in enumerate(positions):
+            if not shard_positions:
+                answers.append([])
+                continue
+            self.key_ops[index] += len(shard_positions)
+            self.calls[index] += 1
+            shard_keys = [keys[p] for p in shard_positions]
+            runs = self.shards[index].prefix_runs(shard_keys)
+            self.demand[index].record(shard_keys, sum(n for _, n in runs), now_s)
+            answers.append(runs)
+        return self.merge(len(keys), positions, answers)
+
+
+@dataclass(slots=True)
+class SimRequest:
+    arrival_s: float
+    keys: list  # page keys of the prompt's full blocks
+    input_tokens: int
+    num_blocks: int  # every block of the prompt, the partial last one included
+
+
+@dataclass(slots=True)
+class Tally:
+    ttft_s: list = field(default_factory=list)
+    hit_tokens: int = 0
+    input_tokens: int = 0
+    remote_bytes: int = 0
+    hits_by_source: list = field(default_factory=lambda: [0, 0, 0, 0])  # device..disk, remote
+
+
+class SimCluster:
+    """N nodes under one profile; `shared`: raykv's directory and cross-node fetches."""
+
+    def __init__(self, profile: HardwareProfile, model: ModelCost, num_nodes: int,
+                 eviction: str, directory: SimDirectory | None = None) -> None:
+        self.profile, self.model = profile, model
+        self.page_bytes = BLOCK_TOKENS * model.kv_bytes_per_token
+        self.capacities = [profile.device_kv_bytes // self.page_bytes,
+                           profile.host_kv_bytes // self.page_bytes,
+                           profile.disk_kv_bytes // self.page_bytes]
+        self.node_ids = [str(i) for i in range(num_nodes)]
+        self.index_of = {node_id: i for i, node_id in enumerate(self.node_ids)}
+        self.directory = directory
+        self.streams = []
+        self.nodes = []
+        for node_id in self.node_ids:
+            on_event = None
+            if directory is not None:
+                stream = EventStream(node_id, 1, len(directory.shards))
+                directory.join(stream)
+                self.streams.append(stream)
+                on_event = stream.record
+            self.nodes.append(SimNode(self.capacities, eviction, on_event))
+        self.queues = [EngineQueue() for _ in self.node_ids]
+        self._queue_lens = [0] * num_nodes  # requests queued or running, kept by events
+        self._finishes: list[tuple[float, int]] = []  # heap of (finish_s, node)
+        self.clock = Clock()
+        self.tally = Tally()
+        self.gets = [0] * num_nodes  # per node: requests it served pages to (its own, remote)
+        self.control: Callable | None = None  # control(cluster, now_s), e.g. SimControlLoop
+
+    @property
+    def shared(self) -> bool:
+        return self.directory is not None
+
+    def locate(self, keys: list[PageKey], now_s: float = 0.0) -> list | None:
+        return self.directory.locate(keys, now_s) if self.directory is not None else None
+
+    def plan(self, node: int, keys: list[PageKey], located: list | None) -> list[int]:
+        """Where node `node` reads each page of its cached prefix: a tier of its own
+        (DEVICE, HOST, DISK) or REMOTE (another node's copy, any tier)."""
+        here = self.nodes[node].tier_of
+        if located is None:
+            return [here[k] for k in keys[: self.nodes[node].local_prefix(keys)]]
+        return [here.get(key, REMOTE) for key in keys[: len(located)]]
+
+    def fetch_s(self, sources: Sequence[int]) -> float:
+        """Each source's pages in one transfer: its latency + bytes / its bandwidth."""
+        p = self.profile
+        paths = {DEVICE: (0.0, p.hbm_bytes_per_s), HOST: (p.host_latency_s,
+                                                          p.host_to_device_bytes_per_s),
+                 DISK: (p.disk_latency_s, p.disk_bytes_per_s),
+                 REMOTE: (p.nic_latency_s, p.nic_bytes_per_s)}
+        total_s = 0.0
+        for source, (latency_s, bytes_per_s) in paths.items():
+            count = sources.count(source)
+            if count:
+                total_s += latency_s + count * self.page_bytes / bytes_per_s
+        return total_s
+
+    def service_s(self, sources: Sequence[int], input_tokens: int) -> float:
+        hit_tokens = min(len(sources) * BLOCK_TOKENS, max(0, input_tokens - 1))
+        return self.fetch_s(sources) + self.profile.prefill_s(self.model, hit_tokens,
+                                                              input_tokens)
+
+    def estimate_ttft_s(self, node: int, request: SimRequest, located: list | None) -> float:
+        sources = self.plan(node, request.keys, located)
+        return (self.queues[node].wait_s(request.arrival_s)
+                + self.service_s(sources, request.input_tokens))
+
+    def queue_lengths(self, now_s: float) -> list[int]:
+        """Per node: requests queued or running at `now_s` (EngineQueue.queue_len of each,
+        kept incrementally: a router asks for all N at every arrival)."""
+        while self._finishes and self._finishes[0][0] <= now_s:
+            self._queue_lens[heapq.heappop(self._finishes)[1]] -= 1
+        return list(self._queue_lens)
+
+    def complete(self, now_s: float) -> None:
+        """Put the pages of every prefill finished by `now_s`, on its node."""
+        for node, keys in self.clock.advance(now_s):
+            self.nodes[node].put(keys)
+            self.sync_node(node)
+
+    def sync_node(self, node: int) -> None:
+        if self.directory is not None:
+            self.directory.sync(self.streams[node])
+
+    def serve(self, request: SimRequest, choose: Callable) -> float:
+        """One request through `choose(cluster, request, located) -> node`; its TTFT."""
+        self.complete(request.arrival_s)
+        if self.control is not None:
+            self.control(self, request.arrival_s)
+        located = self.locate(request.keys, request.arrival_s)
+        node = choose(self, request, located)
+        sources = self.plan(node, request.keys, located)
+        local = [k for k, s in zip(request.keys, sources, strict=False) if s != REMOTE]
+        self._count_gets(node, sources, located)
+        if local:
+            self.nodes[node].acquire(local)
+            self.sync_node(node)
+        _, finish_s = self.queues[node].admit(request.arrival_s,
+                                              self.service_s(sources, request.input_tokens),
+                                              request.num_blocks)
+        self.clock.schedule(finish_s, (node, request.keys))
+        heapq.heappush(self._finishes, (finish_s, node))
+        self._queue_lens[node] += 1
+        self._count(request, sources, finish_s - request.arrival_s)
+        return finish_s - request.arrival_s
+
+    def _count_gets(self, node: int, sources: list[int], located: list | None) -> None:
+        if any(s != REMOTE for s in sources):
+            self.gets[node] += 1
+        servers = {self.index_of[places[0][0]] for places, s in zip(located or [], sources,
+                                                                     strict=False)
+                   if s == REMOTE}
+        for server in servers:
+            self.gets[server] += 1
+
+    def _count(self, request: SimRequest, sources: list[int], ttft_s: float) -> None:
+        tally = self.tally
+        tally.ttft_s.append(ttft_s)
+        tally.input_tokens += request.input_tokens
+        tally.hit_tokens += len(sources) * BLOCK_TOKENS
+        for source in sources:
+            tally.hits_by_source[source] += 1
+        tally.remote_bytes += sources.count(REMOTE) * self.page_bytes
+
+    def finish(self) -> None:
+        """Complete every prefill still running (their puts land)."""
+        for node, keys in self.clock.drain():
+            self.nodes[node].put(keys)
+            self.sync_node(node)

@@ -1,0 +1,188 @@
+"""Who picks the node: raykv's router (policies/routing.py, as cluster/serving/router.py calls
+it) and the baselines, re-created from their public descriptions.
+
+Each router is `choose(cluster, request, located) -> node index`; `located` is the
+directory's answer (None for the local-cache baselines, which see their own node's cache).
+
+    raykv           prefix_scores(located) + rank_replicas(max_imbalance=1), then the least
+                    loaded node of the first rank, as Serve picks within a rank; without any
+                    hit, power of two choices (RaykvRouter's fallback). Shared tiers.
+    round_robin     node i mod N. Local caches.
+    pow2            two nodes at random, the shorter queue: Ray Serve's default router,
+                    https://docs.ray.io/en/latest/serve/advanced-guides/custom-request-router.html
+                    Local caches.
+    prefix_affinity Ray Serve LLM's PrefixCacheAffinityRouter,
+                    https://docs.ray.io/en/latest/serve/llm/prefix-aware-request-router.html :
+                    queue lengths within `imbalanced_threshold` -> the prefix tree of what was
+                    routed where (never told of evictions); a match rate >= 0.1 -> the
+                    replicas of the best match, else those with the smallest tree; then power
+                    of two among them. Imbalanced -> power of two. Local caches.
+    dynamo          NVIDIA Dynamo's KV router,
+                    https://docs.nvidia.com/dynamo/design-docs/router-design :
+                    cost = overlap_score_weight (1.0) x blocks to prefill on the worker (its
+                    overlap from KV events, so exact) + its active blocks; the least cost.
+                    Local caches.
+    llmd            llm-d's precise prefix-cache scorer profile,
+                    https://github.com/llm-d/llm-d-inference-scheduler (docs/architecture.md):
+                    3 x prefix match (fraction of blocks, from KV events) + 2 x (1 - KV cache
+                    utilisation) + 2 x queue score ((max - q) / (max - min)); the highest.
+                    Local caches.
+    mooncake        Mooncake's Conductor (Qin et al., FAST'25, section 5 and Algorithm 1,
+                    https://arxiv.org/abs/2407.00079): with the global KVCache pool's prefix
+                    locations, the instance whose estimated TTFT (queue + transfer of the
+                    prefix it lacks + prefill of the rest) is the least. Shared tiers, as
+                    raykv's: the same directory and the same cross-node fetch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from cluster.core.sim_cluster import SimCluster, SimRequest
+from cluster.core.trace_format import BLOCK_TOKENS
+from policies.routing import ReplicaLoad, has_hits, prefix_scores, rank_replicas
+
+Choose = Callable[[SimCluster, SimRequest, list | None], int]
+RAYKV_MAX_IMBALANCE = 1  # RaykvRouter.initialize_state's default
+RAY_IMBALANCED_THRESHOLD = 10  # PrefixCacheAffinityRouter's default
+RAY_MATCH_RATE_THRESHOLD = 0.1
+DYNAMO_OVERLAP_WEIGHT = 1.0
+LLMD_WEIGHTS = {"prefix": 3.0, "kv_utilisation": 2.0, "queue": 2.0}
+SHARED = ("raykv", "mooncake")  # the contenders with raykv's directory and shared tiers
+
+
+def _queues(cluster: SimCluster, now_s: float) -> list[int]:
+    return cluster.queue_lengths(now_s)
+
+
+def _pow2(rng: random.Random, candidates: list[int], queues: list[int]) -> int:
+    if len(candidates) == 1:
+        return candidates[0]
+    first, second = rng.sample(candidates, 2)
+    return first if queues[first] <= queues[second] else second
+
+
+class Pow2:
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def __call__(self, cluster: SimCluster, request: SimRequest, located) -> int:
+        return _pow2(self.rng, list(range(len(cluster.nodes))),
+                     _queues(cluster, request.arrival_s))
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self.next = 0
+
+    def __call__(self, cluster: SimCluster, request: SimRequest, located) -> int:
+        node = self.next % len(cluster.nodes)
+        self.next += 1
+        return node
+
+
+class Raykv:
+    """raykv's router: the service's pure functions on the directory's answer."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.fallback = Pow2(seed)
+
+    def __call__(self, cluster: SimCluster, request: SimRequest, located) -> int:
+        scores = prefix_scores(located or [], cluster.node_ids)
+        if not has_hits(scores):
+            return self.fallback(cluster, request, located)
+        queues = _queues(cluster, request.arrival_s)
+        loads = [ReplicaLoad(node_id, node_id, queues[i])
+                 for i, node_id in enumerate(cluster.node_ids)]
+        first = rank_replicas(loads, scores, RAYKV_MAX_IMBALANCE)[0]
+        return min((cluster.index_of[r] for r in first), key=lambda i: (queues[i], i))
+
+
+class PrefixAffinity:
+    """A tree of what was routed where: key -> nodes, and each node's routed tokens."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.routed: dict[bytes, set[int]] = {}
+        self.tree_tokens: list[int] | None = None
+
+    def __call__(self, cluster: SimCluster, request: SimRequest, located) -> int:
+        num_nodes = len(cluster.nodes)
+        if self.tree_tokens is None:
+            self.tree_tokens = [0] * num_nodes
+        queues = _queues(cluster, request.arrival_s)
+        everyone = list(range(num_nodes))
+        if max(queues) - min(queues) > RAY_IMBALANCED_THRESHOLD:
+            node = _pow2(self.rng, everyone, queues)
+        else:
+            node = _pow2(self.rng, self._candidates(request), queues)
+        self._insert(request, node)
+        return node
+
+    def _candidates(self, request: SimRequest) -> list[int]:
+        matched = [0] * len(self.tree_tokens)
+        alive = set(range(len(self.tree_tokens)))
+        for key in request.keys:
+            alive &= self.routed.get(key, set())
+            if not alive:
+                break
+            for node in alive:
+                matched[node] += 1
+        best = max(matched)
+        if best * BLOCK_TOKENS / max(1, request.input_tokens) >= RAY_MATCH_RATE_THRESHOLD:
+            return [i for i, m in enumerate(matched) if m == best]
+        smallest = min(self.tree_tokens)
+        return [i for i, t in enumerate(self.tree_tokens) if t == smallest]
+
+    def _insert(self, request: SimRequest, node: int) -> None:
+        for key in request.keys:
+            self.routed.setdefault(key, set()).add(node)
+        self.tree_tokens[node] += request.input_tokens
+
+
+class Dynamo:
+    def __call__(self, cluster: SimCluster, request: SimRequest, located) -> int:
+        def cost(i: int) -> tuple[float, int]:
+            overlap = cluster.nodes[i].local_prefix(request.keys)
+            prefill_blocks = request.num_blocks - overlap
+            active = cluster.queues[i].active_blocks(request.arrival_s)
+            return DYNAMO_OVERLAP_WEIGHT * prefill_blocks + active, i
+
+        return min(range(len(cluster.nodes)), key=cost)
+
+
+class LlmD:
+    def __call__(self, cluster: SimCluster, request: SimRequest, located) -> int:
+        queues = _queues(cluster, request.arrival_s)
+        low, high = min(queues), max(queues)
+        device = cluster.capacities[0]
+
+        def score(i: int) -> tuple[float, int]:
+            node = cluster.nodes[i]
+            prefix = node.local_prefix(request.keys) / max(1, request.num_blocks)
+            free = 1.0 - node.counts[0] / device if device else 0.0
+            queue = (high - queues[i]) / (high - low) if high > low else 1.0
+            total = (LLMD_WEIGHTS["prefix"] * prefix + LLMD_WEIGHTS["kv_utilisation"] * free
+                     + LLMD_WEIGHTS["queue"] * queue)
+            return total, -i
+
+        return max(range(len(cluster.nodes)), key=score)
+
+
+class Mooncake:
+    def __call__(self, cluster: SimCluster, request: SimRequest, located) -> int:
+        return min(range(len(cluster.nodes)),
+                   key=lambda i: (cluster.estimate_ttft_s(i, request, located), i))
+
+
+def make_router(name: str, seed: int = 0) -> Choose:
+    makers = {"raykv": lambda: Raykv(seed), "round_robin": RoundRobin,
+              "pow2": lambda: Pow2(seed), "prefix_affinity": lambda: PrefixAffinity(seed),
+              "dynamo": Dynamo, "llmd": LlmD, "mooncake": Mooncake}
+    if name not in makers:
+        raise ValueError(f"unknown router {name!r}; expected one of {list(makers)}")
+    return makers[name]()
+
+
+ROUTERS = ("raykv", "round_robin", "pow2", "prefix_affinity", "dynamo", "llmd", "mooncake")
