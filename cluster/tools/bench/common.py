@@ -12,25 +12,29 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from importlib import metadata
 
 import numpy as np
 
 from cluster.core.spec import ModelSpec
 
 # The rules (rounds, pairing, goals, the JSON) live in the harness; re-exported for callers.
-from cluster.tools.bench.harness import finish, goal_text, goals_met, ratio_table  # noqa: F401
+from cluster.tools.bench.harness import (  # noqa: F401
+    finish,
+    goal_text,
+    goals_met,
+    machine_info,
+    print_tables,
+    ratio_table,
+    table,
+)
 
 MiB = 1 << 20
 # Llama-3.1-8B's KV geometry, bf16: 128 KiB per token, so a 1 MiB page is 8 tokens.
 LLAMA_8B_KV = ModelSpec("bench-llama-3.1-8b", 32, 8, 128, "bfloat16")
 STOP_TIMEOUT_S = 30.0
-PACKAGES = ("ray", "torch", "numpy", "blake3", "xxhash", "redis")
 
 # ---- timing and statistics ------------------------------------------------------------------
 
@@ -80,39 +84,6 @@ def medians(rounds: dict[str, list[float]]) -> dict[str, float]:
 
 
 # ---- the result -----------------------------------------------------------------------------
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _commit() -> str | None:
-    """The git commit the run's code came from, "+dirty" when the work tree has changes: a
-    figure is only quotable for the code it ran on."""
-    import subprocess
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10, check=True).stdout
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head.strip() + ("+dirty" if dirty.strip() else "")
-
-
-def machine_info() -> dict:
-    """Cores, memory, platform, package versions and the load average now."""
-    return {"nproc": os.cpu_count(),
-            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "platform": platform.platform(), "python": platform.python_version(),
-            "packages": {name: _version(name) for name in PACKAGES},
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "commit": _commit(),
-            "loadavg_start": list(os.getloadavg())}
 
 
 # ---- Ray and the service --------------------------------------------------------------------
@@ -232,27 +203,6 @@ def check_same(got, expected, what: str) -> None:
 
 
 # ---- tables ---------------------------------------------------------------------------------
-
-
-def table(title: str, header: list[str], rows: Iterable[list[str]]):
-    """A rich table: the first column names the row, the others are right-aligned figures."""
-    from rich.table import Table
-
-    result = Table(title=title)
-    result.add_column(header[0])
-    for name in header[1:]:
-        result.add_column(name, justify="right")
-    for row in rows:
-        result.add_row(*row)
-    return result
-
-
-def print_tables(tables: Iterable) -> None:
-    from rich.console import Console
-
-    console = Console()
-    for each in tables:
-        console.print(each)
 
 
 class Steps:

@@ -17,10 +17,72 @@ slow". Names are the issue's contract: keep them.
 from __future__ import annotations
 
 import math
+import os
+import platform
 import statistics
+import time
 from collections.abc import Callable, Iterable, Sequence
+from importlib import metadata
 
 MIN_ROUNDS = 3
+PACKAGES = ("ray", "torch", "numpy", "blake3", "xxhash", "redis")
+
+
+# ---- the machine and the tables ------------------------------------------------------------
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _commit() -> str | None:
+    """The git commit the run's code came from, "+dirty" when the work tree has changes: a
+    figure is only quotable for the code it ran on."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=True).stdout
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.strip() + ("+dirty" if dirty.strip() else "")
+
+
+def machine_info() -> dict:
+    """Cores, memory, platform, package versions and the load average now."""
+    return {"nproc": os.cpu_count(),
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "packages": {name: _version(name) for name in PACKAGES},
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "commit": _commit(),
+            "loadavg_start": list(os.getloadavg())}
+
+
+def table(title: str, header: list[str], rows: Iterable[list[str]]):
+    """A rich table: the first column names the row, the others are right-aligned figures."""
+    from rich.table import Table
+
+    result = Table(title=title)
+    result.add_column(header[0])
+    for name in header[1:]:
+        result.add_column(name, justify="right")
+    for row in rows:
+        result.add_row(*row)
+    return result
+
+
+def print_tables(tables: Iterable) -> None:
+    from rich.console import Console
+
+    console = Console()
+    for each in tables:
+        console.print(each)
 
 
 class NotEnoughRounds(ValueError):
@@ -95,8 +157,6 @@ class Report:
 
     def __init__(self, benchmark: str, unit: str, config: dict,
                  goals: dict[str, dict[str, float]], notes: Iterable[str] | str = ()) -> None:
-        from cluster.tools.bench.common import machine_info
-
         self.result: dict = {"benchmark": benchmark, "unit": unit, "config": config,
                              "machine": machine_info(), "ratios": {}, "goals": dict(goals),
                              "spread": {}, "not_exercised": {},
@@ -151,9 +211,6 @@ class Report:
 def finish(result: dict, json_path: str | None) -> dict:
     """Add "met" and loadavg_end to a result dict, print its ratio table, write the JSON."""
     import json
-    import os
-
-    from cluster.tools.bench.common import print_tables
 
     result.setdefault("spread", {})
     result.setdefault("not_exercised", {})
@@ -173,8 +230,6 @@ def _json_default(value):
 
 
 def ratio_table(result: dict):
-    from cluster.tools.bench.common import table
-
     rows = []
     for name, value in result["ratios"].items():
         met = result.get("met", {}).get(name)
