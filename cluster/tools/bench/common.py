@@ -26,6 +26,7 @@ from cluster.tools.bench.harness import (  # noqa: F401
     goal_text,
     goals_met,
     machine_info,
+    per_round_ratios,
     print_tables,
     ratio_table,
     table,
@@ -72,7 +73,7 @@ def latency_ms(times_s: list[float]) -> dict[str, float]:
 def median_ratio(numerators: list[float], denominators: list[float]) -> float:
     """Median of the pairwise ratios: figures taken side by side in rounds, so that a noisy
     neighbour slowing one round slows both sides of its ratio alike."""
-    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
+    return statistics.median(per_round_ratios(numerators, denominators))
 
 
 def geomean(values: Iterable[float]) -> float:
