@@ -2,6 +2,8 @@
 distinct blocks distinct), time compression, the error arithmetic and the ratios, and the
 simulator's configuration derived from the live one. No Ray."""
 
+import statistics
+
 import pytest
 
 from cluster.core.config import CacheConfig
@@ -133,9 +135,16 @@ def test_the_simulator_gets_the_live_capacities_router_and_eviction():
 
 
 def test_the_fitted_engine_takes_the_live_time_per_uncached_token():
-    fit = trace_sim.fit_engine([100, 200, 300, 400], [0.15, 0.25, 0.35, 0.45])
+    sizes = [100, 200, 300, 400, 500] * 4
+    # each size: the engine's own time, and three more that queued behind others
+    waits = [0.0] * 5 + [0.5] * 5 + [1.0] * 5 + [2.0] * 5
+    ttft = [0.05 + 1e-3 * size + wait for size, wait in zip(sizes, waits, strict=True)]
+    fit = trace_sim.fit_engine(sizes, ttft, quantile=0.0)
     assert fit.overhead_s == pytest.approx(0.05) and fit.per_token_s == pytest.approx(1e-3)
-    assert trace_sim.fit_engine([100, 200], [0.3, 0.1]) == trace_sim.EngineFit(0.2, 0.0)
+    lower = trace_sim.fit_engine(sizes, ttft)  # the quartile: a quarter of the way up
+    assert lower.per_token_s == pytest.approx(1e-3)
+    assert 0.05 < lower.overhead_s < 0.05 + statistics.median(waits)
+    assert trace_sim.fit_engine([100, 200], [0.3, 0.1]).per_token_s == 0.0
     setup = trace.sim_setup("raykv", trace.plan_for(True))
     profile = trace_sim.fitted_profile(setup, fit, SCALE, 8 * 4096)
     # 100 live tokens uncached = 6,400 trace tokens

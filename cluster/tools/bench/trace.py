@@ -390,5 +390,15 @@ def run(json_path: str | None, quick: bool, trace_path: str | None = None) -> di
                            for n, runs in rounds.items()}
     report["simulated_per_round"] = {n: [{k: v for k, v in s.items() if k != "directory"}
                                          for s in sims] for n, sims in simulated.items()}
+    report["live_requests"] = {n: [columns(r["sent"]) for r in runs] for n, runs in rounds.items()}
     fill_ratios(report, rounds, simulated)
     return report.finish(json_path)
+
+
+def columns(sent: list[Sent]) -> dict[str, list]:
+    """Every request of a live run, column by column (for a later look at the JSON)."""
+    return {"sent_at_s": [round(s.sent_at_s, 4) for s in sent],
+            "ttft_ms": [round(s.ttft_s * 1e3, 2) for s in sent],
+            "cached_tokens": [s.cached_tokens for s in sent],
+            "prompt_tokens": [s.prompt_tokens for s in sent],
+            "status": [s.status for s in sent], "replica": [s.replica for s in sent]}

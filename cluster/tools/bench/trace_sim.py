@@ -14,9 +14,9 @@ live run was:
     requests    the same scaled requests, at the compressed times the live replay sent them;
                 page keys are raykv's chained keys of the very tokens the service receives
     time        an engine's prefill is fitted to the live run it is compared with:
-                seconds = overhead + per token x uncached tokens (least squares over that
-                run's answered requests; TTFT includes queueing, so the fit errs slow); the
-                prefix's fetch is in the fit, so its own cost is zero
+                seconds = overhead + per token x uncached tokens, a line through the lower
+                quartile of TTFT in five groups of request sizes (the requests that queued
+                least; fit_engine); the prefix's fetch is in the fit, its own cost zero
 
 The simulated hit ratio is its cached tokens over prompt tokens (the sim's tally: 512 per hit
 page over input tokens, with each live token standing for 512 / page_tokens trace tokens, so
@@ -48,6 +48,8 @@ SIM_ROUTERS = {"raykv": ("raykv", True), "local-pow2": ("pow2", False),
                "local-prefix": ("prefix_affinity", False)}
 LOCAL_EVICTION = "lru"  # the live local cache (cluster/core/prefix_lru.py) is an LRU
 FREE = 1e18  # bytes/s of a path whose cost is inside the fitted prefill
+FIT_BINS = 5
+FIT_QUANTILE = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,16 +82,28 @@ class EngineFit:
     per_token_s: float
 
 
-def fit_engine(uncached_tokens: Sequence[int], ttft_s: Sequence[float]) -> EngineFit:
-    """Least squares of TTFT on uncached tokens, clamped non-negative."""
+def fit_engine(uncached_tokens: Sequence[int], ttft_s: Sequence[float],
+               num_bins: int = FIT_BINS, quantile: float = FIT_QUANTILE) -> EngineFit:
+    """The engine's time without its queue, as far as a live run shows it: the requests cut
+    into `num_bins` equal groups by uncached tokens, each group's `quantile` of TTFT (the
+    faster requests, which waited least) against its median size, and the least-squares
+    line through those points, clamped non-negative."""
     import numpy as np
 
-    if len(ttft_s) < 2 or len(set(uncached_tokens)) < 2:
-        mean_s = float(np.mean(ttft_s)) if len(ttft_s) else 0.0
-        return EngineFit(mean_s, 0.0)
-    slope, intercept = np.polyfit(np.asarray(uncached_tokens, float), np.asarray(ttft_s), 1)
-    if slope <= 0:  # no measurable cost per token: the mean is the overhead
-        return EngineFit(float(np.mean(ttft_s)), 0.0)
+    if not len(ttft_s):
+        return EngineFit(0.0, 0.0)
+    order = np.argsort(np.asarray(uncached_tokens, float), kind="stable")
+    sizes = np.asarray(uncached_tokens, float)[order]
+    times = np.asarray(ttft_s, float)[order]
+    groups = [g for g in zip(np.array_split(sizes, num_bins), np.array_split(times, num_bins),
+                             strict=True) if len(g[0])]
+    x = np.array([np.median(size) for size, _ in groups])
+    y = np.array([np.quantile(time_s, quantile) for _, time_s in groups])
+    if len(set(x.tolist())) < 2:
+        return EngineFit(float(np.mean(y)), 0.0)
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope <= 0:  # no measurable cost per token: the level is the overhead
+        return EngineFit(float(np.mean(y)), 0.0)
     return EngineFit(max(0.0, float(intercept)), float(slope))
 
 
