@@ -134,6 +134,15 @@ def test_the_simulator_gets_the_live_capacities_router_and_eviction():
         assert cluster.shared == setup.shared
 
 
+def test_service_times_leave_out_the_queue_of_each_replica():
+    # replica a: sent at 0 and 0.1, answered at 1.0 and 1.5 (the second waited for the first);
+    # replica b: sent at 2.0, answered at 2.4, then sent at 5.0 (idle meanwhile), at 5.3
+    sent = [0.0, 0.1, 2.0, 5.0]
+    ttft = [1.0, 1.4, 0.4, 0.3]
+    times = trace_sim.service_times(sent, ttft, ["a", "a", "b", "b"])
+    assert times == pytest.approx([1.0, 0.5, 0.4, 0.3])
+
+
 def test_the_fitted_engine_takes_the_live_time_per_uncached_token():
     sizes = [100, 200, 300, 400, 500] * 4
     # each size: the engine's own time, and three more that queued behind others
@@ -141,9 +150,9 @@ def test_the_fitted_engine_takes_the_live_time_per_uncached_token():
     ttft = [0.05 + 1e-3 * size + wait for size, wait in zip(sizes, waits, strict=True)]
     fit = trace_sim.fit_engine(sizes, ttft, quantile=0.0)
     assert fit.overhead_s == pytest.approx(0.05) and fit.per_token_s == pytest.approx(1e-3)
-    lower = trace_sim.fit_engine(sizes, ttft)  # the quartile: a quarter of the way up
-    assert lower.per_token_s == pytest.approx(1e-3)
-    assert 0.05 < lower.overhead_s < 0.05 + statistics.median(waits)
+    middle = trace_sim.fit_engine(sizes, ttft)  # the median: between the two middle waits
+    assert middle.per_token_s == pytest.approx(1e-3)
+    assert middle.overhead_s == pytest.approx(0.05 + statistics.median(waits))
     assert trace_sim.fit_engine([100, 200], [0.3, 0.1]).per_token_s == 0.0
     setup = trace.sim_setup("raykv", trace.plan_for(True))
     profile = trace_sim.fitted_profile(setup, fit, SCALE, 8 * 4096)

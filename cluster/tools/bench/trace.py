@@ -251,11 +251,12 @@ def summarize(sent: list[Sent], requests: list[ScaledRequest]) -> dict:
 
 def simulate_round(name: str, plan: Plan, requests: list[ScaledRequest], live: dict) -> dict:
     """The simulator on this contender's configuration, its requests at the times the live
-    replay sent them, its engine fitted to that live run."""
+    replay sent them, its engine fitted to that live run's service times."""
+    ok = [s for s in live["sent"] if s.status == 200]
+    service_s = trace_sim.service_times([s.sent_at_s for s in ok], [s.ttft_s for s in ok],
+                                        [s.replica for s in ok])
+    fit = trace_sim.fit_engine([s.prompt_tokens - s.cached_tokens for s in ok], service_s)
     sent = live["sent"]
-    ok = [(s, r) for s, r in zip(sent, requests, strict=True) if s.status == 200]
-    fit = trace_sim.fit_engine([s.prompt_tokens - s.cached_tokens for s, _ in ok],
-                               [s.ttft_s for s, _ in ok])
     sims = trace_sim.sim_requests(requests, plan.scale, MODEL, [s.sent_at_s for s in sent])
     return trace_sim.simulate(sim_setup(name, plan), fit, plan.scale, plan.page_bytes, sims)
 
@@ -347,7 +348,9 @@ def notes(plan: Plan, trace_path: str, num_blocks: int, span_s: float) -> list[s
         "simulated: cluster/tools/bench/trace_sim.py, raykv sim's SimCluster, routers, "
         "eviction policies and control loop on the same nodes, capacities in pages, router "
         "and requests (at the times the live replay sent them), the engine's prefill fitted "
-        "to the same live run (TTFT = overhead + per token x uncached tokens). Local "
+        "to the same live run (overhead + per token x uncached tokens, through the median "
+        "service time, read off each replica's answers, of five groups of request sizes). "
+        "Local "
         "contenders: the simulator's LRU orders a prompt's pages head first, the live "
         "PrefixLRU tail first (vLLM's order); their errors are reported, without a goal",
         "*_vs_local: raykv against the best local contender of each round (the higher hit "

@@ -13,10 +13,12 @@ live run was:
     control     raykv's control loop every rebalance_period_s, when the service runs it
     requests    the same scaled requests, at the compressed times the live replay sent them;
                 page keys are raykv's chained keys of the very tokens the service receives
-    time        an engine's prefill is fitted to the live run it is compared with:
-                seconds = overhead + per token x uncached tokens, a line through the lower
-                quartile of TTFT in five groups of request sizes (the requests that queued
-                least; fit_engine); the prefix's fetch is in the fit, its own cost zero
+    time        an engine's prefill is fitted to the live run it is compared with: each
+                answered request's service time is read off its replica's departures
+                (service_times: answer time - max(send time, the replica's previous answer),
+                the queue left out), and seconds = overhead + per token x uncached tokens is
+                the line through the median service time of five groups of request sizes
+                (fit_engine); the prefix's fetch is in the fit, its own cost zero
 
 The simulated hit ratio is its cached tokens over prompt tokens (the sim's tally: 512 per hit
 page over input tokens, with each live token standing for 512 / page_tokens trace tokens, so
@@ -26,6 +28,7 @@ the ratio is the live one's measure exactly).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,7 +52,7 @@ SIM_ROUTERS = {"raykv": ("raykv", True), "local-pow2": ("pow2", False),
 LOCAL_EVICTION = "lru"  # the live local cache (cluster/core/prefix_lru.py) is an LRU
 FREE = 1e18  # bytes/s of a path whose cost is inside the fitted prefill
 FIT_BINS = 5
-FIT_QUANTILE = 0.25
+FIT_QUANTILE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,19 +85,35 @@ class EngineFit:
     per_token_s: float
 
 
-def fit_engine(uncached_tokens: Sequence[int], ttft_s: Sequence[float],
+def service_times(sent_at_s: Sequence[float], ttft_s: Sequence[float],
+                  replicas: Sequence[str]) -> list[float]:
+    """Each request's time on its replica, queueing left out: its answer time less the later
+    of its send and the previous answer of the same replica (a replica's requests in answer
+    order). For one server in first-come order this is exactly the service time; for a
+    replica that interleaves two requests it splits their shared busy time between them, so
+    a replica's service times still sum to its busy time."""
+    out = [0.0] * len(ttft_s)
+    previous: dict[str, float] = {}
+    done_s = [sent + ttft for sent, ttft in zip(sent_at_s, ttft_s, strict=True)]
+    for index in sorted(range(len(done_s)), key=done_s.__getitem__):
+        started_s = max(sent_at_s[index], previous.get(replicas[index], -math.inf))
+        out[index] = done_s[index] - started_s
+        previous[replicas[index]] = done_s[index]
+    return out
+
+
+def fit_engine(uncached_tokens: Sequence[int], times_s: Sequence[float],
                num_bins: int = FIT_BINS, quantile: float = FIT_QUANTILE) -> EngineFit:
-    """The engine's time without its queue, as far as a live run shows it: the requests cut
-    into `num_bins` equal groups by uncached tokens, each group's `quantile` of TTFT (the
-    faster requests, which waited least) against its median size, and the least-squares
-    line through those points, clamped non-negative."""
+    """The engine's time per request (`times_s`: service_times): the requests cut into
+    `num_bins` equal groups by uncached tokens, each group's `quantile` of time against its
+    median size, and the least-squares line through those points, clamped non-negative."""
     import numpy as np
 
-    if not len(ttft_s):
+    if not len(times_s):
         return EngineFit(0.0, 0.0)
     order = np.argsort(np.asarray(uncached_tokens, float), kind="stable")
     sizes = np.asarray(uncached_tokens, float)[order]
-    times = np.asarray(ttft_s, float)[order]
+    times = np.asarray(times_s, float)[order]
     groups = [g for g in zip(np.array_split(sizes, num_bins), np.array_split(times, num_bins),
                              strict=True) if len(g[0])]
     x = np.array([np.median(size) for size, _ in groups])
