@@ -47,6 +47,7 @@ BENCHMARKS = {
     "vllm": "cluster.tools.bench.vllm",
     "burst": "cluster.tools.bench.burst",
     "faults": "cluster.tools.bench.faults",
+    "trace": "cluster.tools.bench.trace",
 }
 
 JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
@@ -98,6 +99,21 @@ _register("faults", "Faults under load on 3 simulated nodes (nodes, actors, dire
                    "the fuzzers, a soak: wrong bytes, client errors, recovery seconds.")
 _register_plotted("burst", "A spiky multi-model trace on 3 simulated nodes, rebalancing on and "
                            "off: p99 fetch latency, hit ratio, memory per model over time.")
+
+
+
+@bench_app.command("trace")
+def trace_command(
+    json_path: JsonPath = None,
+    quick: Quick = False,
+    trace: Annotated[Path | None, typer.Option(
+        help="a block trace in Mooncake's JSONL format (default: "
+             "../shared/traces/mooncake_conversation.jsonl)")] = None,
+) -> None:
+    """The live check of `raykv sim`: a trace's first requests, scaled to the CPU model and
+    time-compressed, over HTTP on 3 simulated nodes (raykv against local caches), then the
+    simulator on the same configuration: how far its hit ratio is from the live one."""
+    _bench("trace", json_path, quick, trace_path=str(trace) if trace else None)
 
 
 @bench_app.command("summary")
