@@ -196,6 +196,7 @@ class Tally:
     ttft_s: list = field(default_factory=list)
     hit_tokens: int = 0
     input_tokens: int = 0
+    request_hit_sum: float = 0.0  # sum over requests of hit tokens / input tokens
     remote_bytes: int = 0
     hits_by_source: list = field(default_factory=lambda: [0, 0, 0, 0])  # device..disk, remote
 
@@ -323,6 +324,8 @@ class SimCluster:
         tally.ttft_s.append(ttft_s)
         tally.input_tokens += request.input_tokens
         tally.hit_tokens += len(sources) * BLOCK_TOKENS
+        if request.input_tokens:
+            tally.request_hit_sum += len(sources) * BLOCK_TOKENS / request.input_tokens
         for source in sources:
             tally.hits_by_source[source] += 1
         tally.remote_bytes += sources.count(REMOTE) * self.page_bytes

@@ -82,7 +82,11 @@ def percentile(values: Sequence[float], fraction: float) -> float:
 
 def simulate(router: str, num_nodes: int, requests: Sequence[SimRequest]) -> dict:
     """One router's cluster through the requests; its figures."""
-    cluster = make_cluster(router, num_nodes)
+    return run_cluster(make_cluster(router, num_nodes), router, requests)
+
+
+def run_cluster(cluster: SimCluster, router: str, requests: Sequence[SimRequest]) -> dict:
+    """`cluster` through the requests, `router` choosing each one's node; its figures."""
     choose = make_router(router)
     started_s, started_cpu_s = time.perf_counter(), time.process_time()
     for request in requests:
@@ -103,6 +107,9 @@ def figures(cluster: SimCluster, requests: Sequence[SimRequest], wall_s: float) 
     span_s = (requests[-1].arrival_s - requests[0].arrival_s) if requests else 0.0
     out = {"num_nodes": len(cluster.nodes), "num_requests": len(requests),
            "hit_ratio": tally.hit_tokens / tally.input_tokens if tally.input_tokens else 0.0,
+           # the mean over requests of each one's hit tokens / input tokens
+           "request_hit_ratio_mean": tally.request_hit_sum / len(tally.ttft_s)
+           if tally.ttft_s else 0.0,
            "ttft_p50_s": percentile(tally.ttft_s, 0.5),
            "ttft_p99_s": percentile(tally.ttft_s, 0.99),
            "ttft_mean_s": statistics.fmean(tally.ttft_s) if tally.ttft_s else 0.0,
