@@ -30,6 +30,7 @@ HORIZON_FACTOR = 2.0  # RecencyFrequencyPolicy: a reuse's bonus, in median reuse
 MEDIAN_STEP = 0.01  # RecencyFrequencyPolicy: the running median's step, relative to it
 GHOST_FACTOR = 4  # RecencyFrequencyPolicy: removed keys whose uses it remembers
 MAX_USES = 16  # RecencyFrequencyPolicy: uses past this earn no more bonus
+_LOG2_USES = [0.0] + [math.log2(uses) for uses in range(1, MAX_USES + 1)]
 
 
 @runtime_checkable
@@ -238,7 +239,8 @@ class RecencyFrequencyPolicy:
     before their ancestors. The new pages of one put leave root first, as under LRU.
 
     A heap with lazy deletion: O(log n) per call. victims() pops and pushes back: O(num_pages
-    log n) plus the pinned keys it skips; it changes no key's priority.
+    log n) plus the pinned keys it skips; it changes no key's priority. A key's live heap
+    entry is the very tuple `_rank` holds for it, so a stale one is told by identity.
     """
 
     def __init__(self, capacity_pages: int) -> None:
@@ -250,7 +252,7 @@ class RecencyFrequencyPolicy:
         self._calls = 0
         self._uses: dict[Key, tuple[int, int]] = {}  # key -> (uses, clock at the last use)
         self._ghost: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # removed keys' too
-        self._rank: dict[Key, tuple[float, int]] = {}
+        self._rank: dict[Key, tuple[float, int, Key]] = {}  # key -> its live heap entry
         self._heap: list[tuple[float, int, Key]] = []
 
     def _reused(self, last_use: int) -> None:
@@ -261,13 +263,14 @@ class RecencyFrequencyPolicy:
         self.reuse_distance = max(1.0, self.reuse_distance)
 
     def _touch(self, key: Key, uses: int) -> None:
-        self._uses[key] = (uses, self._clock)
-        self._calls += 1
-        bonus = self.horizon * math.log2(min(uses, MAX_USES))
-        rank = self._rank[key] = (self._clock + bonus, -self._calls)
-        heapq.heappush(self._heap, (*rank, key))
+        clock = self._clock
+        self._uses[key] = (uses, clock)
+        self._calls = calls = self._calls + 1
+        bonus = self.horizon * _LOG2_USES[min(uses, MAX_USES)]
+        entry = self._rank[key] = (clock + bonus, -calls, key)
+        heapq.heappush(self._heap, entry)
         if len(self._heap) > 2 * len(self._rank) + 64:  # too many stale entries: rebuild
-            self._heap = [(*r, k) for k, r in self._rank.items()]
+            self._heap = list(self._rank.values())
             heapq.heapify(self._heap)
 
     def on_insert(self, key: Key) -> None:
@@ -303,15 +306,17 @@ class RecencyFrequencyPolicy:
         _check_num_pages(num_pages)
         out: list[Key] = []
         popped: list[tuple[float, int, Key]] = []
-        while len(out) < num_pages and self._heap:
-            entry = heapq.heappop(self._heap)
-            if self._rank.get(entry[2]) != entry[:2]:
+        heap, rank, pop = self._heap, self._rank, heapq.heappop
+        while len(out) < num_pages and heap:
+            entry = pop(heap)
+            key = entry[2]
+            if rank.get(key) is not entry:
                 continue  # stale: used again or removed since
             popped.append(entry)
-            if not is_pinned(entry[2]):
-                out.append(entry[2])
+            if not is_pinned(key):
+                out.append(key)
         for entry in popped:
-            heapq.heappush(self._heap, entry)
+            heapq.heappush(heap, entry)
         return out
 
     def __len__(self) -> int:

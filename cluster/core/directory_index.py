@@ -76,11 +76,12 @@ class DirectoryIndex:
         log.last_seen_s = max(log.last_seen_s, now_s)
         if seq <= log.watermark or seq in log.applied:
             return DUPLICATE
+        store, remove = self._store, self._remove
         for key, tier in batch.changes:
             if tier is None:
-                self._remove(node_id, log, key, seq)
+                remove(node_id, log, key, seq)
             else:
-                self._store(node_id, log, key, tier, seq)
+                store(node_id, log, key, tier, seq)
         log.applied.add(seq)
         self._advance(log)
         if len(log.applied) > MAX_APPLIED_ABOVE_GAP or len(log.tombstones) > MAX_TOMBSTONES:
@@ -97,15 +98,21 @@ class DirectoryIndex:
         return RESYNC
 
     def _store(self, node_id: str, log: NodeLog, key: PageKey, tier: int, seq: int) -> None:
-        if log.tombstones.get(key, -1) > seq:
+        tombstones = log.tombstones
+        if tombstones and tombstones.get(key, -1) > seq:
             return
-        places = self.index.setdefault(key, {})
+        places = self.index.get(key)
+        if places is None:
+            places = self.index[key] = {}
         current = places.get(node_id)
         if current is None or current[1] < seq:
             places[node_id] = (tier, seq)
             self.ranked.pop(key, None)
-            log.add_key(key)
-            log.tombstones.pop(key, None)
+            if key not in log.keys:  # log.add_key(key), inline: this runs per change
+                log.keys.add(key)
+                log.digest ^= key_digest(key)
+            if tombstones:
+                tombstones.pop(key, None)
 
     def _remove(self, node_id: str, log: NodeLog, key: PageKey, seq: int) -> None:
         places = self.index.get(key)
