@@ -238,9 +238,11 @@ class RecencyFrequencyPolicy:
     least as late, and ties go to the later call: of a prefix read again, the leaves leave
     before their ancestors. The new pages of one put leave root first, as under LRU.
 
-    A heap with lazy deletion: O(log n) per call. victims() pops and pushes back: O(num_pages
-    log n) plus the pinned keys it skips; it changes no key's priority. A key's live heap
-    entry is the very tuple `_rank` holds for it, so a stale one is told by identity.
+    A heap with lazy deletion: O(log n) per call. victims() pops: O(num_pages log n) plus
+    the pinned keys it skips; it changes no key's priority. A key's live heap entry is the
+    very tuple `_rank` holds for it, so a stale one is told by identity. The entries victims()
+    popped wait aside until its next call, which pushes back those still live: a victim that
+    was removed meanwhile (the usual case) costs no push and no second pop.
     """
 
     def __init__(self, capacity_pages: int) -> None:
@@ -254,6 +256,7 @@ class RecencyFrequencyPolicy:
         self._ghost: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # removed keys' too
         self._rank: dict[Key, tuple[float, int, Key]] = {}  # key -> its live heap entry
         self._heap: list[tuple[float, int, Key]] = []
+        self._parked: list[tuple[float, int, Key]] = []  # popped by victims(), off the heap
 
     def _reused(self, last_use: int) -> None:
         """Move the running median of reuse distances one step towards this one."""
@@ -266,12 +269,13 @@ class RecencyFrequencyPolicy:
         clock = self._clock
         self._uses[key] = (uses, clock)
         self._calls = calls = self._calls + 1
-        bonus = self.horizon * _LOG2_USES[min(uses, MAX_USES)]
+        bonus = self.horizon * _LOG2_USES[uses if uses < MAX_USES else MAX_USES]
         entry = self._rank[key] = (clock + bonus, -calls, key)
         heapq.heappush(self._heap, entry)
         if len(self._heap) > 2 * len(self._rank) + 64:  # too many stale entries: rebuild
-            self._heap = list(self._rank.values())
+            self._heap = list(self._rank.values())  # every live entry, the parked ones too
             heapq.heapify(self._heap)
+            self._parked = []
 
     def on_insert(self, key: Key) -> None:
         if key in self._uses:
@@ -304,19 +308,20 @@ class RecencyFrequencyPolicy:
     def victims(self, num_pages: int, is_pinned: IsPinned) -> list[Key]:
         """Smallest priorities first, skipping pinned keys; no key is removed."""
         _check_num_pages(num_pages)
-        out: list[Key] = []
-        popped: list[tuple[float, int, Key]] = []
         heap, rank, pop = self._heap, self._rank, heapq.heappop
+        for entry in self._parked:  # the last call's, back on the heap while still live
+            if rank.get(entry[2]) is entry:
+                heapq.heappush(heap, entry)
+        self._parked = parked = []
+        out: list[Key] = []
         while len(out) < num_pages and heap:
             entry = pop(heap)
             key = entry[2]
             if rank.get(key) is not entry:
                 continue  # stale: used again or removed since
-            popped.append(entry)
+            parked.append(entry)
             if not is_pinned(key):
                 out.append(key)
-        for entry in popped:
-            heapq.heappush(heap, entry)
         return out
 
     def __len__(self) -> int:

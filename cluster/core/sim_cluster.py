@@ -270,12 +270,14 @@ class SimCluster:
     def fetch_s(self, sources: Sequence[int]) -> float:
         """Each source's pages in one transfer: its latency + bytes / its bandwidth."""
         p = self.profile
-        paths = {DEVICE: (0.0, p.hbm_bytes_per_s), HOST: (p.host_latency_s,
-                                                          p.host_to_device_bytes_per_s),
-                 DISK: (p.disk_latency_s, p.disk_bytes_per_s),
-                 REMOTE: (p.nic_latency_s, p.nic_bytes_per_s)}
+        paths = ((DEVICE, 0.0, p.hbm_bytes_per_s),
+                 (HOST, p.host_latency_s, p.host_to_device_bytes_per_s),
+                 (DISK, p.disk_latency_s, p.disk_bytes_per_s),
+                 (REMOTE, p.nic_latency_s, p.nic_bytes_per_s))
         total_s = 0.0
-        for source, (latency_s, bytes_per_s) in paths.items():
+        if not sources:
+            return total_s
+        for source, latency_s, bytes_per_s in paths:
             count = sources.count(source)
             if count:
                 total_s += latency_s + count * self.page_bytes / bytes_per_s
@@ -346,8 +348,9 @@ class SimCluster:
         tally.hit_tokens += len(sources) * BLOCK_TOKENS
         if request.input_tokens:
             tally.request_hit_sum += len(sources) * BLOCK_TOKENS / request.input_tokens
-        for source in sources:
-            tally.hits_by_source[source] += 1
+        by_source = tally.hits_by_source
+        for source in set(sources):
+            by_source[source] += sources.count(source)
         tally.remote_bytes += sources.count(REMOTE) * self.page_bytes
 
     def finish(self) -> None:
