@@ -29,6 +29,7 @@ from cluster.core.events import EventStream
 from cluster.core.geometry import DEVICE, DISK, HOST
 from cluster.core.keys import PageKey
 from cluster.core.sim_events import Clock, EngineQueue
+from cluster.core.sim_holders import HoldersCache
 from cluster.core.sim_profiles import HardwareProfile, ModelCost
 from cluster.core.trace_format import BLOCK_TOKENS
 from policies.eviction import make_policy
@@ -168,6 +169,7 @@ class SimDirectory:
         self.demand = [PrefixDemand() for _ in range(num_shards)]  # as each shard's actor
         self.key_ops = [0] * num_shards  # keys looked up + changes applied
         self.calls = [0] * num_shards  # lookups + batches
+        self.holders = HoldersCache(self.shards)  # the control loop's holders() answers
 
     def join(self, stream: EventStream) -> None:
         """A node's first message to every shard: its (empty) inventory."""
@@ -178,6 +180,7 @@ class SimDirectory:
 
     def sync(self, stream: EventStream) -> None:
         for index, batch in stream.outgoing():
+            self.holders.before_apply(index, stream.node_id, batch.changes)
             status = self.shards[index].apply(batch)
             stream.on_status(index, batch.seq, status)
             self.key_ops[index] += len(batch.changes)
