@@ -93,20 +93,14 @@ class Raykv:
 
     def __init__(self, seed: int = 0) -> None:
         self.fallback = Pow2(seed)
-        self.loads: dict[tuple[str, int], ReplicaLoad] = {}  # frozen: made once, shared
-
-    def _load(self, node_id: str, queue_len: int) -> ReplicaLoad:
-        load = self.loads.get((node_id, queue_len))
-        if load is None:
-            load = self.loads[node_id, queue_len] = ReplicaLoad(node_id, node_id, queue_len)
-        return load
 
     def __call__(self, cluster: SimCluster, request: SimRequest, located) -> int:
         scores = prefix_scores(located or [], cluster.node_ids)
         if not has_hits(scores):
             return self.fallback(cluster, request, located)
         queues = _queues(cluster, request.arrival_s)
-        loads = [self._load(node_id, queues[i]) for i, node_id in enumerate(cluster.node_ids)]
+        loads = [ReplicaLoad(node_id, node_id, queues[i])
+                 for i, node_id in enumerate(cluster.node_ids)]
         first = rank_replicas(loads, scores, RAYKV_MAX_IMBALANCE)[0]
         return min((cluster.index_of[r] for r in first), key=lambda i: (queues[i], i))
 
