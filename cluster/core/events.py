@@ -18,6 +18,7 @@ long) the shard's backlog is dropped and replaced by one resync when it answers 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from cluster.core.keys import PageKey, shard_of
@@ -62,6 +63,20 @@ class _Shard:
             self.present.add(key)
             self.digest ^= key_digest(key)
 
+    def hold_many(self, keys: Iterable[PageKey], tier: int | None) -> None:
+        """pending[key] = tier and hold(key, tier) for each of `keys`, in order."""
+        pending, present, digest = self.pending, self.present, self.digest
+        for key in keys:
+            pending[key] = tier
+            if tier is None:
+                if key in present:
+                    present.discard(key)
+                    digest ^= key_digest(key)
+            elif key not in present:
+                present.add(key)
+                digest ^= key_digest(key)
+        self.digest = digest
+
     def ack(self, seq: int) -> None:
         self.unacked.pop(seq, None)
         if seq > self.acked_upto:
@@ -87,6 +102,17 @@ class EventStream:
         shard = self.shards[shard_of(key, len(self.shards))]
         shard.pending[key] = tier
         shard.hold(key, tier)
+
+    def record_many(self, keys: Iterable[PageKey], tier: int | None) -> None:
+        """record(key, tier) for each of `keys`, in order (one call for a run of pages)."""
+        shards = self.shards
+        if len(shards) == 1:
+            shards[0].hold_many(keys, tier)
+            return
+        for key in keys:
+            shard = shards[shard_of(key, len(shards))]
+            shard.pending[key] = tier
+            shard.hold(key, tier)
 
     def resync_needed(self) -> list[int]:
         return [i for i, shard in enumerate(self.shards) if shard.needs_resync]

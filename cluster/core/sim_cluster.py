@@ -30,6 +30,7 @@ from cluster.core.events import EventStream
 from cluster.core.geometry import DEVICE, DISK, HOST
 from cluster.core.keys import PageKey
 from cluster.core.sim_events import Clock, EngineQueue
+from cluster.core.sim_holders import HoldersCache
 from cluster.core.sim_profiles import HardwareProfile, ModelCost
 from cluster.core.trace_format import BLOCK_TOKENS
 from policies.eviction import make_policy
@@ -39,37 +40,46 @@ Merge = Callable[[int, list, list], list]  # actors.handles.merge_shard_prefixes
 REMOTE = 3  # a plan's source kind for a page read from another node
 
 
+def _never(_key: PageKey) -> bool:
+    return False
+
+
 class SimNode:
-    """One node's tiers (see module doc). `on_event(key, tier or None)` as the Pool's."""
+    """One node's tiers (see module doc). `on_events(keys, tier or None)`: the Pool's
+    `on_event(key, tier)` for each of `keys` (EventStream.record_many)."""
 
     def __init__(self, capacities_blocks: Sequence[int], eviction: str,
-                 on_event: Callable[[PageKey, int | None], None] | None = None) -> None:
+                 on_events: Callable[[Sequence[PageKey], int | None], None] | None = None
+                 ) -> None:
         self.capacities = list(capacities_blocks)
         self.tier_of: dict[PageKey, int] = {}
         self.counts = [0, 0, 0]
         self.policies = [make_policy(eviction, max(1, c)) for c in self.capacities]
-        self.on_event = on_event
+        self.on_events = on_events
         self.evictions = [0, 0, 0]
 
     def local_prefix(self, keys: Sequence[PageKey]) -> int:
         count = 0
+        tier_of = self.tier_of
         for key in keys:
-            if key not in self.tier_of:
+            if key not in tier_of:
                 break
             count += 1
         return count
 
     def put(self, keys: Sequence[PageKey]) -> int:
         """Store the pages not held yet: top tier first, the rest spilling into host."""
-        fresh = [k for k in dict.fromkeys(keys) if k not in self.tier_of]
+        tier_of = self.tier_of
+        fresh = [k for k in dict.fromkeys(keys) if k not in tier_of]
         stored = 0
         for tier in (DEVICE, HOST):
-            if not fresh or self.capacities[tier] == 0:
+            capacity = self.capacities[tier]
+            if not fresh or capacity == 0:
                 continue
-            self._make_room(tier, min(len(fresh), self.capacities[tier]), frozenset(fresh))
-            room = self.capacities[tier] - self.counts[tier]
-            for key in fresh[:room]:
-                self._place(key, tier)
+            # Fresh pages are in no tier, so no policy can name one: nothing to pin.
+            self._make_room(tier, min(len(fresh), capacity), _never)
+            room = capacity - self.counts[tier]
+            self._place(fresh[:room], tier)
             stored += min(room, len(fresh))
             fresh = fresh[room:]
         return stored
@@ -77,67 +87,78 @@ class SimNode:
     def acquire(self, keys: Sequence[PageKey]) -> list[int]:
         """A hit on `keys` (held here): their tiers before, then each is accessed and the ones
         below the device tier are promoted to it (the request's own pages pinned)."""
-        tiers = [self.tier_of[k] for k in keys]
+        tier_of, policies = self.tier_of, self.policies
+        tiers = [tier_of[k] for k in keys]
         for key, tier in zip(keys, tiers, strict=True):
-            self.policies[tier].on_access(key)
+            policies[tier].on_access(key)
         lower = [k for k, t in zip(keys, tiers, strict=True) if t != DEVICE]
-        if lower and self.capacities[DEVICE]:
-            pinned = frozenset(keys)
-            self._make_room(DEVICE, min(len(lower), self.capacities[DEVICE]), pinned)
-            room = self.capacities[DEVICE] - self.counts[DEVICE]
-            for key in lower[:room]:
-                self._unplace(key)
-                self._place(key, DEVICE)
+        capacity = self.capacities[DEVICE]
+        if lower and capacity:
+            self._make_room(DEVICE, min(len(lower), capacity), frozenset(keys).__contains__)
+            moved = lower[: capacity - self.counts[DEVICE]]
+            self._unplace(moved)
+            self._place(moved, DEVICE)
         return tiers
 
     def discard(self, keys: Sequence[PageKey]) -> int:
         """Drop the pages of `keys` held here (the control loop's drop); how many."""
         held = [k for k in dict.fromkeys(keys) if k in self.tier_of]
-        for key in held:
-            self._unplace(key)
-            if self.on_event:
-                self.on_event(key, None)
+        self._unplace(held)
+        if held and self.on_events:
+            self.on_events(held, None)
         return len(held)
 
-    def _place(self, key: PageKey, tier: int) -> None:
-        self.tier_of[key] = tier
-        self.counts[tier] += 1
-        self.policies[tier].on_insert(key)
-        if self.on_event:
-            self.on_event(key, tier)
+    def _place(self, keys: list[PageKey], tier: int) -> None:
+        """Into `tier` (with room for them), in order."""
+        if not keys:
+            return
+        tier_of = self.tier_of
+        insert = self.policies[tier].on_insert
+        for key in keys:
+            tier_of[key] = tier
+            insert(key)
+        self.counts[tier] += len(keys)
+        if self.on_events:
+            self.on_events(keys, tier)
 
-    def _unplace(self, key: PageKey) -> int:
-        tier = self.tier_of.pop(key)
-        self.counts[tier] -= 1
-        self.policies[tier].on_remove(key)
-        return tier
+    def _unplace(self, keys: list[PageKey]) -> None:
+        """Out of whatever tier holds each (no event: the caller tells where it went)."""
+        tier_of, counts, policies = self.tier_of, self.counts, self.policies
+        for key in keys:
+            tier = tier_of.pop(key)
+            counts[tier] -= 1
+            policies[tier].on_remove(key)
 
-    def _make_room(self, tier: int, num_pages: int, pinned: frozenset) -> None:
+    def _make_room(self, tier: int, num_pages: int, is_pinned: Callable[[PageKey], bool]
+                   ) -> None:
         shortfall = self.counts[tier] + num_pages - self.capacities[tier]
         if shortfall <= 0:
             return
-        victims = self.policies[tier].victims(shortfall, pinned.__contains__)
-        for key in victims:
-            self._unplace(key)
+        policy = self.policies[tier]
+        victims = policy.victims(shortfall, is_pinned)
+        tier_of, remove = self.tier_of, policy.on_remove
+        for key in victims:  # the tier's policy holds only the tier's pages
+            del tier_of[key]
+            remove(key)
+        self.counts[tier] -= len(victims)
         self.evictions[tier] += len(victims)
         self._demote(victims, tier + 1)
 
     def _demote(self, keys: list[PageKey], tier: int) -> None:
         """Into the next tier that exists (making room there), else dropped."""
+        if not keys:
+            return
         while tier <= DISK and self.capacities[tier] == 0:
             tier += 1
         if tier > DISK:
-            for key in keys:
-                if self.on_event:
-                    self.on_event(key, None)
-            return
-        self._make_room(tier, min(len(keys), self.capacities[tier]), frozenset(keys))
-        room = self.capacities[tier] - self.counts[tier]
-        for key in keys[:room]:
-            self._place(key, tier)
-        for key in keys[room:]:
-            if self.on_event:
-                self.on_event(key, None)
+            room = 0
+        else:
+            # The demoted pages left the tier above, so this tier's policy cannot name one.
+            self._make_room(tier, min(len(keys), self.capacities[tier]), _never)
+            room = self.capacities[tier] - self.counts[tier]
+            self._place(keys[:room], tier)
+        if room < len(keys) and self.on_events:
+            self.on_events(keys[room:], None)
 
 
 class SimDirectory:
@@ -149,6 +170,7 @@ class SimDirectory:
         self.demand = [PrefixDemand() for _ in range(num_shards)]  # as each shard's actor
         self.key_ops = [0] * num_shards  # keys looked up + changes applied
         self.calls = [0] * num_shards  # lookups + batches
+        self.holders = HoldersCache(self.shards)  # the control loop's holders() answers
 
     def join(self, stream: EventStream) -> None:
         """A node's first message to every shard: its (empty) inventory."""
@@ -159,6 +181,7 @@ class SimDirectory:
 
     def sync(self, stream: EventStream) -> None:
         for index, batch in stream.outgoing():
+            self.holders.before_apply(index, stream.node_id, batch.changes)
             status = self.shards[index].apply(batch)
             stream.on_status(index, batch.seq, status)
             self.key_ops[index] += len(batch.changes)
@@ -206,6 +229,7 @@ class Tally:
     ttft_s: list = field(default_factory=list)
     hit_tokens: int = 0
     input_tokens: int = 0
+    request_hit_sum: float = 0.0  # sum over requests of hit tokens / input tokens
     remote_bytes: int = 0
     hits_by_source: list = field(default_factory=lambda: [0, 0, 0, 0])  # device..disk, remote
 
@@ -226,13 +250,13 @@ class SimCluster:
         self.streams = []
         self.nodes = []
         for node_id in self.node_ids:
-            on_event = None
+            on_events = None
             if directory is not None:
                 stream = EventStream(node_id, 1, len(directory.shards))
                 directory.join(stream)
                 self.streams.append(stream)
-                on_event = stream.record
-            self.nodes.append(SimNode(self.capacities, eviction, on_event))
+                on_events = stream.record_many
+            self.nodes.append(SimNode(self.capacities, eviction, on_events))
         self.queues = [EngineQueue() for _ in self.node_ids]
         self._queue_lens = [0] * num_nodes  # requests queued or running, kept by events
         self._finishes: list[tuple[float, int]] = []  # heap of (finish_s, node)
@@ -259,12 +283,14 @@ class SimCluster:
     def fetch_s(self, sources: Sequence[int]) -> float:
         """Each source's pages in one transfer: its latency + bytes / its bandwidth."""
         p = self.profile
-        paths = {DEVICE: (0.0, p.hbm_bytes_per_s), HOST: (p.host_latency_s,
-                                                          p.host_to_device_bytes_per_s),
-                 DISK: (p.disk_latency_s, p.disk_bytes_per_s),
-                 REMOTE: (p.nic_latency_s, p.nic_bytes_per_s)}
+        paths = ((DEVICE, 0.0, p.hbm_bytes_per_s),
+                 (HOST, p.host_latency_s, p.host_to_device_bytes_per_s),
+                 (DISK, p.disk_latency_s, p.disk_bytes_per_s),
+                 (REMOTE, p.nic_latency_s, p.nic_bytes_per_s))
         total_s = 0.0
-        for source, (latency_s, bytes_per_s) in paths.items():
+        if not sources:
+            return total_s
+        for source, latency_s, bytes_per_s in paths:
             count = sources.count(source)
             if count:
                 total_s += latency_s + count * self.page_bytes / bytes_per_s
@@ -336,8 +362,11 @@ class SimCluster:
         tally.ttft_s.append(ttft_s)
         tally.input_tokens += request.input_tokens
         tally.hit_tokens += len(sources) * BLOCK_TOKENS
-        for source in sources:
-            tally.hits_by_source[source] += 1
+        if request.input_tokens:
+            tally.request_hit_sum += len(sources) * BLOCK_TOKENS / request.input_tokens
+        by_source = tally.hits_by_source
+        for source in set(sources):
+            by_source[source] += sources.count(source)
         tally.remote_bytes += sources.count(REMOTE) * self.page_bytes
 
     def finish(self) -> None:

@@ -7,7 +7,8 @@ Every `period_s` of simulated time (CacheConfig.rebalance_period_s), at the next
     snapshot   NodeLoad per node: requests it served pages to (own and remote), device + host
                pages held against their capacity; PrefixLoad per shard's SNAPSHOT_PREFIXES
                most demanded prefixes (the shard's PrefixDemand, which its lookups feed), with
-               their holders (DirectoryIndex.holders) and page bytes
+               their holders (DirectoryIndex.holders, its answers kept until one of the
+               prefix's keys changes hands: sim_holders.py) and page bytes
     decide     rebalance.decide(snapshot, state, now_s)
     apply      a copy: the target puts the pages its source holds (cross-node bytes counted);
                a move: the target (if any) puts them, then the source discards them
@@ -80,8 +81,13 @@ def snapshot(cluster) -> ClusterSnapshot:
                   for i, (node_id, node) in enumerate(zip(cluster.node_ids, cluster.nodes,
                                                           strict=True)))
     prefixes = []
-    for shard, demand in zip(cluster.directory.shards, cluster.directory.demand, strict=True):
-        prefixes.extend(PrefixLoad(key, keys, num_requests, shard.holders(keys),
+    directory = cluster.directory
+    for index, demand in enumerate(directory.demand):
+        top = demand.top(SNAPSHOT_PREFIXES)
+        directory.holders.keep_only(index, (key for key, _, _ in top))
+        # The shard's DirectoryIndex.holders(keys), kept while none of its keys changes hands
+        prefixes.extend(PrefixLoad(key, keys, num_requests,
+                                   directory.holders.answer(index, key, keys),
                                    cluster.page_bytes)
-                        for key, keys, num_requests in demand.top(SNAPSHOT_PREFIXES))
+                        for key, keys, num_requests in top)
     return ClusterSnapshot(nodes, tuple(prefixes))

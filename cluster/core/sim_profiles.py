@@ -34,7 +34,7 @@ earlier ones).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster.core.spec import ModelSpec
 
@@ -125,3 +125,17 @@ PROFILES: dict[str, HardwareProfile] = {
     "h200-400g": _profile("h200-400g", 141 * GB, 4.8 * TB, 400),
 }
 DEFAULT_PROFILE = "h100-400g"
+
+
+def dram_only(profile: HardwareProfile, model: ModelCost, num_tokens: int,
+              block_tokens: int) -> HardwareProfile:
+    """`profile` whose only KV tier is DRAM (host) of `num_tokens` tokens of `model`'s KV,
+    rounded down to whole blocks: no device or disk tier. Its compute, PCIe and NIC figures
+    stay. Mooncake's local cache (Qin et al., FAST'25, 5.3.1: ~1 TB of DRAM a node, about
+    3M tokens of LLaMA3-70B's 320 KB a token) is
+    `dram_only(profile, llama3_70b(), 3_000_000, 512)`.
+    """
+    page_bytes = block_tokens * model.kv_bytes_per_token
+    return replace(profile, name=f"{profile.name}-dram-{num_tokens}",
+                   device_kv_bytes=0, host_kv_bytes=num_tokens // block_tokens * page_bytes,
+                   disk_kv_bytes=0)

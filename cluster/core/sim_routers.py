@@ -28,6 +28,12 @@ directory's answer (None for the local-cache baselines, which see their own node
                     3 x prefix match (fraction of blocks, from KV events) + 2 x (1 - KV cache
                     utilisation) + 2 x queue score ((max - q) / (max - min)); the highest.
                     Local caches.
+    prefix_match    the local-cache setup of Mooncake's Fig. 10 (Qin et al., FAST'25, 5.3.2,
+                    https://www.usenix.org/conference/fast25/presentation/qin): "the global
+                    scheduler is programmed to direct requests to nodes with higher prefix
+                    match ratios": the node whose own cache holds the longest prefix; ties
+                    (no match anywhere among them) to the shorter queue, then the lower
+                    index. Local caches. Used by `raykv sim --part fig10` only.
     mooncake        Mooncake's Conductor (Qin et al., FAST'25, section 5 and Algorithm 1,
                     https://arxiv.org/abs/2407.00079): with the global KVCache pool's prefix
                     locations, the instance whose estimated TTFT (queue + transfer of the
@@ -202,6 +208,14 @@ class LlmD:
         return max(range(len(cluster.nodes)), key=score)
 
 
+class PrefixMatch:
+    def __call__(self, cluster: SimCluster, request: SimRequest, located) -> int:
+        queues = _queues(cluster, request.arrival_s)
+        nodes = cluster.nodes
+        return min(range(len(nodes)),
+                   key=lambda i: (-nodes[i].local_prefix(request.keys), queues[i], i))
+
+
 class Mooncake:
     def __call__(self, cluster: SimCluster, request: SimRequest, located) -> int:
         return min(range(len(cluster.nodes)),
@@ -211,7 +225,8 @@ class Mooncake:
 def make_router(name: str, seed: int = 0) -> Choose:
     makers = {"raykv": lambda: Raykv(seed), "round_robin": RoundRobin,
               "pow2": lambda: Pow2(seed), "prefix_affinity": lambda: PrefixAffinity(seed),
-              "dynamo": Dynamo, "llmd": LlmD, "mooncake": Mooncake}
+              "dynamo": Dynamo, "llmd": LlmD, "mooncake": Mooncake,
+              "prefix_match": PrefixMatch}
     if name not in makers:
         raise ValueError(f"unknown router {name!r}; expected one of {list(makers)}")
     return makers[name]()

@@ -139,7 +139,7 @@ def sim_command(
     json_path: JsonPath = None,
     plot: PlotPath = None,
     part: Annotated[list[str] | None, typer.Option(
-        help="what to simulate: eviction, routing, scale (repeat it; all by default)"
+        help="what to simulate: eviction, routing, scale, fig10 (repeat it; all by default)"
     )] = None,
     limit: Annotated[int | None, typer.Option(help="only the trace's first LIMIT requests")] = None,
     window_s: Annotated[float | None, typer.Option(
@@ -148,7 +148,8 @@ def sim_command(
     """Replay a block trace offline through raykv's own policies. eviction: one global
     cache of 1k..50k blocks under every eviction policy raykv ships and Belady's bound.
     routing: 16 simulated H100 nodes, raykv's router and shared tiers against the baselines'
-    routers. scale: 4..1024 nodes at a constant load per node."""
+    routers. scale: 4..1024 nodes at a constant load per node. fig10: Mooncake's Fig. 10
+    setting, 10 nodes x 3M tokens, local caches against raykv's global cache."""
     from cluster.tools import sim
 
     unknown = sorted(set(part or ()) - set(sim.PARTS))

@@ -13,6 +13,9 @@
                hit ratio; and one global cache of the same total capacity
     scale      4 to 1024 nodes at a constant load per node: hit ratio, TTFT, cross-node
                bytes, directory operations per shard, shard imbalance, the simulator's speed
+    fig10      Mooncake's Fig. 10 setting (10 nodes x 3M tokens of LLaMA3-70B in DRAM): local
+               caches against raykv's global one, under LRU and raykv's default policy, beside
+               the paper's figures (cluster/tools/sim_fig10.py); figures, no goal
 
 Ratios (no rounds: the simulation is deterministic, so each is one exact figure):
     eviction_vs_belady_min     min over C >= 5k blocks of raykv's default policy / Belady
@@ -23,6 +26,8 @@ Ratios (no rounds: the simulation is deterministic, so each is one exact figure)
     sim_nodes_max              the most nodes simulated
     sim_speed_vs_realtime      trace seconds per wall second at N = 16
     directory_shard_imbalance  the busiest shard's key operations / the mean (N = 1024)
+
+Figures without a goal go under "figures" (fig10_local_hit_ratio, fig10_global_hit_ratio, ...).
 """
 
 from __future__ import annotations
@@ -44,11 +49,11 @@ from cluster.core.trace_format import (
     read_trace,
     unlimited_hit_ratio,
 )
-from cluster.tools import sim_parts, sim_plot
+from cluster.tools import sim_fig10, sim_parts, sim_plot
 from cluster.tools.bench.harness import Report
 from policies.eviction import EVICTION_POLICIES, make_policy
 
-PARTS = ("eviction", "routing", "scale")
+PARTS = ("eviction", "routing", "scale", "fig10")
 CAPACITIES_BLOCKS = (1000, 2000, 5000, 10000, 20000, 50000)
 GOAL_MIN_CAPACITY_BLOCKS = 5000  # about one node's terabyte of DRAM for LLaMA3-70B
 EVICTION_GOALS = {"eviction_vs_belady_min": {"min": 0.8}, "eviction_vs_lru_min": {"min": 1.0}}
@@ -58,7 +63,8 @@ ROUTING_GOALS = {"sim_ttft_p50_vs_best_peer": {"max": 0.8},
 SCALE_GOALS = {"sim_nodes_max": {"min": 1024}, "sim_speed_vs_realtime": {"min": 100},
                "directory_shard_imbalance": {"max": 1.2}}
 GOALS = {**EVICTION_GOALS, **ROUTING_GOALS, **SCALE_GOALS}
-PART_GOALS = {"eviction": EVICTION_GOALS, "routing": ROUTING_GOALS, "scale": SCALE_GOALS}
+PART_GOALS = {"eviction": EVICTION_GOALS, "routing": ROUTING_GOALS, "scale": SCALE_GOALS,
+              "fig10": {}}
 MODEL = "small-llama"  # only names the key chain's root; eviction does not depend on it
 Step = Callable[[str], None]
 
@@ -146,6 +152,10 @@ def run(trace_path: str, json_path: str | None = None, plot_path: str | None = N
 
         if "eviction" in parts:
             _eviction(report, requests, chains, step)
+        if "fig10" in parts:
+            report["fig10"] = sim_fig10.fig10_part(requests, step)
+            report["figures"] = {**report.result.get("figures", {}),
+                                 **sim_fig10.fig10_figures(report["fig10"])}
         if "routing" in parts:
             report["routing"] = sim_parts.routing_part(requests, step)
             _set_ratios(report, sim_parts.routing_ratios(report["routing"]))

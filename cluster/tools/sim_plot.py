@@ -3,6 +3,8 @@
     eviction  hit ratio against capacity, one line per policy, Belady and the unlimited cache
     routing   TTFT p50 and p99 per router (bars), each router's hit ratio in its label
     scale     TTFT p50 / p99 and hit ratio against the number of nodes; shard imbalance
+    fig10     local against global hit ratios per eviction policy, the paper's beside them;
+              left raykv's token hit ratio, right the mean of the per-request ratios
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ def plot(result: dict, png_path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [part for part in ("eviction", "routing", "scale") if part in result]
+    rows = [part for part in ("eviction", "routing", "scale", "fig10") if part in result]
+    if not rows:
+        return
     fig, axes = plt.subplots(len(rows), 2, figsize=(12, 4.5 * len(rows)), squeeze=False)
     for row, part in zip(axes, rows, strict=True):
-        {"eviction": _eviction, "routing": _routing, "scale": _scale}[part](row, result[part])
+        {"eviction": _eviction, "routing": _routing, "scale": _scale,
+         "fig10": _fig10}[part](row, result[part])
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
@@ -96,3 +101,32 @@ def _scale(row, scale: dict) -> None:
     axis.legend(fontsize=8)
     axis.grid(True, which="both", alpha=0.3)
     axis.set_title(f"scale{note}", fontsize=9)
+
+
+def _fig10(row, fig10: dict) -> None:
+    paper = fig10["paper"]
+    for axis, key, what in ((row[0], "hit_ratio", "hit tokens / input tokens"),
+                            (row[1], "request_hit_ratio_mean", "mean of per-request ratios")):
+        labels, values = [], []
+        for eviction, runs in fig10["policies"].items():
+            for router, figures in runs["local"].items():
+                labels.append(f"local {router}\n{eviction}")
+                values.append(figures[key])
+            for router, figures in runs["global"].items():
+                labels.append(f"global {router}\n{eviction}")
+                values.append(figures[key])
+            labels.append(f"pooled\n{eviction}")
+            values.append(runs["pooled"][key])
+        axis.bar(range(len(values)), [100 * v for v in values],
+                 color=["tab:red" if "global" in n else "tab:blue" if "local" in n else "grey"
+                        for n in labels])
+        for name, color in (("local_hit_ratio", "tab:blue"), ("global_hit_ratio", "tab:red")):
+            axis.axhline(100 * paper[name], color=color, linestyle="--", linewidth=0.8,
+                         label=f"paper, {name.split('_')[0]}: {100 * paper[name]:.1f}%")
+        axis.set_xticks(list(range(len(labels))))
+        axis.set_xticklabels(labels, fontsize=6, rotation=30, ha="right")
+        axis.set_ylabel(f"hit ratio (%): {what}")
+        axis.set_title(f"fig10: {fig10['num_nodes']} nodes x {fig10['blocks_per_node']} "
+                       "blocks of DRAM", fontsize=9)
+        axis.legend(fontsize=7)
+        axis.grid(True, axis="y", alpha=0.3)
