@@ -104,3 +104,16 @@ def test_memcpy_put_copies_kv_pages_into_the_private_buffers_with_copy_pages():
     assert pages.contenders(session, 64)["memcpy_put"](0) > 0
     for p in range(4):
         common.check_same(targets[p], kv[:, :, :, page_slices(p, 16)], f"page {p}")
+
+
+def test_every_batch_of_tokens_is_distinct_and_within_the_token_id_space():
+    """A full run puts ~1,000 fresh batches; their ids must stay valid uint32 token ids
+    (a stride of 1 << 24 overflowed past batch 255) and never overlap."""
+    from cluster.core.keys import MAX_TOKEN_ID
+
+    last = pages.batch_tokens(pages.MAX_BATCHES - 1, 32768)
+    assert int(last.max()) <= MAX_TOKEN_ID
+    first, second = pages.batch_tokens(1, 32768), pages.batch_tokens(2, 256)
+    assert int(first.max()) < int(second.min())
+    with pytest.raises(ValueError):
+        pages.batch_tokens(pages.MAX_BATCHES, 16)

@@ -61,7 +61,8 @@ SMALL_REPS, LARGE_REPS, LARGE_TOKENS = 15, 5, 8192  # calls per figure: more for
 FOOTPRINT_COPIES = 6
 MEMORY_FRACTION = 0.25  # of MemAvailable: the machine is shared
 HOST_REQUESTS = 3  # the host tier holds batch 0, one put and a spare
-TOKEN_STRIDE = 1 << 24  # batch b's tokens start at b * TOKEN_STRIDE
+TOKEN_STRIDE = 1 << 16  # batch b's tokens start at b * TOKEN_STRIDE (> any request's tokens)
+MAX_BATCHES = (1 << 32) // TOKEN_STRIDE  # token ids are uint32: a full run puts ~1,000 batches
 OBJECT_STORE_BYTES = 256 * MiB
 GOALS = {"small_page_overhead_us": {"max": 5.0}, "get_256_tokens_vs_noop_call": {"max": 1.5},
          "get_32k_tokens_vs_memcpy": {"min": 0.8}}
@@ -167,7 +168,7 @@ class Session:
     unmet: dict = dataclasses.field(default_factory=dict)  # (figure, tokens) -> why
 
     def tokens(self, batch: int, num_tokens: int) -> np.ndarray:
-        return np.arange(num_tokens, dtype=np.int64) + batch * TOKEN_STRIDE
+        return batch_tokens(batch, num_tokens)
 
     def get(self, num_tokens: int) -> None:
         got, _ = self.client.get(self.tokens(0, num_tokens), out=self.out)
@@ -252,6 +253,13 @@ def get_s(session: Session, num_tokens: int, reps: int, warm: bool) -> float:
                    "a warm get asked the node: its notes went stale" if warm else
                    "a cold get did not take every page through the node's acquire")
     return seconds
+
+
+def batch_tokens(batch: int, num_tokens: int) -> np.ndarray:
+    """Batch `batch`'s token ids: distinct from every other batch's, and valid token ids."""
+    if not 0 <= batch < MAX_BATCHES or not 0 < num_tokens <= TOKEN_STRIDE:
+        raise ValueError(f"batch {batch} of {num_tokens} tokens is outside the token id space")
+    return np.arange(num_tokens, dtype=np.int64) + batch * TOKEN_STRIDE
 
 
 def put_s(session: Session, num_tokens: int, reps: int) -> float:
