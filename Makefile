@@ -101,7 +101,7 @@ unit: $(STAMP)
 # One benchmark at a time (each starts its own Ray); a run that fails goes on to the next and
 # the target fails at the end. `make bench BENCH_DIR=docs/bench` re-records the docs' runs.
 BENCH_DIR ?= out/bench
-BENCHES ?= hashing tiers directory remote ttft serve elastic tax burst faults
+BENCHES ?= hashing tiers pages directory remote ttft serve trace elastic tax burst faults
 bench: system-deps $(STAMP)
 	mkdir -p $(BENCH_DIR)
 	status=0; for name in $(BENCHES); do \
