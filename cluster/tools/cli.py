@@ -36,6 +36,7 @@ app.command("tax", help="The per-token latency tax of KV pages on disk, measured
 # name -> module with `run(json_path: str | None, quick: bool) -> dict`
 BENCHMARKS = {
     "tiers": "cluster.tools.bench.tiers",
+    "pages": "cluster.tools.bench.pages",
     "hashing": "cluster.tools.bench.hashing",
     "directory": "cluster.tools.bench.directory",
     "remote": "cluster.tools.bench.remote",
@@ -79,6 +80,8 @@ def _register_plotted(name: str, help_text: str) -> None:
 
 
 _register("tiers", "Host/disk get and put vs memcpy, fio, Redis and Ray's object store.")
+_register("pages", "Get and put latency per page (16-, 64-, 256-token pages, 256 to 32,768 "
+                   "tokens) vs a memcpy of the same bytes and a no-op call.")
 _register("hashing", "Page-key hashing cost in ns per token.")
 _register("directory", "Longest-prefix lookup latency vs a no-op RPC and Redis EXISTS.")
 _register("remote", "Cross-node get throughput vs a raw Ray object transfer.")

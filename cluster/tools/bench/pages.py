@@ -1,0 +1,418 @@
+"""`raykv bench pages`: what a get and a put cost per page, for small and large pages.
+
+Pages of 16, 64 and 256 tokens (--quick: 16), requests of 256 to 32,768 tokens (--quick: 256,
+4,096 and 32,768), the KV geometry of Llama-3.1-8B (common.LLAMA_8B_KV: 32 layers, 8 kv heads,
+head_dim 128, bf16: 2 x 32 x 8 x 128 x 2 B = 128 KiB per token) with its layers scaled down by
+a power of two until the run fits the machine's memory (fit_plan; the JSON says how far). For
+each page size one service runs; batch 0 (the largest request) is put once and every get
+reads a prefix of it. Per request size, every contender runs once a round in rotating order
+(harness.interleave); a figure is the median of `reps` calls:
+
+    memcpy_get  copies.copy_pages (the routine and threads client.get copies with) from the
+                host-tier slots of the request's pages into out's page slices: the get's bytes
+    get         client.get(tokens, out=out) after the client dropped its notes of the pages:
+                the node's acquire and the directory match sent together, the copies, the
+                release: a replica's first get of a prefix (tiers' cold_get)
+    warm_get    the same get right after another: copies from the noted slots, no call
+    noop        a no-op call to the node actor (ping), awaited as the client awaits its calls
+    memcpy_put  copies.copy_pages from kv's page slices into private page buffers
+    put         client.put of fresh tokens: reserve call, copies, commit call (the pages are
+                discarded afterwards, untimed, so that the next put finds room)
+
+Ratios (contract), at 16-token pages (vLLM's block size), each the median of per-round values:
+    small_page_overhead_us       (get - memcpy_get) / pages, at 4,096 tokens        (<= 5)
+    get_256_tokens_vs_noop_call  get / noop, at 256 tokens                          (<= 1.5)
+    get_32k_tokens_vs_memcpy     memcpy_get / get (as rates), at 32,768 tokens      (>= 0.8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
+
+from cluster.calls import Wait, run_sync
+from cluster.core.config import CacheConfig
+from cluster.core.copies import COPY_THREADS, copy_pages
+from cluster.core.kvcheck import page_slices
+from cluster.core.spec import ModelSpec
+from cluster.tools.bench import common, harness
+
+MiB = common.MiB
+FULL_SPEC = common.LLAMA_8B_KV
+PAGE_TOKENS = (16, 64, 256)
+QUICK_PAGE_TOKENS = (16,)
+REQUEST_TOKENS = (256, 1024, 4096, 16384, 32768)
+QUICK_REQUEST_TOKENS = (256, 4096, 32768)
+RATIO_PAGE_TOKENS = 16
+CONTENDERS = ("memcpy_get", "get", "warm_get", "noop", "memcpy_put", "put")
+ROUNDS = 5
+SMALL_REPS, LARGE_REPS, LARGE_TOKENS = 15, 5, 8192  # calls per figure: more for short calls
+# Bytes the largest request is held in at once: kv, out, put's page buffers, and in the host
+# tier batch 0 and one put (page_kv's source pool, freed, is a sixth while kv is made).
+FOOTPRINT_COPIES = 6
+MEMORY_FRACTION = 0.25  # of MemAvailable: the machine is shared
+HOST_REQUESTS = 3  # the host tier holds batch 0, one put and a spare
+TOKEN_STRIDE = 1 << 24  # batch b's tokens start at b * TOKEN_STRIDE
+OBJECT_STORE_BYTES = 256 * MiB
+GOALS = {"small_page_overhead_us": {"max": 5.0}, "get_256_tokens_vs_noop_call": {"max": 1.5},
+         "get_32k_tokens_vs_memcpy": {"min": 0.8}}
+# name -> (how, raykv's figure, the baseline's, request tokens), at RATIO_PAGE_TOKENS;
+# "overhead": (a - b) / pages in us, "ratio": a / b (seconds), "floor": (a + b) / a.
+RATIOS = {
+    "small_page_overhead_us": ("overhead", "get", "memcpy_get", 4096),
+    "get_256_tokens_vs_noop_call": ("ratio", "get", "noop", 256),
+    "get_32k_tokens_vs_memcpy": ("ratio", "memcpy_get", "get", 32768),
+    "get_256_tokens_floor_vs_noop_call": ("floor", "noop", "memcpy_get", 256),
+    "small_page_warm_overhead_us": ("overhead", "warm_get", "memcpy_get", 4096),
+    "warm_get_32k_tokens_vs_memcpy": ("ratio", "memcpy_get", "warm_get", 32768),
+    "small_page_put_overhead_us": ("overhead", "put", "memcpy_put", 4096),
+    "put_32k_tokens_vs_memcpy": ("ratio", "memcpy_put", "put", 32768),
+}
+
+
+# ---- the plan (pure) -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    spec: ModelSpec  # FULL_SPEC, its layers scaled down to fit
+    page_tokens: tuple[int, ...]
+    request_tokens: tuple[int, ...]
+    rounds: int
+    budget_bytes: int
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.request_tokens)
+
+    @property
+    def layer_scale(self) -> int:
+        """How many times fewer layers than Llama-3.1-8B's (1: the real geometry)."""
+        return FULL_SPEC.num_layers // self.spec.num_layers
+
+
+def footprint_bytes(spec: ModelSpec, max_tokens: int) -> int:
+    return FOOTPRINT_COPIES * max_tokens * spec.bytes_per_token
+
+
+def fit_plan(budget_bytes: int, page_tokens: tuple[int, ...], request_tokens: tuple[int, ...],
+             rounds: int) -> Plan:
+    """The most layers of FULL_SPEC (halving from 32) whose run fits `budget_bytes` with every
+    request size; at one layer, the request sizes that fit (at least the smallest)."""
+    layers = FULL_SPEC.num_layers
+    while layers > 1 and footprint_bytes(_with_layers(layers), max(request_tokens)) > \
+            budget_bytes:
+        layers //= 2
+    spec = _with_layers(layers)
+    fitting = tuple(n for n in request_tokens if footprint_bytes(spec, n) <= budget_bytes)
+    return Plan(spec, page_tokens, fitting or request_tokens[:1], rounds, budget_bytes)
+
+
+def _with_layers(num_layers: int) -> ModelSpec:
+    if num_layers == FULL_SPEC.num_layers:
+        return FULL_SPEC
+    return dataclasses.replace(FULL_SPEC, name=f"{FULL_SPEC.name}-{num_layers}l",
+                               num_layers=num_layers)
+
+
+def reps_for(num_tokens: int) -> int:
+    return SMALL_REPS if num_tokens < LARGE_TOKENS else LARGE_REPS
+
+
+def memory_budget_bytes() -> int:
+    """MEMORY_FRACTION of the memory the kernel says is available now."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return int(available * MEMORY_FRACTION)
+
+
+def round_values(how: str, numerators: list[float], denominators: list[float],
+                 num_pages: int) -> list[float]:
+    """Per-round values of one RATIOS entry from two contenders' per-round seconds."""
+    if how == "overhead":
+        return [(a - b) / num_pages * 1e6 for a, b in zip(numerators, denominators, strict=True)]
+    if how == "floor":
+        return [(a + b) / a for a, b in zip(numerators, denominators, strict=True)]
+    return harness.per_round_ratios(numerators, denominators)
+
+
+# ---- one page size: the service, its tensors, the contenders --------------------------------
+
+
+@dataclass(slots=True)
+class Session:
+    """One page size's service and client, kv and out for the largest request (batch 0's
+    tokens), private page buffers for the put's memcpy, and the paths not taken."""
+
+    plan: Plan
+    page_tokens: int
+    client: object
+    kv: torch.Tensor
+    out: torch.Tensor
+    targets: torch.Tensor  # [pages, *page_shape]
+    num_batches: int = 1  # batch 0 is put at the start
+    unmet: dict = dataclasses.field(default_factory=dict)  # (figure, tokens) -> why
+
+    def tokens(self, batch: int, num_tokens: int) -> np.ndarray:
+        return np.arange(num_tokens, dtype=np.int64) + batch * TOKEN_STRIDE
+
+    def get(self, num_tokens: int) -> None:
+        got, _ = self.client.get(self.tokens(0, num_tokens), out=self.out)
+        if got != num_tokens:
+            raise RuntimeError(f"get returned {got} of {num_tokens} tokens")
+
+    def expect(self, figure: str, num_tokens: int, taken: bool, why: str) -> None:
+        if not taken:
+            self.unmet.setdefault((figure, num_tokens), why)
+
+
+def service_config(plan: Plan, page_tokens: int, disk_dir: str) -> CacheConfig:
+    """The host tier on top (no device tier) and no disk tier: nothing is demoted."""
+    return CacheConfig(page_tokens=page_tokens, device_bytes=0, disk_bytes=0,
+                       host_bytes=HOST_REQUESTS * plan.max_tokens * plan.spec.bytes_per_token,
+                       eviction="lru", disk_codec="none", disk_dir=disk_dir)
+
+
+def start_session(plan: Plan, page_tokens: int, disk_dir: str) -> Session:
+    """The service, batch 0 put and read back byte for byte."""
+    client = common.start_service(service_config(plan, page_tokens, disk_dir), plan.spec)
+    if client.local is None:
+        raise RuntimeError("the client does not map this node's slabs: no host tier path")
+    num_pages = plan.max_tokens // page_tokens
+    kv = common.page_kv(plan.spec, page_tokens, num_pages)
+    targets = torch.empty((num_pages, *plan.spec.page_shape(page_tokens)), dtype=kv.dtype)
+    targets.view(torch.uint8).fill_(0xA5)
+    session = Session(plan, page_tokens, client, kv, common.touched_like(kv), targets)
+    if client.put(session.tokens(0, plan.max_tokens), kv) != plan.max_tokens:
+        raise RuntimeError("batch 0 was not stored whole")
+    session.get(plan.max_tokens)
+    common.check_same(session.out, kv, "batch 0")
+    return session
+
+
+def _noop_steps(node):
+    """One no-op call to the node actor, awaited as the client's calls are."""
+    return (yield Wait([node.ping()]))
+
+
+def memcpy_get_s(session: Session, num_tokens: int, reps: int) -> float:
+    """copy_pages from the request's host-tier slots (held under a lease, untimed) into out."""
+    client, page_tokens = session.client, session.page_tokens
+    keys = client.keys(session.tokens(0, num_tokens))
+    stamp, lease_id, slots = ray.get(client.local.acquire(client.geometry, keys))
+    try:
+        common.map_slabs(client, stamp)
+        pages = client.view.slabs.pages(slots)
+        session.expect("memcpy_get", num_tokens, len(pages) == len(keys),
+                       "batch 0's pages are not all in this node's host tier")
+        pairs = [(session.out[:, :, :, page_slices(p, page_tokens)], page)
+                 for p, page in enumerate(pages)]
+        seconds = common.warm_median_s(lambda: copy_pages(pairs), reps)
+    finally:
+        ray.get(client.local.release(lease_id))
+    window = slice(0, num_tokens)
+    common.check_same(session.out[:, :, :, window], session.kv[:, :, :, window], "memcpy_get")
+    return seconds
+
+
+def get_s(session: Session, num_tokens: int, reps: int, warm: bool) -> float:
+    """Gets of the request's tokens: each after another (warm: its notes are fresh) or after
+    the client dropped its notes (cold: every page through the node's acquire)."""
+    client, counters = session.client, session.client.counters
+    keys = client.keys(session.tokens(0, num_tokens))
+    num_pages = len(keys)
+
+    def once() -> float:
+        if warm:
+            session.get(num_tokens)
+        else:
+            client.view.slabs.forget(keys)
+        return common.timed(lambda: session.get(num_tokens))[0]
+
+    once()
+    local, optimistic = counters["local_pages"], counters["optimistic_pages"]
+    seconds = statistics.median(once() for _ in range(reps))
+    if warm:
+        session.expect("warm_get", num_tokens, counters["optimistic_pages"] - optimistic
+                       == 2 * reps * num_pages,  # the untimed gets too
+                       "a warm get asked the node: its notes went stale")
+    else:
+        session.expect("get", num_tokens, counters["optimistic_pages"] == optimistic and
+                       counters["local_pages"] - local == reps * num_pages,
+                       "a cold get did not take every page through the node's acquire")
+    return seconds
+
+
+def put_s(session: Session, num_tokens: int, reps: int) -> float:
+    """Puts of fresh tokens; each one's pages discarded afterwards (untimed)."""
+    client = session.client
+    kv = session.kv[:, :, :, :num_tokens]
+
+    def once() -> float:
+        tokens = session.tokens(session.num_batches, num_tokens)
+        session.num_batches += 1
+        seconds, stored = common.timed(lambda: client.put(tokens, kv))
+        session.expect("put", num_tokens, stored == num_tokens, "a put was not stored whole")
+        ray.get(client.local.discard(client.geometry, client.keys(tokens)))
+        return seconds
+
+    return statistics.median(once() for _ in range(reps))
+
+
+def contenders(session: Session, num_tokens: int) -> dict[str, Callable[[int], float]]:
+    """Every contender for one request size: seconds per call (median of its reps)."""
+    reps, client = reps_for(num_tokens), session.client
+    num_pages = num_tokens // session.page_tokens
+    put_pairs = [(session.targets[p], session.kv[:, :, :, page_slices(p, session.page_tokens)])
+                 for p in range(num_pages)]
+    noop = lambda: run_sync(_noop_steps(client.local), client.timeout_s)  # noqa: E731
+    return {"memcpy_get": lambda _: memcpy_get_s(session, num_tokens, reps),
+            "get": lambda _: get_s(session, num_tokens, reps, warm=False),
+            "warm_get": lambda _: get_s(session, num_tokens, reps, warm=True),
+            "noop": lambda _: common.warm_median_s(noop, reps),
+            "memcpy_put": lambda _: common.warm_median_s(lambda: copy_pages(put_pairs), reps),
+            "put": lambda _: put_s(session, num_tokens, reps)}
+
+
+def measure_page_size(plan: Plan, page_tokens: int, disk_dir: str,
+                      step: Callable[[str], None]) -> dict:
+    """Every request size's per-round seconds, medians and paths not taken."""
+    session = start_session(plan, page_tokens, disk_dir)
+    per_request: dict[str, dict] = {}
+    for num_tokens in plan.request_tokens:
+        step(f"{page_tokens}-token pages, {num_tokens} tokens")
+        rounds = harness.interleave(contenders(session, num_tokens), plan.rounds)
+        per_request[str(num_tokens)] = {
+            "pages": num_tokens // page_tokens, "seconds": common.medians(rounds),
+            "rounds": rounds, "us_per_page": {name: s / (num_tokens // page_tokens) * 1e6
+                                              for name, s in common.medians(rounds).items()}}
+    unmet = {f"{figure}@{tokens}": why for (figure, tokens), why in session.unmet.items()}
+    del session
+    common.stop_service()
+    return {"page_bytes": plan.spec.page_bytes(page_tokens), "per_request": per_request,
+            "not_taken": unmet}
+
+
+# ---- report --------------------------------------------------------------------------------
+
+
+def set_ratios(report: harness.Report, per_page: dict) -> None:
+    """RATIOS at RATIO_PAGE_TOKENS; null where a request size was not run or a figure's path
+    was not taken."""
+    main = per_page.get(str(RATIO_PAGE_TOKENS))
+    for name, (how, numerator, denominator, tokens) in RATIOS.items():
+        figures = main["per_request"].get(str(tokens)) if main else None
+        if figures is None:
+            report.not_exercised(name, f"{tokens}-token requests were not run (memory)")
+            continue
+        why = [main["not_taken"].get(f"{f}@{tokens}") for f in (numerator, denominator)]
+        if any(why):
+            report.not_exercised(name, next(w for w in why if w))
+            continue
+        values = round_values(how, figures["rounds"][numerator], figures["rounds"][denominator],
+                              figures["pages"])
+        report.ratio(name, statistics.median(values), values)
+
+
+def notes(plan: Plan) -> list[str]:
+    full_kib, kib = FULL_SPEC.bytes_per_token // 1024, plan.spec.bytes_per_token // 1024
+    return [
+        f"geometry: Llama-3.1-8B's KV is 2 x 32 layers x 8 kv heads x 128 x 2 B = {full_kib} KiB "
+        f"per token; this run used {plan.spec.num_layers} layers ({kib} KiB per token, "
+        f"1/{plan.layer_scale} of it) so that {FOOTPRINT_COPIES} copies of the largest request "
+        f"({plan.max_tokens} tokens) fit in {MEMORY_FRACTION:.0%} of MemAvailable "
+        f"({plan.budget_bytes / 2**30:.1f} GiB); a {RATIO_PAGE_TOKENS}-token page is "
+        f"{plan.spec.page_bytes(RATIO_PAGE_TOKENS) // 1024} KiB here, "
+        f"{FULL_SPEC.page_bytes(RATIO_PAGE_TOKENS) // MiB} MiB at 32 layers",
+        "scaling: the copies scale with bytes per token and the per-page and per-call costs do "
+        "not, so at 32 layers get_32k_tokens_vs_memcpy would be higher (the overhead a smaller "
+        "share), small_page_overhead_us about the same, and get_256_tokens_vs_noop_call higher "
+        "(its memcpy alone is get_256_tokens_floor_vs_noop_call - 1 no-op calls here, 1/"
+        f"{plan.layer_scale} of what it would be)",
+        f"ratios at {RATIO_PAGE_TOKENS}-token pages (per_page_tokens: every size's figures), "
+        "each the median of per-round values (spread); every contender runs once a round in "
+        "rotating order (harness.interleave); a figure is the median of reps calls",
+        "get: the client's first get of a prefix (notes dropped: the node's acquire and the "
+        "directory match sent together, copies, release); warm_get: a get right after another "
+        f"(copies from noted slots, no call); both copy with copies.copy_pages ({COPY_THREADS} "
+        "threads for a batch >= 8 MiB), as the memcpy baselines do over the same bytes: "
+        "memcpy_get from the same host-tier slots into the same out",
+        "noop: NodeHandle.ping awaited through cluster.calls (the node actor answers at once)",
+        "put: reserve call, copies into the host tier, commit call; pages discarded after, "
+        "untimed; memcpy_put: kv's page slices into private page buffers",
+        "get_256_tokens_floor_vs_noop_call: (noop + memcpy_get) / noop at 256 tokens, the "
+        "least a get with one call can cost; the small_page_*_overhead_us and *_vs_memcpy "
+        "ratios without a goal are shown alongside (warm gets, puts)",
+        "the machine is shared: see machine.loadavg_*",
+    ]
+
+
+def _config(plan: Plan, quick: bool) -> dict:
+    return {"page_tokens": list(plan.page_tokens), "request_tokens": list(plan.request_tokens),
+            "rounds": plan.rounds, "reps": {"small": SMALL_REPS, "large": LARGE_REPS,
+                                            "large_from_tokens": LARGE_TOKENS},
+            "model": "Llama-3.1-8B", "num_layers": plan.spec.num_layers,
+            "full_num_layers": FULL_SPEC.num_layers, "bytes_per_token": plan.spec.bytes_per_token,
+            "full_bytes_per_token": FULL_SPEC.bytes_per_token, "budget_bytes": plan.budget_bytes,
+            "copy_threads": COPY_THREADS, "top_tier": "host (device_bytes=0, disk_bytes=0)",
+            "quick": quick}
+
+
+def print_report(result: dict) -> None:
+    rows = []
+    for page_tokens, size in result["per_page_tokens"].items():
+        for num_tokens, figures in size["per_request"].items():
+            us = figures["us_per_page"]
+            rows.append([f"{page_tokens} x {num_tokens}", *(f"{us[name]:.1f}" for name in
+                                                             CONTENDERS)])
+    common.print_tables([common.table("raykv pages: us per page (medians)",
+                                      ["pages x tokens", *CONTENDERS], rows)])
+
+
+def run(json_path: str | None, quick: bool) -> dict:
+    plan = fit_plan(memory_budget_bytes(), QUICK_PAGE_TOKENS if quick else PAGE_TOKENS,
+                    QUICK_REQUEST_TOKENS if quick else REQUEST_TOKENS,
+                    harness.MIN_ROUNDS if quick else ROUNDS)
+    report = harness.Report("pages", "us per page, ratios", _config(plan, quick), GOALS,
+                            notes(plan) + (["quick run: fewer sizes"] if quick else []))
+    disk_root = tempfile.mkdtemp(prefix="raykv-bench-pages-", dir="/tmp")
+    started_ray = common.ensure_local_ray(OBJECT_STORE_BYTES)
+    per_page: dict[str, dict] = {}
+    try:
+        per_page = measure_all(plan, disk_root)
+    finally:
+        common.stop_service()
+        shutil.rmtree(disk_root, ignore_errors=True)
+        if started_ray:
+            ray.shutdown()
+    report["per_page_tokens"] = per_page
+    report["ratio_basis"] = f"{RATIO_PAGE_TOKENS}-token pages"
+    set_ratios(report, per_page)
+    print_report(report.result)
+    return report.finish(json_path)
+
+
+def measure_all(plan: Plan, disk_root: str) -> dict[str, dict]:
+    from rich.progress import Progress
+
+    per_page: dict[str, dict] = {}
+    with Progress() as progress:
+        steps = common.Steps(progress, "pages", len(plan.page_tokens) * len(plan.request_tokens))
+        for page_tokens in plan.page_tokens:
+            disk_dir = os.path.join(disk_root, f"service-{page_tokens}")
+            per_page[str(page_tokens)] = measure_page_size(plan, page_tokens, disk_dir, steps)
+            per_page[str(page_tokens)]["phase_s"] = steps.laps()
+    return per_page
