@@ -1,0 +1,250 @@
+"""Cost-based routing: send a request to the replica with the least estimated time to first
+token, and fetch only the part of its cached prefix that is cheaper to fetch than to recompute.
+
+Pure: the live router (cluster/serving/router.py) and the simulator's (cluster/core/
+sim_routers.py) feed it, per candidate replica, where it could read each page of the prompt's
+cached prefix from (its engine's own blocks, its node's device, host or disk tier, or another
+node) and its queue wait; and the rates, measured online (`observe_*` below).
+
+    ttft(replica) = queue wait
+                  + min over k in 0..n of  fetch(pages[:k]) + prefill(tokens - k * page_tokens)
+
+    fetch(pages)  = sum over the sources used: latency + pages' bytes / the source's bytes/s
+    prefill(t)    = t / the replica's prefill tokens/s
+
+An engine loads a prefix, then prefills the rest (a connector's lookup answers one token
+count), so the choice is a cut k: fetch the first k pages, recompute the others. A page behind
+a slow tier is recomputed when fetching it costs more than prefilling it; no hand-set
+threshold: the cut moves exactly where fetch time and recompute time cross (ties recompute:
+a fetch is made only when it is faster).
+
+Rates are exponentially weighted moving averages of what transfers and prefills took. They
+average seconds per byte (and per token), not bytes per second: a time estimate is bytes x
+seconds per byte, and the mean of the inverse rates is what makes it unbiased. The priors are
+optimistic about fetches, so a path is tried, and measured, before it can be judged slower
+than recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+ENGINE, DEVICE, HOST, DISK, REMOTE = "engine", "device", "host", "disk", "remote"
+SOURCES = (ENGINE, DEVICE, HOST, DISK, REMOTE)  # best first, as a replica reads them
+TIER_SOURCES = {0: DEVICE, 1: HOST, 2: DISK}  # the tiers' numbers (policies.routing)
+SAMPLE_WEIGHT = 0.2  # an EWMA's weight on a new sample: about the last 5 dominate
+GB = 10**9
+# Priors before anything is measured: the figures of these machines (docs: DESIGN.md),
+# rounded up: memcpy-class for the node's own tiers, a loopback socket for another node.
+PRIOR_PATHS = {ENGINE: (float("inf"), 0.0), DEVICE: (20 * GB, 0.0), HOST: (6 * GB, 0.0),
+               DISK: (2.5 * GB, 0.0), REMOTE: (1.8 * GB, 0.0)}
+PRIOR_PREFILL_TOKENS_PER_S = 2_000.0  # a small model on a few CPU cores
+
+
+@dataclass(frozen=True, slots=True)
+class PathRate:
+    """One fetch path: its bytes/s (from an EWMA of seconds per byte) and a fixed latency per
+    transfer (a prior: one transfer's time cannot tell latency from bandwidth)."""
+
+    bytes_per_s: float
+    latency_s: float = 0.0
+    num_samples: int = 0
+
+    def seconds(self, num_bytes: float) -> float:
+        if num_bytes <= 0:
+            return 0.0
+        return self.latency_s + num_bytes / self.bytes_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class RateEstimates:
+    """Every fetch path's rate (`SOURCES`) and each replica's prefill tokens/s."""
+
+    paths: Mapping[str, PathRate]
+    prefill_tokens_per_s: Mapping[str, float] = field(default_factory=dict)
+    prior_prefill_tokens_per_s: float = PRIOR_PREFILL_TOKENS_PER_S
+    prefill_samples: Mapping[str, int] = field(default_factory=dict)
+
+    def prefill_rate(self, replica_id: str) -> float:
+        """The replica's measured rate; before its first prefill, the mean of the others'
+        (replicas of one deployment run one model), else the prior."""
+        if replica_id in self.prefill_tokens_per_s:
+            return self.prefill_tokens_per_s[replica_id]
+        known = list(self.prefill_tokens_per_s.values())
+        return _harmonic_mean(known) if known else self.prior_prefill_tokens_per_s
+
+    def as_dict(self) -> dict:
+        """For `raykv status` and JSON: bytes/s, latency and samples per path; tokens/s and
+        samples per replica."""
+        return {"paths": {name: {"bytes_per_s": p.bytes_per_s, "latency_s": p.latency_s,
+                                 "num_samples": p.num_samples}
+                          for name, p in self.paths.items()},
+                "prefill_tokens_per_s": dict(self.prefill_tokens_per_s),
+                "prefill_samples": dict(self.prefill_samples)}
+
+
+def prior_rates(paths: Mapping[str, tuple[float, float]] | None = None,
+                prefill_tokens_per_s: float = PRIOR_PREFILL_TOKENS_PER_S) -> RateEstimates:
+    """Estimates before any measurement: `paths` is source -> (bytes/s, latency_s)."""
+    table = {**PRIOR_PATHS, **(paths or {})}
+    return RateEstimates({name: PathRate(bw, latency_s) for name, (bw, latency_s)
+                          in table.items()}, {}, prefill_tokens_per_s)
+
+
+def _ewma(old: float, sample: float, num_samples: int) -> float:
+    # The first sample replaces the prior outright: a measurement beats a guess.
+    return sample if num_samples == 0 else (1 - SAMPLE_WEIGHT) * old + SAMPLE_WEIGHT * sample
+
+
+def _harmonic_mean(rates: Sequence[float]) -> float:
+    return len(rates) / sum(1.0 / r for r in rates)
+
+
+def observe_transfer(rates: RateEstimates, source: str, num_bytes: int,
+                     seconds: float) -> RateEstimates:
+    """Rates after a transfer of `num_bytes` from `source` that took `seconds` (its latency
+    prior taken off). Nothing learnt from an empty or untimed transfer."""
+    path = rates.paths[source]
+    moving_s = seconds - path.latency_s
+    if num_bytes <= 0 or moving_s <= 0:
+        return rates
+    per_byte_s = _ewma(1.0 / path.bytes_per_s, moving_s / num_bytes, path.num_samples)
+    updated = replace(path, bytes_per_s=1.0 / per_byte_s, num_samples=path.num_samples + 1)
+    return replace(rates, paths={**rates.paths, source: updated})
+
+
+def observe_prefill(rates: RateEstimates, replica_id: str, num_tokens: int,
+                    seconds: float) -> RateEstimates:
+    """Rates after `replica_id` prefilled `num_tokens` in `seconds`."""
+    if num_tokens <= 0 or seconds <= 0:
+        return rates
+    count = rates.prefill_samples.get(replica_id, 0)
+    old = rates.prefill_tokens_per_s.get(replica_id, rates.prior_prefill_tokens_per_s)
+    per_token_s = _ewma(1.0 / old, seconds / num_tokens, count)
+    return replace(rates,
+                   prefill_tokens_per_s={**rates.prefill_tokens_per_s,
+                                         replica_id: 1.0 / per_token_s},
+                   prefill_samples={**rates.prefill_samples, replica_id: count + 1})
+
+
+def merge_paths(rates: RateEstimates, measured: Iterable[Mapping[str, PathRate]]
+                ) -> RateEstimates:
+    """The paths as several replicas measured them, pooled: per source the sample-weighted
+    mean of seconds per byte; a source nobody measured keeps `rates`' value."""
+    sums: dict[str, list[float]] = {}
+    for paths in measured:
+        for name, path in paths.items():
+            if path.num_samples:
+                total = sums.setdefault(name, [0.0, 0.0])
+                total[0] += path.num_samples / path.bytes_per_s
+                total[1] += path.num_samples
+    merged = dict(rates.paths)
+    for name, (weighted_s, count) in sums.items():
+        base = merged.get(name, PathRate(1.0))
+        merged[name] = replace(base, bytes_per_s=count / weighted_s, num_samples=int(count))
+    return replace(rates, paths=merged)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """The request, as costs see it: its tokens and its pages' size."""
+
+    num_tokens: int
+    page_tokens: int
+    page_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A replica that could serve the prompt: per page of the cached prefix, in order, the
+    best source it can read that page from; and how long its queue would make it wait."""
+
+    replica_id: str
+    sources: tuple[str, ...]
+    queue_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    replica_id: str
+    ttft_s: float
+    fetch_pages: int  # the cut: fetch pages [0, fetch_pages), recompute the rest
+    fetch_s: float
+    prefill_s: float
+    queue_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where the request goes and how much of its cached prefix that replica fetches."""
+
+    replica_id: str
+    fetch_pages: int
+    num_cached_pages: int  # of the chosen replica's prefix: pages it could fetch
+    estimates: tuple[Estimate, ...]
+
+    @property
+    def recompute(self) -> bool:
+        """The connector is to recompute cached pages (fetching them costs more)."""
+        return self.fetch_pages < self.num_cached_pages
+
+    @property
+    def chosen(self) -> Estimate:
+        return next(e for e in self.estimates if e.replica_id == self.replica_id)
+
+
+def prefill_s(prompt: Prompt, cached_pages: int, tokens_per_s: float) -> float:
+    """Prefill of what `cached_pages` leave; at least one token, whose logits start decoding."""
+    cached_tokens = min(cached_pages * prompt.page_tokens, max(0, prompt.num_tokens - 1))
+    return (prompt.num_tokens - cached_tokens) / tokens_per_s
+
+
+def estimate_ttft(candidate: Candidate, prompt: Prompt, rates: RateEstimates) -> Estimate:
+    """The candidate's TTFT at its best cut (see the module doc); the smallest cut of the
+    least cost, so a fetch is made only where it is strictly faster."""
+    tokens_per_s = rates.prefill_rate(candidate.replica_id)
+    usable = min(len(candidate.sources), max(0, prompt.num_tokens - 1) // prompt.page_tokens)
+    best_k, best_fetch_s = 0, 0.0
+    best_s = prefill_s(prompt, 0, tokens_per_s)
+    fetch_s, used = 0.0, set()
+    for k, source in enumerate(candidate.sources[:usable], start=1):
+        path = rates.paths[source]
+        fetch_s += prompt.page_bytes / path.bytes_per_s
+        if source not in used:
+            used.add(source)
+            fetch_s += path.latency_s
+        total_s = fetch_s + prefill_s(prompt, k, tokens_per_s)
+        if total_s < best_s:
+            best_k, best_fetch_s, best_s = k, fetch_s, total_s
+    return Estimate(candidate.replica_id, candidate.queue_wait_s + best_s, best_k,
+                    best_fetch_s, best_s - best_fetch_s, candidate.queue_wait_s)
+
+
+def decide(prompt: Prompt, candidates: Sequence[Candidate], rates: RateEstimates
+           ) -> Decision | None:
+    """The candidate of the least estimated TTFT (the first of equals: callers order
+    candidates to break ties), with its fetch-or-recompute cut. None without candidates."""
+    if not candidates:
+        return None
+    estimates = tuple(estimate_ttft(c, prompt, rates) for c in candidates)
+    best = min(range(len(estimates)), key=lambda i: estimates[i].ttft_s)
+    usable = max(0, prompt.num_tokens - 1) // prompt.page_tokens
+    return Decision(estimates[best].replica_id, estimates[best].fetch_pages,
+                    min(len(candidates[best].sources), usable), estimates)
+
+
+def best_sources(located: Sequence[Iterable[tuple[str, int]]], node_id: str,
+                 engine_pages: int = 0) -> tuple[str, ...]:
+    """Per page of a directory's answer ((node, tier) places per page of the longest cached
+    prefix), the best source a replica on `node_id` reads it from: its engine's own blocks
+    for the first `engine_pages`, else its node's best tier, else another node."""
+    sources = []
+    for index, places in enumerate(located):
+        if index < engine_pages:
+            sources.append(ENGINE)
+            continue
+        tiers = [tier for node, tier in places if node == node_id and tier in TIER_SOURCES]
+        sources.append(TIER_SOURCES[min(tiers)] if tiers else REMOTE)
+    sources.extend([ENGINE] * (engine_pages - len(sources)))
+    return tuple(sources)
