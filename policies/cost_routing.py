@@ -234,17 +234,24 @@ def decide(prompt: Prompt, candidates: Sequence[Candidate], rates: RateEstimates
                     min(len(candidates[best].sources), usable), estimates)
 
 
-def best_sources(located: Sequence[Iterable[tuple[str, int]]], node_id: str,
-                 engine_pages: int = 0) -> tuple[str, ...]:
-    """Per page of a directory's answer ((node, tier) places per page of the longest cached
-    prefix), the best source a replica on `node_id` reads it from: its engine's own blocks
-    for the first `engine_pages`, else its node's best tier, else another node."""
-    sources = []
+def best_sources(located: Sequence[Iterable[tuple[str, int]]], node_ids: Iterable[str],
+                 engine_pages: Mapping[str, int] | None = None) -> dict[str, tuple[str, ...]]:
+    """Per node, per page of a directory's answer ((node, tier) places per page of the
+    longest cached prefix), the best source a replica there reads it from: its engine's own
+    blocks for its first `engine_pages[node]`, else its node's best tier, else another node.
+    One pass over the answer, whatever the number of nodes."""
+    engine_pages = engine_pages or {}
+    nodes = list(node_ids)
+    sources: dict[str, list[str]] = {node: [] for node in nodes}
     for index, places in enumerate(located):
-        if index < engine_pages:
-            sources.append(ENGINE)
-            continue
-        tiers = [tier for node, tier in places if node == node_id and tier in TIER_SOURCES]
-        sources.append(TIER_SOURCES[min(tiers)] if tiers else REMOTE)
-    sources.extend([ENGINE] * (engine_pages - len(sources)))
-    return tuple(sources)
+        best: dict[str, int] = {}
+        for node, tier in places:
+            if tier in TIER_SOURCES and tier < best.get(node, len(TIER_SOURCES)):
+                best[node] = tier
+        for node in nodes:
+            held = engine_pages.get(node, 0) > index
+            sources[node].append(ENGINE if held else TIER_SOURCES[best[node]]
+                                 if node in best else REMOTE)
+    for node in nodes:
+        sources[node].extend([ENGINE] * (engine_pages.get(node, 0) - len(sources[node])))
+    return {node: tuple(s) for node, s in sources.items()}

@@ -12,9 +12,10 @@
                   directory, so that any node can fetch a page that another holds (over the
                   NIC); without it each node sees its own cache only (the local baselines)
 
-Per request (`serve`): due completions put their pages; the router picks a node; the node's
-plan is which pages of the prompt's full blocks it reads, and from where; TTFT = queue wait +
-fetch (per source: latency + bytes / bandwidth) + prefill of the rest (sim_profiles.py).
+Per request (`serve`): due completions put their pages; the router picks a node (and may cut
+its plan: fetch only the leading pages, recompute the rest); the node's plan is which pages
+of the prompt's full blocks it reads, and from where; TTFT = queue wait + fetch (per source:
+latency + bytes / bandwidth) + prefill of the rest (sim_profiles.py).
 """
 
 from __future__ import annotations
@@ -183,6 +184,15 @@ class SimDirectory:
         return self.merge(len(keys), positions, answers)
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A router's answer when it also decides how much of the cached prefix to fetch: the
+    node, and the leading pages of its plan that it reads (the rest are recomputed)."""
+
+    node: int
+    fetch_pages: int
+
+
 @dataclass(slots=True)
 class SimRequest:
     arrival_s: float
@@ -288,13 +298,16 @@ class SimCluster:
             self.directory.sync(self.streams[node])
 
     def serve(self, request: SimRequest, choose: Callable) -> float:
-        """One request through `choose(cluster, request, located) -> node`; its TTFT."""
+        """One request through `choose(cluster, request, located) -> node or Route`; its
+        TTFT. A plain node reads every page of its plan."""
         self.complete(request.arrival_s)
         if self.control is not None:
             self.control(self, request.arrival_s)
         located = self.locate(request.keys, request.arrival_s)
-        node = choose(self, request, located)
-        sources = self.plan(node, request.keys, located)
+        choice = choose(self, request, located)
+        node, fetch_pages = ((choice.node, choice.fetch_pages) if isinstance(choice, Route)
+                             else (choice, None))
+        sources = self.plan(node, request.keys, located)[:fetch_pages]
         local = [k for k, s in zip(request.keys, sources, strict=False) if s != REMOTE]
         self._count_gets(node, sources, located)
         if local:

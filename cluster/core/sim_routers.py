@@ -4,9 +4,10 @@ it) and the baselines, re-created from their public descriptions.
 Each router is `choose(cluster, request, located) -> node index`; `located` is the
 directory's answer (None for the local-cache baselines, which see their own node's cache).
 
-    raykv           prefix_scores(located) + rank_replicas(max_imbalance=1), then the least
-                    loaded node of the first rank, as Serve picks within a rank; without any
-                    hit, power of two choices (RaykvRouter's fallback). Shared tiers.
+    raykv           policies/cost_routing.decide: per node, queue wait + the cheapest cut of
+                    fetching the cached prefix (from its own tiers or another node's) and
+                    recomputing the rest + prefill; the least. Rates from the profile (the
+                    simulator is their oracle; the service measures them). Shared tiers.
     round_robin     node i mod N. Local caches.
     pow2            two nodes at random, the shorter queue: Ray Serve's default router,
                     https://docs.ray.io/en/latest/serve/advanced-guides/custom-request-router.html
@@ -39,12 +40,22 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from cluster.core.sim_cluster import SimCluster, SimRequest
+from cluster.core.sim_cluster import Route, SimCluster, SimRequest
 from cluster.core.trace_format import BLOCK_TOKENS
-from policies.routing import ReplicaLoad, has_hits, prefix_scores, rank_replicas
+from policies.cost_routing import DEVICE as DEVICE_PATH
+from policies.cost_routing import DISK as DISK_PATH
+from policies.cost_routing import HOST as HOST_PATH
+from policies.cost_routing import REMOTE as REMOTE_PATH
+from policies.cost_routing import (
+    Candidate,
+    Prompt,
+    RateEstimates,
+    best_sources,
+    decide,
+    prior_rates,
+)
 
-Choose = Callable[[SimCluster, SimRequest, list | None], int]
-RAYKV_MAX_IMBALANCE = 1  # RaykvRouter.initialize_state's default
+Choose = Callable[[SimCluster, SimRequest, list | None], int | Route]
 RAY_IMBALANCED_THRESHOLD = 10  # PrefixCacheAffinityRouter's default
 RAY_MATCH_RATE_THRESHOLD = 0.1
 DYNAMO_OVERLAP_WEIGHT = 1.0
@@ -82,21 +93,42 @@ class RoundRobin:
         return node
 
 
+def oracle_rates(cluster: SimCluster) -> RateEstimates:
+    """The rates the service measures online, read off the simulator's profile instead: each
+    path's bandwidth and latency as `SimCluster.fetch_s` charges them, and the profile's
+    prefill tokens/s (its linear term: the attention term, which grows with the context, is
+    left out, as a measured tokens/s averages over contexts)."""
+    p = cluster.profile
+    return prior_rates({DEVICE_PATH: (p.hbm_bytes_per_s, 0.0),
+                        HOST_PATH: (p.host_to_device_bytes_per_s, p.host_latency_s),
+                        DISK_PATH: (p.disk_bytes_per_s, p.disk_latency_s),
+                        REMOTE_PATH: (p.nic_bytes_per_s, p.nic_latency_s)},
+                       p.prefill_tokens_per_s(cluster.model))
+
+
 class Raykv:
-    """raykv's router: the service's pure functions on the directory's answer."""
+    """raykv's router: policies/cost_routing.decide, as RaykvRouter calls it, on the
+    directory's answer, each node's queue wait and the oracle's rates; the node of the least
+    estimated TTFT, reading only the pages that are faster to fetch than to recompute.
+    Candidates come in a seeded random order, so ties (idle nodes, no hit) spread."""
 
     def __init__(self, seed: int = 0) -> None:
-        self.fallback = Pow2(seed)
+        self.rng = random.Random(seed)
+        self.rates: RateEstimates | None = None
+        self.recomputed = 0  # requests cut short of their cached prefix
 
-    def __call__(self, cluster: SimCluster, request: SimRequest, located) -> int:
-        scores = prefix_scores(located or [], cluster.node_ids)
-        if not has_hits(scores):
-            return self.fallback(cluster, request, located)
-        queues = _queues(cluster, request.arrival_s)
-        loads = [ReplicaLoad(node_id, node_id, queues[i])
-                 for i, node_id in enumerate(cluster.node_ids)]
-        first = rank_replicas(loads, scores, RAYKV_MAX_IMBALANCE)[0]
-        return min((cluster.index_of[r] for r in first), key=lambda i: (queues[i], i))
+    def __call__(self, cluster: SimCluster, request: SimRequest, located) -> Route:
+        if self.rates is None:
+            self.rates = oracle_rates(cluster)
+        order = list(range(len(cluster.nodes)))
+        self.rng.shuffle(order)
+        sources = best_sources(located or [], cluster.node_ids)
+        candidates = [Candidate(cluster.node_ids[i], sources[cluster.node_ids[i]],
+                                cluster.queues[i].wait_s(request.arrival_s)) for i in order]
+        prompt = Prompt(request.input_tokens, BLOCK_TOKENS, cluster.page_bytes)
+        decision = decide(prompt, candidates, self.rates)
+        self.recomputed += decision.recompute
+        return Route(cluster.index_of[decision.replica_id], decision.fetch_pages)
 
 
 class PrefixAffinity:

@@ -158,10 +158,12 @@ def test_a_queue_outweighs_a_cached_prefix_when_it_is_longer_than_the_prefill_sa
 
 def test_best_sources_take_the_engine_then_this_nodes_best_tier_then_another_node():
     located = [(("a", 2), ("a", 0), ("b", 0)), (("a", 1),), (("b", 2),), (("b", 0),)]
-    assert best_sources(located, "a") == (DEVICE, HOST, REMOTE, REMOTE)
-    assert best_sources(located, "b") == (DEVICE, REMOTE, DISK, DEVICE)
-    assert best_sources(located, "a", engine_pages=2) == (ENGINE, ENGINE, REMOTE, REMOTE)
-    assert best_sources([], "a", engine_pages=2) == (ENGINE, ENGINE)
+    sources = best_sources(located, ["a", "b", "c"])
+    assert sources["a"] == (DEVICE, HOST, REMOTE, REMOTE)
+    assert sources["b"] == (DEVICE, REMOTE, DISK, DEVICE)
+    assert sources["c"] == (REMOTE,) * 4
+    assert best_sources(located, ["a"], {"a": 2})["a"] == (ENGINE, ENGINE, REMOTE, REMOTE)
+    assert best_sources([], ["a", "b"], {"a": 2}) == {"a": (ENGINE, ENGINE), "b": ()}
 
 
 # ---- rates measured online ----------------------------------------------------------------

@@ -14,13 +14,13 @@ from actors import handles
 from cluster.core import pool, sim_cluster, sim_routers
 from cluster.core.directory_index import DirectoryIndex
 from cluster.core.keys import shard_of
-from cluster.core.sim_cluster import REMOTE, SimCluster, SimDirectory, SimRequest
+from cluster.core.sim_cluster import REMOTE, Route, SimCluster, SimDirectory, SimRequest
 from cluster.core.sim_events import EngineQueue, num_copies, scale_trace
 from cluster.core.sim_profiles import PROFILES, ModelCost, llama3_70b
 from cluster.core.sim_routers import make_router
 from cluster.core.trace_format import BlockRequest
 from cluster.tools import sim_parts
-from policies import eviction, routing
+from policies import cost_routing, eviction
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,12 +171,28 @@ def test_raykv_and_mooncake_use_the_directory():
     late = SimRequest(5.0, [k("a"), k("b"), k("c")], 1536, 3)
     located = cluster.locate(late.keys)
     assert [sorted(p) for p in located] == [[("2", 0)], [("2", 0)]]
-    assert make_router("raykv")(cluster, late, located) == 2
+    assert make_router("raykv")(cluster, late, located) == Route(2, 2)
     assert make_router("mooncake")(cluster, late, located) == 2
-    busy(cluster, 2, 2)  # two ahead: raykv's rank drops it (imbalance > 1)
-    assert make_router("raykv")(cluster, late, located) != 2
-    # Mooncake: waiting ~195 s there costs more than fetching the prefix over the NIC
+    busy(cluster, 2, 2)
+    # Waiting ~195 s there costs more than fetching the prefix over the NIC (0.5 s + 2 s)
+    # or recomputing it (1 s): raykv recomputes elsewhere, Mooncake fetches elsewhere.
+    assert make_router("raykv")(cluster, late, located) in (Route(0, 0), Route(1, 0))
     assert make_router("mooncake")(cluster, late, located) != 2
+
+
+def test_raykv_recomputes_what_is_slower_to_fetch_and_the_cluster_honours_it():
+    cluster = toy_cluster(shared=True, num_nodes=2)
+    cluster.serve(SimRequest(0.0, [k("a"), k("b")], 1024, 2), to(0))
+    busy(cluster, 0, 1)  # node 0 busy for 100 s: node 1 must fetch (2.5 s) or recompute (1 s)
+    late = SimRequest(5.0, [k("a"), k("b"), k("c")], 1536, 3)
+    choose = make_router("raykv")
+    assert choose(cluster, late, cluster.locate(late.keys)) == Route(1, 0)
+    assert cluster.serve(late, choose) == pytest.approx(1.536)  # all prefilled, no NIC
+    assert cluster.tally.remote_bytes == 0 and choose.recomputed == 1
+    fast = dataclasses.replace(TOY_NODE, nic_bytes_per_s=1e9, nic_latency_s=0.0)
+    cluster.profile = fast
+    again = SimRequest(10.0, [k("a"), k("b"), k("c")], 1536, 3)
+    assert make_router("raykv")(cluster, again, cluster.locate(again.keys)).fetch_pages == 2
 
 
 def test_scaling_replicates_sessions_with_fresh_ids():
@@ -208,8 +224,8 @@ def test_the_simulator_runs_the_services_own_objects():
     assert sim_parts.merge_shard_prefixes is handles.merge_shard_prefixes
     assert handles.shard_of is shard_of
     # the router: the pure functions that cluster/serving/router.py imports and calls
-    for name in ("prefix_scores", "rank_replicas", "has_hits", "ReplicaLoad"):
-        assert getattr(sim_routers, name) is getattr(routing, name)
+    for name in ("decide", "best_sources", "Candidate", "Prompt"):
+        assert getattr(sim_routers, name) is getattr(cost_routing, name)
     service = ast.parse((ROOT / "cluster/serving/router.py").read_text())
     imported = {alias.name for node in ast.walk(service) if isinstance(node, ast.ImportFrom)
                 and node.module == "policies.routing" for alias in node.names}
