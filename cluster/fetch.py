@@ -108,7 +108,9 @@ def _copy_hinted(view: CacheView, keys: list, hints: list, out: torch.Tensor) ->
     pages = view.slabs.pages(hints)
     pairs = [(out[:, :, :, page_slices(p, view.page_tokens)], page)
              for p, page in enumerate(pages)]
+    started_s = time.perf_counter()
     yield Work(lambda: copy_pages(pairs))
+    view.note_copy(hints[: len(pages)], time.perf_counter() - started_s)
     good = view.slabs.num_unchanged(hints[: len(pages)])
     if good < len(hints):
         view.slabs.forget(keys[good : len(hints)])
@@ -137,8 +139,10 @@ def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None
     yield from _copy_local(view, (epoch, lease_id, slots), keys, out, arrived)
     groups = group_positions(sources, start + len(slots))
     remote_started_s = time.perf_counter()
+    remote_before = view.counters["remote_pages"]
     yield from _read_remote(view, keys, groups, out, arrived)
     view.fetch_s = time.perf_counter() - remote_started_s if groups else 0.0
+    view.note_remote(view.counters["remote_pages"] - remote_before, view.fetch_s)
     misses = np.flatnonzero(~arrived)
     return (int(misses[0]) if misses.size else total), out
 
@@ -168,7 +172,9 @@ def _copy_local(view: CacheView, acquired: tuple, keys: list, out: torch.Tensor,
             slots = slots[: len(pages)]
         pairs = [(out[:, :, :, page_slices(start + p, view.page_tokens)], page)
                  for p, page in enumerate(pages)]
+        started_s = time.perf_counter()
         yield Work(lambda: copy_pages(pairs))
+        view.note_copy(slots, time.perf_counter() - started_s)
     finally:
         if lease_id:
             view.home.release(lease_id)  # fire and forget: the copy is done
