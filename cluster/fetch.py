@@ -27,6 +27,7 @@ from actors.handles import merge_shard_prefixes
 from cluster.calls import Steps, Wait, Work, failed
 from cluster.core.copies import copy_pages
 from cluster.core.dataplane.endpoint import PageRead, TensorPages, tensor_buffers
+from cluster.core.geometry import DISK
 from cluster.core.kvcheck import page_slices
 from cluster.view import CacheView
 
@@ -43,6 +44,16 @@ def remote_sources(located: list, start: int, local_node: str | None) -> list[st
             break
         sources.append(others[0])
     return sources
+
+
+def num_disk_pages(located: list, local_node: str | None) -> int:
+    """Pages the directory places on this node's disk tier only: the node's acquire reads
+    them up before it answers."""
+    count = 0
+    for places in located:
+        tiers = [tier for node, tier in places if node == local_node]
+        count += bool(tiers) and min(tiers) == DISK
+    return count
 
 
 def group_positions(sources: list[str], start: int) -> dict[str, list[int]]:
@@ -67,6 +78,7 @@ class _Asked:
     acquired: list
     positions: list
     prefix_refs: list
+    sent_s: float  # perf_counter when sent: the acquire's round trip times disk reads
 
 
 def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps[tuple]:
@@ -92,7 +104,7 @@ def _ask(view: CacheView, keys: list, start: int) -> _Asked:
     local = view.local
     acquired = [local.acquire(view.geometry, keys[start:])] if local is not None else []
     positions, prefix_refs = view.directory.prefix_refs(keys[start:])
-    return _Asked(start, acquired, positions, prefix_refs)
+    return _Asked(start, acquired, positions, prefix_refs, time.perf_counter())
 
 
 def _drop(view: CacheView, asked: _Asked) -> Steps[None]:
@@ -125,9 +137,11 @@ def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None
     """The rest of the prefix from keys[asked.start:]: local slots, then other nodes."""
     start, rest = asked.start, keys[asked.start:]
     replies = yield Wait(asked.acquired + asked.prefix_refs)
+    answered_s = time.perf_counter() - asked.sent_s
     epoch, lease_id, slots = _acquired(view, replies[: len(asked.acquired)])
     located = located_prefix(view, rest, replies[len(asked.acquired):], asked.positions)
     local_node = view.local.node_id if view.local is not None else None
+    view.note_disk(num_disk_pages(located[: len(slots)], local_node), answered_s)
     sources = remote_sources(located, len(slots), local_node)
     total = start + len(slots) + len(sources)
     if total == start:  # nothing past the hinted pages (and so no lease was taken)

@@ -16,7 +16,7 @@ from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.slabs import LocalSlabs
 from cluster.touches import TouchBatch
-from policies.cost_routing import REMOTE, TIER_SOURCES
+from policies.cost_routing import DISK, REMOTE, TIER_SOURCES
 
 MAX_TRANSFERS = 64  # recent timed reads kept for whoever measures rates (the engine drains)
 
@@ -77,6 +77,12 @@ class CacheView:
         if len(tiers) == 1:
             self.transfers.append((TIER_SOURCES[tiers.pop()],
                                    len(places) * self.geometry.page_bytes, seconds))
+
+    def note_disk(self, num_pages: int, seconds: float) -> None:
+        """This node's acquire that read pages up from its disk tier, timed round trip: the
+        disk path's sample (the call's own latency included: a request pays it too)."""
+        if num_pages:
+            self.transfers.append((DISK, num_pages * self.geometry.page_bytes, seconds))
 
     def note_remote(self, num_pages: int, seconds: float) -> None:
         """A timed read of pages from other nodes' page servers."""
