@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.common import PendingRequest
@@ -60,7 +61,8 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def initialize_state(self, max_imbalance: int = 1, lookup_timeout_s: float = 0.5,
                          directory=None, prompt_keys: dict | None = None) -> None:
-        """`max_imbalance`: queue-length lead past which a replica loses its rank.
+        """`max_imbalance`: queue-length lead past which a replica loses its rank (in the
+        weighted-prefix ranking, before replicas publish their rates).
         `directory`: a DirectoryHandle (tests pass a fake); found lazily otherwise.
         `prompt_keys`: for requests that carry text, not page keys (Ray Serve LLM's), how to
         key them: {"tokenizer_dir", "spec": ModelSpec fields, "namespace", "page_tokens"}."""
@@ -112,6 +114,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.rates = pooled(prior_rates(), published)
         sources = best_sources(located, {r.node_id for r in replicas})
         busy = _busy_s_per_request(published)
+        replicas = random.sample(replicas, len(replicas))  # decide() breaks ties by order
         candidates = [Candidate(r.replica_id.unique_id, sources[r.node_id],
                                 (self._replica_queue_len_cache.get(r.replica_id) or 0)
                                 * busy.get(r.replica_id.unique_id, 0.0)) for r in replicas]
