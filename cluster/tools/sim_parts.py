@@ -94,6 +94,8 @@ def simulate(router: str, num_nodes: int, requests: Sequence[SimRequest]) -> dic
     # the simulation itself took (one thread).
     out["cpu_s"] = time.process_time() - started_cpu_s
     out["speed_vs_realtime_cpu"] = out["trace_span_s"] / out["cpu_s"] if out["cpu_s"] else 0.0
+    if hasattr(choose, "recomputed"):  # raykv's: requests whose cut left cached pages unread
+        out["recomputed_requests"] = choose.recomputed
     return out
 
 
