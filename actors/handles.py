@@ -27,6 +27,8 @@ CONTROL_LOOP_NAME = "raykv-control-loop"
 
 def split_by_shard(keys: list[PageKey], num_shards: int) -> list[list[int]]:
     """Positions of `keys` owned by each shard, in chain order."""
+    if num_shards == 1:
+        return [list(range(len(keys)))]
     positions: list[list[int]] = [[] for _ in range(num_shards)]
     for position, key in enumerate(keys):
         positions[shard_of(key, num_shards)].append(position)
