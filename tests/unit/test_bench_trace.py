@@ -158,6 +158,9 @@ def test_the_fitted_engine_takes_the_live_time_per_uncached_token():
     profile = trace_sim.fitted_profile(setup, fit, SCALE, 8 * 4096)
     # 100 live tokens uncached = 6,400 trace tokens
     assert profile.prefill_s(None, 0, 100 * SCALE.tokens_per_live_token) == pytest.approx(0.15)
+    # raykv's cost router (the simulator's raykv) reads the same fitted rate
+    assert profile.prefill_tokens_per_s(None) == pytest.approx(
+        1.0 / profile.per_trace_token_s)
 
 
 def test_the_simulated_hit_ratio_is_cached_over_prompt_tokens_of_the_scaled_prompts():

@@ -51,6 +51,7 @@ SIM_ROUTERS = {"raykv": ("raykv", True), "local-pow2": ("pow2", False),
                "local-prefix": ("prefix_affinity", False)}
 LOCAL_EVICTION = "lru"  # the live local cache (cluster/core/prefix_lru.py) is an LRU
 FREE = 1e18  # bytes/s of a path whose cost is inside the fitted prefill
+MIN_TOKEN_S = 1e-9  # a fit with no measurable cost per token (see FittedProfile)
 FIT_BINS = 5
 FIT_QUANTILE = 0.5
 
@@ -135,6 +136,12 @@ class FittedProfile(HardwareProfile):
 
     def prefill_s(self, model: ModelCost, cached_tokens: int, total_tokens: int) -> float:
         return self.overhead_s + self.per_trace_token_s * max(0, total_tokens - cached_tokens)
+
+    def prefill_tokens_per_s(self, model: ModelCost) -> float:
+        """The fitted rate, what raykv's cost router weighs a fetch against. A fit that found
+        no cost per token still charges MIN_TOKEN_S a token: recomputing is never free, and
+        every path here is FREE, so fetching stays the cheaper, as the live engine does."""
+        return 1.0 / max(self.per_trace_token_s, MIN_TOKEN_S)
 
 
 def scaled_model(page_bytes: int) -> ModelCost:
