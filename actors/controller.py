@@ -22,6 +22,7 @@ import logging
 import ray
 
 from actors.handles import DirectoryHandle, NodeHandle
+from actors.spawn_node import spawn_node
 from cluster.core import secrets
 from cluster.core.config import CacheConfig
 from cluster.core.dataplane import auth
@@ -87,7 +88,7 @@ class Controller:
             await asyncio.gather(*self.directory.drop_node(node_id), return_exceptions=True)
 
     async def _add(self, node_id: str) -> None:
-        node = NodeHandle.create(self.config, node_id)
+        node = spawn_node(self.config, node_id)
         try:
             await asyncio.wait_for(node.ready(), READY_TIMEOUT_S)
         except Exception as error:  # placement may fail on a node going away: retry later

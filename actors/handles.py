@@ -1,8 +1,10 @@
-"""The one place that calls `.remote()`: small wrappers around each actor's handle.
+"""The one place that calls actors' methods (`.remote()`): small wrappers around each actor's
+handle.
 
 Callers get ObjectRefs back (actors await them; the face's drivers ray.get them with a
-timeout), so unit tests can swap a wrapper for a fake without Ray. Actor creation lives here
-too; the actor classes are imported when first needed, since they use these wrappers.
+timeout), so unit tests can swap a wrapper for a fake without Ray. Actor creation lives in
+actors/spawn.py and actors/spawn_node.py: the actor classes import these wrappers, so this
+module imports no actor class (the import graph stays acyclic).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import asyncio
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.core.config import CacheConfig
 from cluster.core.dataplane.endpoint import Endpoint
@@ -26,6 +27,8 @@ CONTROL_LOOP_NAME = "raykv-control-loop"
 
 def split_by_shard(keys: list[PageKey], num_shards: int) -> list[list[int]]:
     """Positions of `keys` owned by each shard, in chain order."""
+    if num_shards == 1:
+        return [list(range(len(keys)))]
     positions: list[list[int]] = [[] for _ in range(num_shards)]
     for position, key in enumerate(keys):
         positions[shard_of(key, num_shards)].append(position)
@@ -58,11 +61,6 @@ def merge_shard_prefixes(num_keys: int, positions: list[list[int]], answers: lis
     return prefix
 
 
-def _named(name: str, config: CacheConfig) -> dict:
-    return dict(name=name, namespace=config.ray_namespace, lifetime="detached",
-                get_if_exists=True)
-
-
 def _get_actor(name: str, config: CacheConfig):
     try:
         return ray.get_actor(name, namespace=config.ray_namespace)
@@ -75,17 +73,6 @@ class DirectoryHandle:
 
     def __init__(self, shards: list):
         self.shards = shards
-
-    @staticmethod
-    def create(config: CacheConfig) -> DirectoryHandle:
-        """The running shards, or new ones (named, detached); returns without waiting."""
-        from actors.directory import DirectoryShard
-
-        config_json = config.model_dump_json()
-        return DirectoryHandle([
-            DirectoryShard.options(**_named(DIRECTORY_NAME.format(shard=i), config)
-                                   ).remote(config_json, i)
-            for i in range(config.num_directory_shards)])
 
     @staticmethod
     def lookup(config: CacheConfig) -> DirectoryHandle:
@@ -151,17 +138,6 @@ class NodeHandle:
         self.actor = actor
         self.node_id = node_id
         self.is_local = is_local
-
-    @staticmethod
-    def create(config: CacheConfig, node_id: str) -> NodeHandle:
-        """The node actor of `node_id`, created pinned to that node if missing."""
-        from actors.node_cache import NodeCacheActor
-
-        strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-        actor = NodeCacheActor.options(**_named(NODE_NAME.format(node_id=node_id), config),
-                                       scheduling_strategy=strategy
-                                       ).remote(config.model_dump_json(), node_id)
-        return NodeHandle(actor, node_id)
 
     @staticmethod
     def lookup(node_id: str, config: CacheConfig, is_local: bool = False) -> NodeHandle | None:
@@ -267,13 +243,6 @@ class ControllerHandle:
         self.actor = actor
 
     @staticmethod
-    def create(config: CacheConfig) -> ControllerHandle:
-        from actors.controller import Controller
-
-        return ControllerHandle(Controller.options(**_named(CONTROLLER_NAME, config)
-                                                   ).remote(config.model_dump_json()))
-
-    @staticmethod
     def lookup(config: CacheConfig) -> ControllerHandle | None:
         actor = _get_actor(CONTROLLER_NAME, config)
         return None if actor is None else ControllerHandle(actor)
@@ -317,16 +286,6 @@ class ControlLoopHandle:
 
     def __init__(self, actor):
         self.actor = actor
-
-    @staticmethod
-    def create(config: CacheConfig, policy=None,
-               name: str = CONTROL_LOOP_NAME) -> ControlLoopHandle:
-        """The running loop of that name, or a new one (named, detached) with `policy`
-        (a callable decide(snapshot, state, now_s); None: policies/rebalance.py)."""
-        from actors.control_loop import ControlLoop
-
-        return ControlLoopHandle(ControlLoop.options(**_named(name, config)
-                                                     ).remote(config.model_dump_json(), policy))
 
     @staticmethod
     def lookup(config: CacheConfig, name: str = CONTROL_LOOP_NAME) -> ControlLoopHandle | None:

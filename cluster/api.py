@@ -8,6 +8,7 @@ import os
 import ray
 
 from actors.handles import ControllerHandle, ControlLoopHandle, DirectoryHandle, NodeHandle
+from actors.spawn import spawn_control_loop, spawn_controller, spawn_directory
 from cluster.core.config import CacheConfig
 from cluster.core.dataplane.auth import ClientSecrets
 from cluster.core.dataplane.connections import close_shared_pool
@@ -145,18 +146,18 @@ def start(config: CacheConfig | None = None) -> dict:
     config = config or CacheConfig()
     _ensure_ray(config)
     _check_local_shm(config)
-    directory = DirectoryHandle.create(config)
+    directory = spawn_directory(config)
     running = CacheConfig.model_validate_json(ray.get(directory.get_config(),
                                                       timeout=START_TIMEOUT_S))
     if running != config:
         raise ValueError("a raykv service with a different CacheConfig is already running on this "
                          f"Ray cluster: {running.model_dump()}; call stop() first")
     shards = ray.get(directory.ready(), timeout=START_TIMEOUT_S)
-    controller = ControllerHandle.create(config)
+    controller = spawn_controller(config)
     members = ray.get(controller.sync_members(), timeout=START_TIMEOUT_S)
     _raise_node_failures(members["failures"])
     if config.rebalance:
-        ray.get(ControlLoopHandle.create(config).start(), timeout=START_TIMEOUT_S)
+        ray.get(spawn_control_loop(config).start(), timeout=START_TIMEOUT_S)
     return {"nodes": members["members"], "directory": shards}
 
 

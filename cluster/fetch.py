@@ -27,6 +27,7 @@ from actors.handles import merge_shard_prefixes
 from cluster.calls import Steps, Wait, Work, failed
 from cluster.core.copies import copy_pages
 from cluster.core.dataplane.endpoint import PageRead, TensorPages, tensor_buffers
+from cluster.core.geometry import DISK
 from cluster.core.kvcheck import page_slices
 from cluster.view import CacheView
 
@@ -43,6 +44,16 @@ def remote_sources(located: list, start: int, local_node: str | None) -> list[st
             break
         sources.append(others[0])
     return sources
+
+
+def num_disk_pages(located: list, local_node: str | None) -> int:
+    """Pages the directory places on this node's disk tier only: the node's acquire reads
+    them up before it answers."""
+    count = 0
+    for places in located:
+        tiers = [tier for node, tier in places if node == local_node]
+        count += bool(tiers) and min(tiers) == DISK
+    return count
 
 
 def group_positions(sources: list[str], start: int) -> dict[str, list[int]]:
@@ -67,6 +78,7 @@ class _Asked:
     acquired: list
     positions: list
     prefix_refs: list
+    sent_s: float  # perf_counter when sent: the acquire's round trip times disk reads
 
 
 def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps[tuple]:
@@ -92,7 +104,7 @@ def _ask(view: CacheView, keys: list, start: int) -> _Asked:
     local = view.local
     acquired = [local.acquire(view.geometry, keys[start:])] if local is not None else []
     positions, prefix_refs = view.directory.prefix_refs(keys[start:])
-    return _Asked(start, acquired, positions, prefix_refs)
+    return _Asked(start, acquired, positions, prefix_refs, time.perf_counter())
 
 
 def _drop(view: CacheView, asked: _Asked) -> Steps[None]:
@@ -108,7 +120,9 @@ def _copy_hinted(view: CacheView, keys: list, hints: list, out: torch.Tensor) ->
     pages = view.slabs.pages(hints)
     pairs = [(out[:, :, :, page_slices(p, view.page_tokens)], page)
              for p, page in enumerate(pages)]
+    started_s = time.perf_counter()
     yield Work(lambda: copy_pages(pairs))
+    view.note_copy(hints[: len(pages)], time.perf_counter() - started_s)
     good = view.slabs.num_unchanged(hints[: len(pages)])
     if good < len(hints):
         view.slabs.forget(keys[good : len(hints)])
@@ -123,9 +137,11 @@ def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None
     """The rest of the prefix from keys[asked.start:]: local slots, then other nodes."""
     start, rest = asked.start, keys[asked.start:]
     replies = yield Wait(asked.acquired + asked.prefix_refs)
+    answered_s = time.perf_counter() - asked.sent_s
     epoch, lease_id, slots = _acquired(view, replies[: len(asked.acquired)])
     located = located_prefix(view, rest, replies[len(asked.acquired):], asked.positions)
     local_node = view.local.node_id if view.local is not None else None
+    view.note_disk(num_disk_pages(located[: len(slots)], local_node), answered_s)
     sources = remote_sources(located, len(slots), local_node)
     total = start + len(slots) + len(sources)
     if total == start:  # nothing past the hinted pages (and so no lease was taken)
@@ -137,8 +153,10 @@ def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None
     yield from _copy_local(view, (epoch, lease_id, slots), keys, out, arrived)
     groups = group_positions(sources, start + len(slots))
     remote_started_s = time.perf_counter()
+    remote_before = view.counters["remote_pages"]
     yield from _read_remote(view, keys, groups, out, arrived)
     view.fetch_s = time.perf_counter() - remote_started_s if groups else 0.0
+    view.note_remote(view.counters["remote_pages"] - remote_before, view.fetch_s)
     misses = np.flatnonzero(~arrived)
     return (int(misses[0]) if misses.size else total), out
 
@@ -168,7 +186,9 @@ def _copy_local(view: CacheView, acquired: tuple, keys: list, out: torch.Tensor,
             slots = slots[: len(pages)]
         pairs = [(out[:, :, :, page_slices(start + p, view.page_tokens)], page)
                  for p, page in enumerate(pages)]
+        started_s = time.perf_counter()
         yield Work(lambda: copy_pages(pairs))
+        view.note_copy(slots, time.perf_counter() - started_s)
     finally:
         if lease_id:
             view.home.release(lease_id)  # fire and forget: the copy is done

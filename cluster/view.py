@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,9 @@ from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.slabs import LocalSlabs
 from cluster.touches import TouchBatch
+from policies.cost_routing import DISK, REMOTE, TIER_SOURCES
+
+MAX_TRANSFERS = 64  # recent timed reads kept for whoever measures rates (the engine drains)
 
 
 @dataclass(slots=True)
@@ -41,6 +45,9 @@ class CacheView:
         "unmapped_pages": 0})
     touches: TouchBatch | None = None  # set in __post_init__ when the slabs are mapped
     authority: Authority | None = None  # what remote reads prove (None: they miss)
+    # Recent timed reads, (source, bytes, seconds), for the rate estimates of cost-based
+    # routing (policies/cost_routing.py); bounded, so a client nobody drains keeps a few.
+    transfers: deque = field(default_factory=lambda: deque(maxlen=MAX_TRANSFERS))
 
     def __post_init__(self) -> None:
         if self.slabs is not None:
@@ -62,6 +69,25 @@ class CacheView:
 
     def note_failures(self, results: list) -> None:
         self.counters["failed_calls"] += sum(isinstance(r, BaseException) for r in results)
+
+    def note_copy(self, places: list, seconds: float) -> None:
+        """A timed copy of pages out of this node's slabs: a rate sample when they all sat in
+        one tier (a copy from several cannot tell their speeds apart)."""
+        tiers = {place[0] for place in places}
+        if len(tiers) == 1:
+            self.transfers.append((TIER_SOURCES[tiers.pop()],
+                                   len(places) * self.geometry.page_bytes, seconds))
+
+    def note_disk(self, num_pages: int, seconds: float) -> None:
+        """This node's acquire that read pages up from its disk tier, timed round trip: the
+        disk path's sample (the call's own latency included: a request pays it too)."""
+        if num_pages:
+            self.transfers.append((DISK, num_pages * self.geometry.page_bytes, seconds))
+
+    def note_remote(self, num_pages: int, seconds: float) -> None:
+        """A timed read of pages from other nodes' page servers."""
+        if num_pages:
+            self.transfers.append((REMOTE, num_pages * self.geometry.page_bytes, seconds))
 
     def note_touched(self, keys: list[PageKey]) -> None:
         """Pages read without a lease: told to this node in batches, fire and forget."""

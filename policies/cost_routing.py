@@ -146,6 +146,30 @@ def merge_paths(rates: RateEstimates, measured: Iterable[Mapping[str, PathRate]]
     return replace(rates, paths=merged)
 
 
+def published(rates: RateEstimates, replica_id: str) -> dict:
+    """What a replica tells routers of its measurements (small, JSON-able): the paths it
+    measured, and its own prefill rate when it has one."""
+    out: dict = {"paths": {name: [p.bytes_per_s, p.latency_s, p.num_samples]
+                           for name, p in rates.paths.items() if p.num_samples}}
+    if replica_id in rates.prefill_tokens_per_s:
+        out["prefill_tokens_per_s"] = rates.prefill_tokens_per_s[replica_id]
+        out["prefill_samples"] = rates.prefill_samples[replica_id]
+    return out
+
+
+def pooled(prior: RateEstimates, by_replica: Mapping[str, Mapping]) -> RateEstimates:
+    """The router's estimates from what each replica published (`published`): the paths
+    pooled over replicas (`merge_paths`), each replica's own prefill rate."""
+    paths = [{name: PathRate(*row) for name, row in (stats.get("paths") or {}).items()
+              if name in prior.paths} for stats in by_replica.values()]
+    rates = merge_paths(prior, paths)
+    own = {replica: stats for replica, stats in by_replica.items()
+           if stats.get("prefill_tokens_per_s")}
+    return replace(rates,
+                   prefill_tokens_per_s={r: s["prefill_tokens_per_s"] for r, s in own.items()},
+                   prefill_samples={r: s.get("prefill_samples", 1) for r, s in own.items()})
+
+
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """The request, as costs see it: its tokens and its pages' size."""

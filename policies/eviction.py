@@ -30,6 +30,7 @@ HORIZON_FACTOR = 2.0  # RecencyFrequencyPolicy: a reuse's bonus, in median reuse
 MEDIAN_STEP = 0.01  # RecencyFrequencyPolicy: the running median's step, relative to it
 GHOST_FACTOR = 4  # RecencyFrequencyPolicy: removed keys whose uses it remembers
 MAX_USES = 16  # RecencyFrequencyPolicy: uses past this earn no more bonus
+_LOG2_USES = [0.0] + [math.log2(uses) for uses in range(1, MAX_USES + 1)]
 
 
 @runtime_checkable
@@ -237,8 +238,11 @@ class RecencyFrequencyPolicy:
     least as late, and ties go to the later call: of a prefix read again, the leaves leave
     before their ancestors. The new pages of one put leave root first, as under LRU.
 
-    A heap with lazy deletion: O(log n) per call. victims() pops and pushes back: O(num_pages
-    log n) plus the pinned keys it skips; it changes no key's priority.
+    A heap with lazy deletion: O(log n) per call. victims() pops: O(num_pages log n) plus
+    the pinned keys it skips; it changes no key's priority. A key's live heap entry is the
+    very tuple `_rank` holds for it, so a stale one is told by identity. The entries victims()
+    popped wait aside until its next call, which pushes back those still live: a victim that
+    was removed meanwhile (the usual case) costs no push and no second pop.
     """
 
     def __init__(self, capacity_pages: int) -> None:
@@ -250,8 +254,9 @@ class RecencyFrequencyPolicy:
         self._calls = 0
         self._uses: dict[Key, tuple[int, int]] = {}  # key -> (uses, clock at the last use)
         self._ghost: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # removed keys' too
-        self._rank: dict[Key, tuple[float, int]] = {}
+        self._rank: dict[Key, tuple[float, int, Key]] = {}  # key -> its live heap entry
         self._heap: list[tuple[float, int, Key]] = []
+        self._parked: list[tuple[float, int, Key]] = []  # popped by victims(), off the heap
 
     def _reused(self, last_use: int) -> None:
         """Move the running median of reuse distances one step towards this one."""
@@ -261,14 +266,16 @@ class RecencyFrequencyPolicy:
         self.reuse_distance = max(1.0, self.reuse_distance)
 
     def _touch(self, key: Key, uses: int) -> None:
-        self._uses[key] = (uses, self._clock)
-        self._calls += 1
-        bonus = self.horizon * math.log2(min(uses, MAX_USES))
-        rank = self._rank[key] = (self._clock + bonus, -self._calls)
-        heapq.heappush(self._heap, (*rank, key))
+        clock = self._clock
+        self._uses[key] = (uses, clock)
+        self._calls = calls = self._calls + 1
+        bonus = self.horizon * _LOG2_USES[uses if uses < MAX_USES else MAX_USES]
+        entry = self._rank[key] = (clock + bonus, -calls, key)
+        heapq.heappush(self._heap, entry)
         if len(self._heap) > 2 * len(self._rank) + 64:  # too many stale entries: rebuild
-            self._heap = [(*r, k) for k, r in self._rank.items()]
+            self._heap = list(self._rank.values())  # every live entry, the parked ones too
             heapq.heapify(self._heap)
+            self._parked = []
 
     def on_insert(self, key: Key) -> None:
         if key in self._uses:
@@ -301,17 +308,20 @@ class RecencyFrequencyPolicy:
     def victims(self, num_pages: int, is_pinned: IsPinned) -> list[Key]:
         """Smallest priorities first, skipping pinned keys; no key is removed."""
         _check_num_pages(num_pages)
+        heap, rank, pop = self._heap, self._rank, heapq.heappop
+        for entry in self._parked:  # the last call's, back on the heap while still live
+            if rank.get(entry[2]) is entry:
+                heapq.heappush(heap, entry)
+        self._parked = parked = []
         out: list[Key] = []
-        popped: list[tuple[float, int, Key]] = []
-        while len(out) < num_pages and self._heap:
-            entry = heapq.heappop(self._heap)
-            if self._rank.get(entry[2]) != entry[:2]:
+        while len(out) < num_pages and heap:
+            entry = pop(heap)
+            key = entry[2]
+            if rank.get(key) is not entry:
                 continue  # stale: used again or removed since
-            popped.append(entry)
-            if not is_pinned(entry[2]):
-                out.append(entry[2])
-        for entry in popped:
-            heapq.heappush(self._heap, entry)
+            parked.append(entry)
+            if not is_pinned(key):
+                out.append(key)
         return out
 
     def __len__(self) -> int:

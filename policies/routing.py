@@ -35,15 +35,27 @@ def prefix_scores(located: Sequence[Iterable[Location]], nodes: Iterable[str]) -
     `located` has one entry per page of the longest cached prefix, each the (node, tier)
     places of that page.
     """
-    scores = dict.fromkeys(nodes, 0.0)
+    # Consecutive pages stored by one put share one places object: one `best` per run.
+    runs: list[list] = []  # [best weight per node, weight elsewhere, pages]
+    last = None
     for places in located:
-        best = {}
+        if runs and places is last:
+            runs[-1][2] += 1
+            continue
+        last = places
+        best: dict[str, float] = {}
         for node_id, tier in places:
             weight = TIER_WEIGHTS.get(tier, 0.0)
             best[node_id] = max(best.get(node_id, 0.0), weight)
-        anywhere = REMOTE_WEIGHT if best else 0.0
-        for node_id in scores:
-            scores[node_id] += best.get(node_id, anywhere)
+        runs.append([best, REMOTE_WEIGHT if best else 0.0, 1])
+    scores: dict[str, float] = {}
+    for node_id in nodes:
+        total = 0.0
+        for best, anywhere, num_pages in runs:
+            weight = best.get(node_id, anywhere)
+            for _ in range(num_pages):  # page by page, so the float sum is the same
+                total += weight
+        scores[node_id] = total
     return scores
 
 

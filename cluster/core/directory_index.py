@@ -76,11 +76,7 @@ class DirectoryIndex:
         log.last_seen_s = max(log.last_seen_s, now_s)
         if seq <= log.watermark or seq in log.applied:
             return DUPLICATE
-        for key, tier in batch.changes:
-            if tier is None:
-                self._remove(node_id, log, key, seq)
-            else:
-                self._store(node_id, log, key, tier, seq)
+        self._apply_changes(node_id, log, batch.changes, seq)
         log.applied.add(seq)
         self._advance(log)
         if len(log.applied) > MAX_APPLIED_ABOVE_GAP or len(log.tombstones) > MAX_TOMBSTONES:
@@ -96,26 +92,38 @@ class DirectoryIndex:
         self.drop_node(node_id)
         return RESYNC
 
-    def _store(self, node_id: str, log: NodeLog, key: PageKey, tier: int, seq: int) -> None:
-        if log.tombstones.get(key, -1) > seq:
-            return
-        places = self.index.setdefault(key, {})
-        current = places.get(node_id)
-        if current is None or current[1] < seq:
-            places[node_id] = (tier, seq)
-            self.ranked.pop(key, None)
-            log.add_key(key)
-            log.tombstones.pop(key, None)
-
-    def _remove(self, node_id: str, log: NodeLog, key: PageKey, seq: int) -> None:
-        places = self.index.get(key)
-        current = places.get(node_id) if places else None
-        if current is not None and current[1] > seq:
-            return
-        log.tombstones[key] = max(seq, log.tombstones.get(key, -1))
-        if current is not None:
-            self._forget(node_id, key)
-            log.discard_key(key)
+    def _apply_changes(self, node_id: str, log: NodeLog, changes: list, seq: int) -> None:
+        """Batch `seq`'s changes: a store (key, tier) wins over an older state of the key, a
+        removal (key, None) leaves a tombstone so that an older store cannot bring the page
+        back. One loop with NodeLog.add_key/discard_key inline: it runs for every change."""
+        index, ranked, keys, tombstones = self.index, self.ranked, log.keys, log.tombstones
+        digest = log.digest
+        for key, tier in changes:
+            places = index.get(key)
+            current = places.get(node_id) if places else None
+            if tier is None:
+                if current is not None and current[1] > seq:
+                    continue
+                tombstones[key] = max(seq, tombstones.get(key, -1))
+                if current is not None:
+                    self._forget(node_id, key)
+                    if key in keys:
+                        keys.discard(key)
+                        digest ^= key_digest(key)
+                continue
+            if tombstones and tombstones.get(key, -1) > seq:
+                continue
+            if current is None or current[1] < seq:
+                if places is None:
+                    places = index[key] = {}
+                places[node_id] = (tier, seq)
+                ranked.pop(key, None)
+                if key not in keys:
+                    keys.add(key)
+                    digest ^= key_digest(key)
+                if tombstones:
+                    tombstones.pop(key, None)
+        log.digest = digest
 
     def _forget(self, node_id: str, key: PageKey) -> None:
         places = self.index.get(key)
@@ -197,13 +205,17 @@ class DirectoryIndex:
     def holders(self, keys: tuple[PageKey, ...] | list[PageKey]) -> tuple[str, ...]:
         """Nodes holding every one of `keys` (any tier), sorted; () when none does."""
         common: set[str] | None = None
+        index = self.index
         for key in keys:
-            places = self.index.get(key)
+            places = index.get(key)
             if not places:
                 return ()
-            common = set(places) if common is None else common & places.keys()
-            if not common:
-                return ()
+            if common is None:
+                common = set(places)
+            elif not places.keys() >= common:  # only then a new, smaller set
+                common = common & places.keys()
+                if not common:
+                    return ()
         return tuple(sorted(common or ()))
 
     def stats(self) -> dict:

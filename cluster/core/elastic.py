@@ -9,29 +9,65 @@ A pool that needs a slot first uses its held chunks, then grows by a chunk while
 has room. In a full tier, choose_donor names another pool to give a chunk back (its emptiest
 chunks' pages are demoted, the chunks released), or the pool evicts its own pages. A pool
 idle for `idle_shrink_s` gives its memory chunks back down to its min. Pure: no Ray.
+
+This module knows a pool only as an `ElasticPool` (the members it uses); cluster/core/pool.py
+imports it for the links and the namespace-quota victims, never the other way round.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from cluster.core.geometry import DEVICE, DISK, HOST, TIER_NAMES
+from cluster.core.geometry import DEVICE, DISK, HOST, TIER_NAMES, PageGeometry
 from cluster.core.keys import PageKey
-from cluster.core.tiers.chunks import Share, TierBudget
+from cluster.core.pool_entry import Entry
+from cluster.core.tiers.chunks import ChunkedSlots, Share, TierBudget
+from cluster.core.tiers.disk import DiskArena
+from policies.eviction import EvictionPolicy
 from policies.quota import Guard, Holding, Quota, choose_donor, namespace_guard
-
-if TYPE_CHECKING:
-    from cluster.core.pool import Pool
 
 log = logging.getLogger("raykv.elastic")
 MAX_RECLAIM_ROUNDS = 64  # chunks one request may take from others
 MIN_CHUNKS = 8  # a tier is cut into at least this many chunks, so models can share it
 
 
-def guarded_victims(pool: Pool, tier: int, count: int, namespace: str) -> list[PageKey]:
+@dataclass(slots=True)
+class Elastic:
+    """A pool's links to the node's shared budgets (ElasticMemory.attach sets them; a pool
+    on its own has none). `reclaim(pool, tier, num_slots)` gets room by taking chunks from
+    other pools; `guard(tier, namespace, page_bytes)` says whose pages a namespace may evict;
+    `room(tier, namespace)` the bytes a namespace may still add under its max."""
+
+    reclaim: Callable[[ElasticPool, int, int], Awaitable[None]] | None = None
+    guard: Callable[[int, str, int], Guard] | None = None
+    room: Callable[[int, str], int | None] | None = None
+
+
+class ElasticPool(Protocol):
+    """What the elastic memory uses of a pool (cluster/core/pool.py's Pool)."""
+
+    elastic: Elastic
+    geometry: PageGeometry
+    index: dict[PageKey, Entry]
+    policies: list[EvictionPolicy]  # one per tier
+    ns_pages: Counter[tuple[int, str]]  # (tier, namespace) -> pages
+    disk: DiskArena | None
+    last_access_s: float
+
+    def is_pinned(self, key: PageKey) -> bool: ...
+
+    def slots(self, tier: int) -> ChunkedSlots | None: ...
+
+    def _free_slots(self, tier: int) -> int: ...
+
+    async def demote(self, keys: list[PageKey], tier: int) -> None: ...
+
+
+def guarded_victims(pool: ElasticPool, tier: int, count: int, namespace: str) -> list[PageKey]:
     """The pool policy's victims, skipping what the namespace quotas protect; pages of the
     namespaces most over their share go first."""
     if pool.elastic.guard is None:
@@ -53,7 +89,7 @@ def guarded_victims(pool: Pool, tier: int, count: int, namespace: str) -> list[P
     return (first + rest)[:count]
 
 
-async def within_namespace_max(pool: Pool, tier: int, namespace: str, count: int) -> int:
+async def within_namespace_max(pool: ElasticPool, tier: int, namespace: str, count: int) -> int:
     """How many of `count` new pages `namespace` may place in `tier` under its max: its own
     least valuable pages there are demoted to make the room. (Pages of other namespaces are
     never evicted for this.)"""
@@ -72,7 +108,7 @@ async def within_namespace_max(pool: Pool, tier: int, namespace: str, count: int
     return max(0, min(count, room_bytes // pool.geometry.slot_bytes))
 
 
-async def release_chunks(pool: Pool, tier: int, num_chunks: int) -> int:
+async def release_chunks(pool: ElasticPool, tier: int, num_chunks: int) -> int:
     """Give up to `num_chunks` of the pool's chunks in `tier` back to the budget, emptiest
     first; their pages are demoted, and a chunk with a page in use is skipped."""
     slots = pool.slots(tier)
@@ -102,7 +138,7 @@ class ElasticMemory:
     model_quotas: dict[str, Quota] = field(default_factory=dict)
     namespace_quotas: dict[str, Quota] = field(default_factory=dict)
     budgets: list[TierBudget] = field(init=False)
-    holders: dict[str, Pool] = field(default_factory=dict)
+    holders: dict[str, ElasticPool] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
@@ -116,7 +152,7 @@ class ElasticMemory:
         chunk_bytes = min(self.chunk_bytes, budget.capacity_bytes // MIN_CHUNKS)
         return Share(budget, holder, max(slot_bytes, chunk_bytes))
 
-    def attach(self, holder: str, pool: Pool) -> None:
+    def attach(self, holder: str, pool: ElasticPool) -> None:
         """Link a new pool to the budgets and the quotas."""
         self.holders[holder] = pool
         pool.elastic.reclaim = self.reclaim
@@ -137,7 +173,7 @@ class ElasticMemory:
 
     # ---- pools asking for room -------------------------------------------------------------
 
-    async def reclaim(self, pool: Pool, tier: int, num_slots: int) -> None:
+    async def reclaim(self, pool: ElasticPool, tier: int, num_slots: int) -> None:
         """Free enough chunks elsewhere in `tier` for `num_slots` more slots of `pool`."""
         requester = self._holder_of(pool)
         chunk_bytes = pool.slots(tier).chunk_bytes
@@ -221,7 +257,7 @@ class ElasticMemory:
                                           self.namespace_quotas.items()}},
                 **dict(self.counters)}
 
-    def _holder_of(self, pool: Pool) -> str:
+    def _holder_of(self, pool: ElasticPool) -> str:
         return next(holder for holder, p in self.holders.items() if p is pool)
 
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -27,46 +26,20 @@ import torch
 from cluster.core import quant
 from cluster.core.claims import InflightClaims
 from cluster.core.disk_loads import DiskLoads
-from cluster.core.elastic import guarded_victims, within_namespace_max
+from cluster.core.elastic import Elastic, guarded_victims, within_namespace_max
 from cluster.core.geometry import DEVICE, DISK, HOST, PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.pool_entry import Entry, State
+from cluster.core.pool_limits import PoolLimits
 from cluster.core.tiers.chunks import ChunkedSlots, Share
 from cluster.core.tiers.device_copy import tier_copies
 from cluster.core.tiers.disk import DiskArena
 from cluster.core.tiers.fence import SlotFence
 from cluster.core.tiers.memory import ArenaOptions, MappedArena, readonly_tensor
 from policies.eviction import make_policy
-from policies.quota import Guard
 
 EventSink = Callable[[PageKey, int | None], None]
 MAX_LOAD_ROUNDS = 3
-
-
-@dataclass(frozen=True, slots=True)
-class PoolLimits:
-    """Per-tier byte budgets and the knobs of one pool."""
-
-    device_bytes: int
-    host_bytes: int
-    disk_bytes: int
-    eviction: str = "recfreq"
-    disk_codec: str = "none"
-    use_cuda: bool = False
-    shm_prefix: str = "raykv"
-    num_devices: int = 1  # GPUs the device tier spreads over (device_bytes is their total)
-
-
-@dataclass(slots=True)
-class Elastic:
-    """A pool's links to the node's shared budgets (NodeStore sets them; a pool on its own
-    has none). `reclaim(pool, tier, num_slots)` gets room by taking chunks from other pools;
-    `guard(tier, namespace, page_bytes)` says whose pages a namespace may evict; `room(tier,
-    namespace)` the bytes a namespace may still add under its max."""
-
-    reclaim: Callable[[Pool, int, int], Awaitable[None]] | None = None
-    guard: Callable[[int, str, int], Guard] | None = None
-    room: Callable[[int, str], int | None] | None = None
 
 
 class Pool(DiskLoads):

@@ -64,8 +64,10 @@ class EngineDeployment:
         its own prefix cache's (pages held, matched, evicted) when it has one."""
         clients = {ns: dict(c.counters) for ns, c in self.clients.items()}
         own = {} if self.local_cache is None else {"local_cache": self.local_cache.stats()}
+        meter = self.engine.meter
         return {"replica": self.engine.replica, "node_id": self.node_id,
-                **self.engine.counters, "clients": clients, **own}
+                **self.engine.counters, "clients": clients, **own,
+                "rates": {} if meter is None else meter.published()}
 
     async def drain(self) -> dict:
         """Wait for background stores; then the replica's counters."""
@@ -73,9 +75,12 @@ class EngineDeployment:
         return await self.stats()
 
     def record_routing_stats(self) -> dict:
-        """Published to routers by Serve: compact facts about this replica (the directory
-        stays the source of truth for where pages are)."""
-        return {"node_id": self.node_id, "requests": self.engine.counters["requests"]}
+        """Published to routers by Serve: compact facts about this replica, with its
+        measured rates for cost-based routing (the directory stays the source of truth for
+        where pages are)."""
+        meter = self.engine.meter
+        return {"node_id": self.node_id, "requests": self.engine.counters["requests"],
+                "rates": {} if meter is None else meter.published()}
 
 
 __all__ = ["Chunk", "EngineDeployment"]

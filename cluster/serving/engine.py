@@ -27,6 +27,7 @@ import torch
 
 from cluster.serving import tokenizer
 from cluster.serving.model import build_llama, decode_step, kv_from_cache, prefill_from
+from cluster.serving.rates import RateMeter
 from cluster.serving.sampling import Sampler, SamplingParams, StopText
 
 log = logging.getLogger("raykv.engine")
@@ -55,6 +56,9 @@ class GenerationRequest:
     namespace: str = "default"
     page_keys: bytes = b""
     request_id: str = ""
+    # raykv's router's cut (policies/cost_routing.py): fetch at most this many tokens of the
+    # cached prefix and recompute the rest, where fetching costs more; None: all of it.
+    max_fetch_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -101,6 +105,7 @@ class Engine:
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raykv-compute")
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0,
                          "completion_tokens": 0, "failed_stores": 0}
+        self.meter: RateMeter | None = None  # made with the first request's page size
 
     def warm_up(self) -> None:
         """One short prefill and decode step on the compute thread, so the first request
@@ -116,15 +121,31 @@ class Engine:
         """`function(*args)` on the compute thread, awaited."""
         return await asyncio.get_running_loop().run_in_executor(self._compute, function, *args)
 
+    async def _computed_timed(self, function, *args) -> tuple[float, object]:
+        """(seconds it ran, its result): timed on the compute thread, not counting the wait
+        for it (what the replica's prefill rate is made of)."""
+        return await self._computed(_timed_call, function, *args)
+
+    def _meter(self, client) -> RateMeter:
+        if self.meter is None:
+            page_tokens = client.page_tokens
+            self.meter = RateMeter(self.replica, page_tokens, page_tokens
+                                   * self.spec.bytes_per_token)
+        return self.meter
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         tokens = request.token_ids
         client = self.clients[request.namespace]
         buffer = self.buffers.take()
+        meter = self._meter(client)
         try:
-            fetch_s, kv_prefix = await _timed(self._fetch(client, tokens, buffer))
+            fetch_s, kv_prefix = await _timed(self._fetch(client, tokens, buffer,
+                                                          request.max_fetch_tokens))
             cached = 0 if kv_prefix is None else kv_prefix.shape[3]
-            prefill_s, (logits, cache) = await _timed(
-                self._computed(prefill_from, self.model, kv_prefix, tokens))
+            meter.reads(client)
+            prefill_s, (compute_s, (logits, cache)) = await _timed(self._computed_timed(
+                prefill_from, self.model, kv_prefix, tokens))
+            meter.prefilled(len(tokens) - cached, compute_s)
         finally:
             self.buffers.give(buffer)
         if (len(tokens) // client.page_tokens) * client.page_tokens > cached:
@@ -132,20 +153,26 @@ class Engine:
         self._count(len(tokens), cached)
         head = Chunk("", len(tokens), cached, 0, None, self.replica, fetch_s, prefill_s)
         yield head  # the request's figures, before the first token
-        async for chunk in self._decode(client, request, logits, cache, head):
+        async for chunk in self._decode(client, request, (logits, cache, compute_s), head):
             yield chunk
 
-    async def _fetch(self, client, tokens: list[int], buffer: torch.Tensor):
+    async def _fetch(self, client, tokens: list[int], buffer: torch.Tensor,
+                     max_fetch_tokens: int | None = None):
         """The cached prefix's KV (a view of `buffer`), or None; at least one token is left
-        to prefill, since its logits start the generation."""
-        usable = min(len(tokens) - 1, buffer.shape[3]) // client.page_tokens * client.page_tokens
+        to prefill, since its logits start the generation; no more than the router's cut."""
+        usable = min(len(tokens) - 1, buffer.shape[3])
+        if max_fetch_tokens is not None:
+            usable = min(usable, max_fetch_tokens)
+        usable = usable // client.page_tokens * client.page_tokens
         if usable <= 0:
             return None
         num_tokens, kv = await client.aget(tokens[:usable], out=buffer[:, :, :, :usable])
         return kv if num_tokens else None
 
-    async def _decode(self, client, request: GenerationRequest, logits: torch.Tensor, cache,
+    async def _decode(self, client, request: GenerationRequest, prefilled: tuple,
                       head: Chunk) -> AsyncIterator[Chunk]:
+        """`prefilled`: the prefill's (logits, cache, compute seconds)."""
+        logits, cache, compute_s = prefilled
         sampler = Sampler(request.params, self.mask)
         stop = StopText(request.params.stop)
         text = tokenizer.StreamDecoder()
@@ -166,10 +193,13 @@ class Engine:
             if delta:
                 yield self._chunk(head, delta, len(generated))
             if len(generated) < request.params.max_tokens:
-                logits = await self._computed(decode_step, self.model, cache, token, position)
+                step_s, logits = await self._computed_timed(decode_step, self.model, cache,
+                                                            token, position)
+                compute_s += step_s
                 position += 1
         tail = "" if stop.stopped else stop.push(text.flush()) + stop.finish()
         self.counters["completion_tokens"] += len(generated)
+        self._meter(client).finished(compute_s)
         fed = request.token_ids + generated[: position - len(request.token_ids)]
         if len(fed) // client.page_tokens > len(request.token_ids) // client.page_tokens:
             self._store(client, fed, kv_from_cache(cache))
@@ -203,6 +233,12 @@ class Engine:
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += prompt_tokens
         self.counters["cached_tokens"] += cached_tokens
+
+
+def _timed_call(function, *args) -> tuple[float, object]:
+    start_s = time.perf_counter()
+    result = function(*args)
+    return time.perf_counter() - start_s, result
 
 
 async def _timed(awaitable):

@@ -1,16 +1,31 @@
-"""RaykvRouter: a Ray Serve request router that sends a request where its cached prefix is.
+"""RaykvRouter: a Ray Serve request router that sends a request where its time to first
+token is least, counting every tier of every node.
 
 It runs where the handle is: in the ingress replica, which tokenized the prompt and put its
 page keys on the request. Per request it asks the directory (one call per shard) where each
-page of the longest cached prefix lives, scores each replica's node (policies/routing.py) and
-returns ranks; Serve picks the least-loaded replica within the first rank with room. Without
-hits, or when the directory does not answer in time, it is power-of-two choices.
+page of the longest cached prefix lives (node and tier). Then, per candidate replica
+(policies/cost_routing.py):
+
+    TTFT = queue length x the replica's compute seconds per request
+         + the cheapest cut of: fetch the prefix's first pages from the best source the
+           replica can use (its node's device, host or disk tier, or another node's copy),
+           recompute the rest
+         + prefill at the replica's prefill rate
+
+The rates are measured online by the replicas (cluster/serving/rates.py) and reach routers
+through Serve's routing stats (`record_routing_stats`); paths are pooled over replicas. Ranks
+go out best first, one replica each; Serve takes the first with room. The chosen cut rides on
+the request (`GenerationRequest.max_fetch_tokens`), so the engine recomputes what is cheaper
+to recompute. Before any replica has published its page size, it ranks by the weighted
+prefix (policies/routing.py); without hits, or when the directory does not answer in time,
+it is power-of-two choices.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.common import PendingRequest
@@ -25,6 +40,16 @@ from actors.handles import DirectoryHandle, merge_shard_prefixes
 from cluster.api import running_config
 from cluster.core.spec import ModelSpec
 from cluster.serving.prompt_keys import PromptKeys
+from policies.cost_routing import (
+    Candidate,
+    Decision,
+    Prompt,
+    RateEstimates,
+    best_sources,
+    decide,
+    pooled,
+    prior_rates,
+)
 from policies.routing import ReplicaLoad, has_hits, prefix_scores, rank_replicas
 
 log = logging.getLogger("raykv.router")
@@ -36,7 +61,8 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def initialize_state(self, max_imbalance: int = 1, lookup_timeout_s: float = 0.5,
                          directory=None, prompt_keys: dict | None = None) -> None:
-        """`max_imbalance`: queue-length lead past which a replica loses its rank.
+        """`max_imbalance`: queue-length lead past which a replica loses its rank (in the
+        weighted-prefix ranking, before replicas publish their rates).
         `directory`: a DirectoryHandle (tests pass a fake); found lazily otherwise.
         `prompt_keys`: for requests that carry text, not page keys (Ray Serve LLM's), how to
         key them: {"tokenizer_dir", "spec": ModelSpec fields, "namespace", "page_tokens"}."""
@@ -49,7 +75,10 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                                            ModelSpec(**prompt_keys["spec"]),
                                            prompt_keys.get("namespace", "default"),
                                            prompt_keys["page_tokens"])
-        self.counters = {"ranked": 0, "fallback": 0, "lookup_failures": 0}
+        self.counters = {"ranked": 0, "fallback": 0, "lookup_failures": 0, "cost_routed": 0,
+                         "recomputed": 0}
+        self.rates: RateEstimates = prior_rates()  # the latest pooled (for stats and tests)
+        self.last_decision: Decision | None = None
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -61,6 +90,10 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self.counters["fallback"] += 1
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(
                 self, candidate_replicas=candidate_replicas, pending_request=pending_request)
+        ranks = self._by_cost(candidate_replicas, located, pending_request)
+        if ranks:
+            self.counters["cost_routed"] += 1
+            return ranks
         loads = [ReplicaLoad(r.replica_id.unique_id, r.node_id,
                              self._replica_queue_len_cache.get(r.replica_id))
                  for r in candidate_replicas]
@@ -68,6 +101,33 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.counters["ranked"] += 1
         return [[by_id[i] for i in rank]
                 for rank in rank_replicas(loads, scores, self.max_imbalance)]
+
+    def _by_cost(self, replicas: list[RunningReplica], located: list,
+                 pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+        """Ranks by estimated TTFT, one replica each ([] while no replica has published its
+        page size); the best one's cut is put on the request."""
+        published = {r.replica_id.unique_id: _published(r) for r in replicas}
+        sized = [p for p in published.values() if p.get("page_bytes")]
+        if not sized:
+            return []
+        page_tokens, page_bytes = sized[0]["page_tokens"], sized[0]["page_bytes"]
+        self.rates = pooled(prior_rates(), published)
+        sources = best_sources(located, {r.node_id for r in replicas})
+        busy = _busy_s_per_request(published)
+        replicas = random.sample(replicas, len(replicas))  # decide() breaks ties by order
+        candidates = [Candidate(r.replica_id.unique_id, sources[r.node_id],
+                                (self._replica_queue_len_cache.get(r.replica_id) or 0)
+                                * busy.get(r.replica_id.unique_id, 0.0)) for r in replicas]
+        prompt = Prompt(_num_tokens(pending_request, len(located), page_tokens), page_tokens,
+                        page_bytes)
+        decision = decide(prompt, candidates, self.rates)
+        self.last_decision = decision
+        self.counters["recomputed"] += decision.recompute
+        _cut(pending_request, decision.fetch_pages * page_tokens if decision.recompute else None)
+        by_id = {r.replica_id.unique_id: r for r in replicas}
+        rest = sorted((e for e in decision.estimates if e.replica_id != decision.replica_id),
+                      key=lambda e: e.ttft_s)
+        return [[by_id[decision.replica_id]], *[[by_id[e.replica_id]] for e in rest]]
 
     async def _keys_of(self, pending_request: PendingRequest | None) -> bytes:
         keys_blob = _page_keys(pending_request)
@@ -100,3 +160,35 @@ def _page_keys(pending_request: PendingRequest | None) -> bytes:
     if pending_request is None or not pending_request.args:
         return b""
     return getattr(pending_request.args[0], "page_keys", b"") or b""
+
+
+def _published(replica: RunningReplica) -> dict:
+    """What the replica's `record_routing_stats` published of its rates ({} before)."""
+    stats = getattr(replica, "routing_stats", None) or {}
+    return stats.get("rates") or {}
+
+
+def _busy_s_per_request(published: dict) -> dict[str, float]:
+    """Each replica's compute seconds per request; before its first, the others' mean."""
+    known = {r: p["busy_s_per_request"] for r, p in published.items()
+             if p.get("busy_s_per_request")}
+    mean = sum(known.values()) / len(known) if known else 0.0
+    return {r: known.get(r, mean) for r in published}
+
+
+def _num_tokens(pending_request: PendingRequest | None, num_pages: int,
+                page_tokens: int) -> int:
+    """The prompt's tokens; for a request that carries only text, at least its located
+    pages and one token more."""
+    token_ids = getattr(pending_request.args[0], "token_ids", None) \
+        if pending_request is not None and pending_request.args else None
+    return len(token_ids) if token_ids else num_pages * page_tokens + 1
+
+
+def _cut(pending_request: PendingRequest | None, max_fetch_tokens: int | None) -> None:
+    """Tell the engine to fetch no more than the cut (it travels with the request; None: the
+    whole prefix)."""
+    request = pending_request.args[0] if pending_request is not None and pending_request.args \
+        else None
+    if hasattr(request, "max_fetch_tokens"):
+        request.max_fetch_tokens = max_fetch_tokens

@@ -101,17 +101,20 @@ def status_command(
     = False,
 ) -> None:
     """The nodes, each tier's use against its capacity, hit ratios per tier, the top
-    prefixes, and the models and namespaces with their quotas."""
+    prefixes, the models and namespaces with their quotas, and the rates raykv's router
+    measured online (fetch paths, each engine replica's prefill)."""
     from cluster.api import status
+    from cluster.tools.rates_status import rates_tables, routing_rates
 
     _attach(address)
     report = status()
+    report["routing_rates"] = routing_rates()
     if as_json:
         typer.echo(json.dumps(report, indent=2, default=str))
         return
     console = Console()
     for table in (_nodes_table(report), _tiers_table(report), _prefix_table(report),
-                  _quota_table(report)):
+                  _quota_table(report), *rates_tables(report["routing_rates"])):
         if table is not None:
             console.print(table)
 

@@ -9,6 +9,7 @@ import ray
 
 from actors.autoscaler import request_bundles, requested_bundles
 from actors.handles import ControlLoopHandle
+from actors.spawn import spawn_control_loop
 from policies.burst import BurstPlan
 from policies.rebalance import RebalancePlan
 from policies.scaling import ScalePlan
@@ -69,7 +70,7 @@ def test_no_control_loop_without_rebalance(service):
 def test_the_loop_survives_a_policy_that_raises_and_its_scale_plan_is_requested(service):
     config = service(rebalance=False, rebalance_period_s=0.05)
     request_bundles([])
-    loop = ControlLoopHandle.create(config, FlakyPolicy(num_failures=4, num_nodes=3),
+    loop = spawn_control_loop(config, FlakyPolicy(num_failures=4, num_nodes=3),
                                     name="raykv-control-loop-test")
     try:
         ray.get(loop.start())

@@ -29,7 +29,8 @@ def test_start_status_stop(service, disk_root):
     assert client.get(tokens)[0] == 64
     shown = runner.invoke(app, ["status"])
     assert shown.exit_code == 0, shown.output
-    for text in ("raykv nodes", "tiers", "team-x", "tiny-llama", "2.0 MiB"):
+    for text in ("raykv nodes", "tiers", "team-x", "tiny-llama", "2.0 MiB",
+                 "routing: fetch paths"):
         assert text in shown.output, (text, shown.output)
     report = json.loads(runner.invoke(app, ["status", "--json"]).output)
     node = report["nodes"][0]
@@ -37,6 +38,9 @@ def test_start_status_stop(service, disk_root):
     assert report["tiers"]["host"]["held_bytes"] > 0
     assert report["registry"]["namespaces"]["team-x"]["held_bytes"] == 4 * 8192
     assert report["registry"]["models"]["tiny-llama"]["held_bytes"] > 0
+    # no Serve app, so no engine replica has measured anything: the router's priors
+    assert report["routing_rates"]["replicas"] == {}
+    assert report["routing_rates"]["pooled"]["paths"]["host"]["num_samples"] == 0
     again = runner.invoke(app, ["start", "--host-bytes", "3MiB", "--disk-dir", disk_root])
     assert again.exit_code != 0 and "different CacheConfig" in str(again.exception)
     assert runner.invoke(app, ["stop"]).exit_code == 0

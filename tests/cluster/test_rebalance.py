@@ -13,6 +13,7 @@ import ray
 
 from actors.autoscaler import request_bundles, requested_bundles
 from actors.handles import ControlLoopHandle
+from actors.spawn import spawn_control_loop
 from cluster import CacheConfig, start
 from cluster.api import running_config
 from cluster.core.config import MiB
@@ -93,7 +94,7 @@ def test_scale_out_under_pressure_then_in_when_idle(nodes, ray_cluster):
         scaling=scaling))
     request_bundles([])
     load = Load(nodes[0])  # under way before the loop's first look (else it sees idle first)
-    loop = ControlLoopHandle.create(config, policy, name="raykv-control-loop-scaling")
+    loop = spawn_control_loop(config, policy, name="raykv-control-loop-scaling")
     ray.get(loop.start())
     fourth = None
     try:

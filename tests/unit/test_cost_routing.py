@@ -26,8 +26,10 @@ from policies.cost_routing import (
     merge_paths,
     observe_prefill,
     observe_transfer,
+    pooled,
     prefill_s,
     prior_rates,
+    published,
 )
 
 PAGE_TOKENS, PAGE_BYTES = 16, 1 << 20
@@ -216,3 +218,18 @@ def test_merged_paths_weigh_each_replicas_measurement_by_its_samples():
     shown = merged.as_dict()
     assert shown["paths"][HOST]["num_samples"] == 4
     assert math.isinf(shown["paths"][ENGINE]["bytes_per_s"])
+
+
+def test_what_replicas_publish_pools_into_the_routers_estimates():
+    one = observe_prefill(observe_transfer(prior_rates(), HOST, 1000, 1e-6), "a", 100, 0.1)
+    two = observe_prefill(observe_transfer(prior_rates(), HOST, 1000, 3e-6), "b", 100, 0.2)
+    two = observe_transfer(two, REMOTE, 1000, 1e-5)
+    shown = {"a": published(one, "a"), "b": published(two, "b"), "c": {}}
+    assert set(shown["a"]["paths"]) == {HOST}  # only what it measured
+    rates = pooled(prior_rates(), shown)
+    assert rates.paths[HOST].bytes_per_s == pytest.approx(2 / (1e-6 / 1000 + 3e-6 / 1000))
+    assert rates.paths[REMOTE].bytes_per_s == pytest.approx(1e8)
+    assert rates.paths[DISK] == prior_rates().paths[DISK]
+    assert rates.prefill_rate("a") == pytest.approx(1000.0)
+    assert rates.prefill_rate("b") == pytest.approx(500.0)
+    assert rates.prefill_rate("c") == pytest.approx(2 / (1 / 1000 + 1 / 500))

@@ -8,11 +8,11 @@ import torch
 
 from cluster.client import KVClient
 from cluster.core.config import CacheConfig
-from cluster.core.geometry import HOST, PageGeometry
+from cluster.core.geometry import DISK, HOST, PageGeometry
 from cluster.core.keys import page_keys
 from cluster.core.spec import ModelSpec
 from cluster.core.tiers.memory import ArenaOptions, MappedArena
-from cluster.fetch import fetch_prefix, remote_sources
+from cluster.fetch import fetch_prefix, num_disk_pages, remote_sources
 from cluster.slabs import LocalSlabs
 from cluster.view import CacheView
 from tests.unit._fakes import FakeDirectory, FakeNode, FakePeers, FakeTransport, drive
@@ -103,6 +103,29 @@ def test_local_prefix_then_remote_pages_over_the_data_plane_then_pulled_here(wor
     assert world.view.counters["remote_pages"] == 2
     world.get()
     assert world.remote.calls == ["dataplane"]  # the endpoint is remembered
+
+
+def test_reads_are_timed_per_source_for_the_routers_rates(world):
+    world.put_local(range(2))
+    world.put_remote(range(4))
+    world.get()
+    noted = {source: (num_bytes, seconds) for source, num_bytes, seconds
+             in world.view.transfers}
+    assert set(noted) == {"host", "remote"}
+    assert noted["host"][0] == noted["remote"][0] == 2 * G.page_bytes
+    assert noted["host"][1] > 0 and noted["remote"][1] > 0
+
+
+def test_an_acquire_that_read_pages_up_from_disk_times_the_disk_path(world):
+    world.put_local(range(2))
+    # as the directory knew them: on this node's disk (the acquire promotes them)
+    world.directory.indexes[0].replace_node("local", 1, [(k, DISK) for k in KEYS[:2]], seq=9)
+    world.view.slabs.forget(KEYS)
+    world.get()
+    (disk,) = [t for t in world.view.transfers if t[0] == "disk"]
+    assert disk[1] == 2 * G.page_bytes and disk[2] > 0
+    located = [(("local", DISK), ("b", HOST)), (("local", HOST), ("local", DISK)), (("b", 2),)]
+    assert num_disk_pages(located, "local") == 1
 
 
 def test_a_page_of_a_tensor_lands_in_its_rows_and_others_are_staged(world):

@@ -77,6 +77,27 @@ def test_the_engine_on_its_own_cache_reports_local_hits_as_cached_tokens():
     assert engine.counters["cached_tokens"] == cached
 
 
+def test_the_engine_honours_the_routers_cut_and_measures_its_rates():
+    own = cache(64)
+    engine = Engine(EngineConfig("tiny-llama", max_context_tokens=512),
+                    {"default": own.client("default")})
+    prompt = "The system prompt that every user of this tenant shares. " * 3
+    generate(engine, prompt)
+
+    async def cut(max_fetch_tokens: int) -> int:
+        request = GenerationRequest(prompt, tokenizer.encode(prompt), SamplingParams(max_tokens=2),
+                                    max_fetch_tokens=max_fetch_tokens)
+        return [c async for c in engine.generate(request)][0].cached_tokens
+
+    assert asyncio.run(cut(0)) == 0  # told to recompute: nothing fetched
+    assert asyncio.run(cut(40)) == 32  # whole pages, no more than the cut
+    shown = engine.meter.published()
+    assert shown["prefill_samples"] == 3 and shown["prefill_tokens_per_s"] > 0
+    assert shown["page_tokens"] == 16 and shown["page_bytes"] == 16 * engine.spec.bytes_per_token
+    assert shown["busy_s_per_request"] > 0
+    assert shown["paths"] == {}  # the local cache's client times no reads
+
+
 def test_the_app_takes_local_caches_only_with_a_router_that_needs_no_raykv():
     from pydantic import ValidationError
 

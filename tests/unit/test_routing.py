@@ -102,12 +102,19 @@ def pending(keys: list[bytes]) -> PendingRequest:
     return PendingRequest(args=[request], kwargs={}, metadata=metadata)
 
 
+class PublishingReplica(FakeRunningReplica):
+    """A fake replica whose routing stats (what Serve polls from record_routing_stats) a
+    test sets."""
+
+    routing_stats: dict = {}
+
+
 def make_router(directory) -> tuple[RaykvRouter, list[FakeRunningReplica]]:
     router = RaykvRouter(deployment_id=DeploymentID(name="engine", app_name="raykv"),
                          handle_source=DeploymentHandleSource.UNKNOWN,
                          use_replica_queue_len_cache=True)
     router.initialize_state(max_imbalance=2, directory=directory)
-    replicas = [FakeRunningReplica(f"r{i}", node_id=node) for i, node in
+    replicas = [PublishingReplica(f"r{i}", node_id=node) for i, node in
                 enumerate(("node-a", "node-b", "node-c"))]
     router.update_replicas(replicas)
     return router, replicas
@@ -124,7 +131,8 @@ def test_the_replica_on_the_node_holding_the_prefix_ranks_first():
         router, replicas = make_router(directory)
         ranks = await router.choose_replicas(replicas, pending(KEYS))
         assert ids(ranks) == [["r1"], ["r0", "r2"]]
-        assert router.counters == {"ranked": 1, "fallback": 0, "lookup_failures": 0}
+        assert router.counters == {"ranked": 1, "fallback": 0, "lookup_failures": 0,
+                                   "cost_routed": 0, "recomputed": 0}
 
     asyncio.run(main())
 
@@ -154,5 +162,77 @@ def test_without_hits_it_falls_back_to_power_of_two(case):
         assert router.counters["fallback"] == 1
         assert router.counters["lookup_failures"] == (case == "directory down")
         assert directory.calls == (0 if case == "no keys" else 1)
+
+    asyncio.run(main())
+
+
+# ---- RaykvRouter by cost, once replicas publish their measured rates ---------------------
+
+PAGE_TOKENS, PAGE_BYTES = 16, 1 << 20
+
+
+def publish(replicas, disk_bytes_per_s: float, busy_s: float = 0.01) -> None:
+    """Each replica's routing stats as EngineDeployment.record_routing_stats makes them:
+    2,000 prefill tokens/s (8 ms a page), host at 1 GB/s, another node's pages at 200 MB/s
+    (5 ms a page), disk at `disk_bytes_per_s`."""
+    for replica in replicas:
+        replica.routing_stats = {"rates": {
+            "paths": {"host": [1e9, 0.0, 5], "disk": [disk_bytes_per_s, 0.0, 5],
+                      "remote": [2e8, 0.0, 5]},
+            "prefill_tokens_per_s": 2000.0, "prefill_samples": 5,
+            "page_tokens": PAGE_TOKENS, "page_bytes": PAGE_BYTES,
+            "busy_s_per_request": busy_s}}
+
+
+def pending_tokens(keys: list[bytes], num_tokens: int) -> PendingRequest:
+    request = pending(keys)
+    request.args[0].token_ids = list(range(num_tokens))
+    return request
+
+
+def test_by_cost_the_least_estimated_ttft_ranks_first_and_the_rest_follow():
+    async def main():
+        directory = AsyncFakeDirectory()
+        directory.place("node-b", KEYS[:4], HOST)
+        directory.place("node-c", KEYS[:2], HOST)
+        router, replicas = make_router(directory)
+        publish(replicas, disk_bytes_per_s=1e9)
+        request = pending_tokens(KEYS, 100)
+        ranks = await router.choose_replicas(replicas, request)
+        assert ids(ranks) == [["r1"], ["r2"], ["r0"]]  # 4 pages here, 2 there, none
+        assert router.counters["cost_routed"] == 1 and router.counters["recomputed"] == 0
+        assert request.args[0].max_fetch_tokens is None  # fetch the whole prefix
+        assert router.rates.prefill_rate("r1") == 2000.0
+        assert router.last_decision.chosen.fetch_pages == 4
+
+    asyncio.run(main())
+
+
+def test_by_cost_a_slow_tier_is_recomputed_and_the_engine_is_told():
+    async def main():
+        directory = AsyncFakeDirectory()
+        directory.place("node-b", KEYS[:4], DISK)
+        router, replicas = make_router(directory)
+        publish(replicas, disk_bytes_per_s=1e6)  # ~1 s a page against 8 ms to recompute
+        for replica in replicas:  # and another node's copy as slow (it is on a disk there)
+            replica.routing_stats["rates"]["paths"]["remote"] = [1e6, 0.0, 5]
+        request = pending_tokens(KEYS, 100)
+        await router.choose_replicas(replicas, request)
+        assert router.last_decision.recompute and router.last_decision.fetch_pages == 0
+        assert request.args[0].max_fetch_tokens == 0
+        assert router.counters["recomputed"] == 1
+
+    asyncio.run(main())
+
+
+def test_by_cost_a_long_queue_outweighs_the_prefix():
+    async def main():
+        directory = AsyncFakeDirectory()
+        directory.place("node-b", KEYS[:4], HOST)
+        router, replicas = make_router(directory)
+        publish(replicas, disk_bytes_per_s=1e9, busy_s=1.0)
+        router._replica_queue_len_cache.update(replicas[1].replica_id, 3)  # ~3 s of wait
+        ranks = await router.choose_replicas(replicas, pending_tokens(KEYS, 100))
+        assert ids(ranks)[-1] == ["r1"]
 
     asyncio.run(main())

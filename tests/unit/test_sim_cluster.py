@@ -228,8 +228,8 @@ def test_the_simulator_runs_the_services_own_objects():
         assert getattr(sim_routers, name) is getattr(cost_routing, name)
     service = ast.parse((ROOT / "cluster/serving/router.py").read_text())
     imported = {alias.name for node in ast.walk(service) if isinstance(node, ast.ImportFrom)
-                and node.module == "policies.routing" for alias in node.names}
-    assert {"prefix_scores", "rank_replicas", "has_hits", "ReplicaLoad"} <= imported
+                and node.module == "policies.cost_routing" for alias in node.names}
+    assert {"decide", "best_sources", "Candidate", "Prompt"} <= imported
 
 
 def test_the_control_loop_replicates_a_hot_prefix_with_the_services_policy():

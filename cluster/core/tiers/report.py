@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.core.pool import PoolLimits
+from cluster.core.pool_limits import PoolLimits
 from cluster.core.tiers.memory import SHM_DIR
 
 MiB = 1 << 20

@@ -1,0 +1,65 @@
+"""`raykv status`'s routing rates: what each engine replica measured online and publishes to
+raykv's router (cluster/serving/rates.py), and the paths pooled as the router pools them
+(policies/cost_routing.pooled).
+
+The figures are read as Serve's controller reads them, from each replica actor's
+`record_routing_stats` (the replicas are found by class name in the GCS's actor table), so
+every replica answers, not whichever a handle would route to.
+"""
+
+from __future__ import annotations
+
+import ray
+from rich.table import Table
+
+from cluster.core.sizing import format_bytes
+from policies.cost_routing import pooled, prior_rates
+
+ENGINE_CLASS = "EngineDeployment"
+TIMEOUT_S = 5.0
+
+
+def replica_rates() -> dict[str, dict]:
+    """Replica actor name -> its published rates ({} for none: no Serve app, no engines)."""
+    from ray._private.state import actors
+
+    out = {}
+    for actor in actors().values():
+        if actor.get("State") != "ALIVE" or ENGINE_CLASS not in actor.get("ActorClassName", ""):
+            continue
+        try:
+            replica = ray.get_actor(actor["Name"], namespace="serve")
+            stats = ray.get(replica.record_routing_stats.remote(), timeout=TIMEOUT_S)
+        except (ray.exceptions.RayError, ValueError, TimeoutError):
+            continue  # gone or busy: the next status asks again
+        out[actor["Name"]] = {"node_id": stats.get("node_id", ""), **(stats.get("rates") or {})}
+    return out
+
+
+def routing_rates() -> dict:
+    """{"replicas": per replica what it publishes, "pooled": the estimates a router makes of
+    them (priors where nothing was measured yet)}."""
+    replicas = replica_rates()
+    return {"replicas": replicas, "pooled": pooled(prior_rates(), replicas).as_dict()}
+
+
+def rates_tables(rates: dict) -> list[Table]:
+    paths = Table(title="routing: fetch paths (measured online, pooled over replicas; "
+                        "0 samples = the prior)")
+    for column in ("source", "bytes/s", "latency", "samples"):
+        paths.add_column(column, justify="left" if column == "source" else "right")
+    for name, path in rates["pooled"]["paths"].items():
+        bandwidth = path["bytes_per_s"]
+        paths.add_row(name, "free" if bandwidth == float("inf") else
+                      f"{format_bytes(int(bandwidth))}/s", f"{path['latency_s'] * 1e3:.2f} ms",
+                      str(path["num_samples"]))
+    replicas = Table(title="routing: engine replicas (measured online)")
+    for column in ("replica", "node", "prefill tokens/s", "samples", "compute s/request"):
+        replicas.add_column(column, justify="left" if column in ("replica", "node")
+                            else "right")
+    for name, row in rates["replicas"].items():
+        replicas.add_row(name[-24:], row.get("node_id", "")[:12],
+                         f"{row.get('prefill_tokens_per_s', 0.0):,.0f}",
+                         str(row.get("prefill_samples", 0)),
+                         f"{row.get('busy_s_per_request', 0.0):.3f}")
+    return [paths, replicas]
