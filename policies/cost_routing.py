@@ -227,22 +227,35 @@ def prefill_s(prompt: Prompt, cached_pages: int, tokens_per_s: float) -> float:
 def estimate_ttft(candidate: Candidate, prompt: Prompt, rates: RateEstimates) -> Estimate:
     """The candidate's TTFT at its best cut (see the module doc); the smallest cut of the
     least cost, so a fetch is made only where it is strictly faster."""
-    tokens_per_s = rates.prefill_rate(candidate.replica_id)
-    usable = min(len(candidate.sources), max(0, prompt.num_tokens - 1) // prompt.page_tokens)
+    best_k, best_fetch_s, best_s = _best_cut(candidate.sources, prompt, rates,
+                                             rates.prefill_rate(candidate.replica_id))
+    return Estimate(candidate.replica_id, candidate.queue_wait_s + best_s, best_k,
+                    best_fetch_s, best_s - best_fetch_s, candidate.queue_wait_s)
+
+
+def _best_cut(sources: tuple[str, ...], prompt: Prompt, rates: RateEstimates,
+              tokens_per_s: float) -> tuple[int, float, float]:
+    """(k, fetch seconds, fetch + prefill seconds) of the least-cost cut. The arithmetic is
+    `prefill_s`'s, inlined: this loop runs per page per candidate on the router's path (and
+    dominated the simulator's time)."""
+    page_tokens, num_tokens = prompt.page_tokens, prompt.num_tokens
+    usable = min(len(sources), max(0, num_tokens - 1) // page_tokens)
     best_k, best_fetch_s = 0, 0.0
     best_s = prefill_s(prompt, 0, tokens_per_s)
     fetch_s, used = 0.0, set()
-    for k, source in enumerate(candidate.sources[:usable], start=1):
-        path = rates.paths[source]
+    paths = rates.paths
+    for k in range(1, usable + 1):
+        source = sources[k - 1]
+        path = paths[source]
         fetch_s += prompt.page_bytes / path.bytes_per_s
         if source not in used:
             used.add(source)
             fetch_s += path.latency_s
-        total_s = fetch_s + prefill_s(prompt, k, tokens_per_s)
+        # k <= usable, so k pages of tokens stay below num_tokens: prefill_s's min is k's.
+        total_s = fetch_s + (num_tokens - k * page_tokens) / tokens_per_s
         if total_s < best_s:
             best_k, best_fetch_s, best_s = k, fetch_s, total_s
-    return Estimate(candidate.replica_id, candidate.queue_wait_s + best_s, best_k,
-                    best_fetch_s, best_s - best_fetch_s, candidate.queue_wait_s)
+    return best_k, best_fetch_s, best_s
 
 
 def decide(prompt: Prompt, candidates: Sequence[Candidate], rates: RateEstimates
@@ -251,11 +264,23 @@ def decide(prompt: Prompt, candidates: Sequence[Candidate], rates: RateEstimates
     candidates to break ties), with its fetch-or-recompute cut. None without candidates."""
     if not candidates:
         return None
-    estimates = tuple(estimate_ttft(c, prompt, rates) for c in candidates)
+    # Candidates that read the same sources at the same prefill rate share their cut (on a
+    # large cluster most read every page from another node): compute it once.
+    cuts: dict[tuple[tuple[str, ...], float], tuple[int, float, float]] = {}
+    estimates = []
+    for c in candidates:
+        tokens_per_s = rates.prefill_rate(c.replica_id)
+        cut = cuts.get((c.sources, tokens_per_s))
+        if cut is None:
+            cut = cuts[(c.sources, tokens_per_s)] = _best_cut(c.sources, prompt, rates,
+                                                              tokens_per_s)
+        best_k, best_fetch_s, best_s = cut
+        estimates.append(Estimate(c.replica_id, c.queue_wait_s + best_s, best_k,
+                                  best_fetch_s, best_s - best_fetch_s, c.queue_wait_s))
     best = min(range(len(estimates)), key=lambda i: estimates[i].ttft_s)
     usable = max(0, prompt.num_tokens - 1) // prompt.page_tokens
     return Decision(estimates[best].replica_id, estimates[best].fetch_pages,
-                    min(len(candidates[best].sources), usable), estimates)
+                    min(len(candidates[best].sources), usable), tuple(estimates))
 
 
 def best_sources(located: Sequence[Iterable[tuple[str, int]]], node_ids: Iterable[str],
@@ -266,16 +291,20 @@ def best_sources(located: Sequence[Iterable[tuple[str, int]]], node_ids: Iterabl
     One pass over the answer, whatever the number of nodes."""
     engine_pages = engine_pages or {}
     nodes = list(node_ids)
-    sources: dict[str, list[str]] = {node: [] for node in nodes}
+    num_pages = len(located)
+    # Every page defaults to another node; only the places the answer names change that.
+    sources: dict[str, list[str]] = {node: [REMOTE] * num_pages for node in nodes}
     for index, places in enumerate(located):
         best: dict[str, int] = {}
         for node, tier in places:
             if tier in TIER_SOURCES and tier < best.get(node, len(TIER_SOURCES)):
                 best[node] = tier
-        for node in nodes:
-            held = engine_pages.get(node, 0) > index
-            sources[node].append(ENGINE if held else TIER_SOURCES[best[node]]
-                                 if node in best else REMOTE)
-    for node in nodes:
-        sources[node].extend([ENGINE] * (engine_pages.get(node, 0) - len(sources[node])))
+        for node, tier in best.items():
+            if node in sources:
+                sources[node][index] = TIER_SOURCES[tier]
+    for node, count in engine_pages.items():
+        if node in sources and count > 0:
+            held = sources[node]
+            held[: min(count, num_pages)] = [ENGINE] * min(count, num_pages)
+            held.extend([ENGINE] * (count - num_pages))
     return {node: tuple(s) for node, s in sources.items()}
