@@ -147,6 +147,19 @@ def test_the_replica_of_the_least_estimated_ttft_is_picked(candidates, num_token
     assert decision.fetch_pages == decision.chosen.fetch_pages
 
 
+@given(shared=st.lists(st.sampled_from(SOURCES), max_size=8), num_replicas=st.integers(1, 6),
+       num_tokens=st.integers(1, 200))
+def test_replicas_that_share_their_sources_get_the_estimate_each_would_alone(
+        shared, num_replicas, num_tokens):
+    """decide() computes a cut once per distinct (sources, prefill rate); each replica's
+    estimate is still exactly estimate_ttft's for it."""
+    rates = observe_prefill(rates_with(1_000.0, disk=5e6, remote=5e7, host=1e9), "r0", 500, 1.0)
+    prompt = Prompt(num_tokens, PAGE_TOKENS, PAGE_BYTES)
+    made = [Candidate(f"r{i}", tuple(shared), 0.1 * i) for i in range(num_replicas)]
+    decision = decide(prompt, made, rates)
+    assert list(decision.estimates) == [estimate_ttft(c, prompt, rates) for c in made]
+
+
 def test_a_queue_outweighs_a_cached_prefix_when_it_is_longer_than_the_prefill_saved():
     prompt = Prompt(101 * PAGE_TOKENS, PAGE_TOKENS, PAGE_BYTES)
     rates = rates_with(1_000.0, host=1e10)
@@ -166,6 +179,8 @@ def test_best_sources_take_the_engine_then_this_nodes_best_tier_then_another_nod
     assert sources["c"] == (REMOTE,) * 4
     assert best_sources(located, ["a"], {"a": 2})["a"] == (ENGINE, ENGINE, REMOTE, REMOTE)
     assert best_sources([], ["a", "b"], {"a": 2}) == {"a": (ENGINE, ENGINE), "b": ()}
+    # the engine's blocks past the directory's answer, and a node outside the candidates
+    assert best_sources(located[:1], ["a"], {"a": 3, "z": 1}) == {"a": (ENGINE,) * 3}
 
 
 # ---- rates measured online ----------------------------------------------------------------
