@@ -48,6 +48,8 @@ class EngineStream:
         if self._last_live_seq is not None and seq <= self._last_live_seq:
             self.restart()  # the numbers went back: a new publisher
         self._last_live_seq = seq
+        if seq < self.next_seq and not self.replaying:
+            return None  # a live copy of a batch the replay brought first
         if self.replaying:
             self._hold(seq, events)
             return None
@@ -56,6 +58,12 @@ class EngineStream:
             return None
         self.counters["gaps"] += 1
         self._hold(seq, events)
+        self.replaying = True
+        return self.next_seq
+
+    def begin_replay(self) -> int:
+        """Ask for everything from `next_seq` on unprompted (a subscriber that just joined:
+        an idle engine sends nothing that would show the gap). Returns where to replay from."""
         self.replaying = True
         return self.next_seq
 

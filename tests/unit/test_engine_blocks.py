@@ -117,6 +117,16 @@ def test_a_gap_asks_for_a_replay_that_fills_it():
     assert stream.counters["replays_filled"] == 1 and stream.counters["drops"] == 0
 
 
+def test_live_copies_of_replayed_batches_are_ignored():
+    stream, sent = EngineStream(CHAIN), batches()
+    stream.on_batch(0, sent[0])
+    assert stream.on_batch(2, sent[2]) == 1
+    stream.on_replay([(1, sent[1]), (2, sent[2]), (3, sent[3])])  # 3 came first by replay
+    assert stream.on_batch(3, sent[3]) is None  # then live: not a gap, not a restart
+    assert stream.next_seq == 4 and stream.counters["gaps"] == 1
+    assert stream.counters["restarts"] == 0 and stream.held_pages(KEYS) == 4
+
+
 def test_a_gap_the_replay_cannot_fill_drops_the_blocks_and_rebuilds():
     stream, sent = EngineStream(CHAIN), batches()
     stream.on_batch(0, sent[0])
@@ -144,6 +154,14 @@ def test_a_late_joiner_asks_a_replay_from_zero():
     assert stream.on_batch(3, sent[3]) == 0
     stream.on_replay(list(enumerate(sent)))
     assert stream.held_pages(KEYS) == 4 and stream.counters["drops"] == 0
+
+
+def test_a_joiner_catches_up_unprompted_and_live_batches_wait_for_it():
+    stream, sent = EngineStream(CHAIN), batches()
+    assert stream.begin_replay() == 0
+    assert stream.on_batch(3, sent[3]) is None  # held: the replay is out
+    stream.on_replay(list(enumerate(sent[:3])))
+    assert stream.held_pages(KEYS) == 4 and stream.next_seq == 4
 
 
 def test_a_restart_resets_the_replica():

@@ -1,0 +1,173 @@
+"""The engine tier's subscriber against vLLM's own publisher (ZmqEventPublisher, real ZMQ on
+127.0.0.1): batches applied, a batch lost on the wire replayed, a restarted publisher taken as
+a new engine, and a loss the replay cannot fill dropping what it cannot trust."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from cluster.core.keys import KeyChain
+from cluster.core.spec import ModelSpec
+
+pytest.importorskip("vllm")
+pytest.importorskip("zmq")
+
+from vllm.distributed.kv_events import (  # noqa: E402
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
+
+from cluster.serving.engine_events import EngineEvents  # noqa: E402
+
+PAGE, BLOCK = 16, 4
+CHAIN = KeyChain.of(ModelSpec("m", 2, 1, 8, "float32"), "default", PAGE)
+PROMPT = [(i * 31 + 7) % 5000 for i in range(4 * PAGE)]
+KEYS = CHAIN.keys(PROMPT)
+
+
+class LoopbackPublisher(ZmqEventPublisher):
+    """vLLM's publisher, bound to a loopback address (its own rule binds only wildcard
+    addresses; servers here bind 127.0.0.1), dropping chosen batches on the PUB socket only:
+    they stay in its replay buffer, as a batch a subscriber missed would."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str, drop: set[int],
+                 buffer_steps: int = 10_000):
+        self.drop = drop
+        super().__init__(0, endpoint=endpoint, replay_endpoint=replay_endpoint,
+                         buffer_steps=buffer_steps)
+        self._pub = _Dropping(self._pub, drop)
+
+    @staticmethod
+    def _is_bind_endpoint(endpoint: str) -> bool:
+        return True
+
+
+class _Dropping:
+    def __init__(self, sock, drop: set[int]):
+        self._sock, self._drop = sock, drop
+
+    def send_multipart(self, frames):
+        if int.from_bytes(frames[1], "big") not in self._drop:
+            self._sock.send_multipart(frames)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def source(endpoint: str, replay_endpoint: str, epoch: str) -> dict:
+    """What a replica's routing stats advertise (RaykvLLMServer)."""
+    return {"endpoint": endpoint, "replay_endpoint": replay_endpoint, "epoch": epoch}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def blocks(first: int, count: int) -> BlockStored:
+    """vLLM's BlockStored for blocks first.. of PROMPT (block i hashed 1000 + i)."""
+    return BlockStored(block_hashes=[1000 + i for i in range(first, first + count)],
+                       parent_block_hash=999 + first if first else None,
+                       token_ids=PROMPT[first * BLOCK : (first + count) * BLOCK],
+                       block_size=BLOCK, lora_id=None, medium="GPU", lora_name=None)
+
+
+def publish(publisher: ZmqEventPublisher, *events) -> None:
+    publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
+
+
+def rebound(make):
+    """A publisher on the endpoints of one just shut down (ZMQ frees a port a moment after
+    its socket closes)."""
+    import zmq
+
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            return make()
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def wait_for(check, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture
+def endpoints():
+    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+
+def test_lost_batches_are_replayed_and_a_restart_starts_over(endpoints):
+    pub, replay = endpoints
+    first = LoopbackPublisher(pub, replay, drop={1})
+    events = EngineEvents(CHAIN, replay_timeout_s=2.0)
+    try:
+        events.watch({"r1": source(pub, replay, "e1")})
+        publish(first, blocks(0, 4))  # page 0
+        wait_for(lambda: events.stats().get("r1", {}).get("next_seq") == 1)
+        publish(first, blocks(4, 4))  # page 1: lost on the wire
+        publish(first, blocks(8, 4))
+        publish(first, blocks(12, 4))
+        wait_for(lambda: events.stats()["r1"]["next_seq"] == 4)
+        stats = events.stats()["r1"]
+        assert (stats["gaps"], stats["drops"], stats["blocks"]) == (1, 0, 16)
+        assert events.held_pages(KEYS, ["r1", "r2"]) == {"r1": 4}
+
+        first.shutdown()  # the engine restarts: its numbers start over
+        second = rebound(lambda: LoopbackPublisher(pub, replay, drop={1, 2}, buffer_steps=1))
+        time.sleep(1.0)  # the SUB socket reconnects
+        publish(second, blocks(0, 4))
+        wait_for(lambda: events.stats()["r1"]["restarts"] == 1)
+        assert events.held_pages(KEYS, ["r1"]) == {"r1": 1}
+
+        # Lost for good: the removal of page 0's last block (and another batch); the
+        # publisher keeps only its last batch, so the replay cannot fill the hole.
+        publish(second, BlockRemoved(block_hashes=[1003], medium="GPU"))
+        publish(second, blocks(4, 4))
+        publish(second, BlockStored(block_hashes=[7], parent_block_hash=None,
+                                    token_ids=[1] * BLOCK, block_size=BLOCK, lora_id=None,
+                                    medium="GPU", lora_name=None))
+        wait_for(lambda: events.stats()["r1"]["next_seq"] == 4)
+        stats = events.stats()["r1"]
+        assert (stats["gaps"], stats["drops"], stats["blocks"]) == (2, 1, 1)
+        assert events.held_pages(KEYS, ["r1"]) == {"r1": 0}  # page 0 is not trusted
+        second.shutdown()
+    finally:
+        events.close()
+
+
+def test_a_late_joiner_replays_from_the_start_and_a_new_epoch_starts_over(endpoints):
+    pub, replay = endpoints
+    publisher = LoopbackPublisher(pub, replay, drop=set())
+    events = EngineEvents(CHAIN)
+    try:
+        publish(publisher, blocks(0, 8))
+        publish(publisher, blocks(8, 8))
+        time.sleep(0.3)  # published before anyone listens: only the replay has them
+        events.watch({"r1": source(pub, replay, "e1")})
+        wait_for(lambda: events.stats().get("r1", {}).get("next_seq") == 2)
+        assert events.held_pages(KEYS, ["r1"]) == {"r1": 4}
+        events.watch({"r1": source(pub, replay, "e2")})  # the replica's engine is new
+        wait_for(lambda: events.stats().get("r1", {}).get("epoch") == "e2"
+                 and events.stats()["r1"]["next_seq"] == 2)
+        assert events.stats()["r1"]["batches"] == 2  # a new stream, replayed from 0
+        assert events.held_pages(KEYS, ["r1"]) == {"r1": 4}
+        events.watch({})
+        wait_for(lambda: not events.stats())
+    finally:
+        publisher.shutdown()
+        events.close()
