@@ -171,3 +171,78 @@ def test_a_late_joiner_replays_from_the_start_and_a_new_epoch_starts_over(endpoi
     finally:
         publisher.shutdown()
         events.close()
+
+
+def test_a_real_engine_s_events_map_to_the_pages_raykv_keys(model_dir, monkeypatch):
+    """vLLM's CPU engine with its events on as RaykvLLMServer turns them on (ports the OS
+    picks, read back from the engine as the server reads them): the prompt's full blocks
+    come back as the raykv pages they make whole, and a prefix-cache reset clears them."""
+    from types import SimpleNamespace
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig
+
+    from cluster.serving.vllm_events_server import advertised, kv_events_config
+    from tests.vllm.conftest import prompt_tokens
+
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")  # vLLM binds tcp://*:0 on this address
+    configured = kv_events_config({})
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048,
+              enable_prefix_caching=True, kv_events_config=KVEventsConfig(**configured))
+    page_tokens = 256  # raykv's default page: two of vLLM's 128-token CPU blocks
+    chain = KeyChain.of(ModelSpec("small-llama", 4, 2, 64, "float32"), "default", page_tokens)
+    events = EngineEvents(chain)
+    try:
+        source = advertised(SimpleNamespace(_engine_client=llm.llm_engine), configured, "e")
+        assert source["endpoint"].startswith("tcp://127.0.0.1:")
+        events.watch({"r": source})
+        wait_for(lambda: "r" in events.stats() and not events.stats()["r"]["replaying"])
+        prompt = prompt_tokens(600, seed=3)
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+        keys = chain.keys(prompt)  # 2 pages; vLLM's full blocks hold 512 tokens: 2 pages
+        wait_for(lambda: events.held_pages(keys, ["r"]) == {"r": 2})
+        assert events.held_pages(chain.keys(prompt_tokens(600, seed=4)), ["r"]) == {"r": 0}
+        llm.reset_prefix_cache()
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)  # a step, which publishes the reset
+        wait_for(lambda: events.held_pages(keys, ["r"]) == {"r": 0})
+        assert events.stats()["r"]["drops"] == 0
+    finally:
+        events.close()
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_the_raykv_router_s_app_turns_each_engine_s_events_on():
+    from types import SimpleNamespace
+
+    from vllm.config import KVEventsConfig
+
+    from cluster.serving import vllm_app
+    from cluster.serving.vllm_events_server import (
+        ANY_PORT,
+        RaykvLLMServer,
+        advertised,
+        kv_events_config,
+    )
+
+    raykv = vllm_app.VllmAppArgs("/m", "small-llama", request_router_class=vllm_app.RAYKV_ROUTER)
+    assert vllm_app.llm_config(raykv).server_cls is RaykvLLMServer
+    assert vllm_app.llm_config(vllm_app.VllmAppArgs("/m", "small-llama")).server_cls is None
+    assert kv_events_config({}) == {"enable_kv_cache_events": True, "publisher": "zmq",
+                                    "endpoint": ANY_PORT, "replay_endpoint": ANY_PORT}
+    own = {"enable_kv_cache_events": True, "endpoint": "tcp://*:6000"}
+    assert kv_events_config({"kv_events_config": own}) == own  # a user's own is kept
+
+    bound = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                           endpoint="tcp://10.1.2.3:41000", replay_endpoint="tcp://10.1.2.3:41001")
+    engine = SimpleNamespace(_engine_client=SimpleNamespace(engine_core=SimpleNamespace(
+        get_kv_event_sources=lambda: {0: bound})))
+    assert advertised(engine, kv_events_config({}), "e1") == {
+        "endpoint": "tcp://10.1.2.3:41000", "replay_endpoint": "tcp://10.1.2.3:41001",
+        "epoch": "e1"}
+    # Not bound where the server can see it (an in-process engine core): nothing advertised.
+    unknown = SimpleNamespace(_engine_client=SimpleNamespace(engine_core=SimpleNamespace(
+        get_kv_event_sources=dict)))
+    assert advertised(unknown, kv_events_config({}), "e1") == {}
+    assert advertised(engine, {"enable_kv_cache_events": False}, "e1") == {}
