@@ -64,6 +64,13 @@ def advertised(engine, configured: dict, epoch: str) -> dict:
             else None}
 
 
+def _node_address_known() -> bool:
+    """Whether vLLM can bind `tcp://*:0` (it binds the address its get_ip finds)."""
+    from vllm.utils.network_utils import get_ip
+
+    return get_ip() not in ("0.0.0.0", "::")
+
+
 def _routable(endpoint: str) -> str:
     """A wildcard-bound endpoint at this node's address (as Ray's KV router rewrites it)."""
     if "*" not in endpoint:
@@ -80,7 +87,13 @@ class RaykvLLMServer(LLMServer):
     async def start(self):
         self._raykv_events: dict = {}
         configured = kv_events_config(self._llm_config.engine_kwargs)
-        self._llm_config.update_engine_kwargs(kv_events_config=configured)
+        if configured.get("endpoint") == ANY_PORT and not _node_address_known():
+            # vLLM would refuse to start its engine: route this replica without its events.
+            log.warning("vLLM finds no address of this node to publish KV events on (set "
+                        "VLLM_HOST_IP): raykv's router will not see this engine's cache")
+            configured = {"enable_kv_cache_events": False}
+        else:
+            self._llm_config.update_engine_kwargs(kv_events_config=configured)
         await super().start()
         self._raykv_events = advertised(self.engine, configured, uuid.uuid4().hex)
         log.info("vLLM KV events for raykv's router: %s", self._raykv_events)
