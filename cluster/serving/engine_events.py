@@ -77,6 +77,17 @@ def decode_batch(payload: bytes) -> list[EngineEvent]:
     return events
 
 
+def _readable(payload: bytes) -> list[EngineEvent]:
+    """The batch's events; a batch that cannot be read clears the engine's blocks (what it
+    changed is unknown: nothing before it is trusted)."""
+    try:
+        return decode_batch(payload)
+    except Exception as error:
+        log.warning("engine events: an unreadable batch (%s): the engine's blocks are dropped",
+                    error)
+        return [Cleared()]
+
+
 def _hashable(block_hash):
     return tuple(block_hash) if isinstance(block_hash, list) else block_hash
 
@@ -157,6 +168,9 @@ class EngineEvents:
         finally:
             for link in links.values():
                 _close(link)
+            with self._lock:  # nothing followed any more: nothing is claimed held
+                self._streams.clear()
+                self._following.clear()
             context.term()
 
     def _sync(self, context: zmq.Context, links: dict[str, _Link]) -> None:
@@ -200,7 +214,7 @@ class EngineEvents:
             self._end_replay(replica_id, link)
 
     def _live(self, replica_id: str, link: _Link, seq: int, payload: bytes) -> None:
-        events = decode_batch(payload)
+        events = _readable(payload)
         with self._lock:
             stream = self._streams.get(replica_id)
             start = stream.on_batch(seq, events) if stream is not None else None
@@ -233,7 +247,7 @@ class EngineEvents:
             if seq == END_SEQ:
                 self._end_replay(replica_id, link)
                 return
-            link.replayed.append((seq, decode_batch(frames[3])))
+            link.replayed.append((seq, _readable(frames[3])))
 
     def _end_replay(self, replica_id: str, link: _Link) -> None:
         """The replay is over (its end marker, or its time is up): what came is applied."""

@@ -246,3 +246,27 @@ def test_the_raykv_router_s_app_turns_each_engine_s_events_on():
         get_kv_event_sources=dict)))
     assert advertised(unknown, kv_events_config({}), "e1") == {}
     assert advertised(engine, {"enable_kv_cache_events": False}, "e1") == {}
+
+
+def test_vllm_s_wire_format_decodes_to_plain_gpu_blocks_only():
+    import msgspec
+    from vllm.distributed.kv_events import AllBlocksCleared
+
+    from cluster.core.engine_blocks import Cleared, Removed, Stored
+    from cluster.serving.engine_events import _readable, decode_batch
+
+    def stored(**fields):
+        return BlockStored(**{"block_hashes": [b"h1", 2], "parent_block_hash": None,
+                              "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": None,
+                              "medium": "GPU", "lora_name": None, **fields})
+
+    batch = KVEventBatch(ts=1.0, events=[
+        stored(), stored(extra_keys=[None, ("salt",)]), stored(lora_id=3, lora_name="a"),
+        stored(medium="CPU"), stored(group_idx=1), BlockRemoved(block_hashes=[2], medium="GPU"),
+        BlockRemoved(block_hashes=[2], medium="CPU"), AllBlocksCleared()])
+    events = decode_batch(msgspec.msgpack.Encoder().encode(batch))
+    assert events == [Stored((b"h1", 2), None, (1, 2, 3, 4), 2, True),
+                      Stored((b"h1", 2), None, (1, 2, 3, 4), 2, False),
+                      Stored((b"h1", 2), None, (1, 2, 3, 4), 2, False),
+                      Removed((2,)), Cleared()]
+    assert _readable(b"\xc1 not msgpack") == [Cleared()]  # unreadable: nothing trusted
