@@ -107,7 +107,8 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(
                 self, candidate_replicas=candidate_replicas, pending_request=pending_request)
         self.counters["engine_hits"] += any(engine_pages.values())
-        ranks = self._by_cost(candidate_replicas, located, pending_request, engine_pages)
+        ranks = self._by_cost(candidate_replicas, located, pending_request, engine_pages,
+                              len(keys_blob) // KEY_BYTES)
         if ranks:
             self.counters["cost_routed"] += 1
             return ranks
@@ -120,11 +121,11 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 for rank in rank_replicas(loads, scores, self.max_imbalance)]
 
     def _by_cost(self, replicas: list[RunningReplica], located: list,
-                 pending_request: PendingRequest | None,
-                 engine_pages: dict[str, int]) -> list[list[RunningReplica]]:
+                 pending_request: PendingRequest | None, engine_pages: dict[str, int],
+                 num_keys: int) -> list[list[RunningReplica]]:
         """Ranks by estimated TTFT, one replica each ([] while no replica has published its
         page size, unless engines' events give the router pages to weigh); the best one's cut
-        is put on the request."""
+        is put on the request. `num_keys`: the prompt's full pages."""
         published = {r.replica_id.unique_id: _published(r) for r in replicas}
         sized = [p for p in published.values() if p.get("page_bytes")]
         geometry = (sized[0]["page_tokens"], sized[0]["page_bytes"]) if sized \
@@ -133,9 +134,8 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return []
         page_tokens, page_bytes = geometry
         self.rates = pooled(prior_rates(), published)
-        num_pages = max(len(located), max(engine_pages.values(), default=0))
-        prompt = Prompt(_num_tokens(pending_request, num_pages, page_tokens), page_tokens,
-                        page_bytes)
+        prompt = Prompt(_num_tokens(pending_request, max(len(located), num_keys), page_tokens),
+                        page_tokens, page_bytes)
         sources = _sources(located, replicas, engine_pages)
         busy = _busy_s_per_request(published) if sized else \
             {r: prefill_s(prompt, 0, self.rates.prefill_rate(r)) for r in published}
@@ -247,8 +247,8 @@ def _busy_s_per_request(published: dict) -> dict[str, float]:
 
 def _num_tokens(pending_request: PendingRequest | None, num_pages: int,
                 page_tokens: int) -> int:
-    """The prompt's tokens; for a request that carries only text, at least its located
-    pages and one token more."""
+    """The prompt's tokens; for a request that carries only text, at least its full pages
+    and one token more."""
     token_ids = getattr(pending_request.args[0], "token_ids", None) \
         if pending_request is not None and pending_request.args else None
     return len(token_ids) if token_ids else num_pages * page_tokens + 1
