@@ -49,6 +49,11 @@ class PromptKeys:
                             self.namespace, error)
         return self._chain
 
+    @property
+    def known_chain(self) -> KeyChain | None:
+        """The key chain if it is known already (never asks the service)."""
+        return self._chain
+
     @cached_property
     def tokenizer(self):
         from transformers import AutoTokenizer

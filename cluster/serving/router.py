@@ -19,6 +19,15 @@ the request (`GenerationRequest.max_fetch_tokens`), so the engine recomputes wha
 to recompute. Before any replica has published its page size, it ranks by the weighted
 prefix (policies/routing.py); without hits, or when the directory does not answer in time,
 it is power-of-two choices.
+
+The engine tier: replicas whose vLLM engines publish KV-cache events advertise where in their
+routing stats (ENGINE_EVENTS, cluster/serving/vllm_events_server.py). The router follows them
+(cluster/serving/engine_events.py) and counts, per replica, the prompt's leading pages its
+engine already holds: those cost nothing to fetch (`best_sources(..., engine_pages=...)`), and
+an engine hit is a hit even where the directory has none. vLLM replicas publish no rates: the
+cost path takes the page size from the router's own keying and the priors, and counts each
+queued request ahead as one prefill of this prompt at the replica's rate. Without events,
+routing is as before.
 """
 
 from __future__ import annotations
@@ -48,24 +57,29 @@ from policies.cost_routing import (
     best_sources,
     decide,
     pooled,
+    prefill_s,
     prior_rates,
 )
 from policies.routing import ReplicaLoad, has_hits, prefix_scores, rank_replicas
 
 log = logging.getLogger("raykv.router")
 KEY_BYTES = 16
+ENGINE_EVENTS = "raykv_engine_events"  # routing-stats key: where a replica's engine publishes
 
 
 class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """KV-aware routing on Serve's RequestRouter API (see module docstring)."""
 
     def initialize_state(self, max_imbalance: int = 1, lookup_timeout_s: float = 0.5,
-                         directory=None, prompt_keys: dict | None = None) -> None:
+                         directory=None, prompt_keys: dict | None = None,
+                         engine_events=None) -> None:
         """`max_imbalance`: queue-length lead past which a replica loses its rank (in the
         weighted-prefix ranking, before replicas publish their rates).
         `directory`: a DirectoryHandle (tests pass a fake); found lazily otherwise.
         `prompt_keys`: for requests that carry text, not page keys (Ray Serve LLM's), how to
-        key them: {"tokenizer_dir", "spec": ModelSpec fields, "namespace", "page_tokens"}."""
+        key them: {"tokenizer_dir", "spec": ModelSpec fields, "namespace", "page_tokens"}.
+        `engine_events`: the engine tier's follower (watch, held_pages: tests pass a fake);
+        made on first need (an EngineEvents over the prompt keys' chain) otherwise."""
         self.max_imbalance = max_imbalance
         self.lookup_timeout_s = lookup_timeout_s
         self._directory = directory
@@ -75,8 +89,9 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                                            ModelSpec(**prompt_keys["spec"]),
                                            prompt_keys.get("namespace", "default"),
                                            prompt_keys["page_tokens"])
+        self.engine_events = engine_events
         self.counters = {"ranked": 0, "fallback": 0, "lookup_failures": 0, "cost_routed": 0,
-                         "recomputed": 0}
+                         "recomputed": 0, "engine_hits": 0}
         self.rates: RateEstimates = prior_rates()  # the latest pooled (for stats and tests)
         self.last_decision: Decision | None = None
 
@@ -85,12 +100,15 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                               ) -> list[list[RunningReplica]]:
         keys_blob = await self._keys_of(pending_request)
         located = await self._locate(keys_blob) if keys_blob else []
+        engine_pages = self._engine_pages(candidate_replicas, keys_blob)
         scores = prefix_scores(located, {r.node_id for r in candidate_replicas})
-        if not has_hits(scores):
+        if not has_hits(scores) and not any(engine_pages.values()):
             self.counters["fallback"] += 1
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(
                 self, candidate_replicas=candidate_replicas, pending_request=pending_request)
-        ranks = self._by_cost(candidate_replicas, located, pending_request)
+        self.counters["engine_hits"] += any(engine_pages.values())
+        ranks = self._by_cost(candidate_replicas, located, pending_request, engine_pages,
+                              len(keys_blob) // KEY_BYTES)
         if ranks:
             self.counters["cost_routed"] += 1
             return ranks
@@ -103,23 +121,28 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 for rank in rank_replicas(loads, scores, self.max_imbalance)]
 
     def _by_cost(self, replicas: list[RunningReplica], located: list,
-                 pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+                 pending_request: PendingRequest | None, engine_pages: dict[str, int],
+                 num_keys: int) -> list[list[RunningReplica]]:
         """Ranks by estimated TTFT, one replica each ([] while no replica has published its
-        page size); the best one's cut is put on the request."""
+        page size, unless engines' events give the router pages to weigh); the best one's cut
+        is put on the request. `num_keys`: the prompt's full pages."""
         published = {r.replica_id.unique_id: _published(r) for r in replicas}
         sized = [p for p in published.values() if p.get("page_bytes")]
-        if not sized:
+        geometry = (sized[0]["page_tokens"], sized[0]["page_bytes"]) if sized \
+            else self._own_geometry(engine_pages)
+        if geometry is None:
             return []
-        page_tokens, page_bytes = sized[0]["page_tokens"], sized[0]["page_bytes"]
+        page_tokens, page_bytes = geometry
         self.rates = pooled(prior_rates(), published)
-        sources = best_sources(located, {r.node_id for r in replicas})
-        busy = _busy_s_per_request(published)
+        prompt = Prompt(_num_tokens(pending_request, max(len(located), num_keys), page_tokens),
+                        page_tokens, page_bytes)
+        sources = _sources(located, replicas, engine_pages)
+        busy = _busy_s_per_request(published) if sized else \
+            {r: prefill_s(prompt, 0, self.rates.prefill_rate(r)) for r in published}
         replicas = random.sample(replicas, len(replicas))  # decide() breaks ties by order
-        candidates = [Candidate(r.replica_id.unique_id, sources[r.node_id],
+        candidates = [Candidate(r.replica_id.unique_id, sources[r.replica_id.unique_id],
                                 (self._replica_queue_len_cache.get(r.replica_id) or 0)
                                 * busy.get(r.replica_id.unique_id, 0.0)) for r in replicas]
-        prompt = Prompt(_num_tokens(pending_request, len(located), page_tokens), page_tokens,
-                        page_bytes)
         decision = decide(prompt, candidates, self.rates)
         self.last_decision = decision
         self.counters["recomputed"] += decision.recompute
@@ -128,6 +151,33 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         rest = sorted((e for e in decision.estimates if e.replica_id != decision.replica_id),
                       key=lambda e: e.ttft_s)
         return [[by_id[decision.replica_id]], *[[by_id[e.replica_id]] for e in rest]]
+
+    def _own_geometry(self, engine_pages: dict[str, int]) -> tuple[int, int] | None:
+        """(page tokens, page bytes) as the router keys prompts, where engines hold pages of
+        them (vLLM replicas publish no page size); None otherwise."""
+        if self._prompt_keys is None or not any(engine_pages.values()):
+            return None
+        page_tokens = self._prompt_keys.page_tokens
+        return page_tokens, self._prompt_keys.spec.page_bytes(page_tokens)
+
+    def _engine_pages(self, replicas: list[RunningReplica], keys_blob: bytes) -> dict[str, int]:
+        """Per replica whose engine publishes events: the prompt's leading pages it holds."""
+        advertised = {r.replica_id.unique_id: a for r in self.curr_replicas.values()
+                      if (a := _advertised_events(r))}
+        if not advertised or not keys_blob or self._follower() is None:
+            return {}
+        self.engine_events.watch(advertised)
+        keys = [keys_blob[i : i + KEY_BYTES] for i in range(0, len(keys_blob), KEY_BYTES)]
+        return self.engine_events.held_pages(keys, [r.replica_id.unique_id for r in replicas])
+
+    def _follower(self):
+        """The engine tier's follower; made once the prompts' key chain is known."""
+        chain = self._prompt_keys.known_chain if self._prompt_keys is not None else None
+        if self.engine_events is None and chain is not None:
+            from cluster.serving.engine_events import EngineEvents
+
+            self.engine_events = EngineEvents(chain)
+        return self.engine_events
 
     async def _keys_of(self, pending_request: PendingRequest | None) -> bytes:
         keys_blob = _page_keys(pending_request)
@@ -162,6 +212,25 @@ def _page_keys(pending_request: PendingRequest | None) -> bytes:
     return getattr(pending_request.args[0], "page_keys", b"") or b""
 
 
+def _advertised_events(replica: RunningReplica) -> dict | None:
+    """Where the replica's engine publishes its KV events (None: it does not)."""
+    stats = getattr(replica, "routing_stats", None) or {}
+    return stats.get(ENGINE_EVENTS)
+
+
+def _sources(located: list, replicas: list[RunningReplica],
+             engine_pages: dict[str, int]) -> dict[str, tuple[str, ...]]:
+    """Per replica, the best source of each page: its node's (best_sources), its engine's
+    own blocks first where it holds some (replicas on one node hold different blocks)."""
+    by_node = best_sources(located, {r.node_id for r in replicas})
+    out = {}
+    for r in replicas:
+        held = engine_pages.get(r.replica_id.unique_id, 0)
+        out[r.replica_id.unique_id] = best_sources(located, [r.node_id], {r.node_id: held}
+                                                   )[r.node_id] if held else by_node[r.node_id]
+    return out
+
+
 def _published(replica: RunningReplica) -> dict:
     """What the replica's `record_routing_stats` published of its rates ({} before)."""
     stats = getattr(replica, "routing_stats", None) or {}
@@ -178,8 +247,8 @@ def _busy_s_per_request(published: dict) -> dict[str, float]:
 
 def _num_tokens(pending_request: PendingRequest | None, num_pages: int,
                 page_tokens: int) -> int:
-    """The prompt's tokens; for a request that carries only text, at least its located
-    pages and one token more."""
+    """The prompt's tokens; for a request that carries only text, at least its full pages
+    and one token more."""
     token_ids = getattr(pending_request.args[0], "token_ids", None) \
         if pending_request is not None and pending_request.args else None
     return len(token_ids) if token_ids else num_pages * page_tokens + 1

@@ -39,6 +39,10 @@ CONNECTOR = {"kv_connector": "RaykvConnector",
 ENGINE_DTYPES = {"cpu": "float32", "gpu": "bfloat16"}
 # The OpenAI ingress replica's CPUs (Serve's default for a replica).
 INGRESS_CPUS = 1
+RAYKV_ROUTER = "cluster.serving.router:RaykvRouter"
+# With raykv's router, each LLMServer turns its engine's KV-cache events on and advertises
+# them: the router's engine tier (as Ray's KVAwareRouter has its own turned on).
+EVENTS_SERVER = "cluster.serving.vllm_events_server:RaykvLLMServer"
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,8 @@ def llm_config(args: VllmAppArgs, ray_address: str | None = None):
             "request_router_class": args.request_router_class,
             "request_router_kwargs": dict(args.request_router_kwargs)}
     options: dict = {"accelerator_config": {"kind": args.accelerator}}
+    if args.request_router_class == RAYKV_ROUTER:
+        options["server_cls"] = EVENTS_SERVER
     if cpu:
         deployment["ray_actor_options"] = {"num_cpus": 0}  # it shares its engine's CPU
         options.update({"placement_group_config": {"bundles": [{"CPU": 1}]},

@@ -132,7 +132,7 @@ def test_the_replica_on_the_node_holding_the_prefix_ranks_first():
         ranks = await router.choose_replicas(replicas, pending(KEYS))
         assert ids(ranks) == [["r1"], ["r0", "r2"]]
         assert router.counters == {"ranked": 1, "fallback": 0, "lookup_failures": 0,
-                                   "cost_routed": 0, "recomputed": 0}
+                                   "cost_routed": 0, "recomputed": 0, "engine_hits": 0}
 
     asyncio.run(main())
 

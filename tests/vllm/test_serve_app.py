@@ -101,6 +101,22 @@ def test_second_request_loads_the_prefix_from_raykv(base_url):
     assert cached is not None and cached >= 5 * 128, second["usage"]
 
 
+def test_with_raykv_s_router_each_replica_advertises_its_engine_s_kv_events(base_url):
+    """RaykvLLMServer turned its engine's KV events on, on ports the OS picked, and tells
+    routers where (record_routing_stats, as Serve's controller polls it)."""
+    from ray._private.state import actors
+
+    from cluster.serving.router import ENGINE_EVENTS
+
+    names = [a["Name"] for a in actors().values() if a.get("State") == "ALIVE"
+             and "RaykvLLMServer" in a.get("ActorClassName", "")]
+    assert len(names) == 1, names
+    replica = ray.get_actor(names[0], namespace="serve")
+    advertised = ray.get(replica.record_routing_stats.remote(), timeout=30)[ENGINE_EVENTS]
+    assert advertised["endpoint"].startswith("tcp://") and advertised["epoch"]
+    assert not advertised["endpoint"].endswith(":0") and advertised["replay_endpoint"]
+
+
 def test_llm_config_runs_the_connector_on_cpu_with_a_chosen_router():
     from cluster.serving.vllm_app import llm_config
 

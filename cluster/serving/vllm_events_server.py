@@ -1,0 +1,105 @@
+"""Ray Serve LLM's LLMServer with its vLLM engine's KV-cache events on, advertised to raykv's
+router (the engine tier: cluster/serving/engine_events.py).
+
+Ray's KVAwareRouter turns vLLM's events on itself, and only for its own deployments
+(ray.llm._internal.serve.routing_policies.kv_aware.vllm.kv_events): a ZMQ publisher per
+replica, its PUB and replay (ROUTER) ports offset by the replica's node-local rank, advertised
+through `record_routing_stats`. This server does the same for raykv's router, with one change:
+the ports are the OS's (`tcp://*:0`, which vLLM binds on this node's address and resolves), so
+no two replicas on a node, nor another app's, collide:
+
+  - before its engine starts, it sets `engine_kwargs["kv_events_config"]` (a user's own is
+    kept);
+  - once the engine runs, it reads the endpoints vLLM bound and advertises them under
+    ENGINE_EVENTS, with an epoch naming this engine: a replica is never taken for another.
+
+The builder (cluster/serving/vllm_app.py) makes it the server class when the router is raykv's.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
+from cluster.serving.router import ENGINE_EVENTS
+
+log = logging.getLogger("raykv.vllm")
+ANY_PORT = "tcp://*:0"  # vLLM binds this node's address on a port the OS picks
+
+
+def kv_events_config(engine_kwargs: dict) -> dict:
+    """The engine's kv_events_config: the user's, else a ZMQ publisher with a replay socket,
+    both on ports the OS picks."""
+    own = engine_kwargs.get("kv_events_config")
+    if own:
+        return dict(own)
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ANY_PORT,
+            "replay_endpoint": ANY_PORT}
+
+
+def advertised(engine, configured: dict, epoch: str) -> dict:
+    """What the replica tells routers of its events: the endpoints vLLM bound (its engine
+    client's get_kv_event_sources), else the configured ones at this node's address; {} when
+    neither is known (the router then routes this replica without its engine tier)."""
+    if not configured.get("enable_kv_cache_events"):
+        return {}
+    sources = {}
+    try:
+        sources = engine._engine_client.engine_core.get_kv_event_sources()
+    except AttributeError:  # another engine client: fall back on the configuration
+        pass
+    if sources:
+        bound = sources[min(sources)]
+        endpoint, replay = bound.endpoint, bound.replay_endpoint
+    else:
+        endpoint, replay = configured.get("endpoint"), configured.get("replay_endpoint")
+    if not endpoint or endpoint.endswith(":0"):
+        log.warning("vLLM's KV events endpoint is not known (%s): the router will not see "
+                    "this engine's cache", endpoint)
+        return {}
+    return {"endpoint": _routable(endpoint), "epoch": epoch,
+            "replay_endpoint": _routable(replay) if replay and not replay.endswith(":0")
+            else None}
+
+
+def _node_address_known() -> bool:
+    """Whether vLLM can bind `tcp://*:0` (it binds the address its get_ip finds)."""
+    from vllm.utils.network_utils import get_ip
+
+    return get_ip() not in ("0.0.0.0", "::")
+
+
+def _routable(endpoint: str) -> str:
+    """A wildcard-bound endpoint at this node's address (as Ray's KV router rewrites it)."""
+    if "*" not in endpoint:
+        return endpoint
+    import ray
+
+    port = endpoint.rsplit(":", 1)[1]
+    return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+
+class RaykvLLMServer(LLMServer):
+    """LLMServer whose engine publishes KV events for raykv's router (module docstring)."""
+
+    async def start(self):
+        self._raykv_events: dict = {}
+        configured = kv_events_config(self._llm_config.engine_kwargs)
+        if configured.get("endpoint") == ANY_PORT and not _node_address_known():
+            # vLLM would refuse to start its engine: route this replica without its events.
+            log.warning("vLLM finds no address of this node to publish KV events on (set "
+                        "VLLM_HOST_IP): raykv's router will not see this engine's cache")
+            configured = {"enable_kv_cache_events": False}
+        else:
+            self._llm_config.update_engine_kwargs(kv_events_config=configured)
+        await super().start()
+        self._raykv_events = advertised(self.engine, configured, uuid.uuid4().hex)
+        log.info("vLLM KV events for raykv's router: %s", self._raykv_events)
+
+    async def record_routing_stats(self) -> dict:
+        stats = dict(await super().record_routing_stats() or {})
+        if getattr(self, "_raykv_events", None):
+            stats[ENGINE_EVENTS] = self._raykv_events
+        return stats

@@ -1,0 +1,161 @@
+"""RaykvRouter with the engine tier: replicas that advertise their engines' KV events are
+routed with the pages their engines hold (an engine hit is free to fetch), through
+cost_routing.best_sources; without events, as before. The follower here is the real pure core
+(EngineStream) fed directly, in place of the ZMQ subscriber."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cluster.core.engine_blocks import Stored
+from cluster.core.engine_stream import EngineStream
+from cluster.core.keys import KeyChain
+from cluster.core.spec import ModelSpec
+from cluster.serving.router import ENGINE_EVENTS, RaykvRouter
+from policies.cost_routing import ENGINE
+from tests.unit.test_routing import (
+    HOST,
+    AsyncFakeDirectory,
+    DeploymentHandleSource,
+    DeploymentID,
+    PublishingReplica,
+    ids,
+    pending_tokens,
+    publish,
+)
+
+PAGE = 16
+SPEC = {"name": "m", "num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32"}
+CHAIN = KeyChain.of(ModelSpec(**SPEC), "default", PAGE)
+PROMPT = [(i * 13 + 5) % 700 for i in range(4 * PAGE + 4)]
+KEYS = CHAIN.keys(PROMPT)
+
+
+class Follower:
+    """The router's engine-tier follower over real EngineStreams, fed by the test."""
+
+    def __init__(self):
+        self.streams: dict[str, EngineStream] = {}
+        self.watched: dict = {}
+
+    def watch(self, sources) -> None:
+        self.watched = dict(sources)
+        for replica_id in sources:
+            self.streams.setdefault(replica_id, EngineStream(CHAIN))
+
+    def held_pages(self, keys, replica_ids) -> dict[str, int]:
+        return {r: self.streams[r].held_pages(keys) for r in replica_ids if r in self.streams}
+
+    def store(self, replica_id: str, num_tokens: int, block_size: int = 8) -> None:
+        """The replica's engine stores the prompt's first `num_tokens` (one batch)."""
+        stream = self.streams.setdefault(replica_id, EngineStream(CHAIN))
+        count = num_tokens // block_size
+        stream.on_batch(stream.next_seq, [Stored(tuple(range(count)), None,
+                                                 tuple(PROMPT[: count * block_size]),
+                                                 block_size)])
+
+
+def make_router(directory, follower, advertise=("r2",)):
+    router = RaykvRouter(deployment_id=DeploymentID(name="engine", app_name="raykv"),
+                         handle_source=DeploymentHandleSource.UNKNOWN,
+                         use_replica_queue_len_cache=True)
+    router.initialize_state(directory=directory, engine_events=follower, prompt_keys={
+        "tokenizer_dir": "/unused", "spec": SPEC, "namespace": "default", "page_tokens": PAGE})
+    replicas = [PublishingReplica(f"r{i}", node_id=f"node-{i}") for i in range(3)]
+    for replica in replicas:
+        replica.routing_stats = {}
+    advertise_events(replicas, advertise)
+    router.update_replicas(replicas)
+    return router, replicas
+
+
+def advertise_events(replicas, names) -> None:
+    """The named replicas' routing stats say where their engines publish KV events."""
+    for replica in replicas:
+        if replica.replica_id.unique_id in names:
+            replica.routing_stats[ENGINE_EVENTS] = {"endpoint": "tcp://10.0.0.2:5000",
+                                                    "replay_endpoint": None, "epoch": "e"}
+
+
+def request():
+    return pending_tokens([bytes(k) for k in KEYS], len(PROMPT))
+
+
+def test_an_engine_hit_routes_by_cost_where_the_directory_has_nothing():
+    async def main():
+        follower = Follower()
+        router, replicas = make_router(AsyncFakeDirectory(), follower)
+        follower.store("r2", 4 * PAGE)
+        ranks = await router.choose_replicas(replicas, request())
+        assert ids(ranks)[0] == ["r2"]
+        assert router.counters["cost_routed"] == 1 and router.counters["engine_hits"] == 1
+        assert router.last_decision.chosen.fetch_pages == 4
+        assert set(follower.watched) == {"r2"}  # only replicas that advertise are followed
+
+    asyncio.run(main())
+
+
+def test_the_engine_s_own_blocks_beat_this_node_s_host_tier():
+    async def main():
+        directory, follower = AsyncFakeDirectory(), Follower()
+        directory.place("node-0", KEYS, HOST)
+        router, replicas = make_router(directory, follower, advertise=("r0", "r2"))
+        publish(replicas, disk_bytes_per_s=1e9)
+        for replica in replicas:  # host reads cost: 1 MiB pages at 1 MB/s
+            replica.routing_stats["rates"]["paths"]["host"] = [1e6, 0.0, 5]
+        advertise_events(replicas, ("r0", "r2"))
+        follower.store("r2", 4 * PAGE)
+        ranks = await router.choose_replicas(replicas, request())
+        assert ids(ranks)[0] == ["r2"]
+        assert router.last_decision.chosen.fetch_s == 0.0  # the engine's blocks are free
+
+    asyncio.run(main())
+
+
+def test_a_partial_engine_hit_counts_only_whole_pages():
+    async def main():
+        follower = Follower()
+        router, replicas = make_router(AsyncFakeDirectory(), follower)
+        follower.store("r2", 2 * PAGE + 8)  # two pages and half of the third
+        assert router._engine_pages(replicas, b"".join(KEYS)) == {"r2": 2}
+        ranks = await router.choose_replicas(replicas, request())
+        assert ids(ranks)[0] == ["r2"] and router.last_decision.num_cached_pages == 2
+
+    asyncio.run(main())
+
+
+def test_vllm_replicas_without_rates_count_a_queued_request_as_a_prefill():
+    async def main():
+        follower = Follower()
+        router, replicas = make_router(AsyncFakeDirectory(), follower)
+        follower.store("r2", 4 * PAGE)
+        router._replica_queue_len_cache.update(replicas[2].replica_id, 3)
+        for replica in replicas[:2]:
+            router._replica_queue_len_cache.update(replica.replica_id, 0)
+        ranks = await router.choose_replicas(replicas, request())
+        assert ids(ranks)[-1] == ["r2"]  # 3 prefills of wait outweigh 4 of 4.25 pages
+
+    asyncio.run(main())
+
+
+def test_without_events_routing_is_as_before():
+    async def main():
+        follower = Follower()
+        router, replicas = make_router(AsyncFakeDirectory(), follower, advertise=())
+        follower.store("r2", 4 * PAGE)  # (not advertised: never asked)
+        ranks = await router.choose_replicas(replicas, request())
+        assert router.counters["fallback"] == 1 and router.counters["engine_hits"] == 0
+        assert len(ranks) == 1 and follower.watched == {}
+
+    asyncio.run(main())
+
+
+def test_engine_sources_lead_the_replica_s_pages():
+    from cluster.serving.router import _sources
+
+    replicas = [PublishingReplica(f"r{i}", node_id=f"node-{i}") for i in range(3)]
+    located = [[("node-0", 1)], [("node-0", 1)]]
+    sources = _sources(located, replicas, {"r0": 1, "r2": 3})
+    assert sources["r0"] == (ENGINE, "host")
+    assert sources["r1"] == ("remote", "remote")
+    assert sources["r2"] == (ENGINE, ENGINE, ENGINE)

@@ -1,0 +1,272 @@
+"""The engine tier's subscriber against vLLM's own publisher (ZmqEventPublisher, real ZMQ on
+127.0.0.1): batches applied, a batch lost on the wire replayed, a restarted publisher taken as
+a new engine, and a loss the replay cannot fill dropping what it cannot trust."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from cluster.core.keys import KeyChain
+from cluster.core.spec import ModelSpec
+
+pytest.importorskip("vllm")
+pytest.importorskip("zmq")
+
+from vllm.distributed.kv_events import (  # noqa: E402
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
+
+from cluster.serving.engine_events import EngineEvents  # noqa: E402
+
+PAGE, BLOCK = 16, 4
+CHAIN = KeyChain.of(ModelSpec("m", 2, 1, 8, "float32"), "default", PAGE)
+PROMPT = [(i * 31 + 7) % 5000 for i in range(4 * PAGE)]
+KEYS = CHAIN.keys(PROMPT)
+
+
+class LoopbackPublisher(ZmqEventPublisher):
+    """vLLM's publisher, bound to a loopback address (its own rule binds only wildcard
+    addresses; servers here bind 127.0.0.1), dropping chosen batches on the PUB socket only:
+    they stay in its replay buffer, as a batch a subscriber missed would."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str, drop: set[int],
+                 buffer_steps: int = 10_000):
+        self.drop = drop
+        super().__init__(0, endpoint=endpoint, replay_endpoint=replay_endpoint,
+                         buffer_steps=buffer_steps)
+        self._pub = _Dropping(self._pub, drop)
+
+    @staticmethod
+    def _is_bind_endpoint(endpoint: str) -> bool:
+        return True
+
+
+class _Dropping:
+    def __init__(self, sock, drop: set[int]):
+        self._sock, self._drop = sock, drop
+
+    def send_multipart(self, frames):
+        if int.from_bytes(frames[1], "big") not in self._drop:
+            self._sock.send_multipart(frames)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def source(endpoint: str, replay_endpoint: str, epoch: str) -> dict:
+    """What a replica's routing stats advertise (RaykvLLMServer)."""
+    return {"endpoint": endpoint, "replay_endpoint": replay_endpoint, "epoch": epoch}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def blocks(first: int, count: int) -> BlockStored:
+    """vLLM's BlockStored for blocks first.. of PROMPT (block i hashed 1000 + i)."""
+    return BlockStored(block_hashes=[1000 + i for i in range(first, first + count)],
+                       parent_block_hash=999 + first if first else None,
+                       token_ids=PROMPT[first * BLOCK : (first + count) * BLOCK],
+                       block_size=BLOCK, lora_id=None, medium="GPU", lora_name=None)
+
+
+def publish(publisher: ZmqEventPublisher, *events) -> None:
+    publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
+
+
+def rebound(make):
+    """A publisher on the endpoints of one just shut down (ZMQ frees a port a moment after
+    its socket closes)."""
+    import zmq
+
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            return make()
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def wait_for(check, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture
+def endpoints():
+    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+
+def test_lost_batches_are_replayed_and_a_restart_starts_over(endpoints):
+    pub, replay = endpoints
+    first = LoopbackPublisher(pub, replay, drop={1})
+    events = EngineEvents(CHAIN, replay_timeout_s=2.0)
+    try:
+        events.watch({"r1": source(pub, replay, "e1")})
+        publish(first, blocks(0, 4))  # page 0
+        wait_for(lambda: events.stats().get("r1", {}).get("next_seq") == 1)
+        publish(first, blocks(4, 4))  # page 1: lost on the wire
+        publish(first, blocks(8, 4))
+        publish(first, blocks(12, 4))
+        wait_for(lambda: events.stats()["r1"]["next_seq"] == 4)
+        stats = events.stats()["r1"]
+        assert (stats["gaps"], stats["drops"], stats["blocks"]) == (1, 0, 16)
+        assert events.held_pages(KEYS, ["r1", "r2"]) == {"r1": 4}
+
+        first.shutdown()  # the engine restarts: its numbers start over
+        second = rebound(lambda: LoopbackPublisher(pub, replay, drop={1, 2}, buffer_steps=1))
+        time.sleep(1.0)  # the SUB socket reconnects
+        publish(second, blocks(0, 4))
+        wait_for(lambda: events.stats()["r1"]["restarts"] == 1)
+        assert events.held_pages(KEYS, ["r1"]) == {"r1": 1}
+
+        # Lost for good: the removal of page 0's last block (and another batch); the
+        # publisher keeps only its last batch, so the replay cannot fill the hole.
+        publish(second, BlockRemoved(block_hashes=[1003], medium="GPU"))
+        publish(second, blocks(4, 4))
+        publish(second, BlockStored(block_hashes=[7], parent_block_hash=None,
+                                    token_ids=[1] * BLOCK, block_size=BLOCK, lora_id=None,
+                                    medium="GPU", lora_name=None))
+        wait_for(lambda: events.stats()["r1"]["next_seq"] == 4)
+        stats = events.stats()["r1"]
+        assert (stats["gaps"], stats["drops"], stats["blocks"]) == (2, 1, 1)
+        assert events.held_pages(KEYS, ["r1"]) == {"r1": 0}  # page 0 is not trusted
+        second.shutdown()
+    finally:
+        events.close()
+
+
+def test_a_late_joiner_replays_from_the_start_and_a_new_epoch_starts_over(endpoints):
+    pub, replay = endpoints
+    publisher = LoopbackPublisher(pub, replay, drop=set())
+    events = EngineEvents(CHAIN)
+    try:
+        publish(publisher, blocks(0, 8))
+        publish(publisher, blocks(8, 8))
+        time.sleep(0.3)  # published before anyone listens: only the replay has them
+        events.watch({"r1": source(pub, replay, "e1")})
+        wait_for(lambda: events.stats().get("r1", {}).get("next_seq") == 2)
+        assert events.held_pages(KEYS, ["r1"]) == {"r1": 4}
+        events.watch({"r1": source(pub, replay, "e2")})  # the replica's engine is new
+        wait_for(lambda: events.stats().get("r1", {}).get("epoch") == "e2"
+                 and events.stats()["r1"]["next_seq"] == 2)
+        assert events.stats()["r1"]["batches"] == 2  # a new stream, replayed from 0
+        assert events.held_pages(KEYS, ["r1"]) == {"r1": 4}
+        events.watch({})
+        wait_for(lambda: not events.stats())
+    finally:
+        publisher.shutdown()
+        events.close()
+
+
+def test_a_real_engine_s_events_map_to_the_pages_raykv_keys(model_dir, monkeypatch):
+    """vLLM's CPU engine with its events on as RaykvLLMServer turns them on (ports the OS
+    picks, read back from the engine as the server reads them): the prompt's full blocks
+    come back as the raykv pages they make whole, and a prefix-cache reset clears them."""
+    from types import SimpleNamespace
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVEventsConfig
+
+    from cluster.serving.vllm_events_server import advertised, kv_events_config
+    from tests.vllm.conftest import prompt_tokens
+
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")  # vLLM binds tcp://*:0 on this address
+    configured = kv_events_config({})
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048,
+              enable_prefix_caching=True, kv_events_config=KVEventsConfig(**configured))
+    page_tokens = 256  # raykv's default page: two of vLLM's 128-token CPU blocks
+    chain = KeyChain.of(ModelSpec("small-llama", 4, 2, 64, "float32"), "default", page_tokens)
+    events = EngineEvents(chain)
+    try:
+        source = advertised(SimpleNamespace(_engine_client=llm.llm_engine), configured, "e")
+        assert source["endpoint"].startswith("tcp://127.0.0.1:")
+        events.watch({"r": source})
+        wait_for(lambda: "r" in events.stats() and not events.stats()["r"]["replaying"])
+        prompt = prompt_tokens(600, seed=3)
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+        keys = chain.keys(prompt)  # 2 pages; vLLM's full blocks hold 512 tokens: 2 pages
+        wait_for(lambda: events.held_pages(keys, ["r"]) == {"r": 2})
+        assert events.held_pages(chain.keys(prompt_tokens(600, seed=4)), ["r"]) == {"r": 0}
+        llm.reset_prefix_cache()
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)  # a step, which publishes the reset
+        wait_for(lambda: events.held_pages(keys, ["r"]) == {"r": 0})
+        assert events.stats()["r"]["drops"] == 0
+    finally:
+        events.close()
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_the_raykv_router_s_app_turns_each_engine_s_events_on():
+    from types import SimpleNamespace
+
+    from vllm.config import KVEventsConfig
+
+    from cluster.serving import vllm_app
+    from cluster.serving.vllm_events_server import (
+        ANY_PORT,
+        RaykvLLMServer,
+        advertised,
+        kv_events_config,
+    )
+
+    raykv = vllm_app.VllmAppArgs("/m", "small-llama", request_router_class=vllm_app.RAYKV_ROUTER)
+    assert vllm_app.llm_config(raykv).server_cls is RaykvLLMServer
+    assert vllm_app.llm_config(vllm_app.VllmAppArgs("/m", "small-llama")).server_cls is None
+    assert kv_events_config({}) == {"enable_kv_cache_events": True, "publisher": "zmq",
+                                    "endpoint": ANY_PORT, "replay_endpoint": ANY_PORT}
+    own = {"enable_kv_cache_events": True, "endpoint": "tcp://*:6000"}
+    assert kv_events_config({"kv_events_config": own}) == own  # a user's own is kept
+
+    bound = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                           endpoint="tcp://10.1.2.3:41000", replay_endpoint="tcp://10.1.2.3:41001")
+    engine = SimpleNamespace(_engine_client=SimpleNamespace(engine_core=SimpleNamespace(
+        get_kv_event_sources=lambda: {0: bound})))
+    assert advertised(engine, kv_events_config({}), "e1") == {
+        "endpoint": "tcp://10.1.2.3:41000", "replay_endpoint": "tcp://10.1.2.3:41001",
+        "epoch": "e1"}
+    # Not bound where the server can see it (an in-process engine core): nothing advertised.
+    unknown = SimpleNamespace(_engine_client=SimpleNamespace(engine_core=SimpleNamespace(
+        get_kv_event_sources=dict)))
+    assert advertised(unknown, kv_events_config({}), "e1") == {}
+    assert advertised(engine, {"enable_kv_cache_events": False}, "e1") == {}
+
+
+def test_vllm_s_wire_format_decodes_to_plain_gpu_blocks_only():
+    import msgspec
+    from vllm.distributed.kv_events import AllBlocksCleared
+
+    from cluster.core.engine_blocks import Cleared, Removed, Stored
+    from cluster.serving.engine_events import _readable, decode_batch
+
+    def stored(**fields):
+        return BlockStored(**{"block_hashes": [b"h1", 2], "parent_block_hash": None,
+                              "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": None,
+                              "medium": "GPU", "lora_name": None, **fields})
+
+    batch = KVEventBatch(ts=1.0, events=[
+        stored(), stored(extra_keys=[None, ("salt",)]), stored(lora_id=3, lora_name="a"),
+        stored(medium="CPU"), stored(group_idx=1), BlockRemoved(block_hashes=[2], medium="GPU"),
+        BlockRemoved(block_hashes=[2], medium="CPU"), AllBlocksCleared()])
+    events = decode_batch(msgspec.msgpack.Encoder().encode(batch))
+    assert events == [Stored((b"h1", 2), None, (1, 2, 3, 4), 2, True),
+                      Stored((b"h1", 2), None, (1, 2, 3, 4), 2, False),
+                      Stored((b"h1", 2), None, (1, 2, 3, 4), 2, False),
+                      Removed((2,)), Cleared()]
+    assert _readable(b"\xc1 not msgpack") == [Cleared()]  # unreadable: nothing trusted
