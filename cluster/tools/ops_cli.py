@@ -160,11 +160,12 @@ def _prefix_table(report: dict) -> Table | None:
 
 def _quota_table(report: dict) -> Table:
     table = Table(title="models and namespaces: quotas (per tier per node) and use")
-    for column in ("kind", "name", "min", "max", "weight", "held"):
+    for column in ("kind", "name", "min", "max", "weight", "priority", "held"):
         table.add_column(column, justify="left" if column in ("kind", "name") else "right")
     for kind in ("models", "namespaces"):
         for name, row in report["registry"][kind].items():
             maximum = "-" if row["max_bytes"] is None else format_bytes(row["max_bytes"])
+            priority = row.get("priority", "normal") if kind == "namespaces" else "-"
             table.add_row(kind[:-1], name, format_bytes(row["min_bytes"]), maximum,
-                          f"{row['weight']:g}", format_bytes(row.get("held_bytes", 0)))
+                          f"{row['weight']:g}", priority, format_bytes(row.get("held_bytes", 0)))
     return table
