@@ -20,8 +20,10 @@ from tests.waiting import wait_until
 
 TINY = ModelSpec.preset("tiny-llama")
 PAGE = 8192  # tiny-llama, 16 tokens, float32
-# No device tier, no disk: memory pressure drops pages from the host tier's 8.
-PRESSED = dict(device_bytes=0, host_bytes=8 * PAGE, disk_bytes=0, rebalance=False)
+# No device tier, no disk: memory pressure drops pages from the host tier's 8, least
+# recently used first (recfreq would keep a page read often, pinned or not).
+PRESSED = dict(device_bytes=0, host_bytes=8 * PAGE, disk_bytes=0, rebalance=False,
+               eviction="lru")
 
 
 def prompt(index: int) -> list[int]:
