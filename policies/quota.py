@@ -16,6 +16,10 @@ Pure. Two decisions, both over a snapshot of who holds what:
         the rounds in which namespaces give pages, by priority class: every `low` namespace
         gives before any `normal` one, and `normal` before `high`; within a class, those
         over their share (the guard's `first`) before the rest.
+
+    release_order(chunks, quotas)
+        which of a donor model's chunks go back first: those holding only lower classes'
+        pages (a chunk counts as the highest class it holds), the emptiest among equals.
 """
 
 from __future__ import annotations
@@ -131,3 +135,20 @@ def giving_order(guard: Guard, usage: dict[str, int],
         over = members & guard.first
         rounds += [frozenset(r) for r in (over, members - over) if r]
     return tuple(rounds)
+
+
+def class_rank(namespace: str, quotas: dict[str, Quota]) -> int:
+    """0 for low, 1 for normal, 2 for high (unknown namespaces are normal)."""
+    return PRIORITIES.index(quotas.get(namespace, Quota()).priority)
+
+
+def release_order(chunks: list[tuple[int, int, frozenset[str]]],
+                  quotas: dict[str, Quota]) -> list[int]:
+    """The chunks of a model that gives memory back, first to go first. `chunks`: (chunk,
+    pages used in it, the namespaces with pages in it)."""
+    def key(chunk: tuple[int, int, frozenset[str]]) -> tuple[int, int, int]:
+        number, used, namespaces = chunk
+        top = max((class_rank(ns, quotas) for ns in namespaces), default=-1)
+        return top, used, number
+
+    return [chunk[0] for chunk in sorted(chunks, key=key)]

@@ -29,7 +29,14 @@ from cluster.core.pool_entry import Entry
 from cluster.core.tiers.chunks import ChunkedSlots, Share, TierBudget
 from cluster.core.tiers.disk import DiskArena
 from policies.eviction import EvictionPolicy
-from policies.quota import Holding, Quota, choose_donor, giving_order, namespace_guard
+from policies.quota import (
+    Holding,
+    Quota,
+    choose_donor,
+    giving_order,
+    namespace_guard,
+    release_order,
+)
 
 log = logging.getLogger("raykv.elastic")
 MAX_RECLAIM_ROUNDS = 64  # chunks one request may take from others
@@ -106,17 +113,25 @@ async def within_namespace_max(pool: ElasticPool, tier: int, namespace: str, cou
     return max(0, min(count, room_bytes // pool.geometry.slot_bytes))
 
 
-async def release_chunks(pool: ElasticPool, tier: int, num_chunks: int) -> int:
-    """Give up to `num_chunks` of the pool's chunks in `tier` back to the budget, emptiest
-    first; their pages are demoted, and a chunk with a page in use is skipped."""
+async def release_chunks(pool: ElasticPool, tier: int, num_chunks: int,
+                         quotas: dict[str, Quota] | None = None) -> int:
+    """Give up to `num_chunks` of the pool's chunks in `tier` back to the budget: those of
+    lower priority classes' pages first (per the namespace `quotas`), the emptiest among
+    equals; their pages are demoted, and a chunk with a page in use is skipped."""
     slots = pool.slots(tier)
     if slots is None:
         return 0
     released = slots.release_empty()
-    for _, chunk in slots.chunks_by_use():
+    by_chunk: dict[int, list[PageKey]] = {}
+    for key, entry in pool.index.items():
+        if entry.tier == tier:
+            by_chunk.setdefault(entry.slot // slots.slots_per_chunk, []).append(key)
+    chunks = [(chunk, used, frozenset(pool.index[k].namespace for k in by_chunk.get(chunk, ())))
+              for used, chunk in slots.chunks_by_use()]
+    for chunk in release_order(chunks, quotas or {}):
         if released >= num_chunks:
             break
-        in_chunk = set(slots.slots_of(chunk))
+        in_chunk = set(slots.slots_of(chunk))  # afresh: pages may have moved meanwhile
         keys = [k for k, e in pool.index.items() if e.tier == tier and e.slot in in_chunk]
         if any(pool.is_pinned(k) for k in keys):
             continue
@@ -183,7 +198,7 @@ class ElasticMemory:
             if donor is None:
                 return
             donor_pool = self.holders[donor]
-            if not await release_chunks(donor_pool, tier, 1):
+            if not await release_chunks(donor_pool, tier, 1, self.namespace_quotas):
                 return
             freed_bytes += donor_pool.slots(tier).chunk_bytes
             self.counters[f"reclaimed_{TIER_NAMES[tier]}"] += 1
@@ -215,7 +230,8 @@ class ElasticMemory:
                 slots = pool.slots(tier)
                 extra = (slots.held_bytes - floor) // max(1, slots.chunk_bytes)
                 if extra > 0:
-                    released += await release_chunks(pool, tier, extra)
+                    released += await release_chunks(pool, tier, extra,
+                                                     self.namespace_quotas)
         self.counters["idle_released_chunks"] += released
         return released
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cluster.core.geometry import HOST
+from cluster.core.geometry import HOST, PageGeometry
 from cluster.core.registry import Registry
-from policies.quota import Guard, Quota, giving_order, namespace_guard
-from tests.unit._pages import GEOMETRY, key
-from tests.unit._pool_harness import run
+from cluster.core.store import StoreConfig
+from policies.quota import Guard, Quota, giving_order, namespace_guard, release_order
+from tests.unit._pages import GEOMETRY, key, unique_prefix
+from tests.unit._pool_harness import make_limits, run
 
 NOBODY = Guard(None, frozenset(), frozenset())
 
@@ -70,3 +71,28 @@ def test_a_high_namespace_keeps_its_pages_when_a_low_one_gives(stores, newcomer)
     assert not any(key(i) in index for i in range(10, 14))  # the low one's gave
     usage = store.elastic.namespace_bytes(HOST)
     assert usage["hi"] == (8 if newcomer == "hi" else 4) * GEOMETRY.slot_bytes
+
+
+def test_a_donor_gives_back_its_chunks_of_lower_classes_first():
+    quotas = {"lo": Quota(priority="low"), "hi": Quota(priority="high")}
+    chunks = [(0, 1, frozenset({"hi"})), (1, 4, frozenset({"lo"})), (2, 2, frozenset()),
+              (3, 3, frozenset({"lo", "hi"})), (4, 2, frozenset({"mid"}))]
+    # empty of pages first, then low, then normal, then any chunk holding a high page
+    assert release_order(chunks, quotas) == [2, 1, 4, 0, 3]
+    assert release_order([(5, 3, frozenset()), (6, 1, frozenset())], {}) == [6, 5]
+
+
+def test_a_model_giving_memory_to_another_gives_its_low_priority_pages(stores):
+    large = PageGeometry((2, 2, 2, 32, 16), "float32")  # 16 KiB pages: another model's pool
+    prefix = unique_prefix()
+    stores.prefixes.append(prefix)
+    store = stores.make(StoreConfig(make_limits(prefix, 0, 16, 0), stores.disk_dir,
+                                    disk_threads=2, chunk_bytes=2 * GEOMETRY.page_bytes))
+    store.set_quotas({}, {"hi": Quota(priority="high"), "lo": Quota(priority="low")})
+    put(store, range(8), "hi")  # the small model's first chunks hold the high class's pages
+    put(store, range(10, 18), "lo")
+    run(store.put_pages(large, [bytes([200 + i]) * 16 for i in range(4)],
+                        [np.zeros(large.page_bytes, np.uint8)] * 4, None, "other"))
+    index = store.pool(GEOMETRY).index
+    assert all(key(i) in index for i in range(8))  # the chunks given back were low's
+    assert sum(key(i) in index for i in range(10, 18)) == 0
