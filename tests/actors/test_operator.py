@@ -114,7 +114,7 @@ def test_a_high_priority_namespace_keeps_its_pages_when_a_low_one_gives(service)
 
 
 def test_the_operator_cli(service, tmp_path):
-    service(**PRESSED)
+    service(**{**PRESSED, "host_bytes": 32 * PAGE})  # pins may hold 16 pages
     client = connect(TINY)
     text = "a system prompt that every tenant's users share " * 2
     tokens = tokenizer.encode(text)
