@@ -197,6 +197,15 @@ class NodeHandle:
         """The page geometry of each key held there (None where not)."""
         return self.actor.geometries.remote(keys)
 
+    def pin(self, geometry: PageGeometry, pin_id: bytes, keys: list[PageKey], ttl_s: float):
+        """Pin the pages among `keys` stored there for `ttl_s` under `pin_id`: a ref to
+        (the keys pinned, the pin replaced as (keys, seconds left) or None)."""
+        return self.actor.pin.remote(geometry, pin_id, keys, ttl_s)
+
+    def unpin(self, pin_id: bytes):
+        """End the pin `pin_id` there: a ref to the keys it held."""
+        return self.actor.unpin.remote(pin_id)
+
     def discard(self, geometry: PageGeometry, keys: list[PageKey]):
         """Drop these pages there (unpinned ones); returns how many."""
         return self.actor.discard.remote(geometry, keys)

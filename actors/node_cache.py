@@ -56,7 +56,7 @@ def store_config(config: CacheConfig, slot: NodeSlot) -> StoreConfig:
                         config.disk_codec, num_gpus > 0, slot.shm_prefix, max(1, num_gpus))
     return StoreConfig(limits, slot.disk_dir, config.pin_lease_s, config.disk_threads,
                        config.max_geometries, config.reserve_lease_s, config.chunk_bytes,
-                       config.disk_durability)
+                       config.disk_durability, config.max_pinned_fraction)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
@@ -423,6 +423,19 @@ class NodeCacheActor:
         self.counters["discarded_pages"] += dropped
         await self.flush()
         return dropped
+
+    # ---- operators' pins (cluster/operator.py) ----------------------------------------------
+
+    async def pin(self, geometry: PageGeometry, pin_id: bytes, keys: list[PageKey],
+                  ttl_s: float):
+        """Keep the pages among `keys` stored here for `ttl_s`: see NodeStore.pin. Raises
+        PinRefused (a ValueError) past the node's cap, pinning nothing."""
+        await self.ready()
+        return self.store.pin(geometry, pin_id, keys, ttl_s)
+
+    async def unpin(self, pin_id: bytes) -> list[PageKey]:
+        await self.ready()
+        return self.store.unpin(pin_id)
 
     # ---- test-only fault injection (cluster/core/faults.py) -------------------------------
 

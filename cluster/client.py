@@ -4,6 +4,7 @@ Every operation is one generator of steps (cluster/calls.py), driven two ways:
 
     client.put / lookup / get / prefetch / stats          block this thread (ray.get)
     await client.aput / alookup / aget / aprefetch / astats   never block the event loop
+    client.pin / unpin / warm (apin, aunpin, awarm)       the operator API (cluster/operator.py)
 
 Each Ray call waits at most CacheConfig.call_timeout_s, and a failed or late call is a miss:
 a put that stored nothing returns 0, a get returns (0, None). Bad input (tokens, shapes,
@@ -31,6 +32,7 @@ from cluster.core.keys import KeyChain, PageKey
 from cluster.core.kvcheck import check_kv, check_out, page_slices
 from cluster.core.spec import ModelSpec
 from cluster.fetch import fetch_prefix, located_prefix
+from cluster.operator import Operator, Prefix
 from cluster.slabs import LocalSlabs
 from cluster.view import CacheView
 
@@ -144,6 +146,45 @@ class KVClient:
 
     async def astats(self) -> dict:
         return await run_async(self._stats(), self.timeout_s)
+
+    # ---- the operator API (cluster/operator.py) ----------------------------------------------
+
+    def pin(self, tokens: object, ttl_s: float) -> int:
+        """Keep the stored pages of `tokens` on every node that holds them for `ttl_s`
+        seconds (eviction passes them by); returns how many of the prompt's pages were
+        pinned. Pinning the same prompt again restarts its TTL. ValueError past a node's cap
+        (CacheConfig.max_pinned_fraction): then nothing is pinned."""
+        return run_sync(self._operator().pin(self._prefix(tokens), ttl_s), self.timeout_s)
+
+    async def apin(self, tokens: object, ttl_s: float) -> int:
+        return await run_async(self._operator().pin(self._prefix(tokens), ttl_s),
+                               self.timeout_s)
+
+    def unpin(self, tokens: object) -> int:
+        """End the pin of `tokens` now, on every node; returns how many pages it held."""
+        return run_sync(self._operator().unpin(self._prefix(tokens)), self.timeout_s)
+
+    async def aunpin(self, tokens: object) -> int:
+        return await run_async(self._operator().unpin(self._prefix(tokens)), self.timeout_s)
+
+    def warm(self, tokens: object, node_id: str) -> int:
+        """Copy the stored pages of `tokens` onto the node `node_id` (an id, or a unique
+        prefix of one) ahead of its traffic; returns how many of the prompt's pages sit on
+        that node now. ValueError for a node that is not raykv's."""
+        return run_sync(self._operator().warm(self._prefix(tokens), node_id), self.timeout_s)
+
+    async def awarm(self, tokens: object, node_id: str) -> int:
+        return await run_async(self._operator().warm(self._prefix(tokens), node_id),
+                               self.timeout_s)
+
+    def _prefix(self, tokens: object) -> Prefix:
+        keys = self.keys(tokens)
+        if not keys:
+            raise ValueError(f"the prompt has no full page ({self.page_tokens} tokens each)")
+        return Prefix(self.geometry, tuple(keys), self.namespace)
+
+    def _operator(self) -> Operator:
+        return Operator(self.config, self.view.directory, self.view.peers)
 
     @contextlib.contextmanager
     def _measured(self, call: str):

@@ -11,24 +11,43 @@ Pure. Two decisions, both over a snapshot of who holds what:
         when a namespace makes room for a page, which namespaces' pages are off limits: its
         own, if it is at its max, are the only ones it may evict; a namespace at or under its
         min keeps its pages; of the rest, those holding the most per unit of weight go first.
+
+    giving_order(guard, usage, quotas)
+        the rounds in which namespaces give pages, by priority class: every `low` namespace
+        gives before any `normal` one, and `normal` before `high`; within a class, those
+        over their share (the guard's `first`) before the rest.
+
+    release_order(chunks, quotas)
+        which of a donor model's chunks go back first: those holding only lower classes'
+        pages (a chunk counts as the highest class it holds), the emptiest among equals.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+PRIORITIES = ("low", "normal", "high")  # a namespace's eviction class: the lowest gives first
+
 
 @dataclass(frozen=True, slots=True)
 class Quota:
-    """Bytes per tier per node: a floor that is never reclaimed, a ceiling, and a weight."""
+    """Bytes per tier per node: a floor that is never reclaimed, a ceiling, and a weight.
+
+    `priority` is a namespace's eviction class (low, normal, high): when memory is freed
+    across namespaces, lower classes give first. Models' quotas ignore it.
+    """
 
     min_bytes: int = 0
     max_bytes: int | None = None
     weight: float = 1.0
+    priority: str = "normal"
 
     def __post_init__(self) -> None:
         if self.min_bytes < 0 or self.weight <= 0:
             raise ValueError(f"a quota needs min_bytes >= 0 and weight > 0, got {self}")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got "
+                             f"{self.priority!r}")
         if self.max_bytes is not None and self.max_bytes < self.min_bytes:
             raise ValueError(f"max_bytes ({self.max_bytes}) is below min_bytes "
                              f"({self.min_bytes})")
@@ -37,7 +56,9 @@ class Quota:
         """Two models with one page geometry share a pool: their quotas add up."""
         maximum = (None if self.max_bytes is None or other.max_bytes is None
                    else self.max_bytes + other.max_bytes)
-        return Quota(self.min_bytes + other.min_bytes, maximum, self.weight + other.weight)
+        priority = max(self.priority, other.priority, key=PRIORITIES.index)
+        return Quota(self.min_bytes + other.min_bytes, maximum, self.weight + other.weight,
+                     priority)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +118,37 @@ def namespace_guard(usage: dict[str, int], quotas: dict[str, Quota], requester: 
     first = frozenset(ns for ns, used in usage.items() if ns not in kept and ns != requester
                       and share(used, quotas.get(ns, Quota())) > wanted)
     return Guard(None, kept, first)
+
+
+def giving_order(guard: Guard, usage: dict[str, int],
+                 quotas: dict[str, Quota]) -> tuple[frozenset[str], ...]:
+    """The namespaces whose pages a request for room may take, in rounds, first to give
+    first: class by class (low, normal, high), and within a class those over their share
+    (`guard.first`) before the rest. `guard.kept` never give; with `guard.only`, only that
+    one does. `usage`: the namespaces holding pages in the tier; unknown ones are normal."""
+    if guard.only is not None:
+        return (frozenset((guard.only,)),)
+    rounds: list[frozenset[str]] = []
+    for priority in PRIORITIES:
+        members = {ns for ns in usage if ns not in guard.kept
+                   and quotas.get(ns, Quota()).priority == priority}
+        over = members & guard.first
+        rounds += [frozenset(r) for r in (over, members - over) if r]
+    return tuple(rounds)
+
+
+def class_rank(namespace: str, quotas: dict[str, Quota]) -> int:
+    """0 for low, 1 for normal, 2 for high (unknown namespaces are normal)."""
+    return PRIORITIES.index(quotas.get(namespace, Quota()).priority)
+
+
+def release_order(chunks: list[tuple[int, int, frozenset[str]]],
+                  quotas: dict[str, Quota]) -> list[int]:
+    """The chunks of a model that gives memory back, first to go first. `chunks`: (chunk,
+    pages used in it, the namespaces with pages in it)."""
+    def key(chunk: tuple[int, int, frozenset[str]]) -> tuple[int, int, int]:
+        number, used, namespaces = chunk
+        top = max((class_rank(ns, quotas) for ns in namespaces), default=-1)
+        return top, used, number
+
+    return [chunk[0] for chunk in sorted(chunks, key=key)]

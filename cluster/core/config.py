@@ -58,6 +58,9 @@ class CacheConfig(BaseModel):
                              "budgets are handed to models (smaller in a small tier)")
     idle_shrink_s: float = Field(60.0, gt=0, description="a model unused this long gives its "
                                  "memory back, down to its quota's min")
+    max_pinned_fraction: float = Field(0.5, gt=0, le=1, description="the share of each "
+                                       "node's memory (device + host) that operators' pins "
+                                       "(raykv pin) may hold; a pin past it is refused whole")
     event_flush_s: float = Field(0.05, gt=0)
     heartbeat_s: float = Field(1.0, gt=0)
     node_timeout_s: float = Field(4.0, gt=0)

@@ -3,7 +3,8 @@
     NodeStore -- ElasticMemory -- TierBudget x 3 (device, host, disk)
                      |  quotas: model -> Quota, namespace -> Quota (policies/quota.py)
     Pool(model A) ---+--- reclaim(pool, tier, num_slots): take chunks from another pool
-    Pool(model B) ---+--- guard(tier, namespace, page_bytes): whose pages a namespace evicts
+    Pool(model B) ---+--- guard(tier, namespace, page_bytes): whose pages a namespace evicts,
+                                                   lower priority classes first
 
 A pool that needs a slot first uses its held chunks, then grows by a chunk while the budget
 has room. In a full tier, choose_donor names another pool to give a chunk back (its emptiest
@@ -28,7 +29,14 @@ from cluster.core.pool_entry import Entry
 from cluster.core.tiers.chunks import ChunkedSlots, Share, TierBudget
 from cluster.core.tiers.disk import DiskArena
 from policies.eviction import EvictionPolicy
-from policies.quota import Guard, Holding, Quota, choose_donor, namespace_guard
+from policies.quota import (
+    Holding,
+    Quota,
+    choose_donor,
+    giving_order,
+    namespace_guard,
+    release_order,
+)
 
 log = logging.getLogger("raykv.elastic")
 MAX_RECLAIM_ROUNDS = 64  # chunks one request may take from others
@@ -39,11 +47,12 @@ MIN_CHUNKS = 8  # a tier is cut into at least this many chunks, so models can sh
 class Elastic:
     """A pool's links to the node's shared budgets (ElasticMemory.attach sets them; a pool
     on its own has none). `reclaim(pool, tier, num_slots)` gets room by taking chunks from
-    other pools; `guard(tier, namespace, page_bytes)` says whose pages a namespace may evict;
+    other pools; `guard(tier, namespace, page_bytes)` says whose pages a namespace may evict,
+    in rounds (first to give first);
     `room(tier, namespace)` the bytes a namespace may still add under its max."""
 
     reclaim: Callable[[ElasticPool, int, int], Awaitable[None]] | None = None
-    guard: Callable[[int, str, int], Guard] | None = None
+    guard: Callable[[int, str, int], tuple[frozenset[str], ...]] | None = None
     room: Callable[[int, str], int | None] | None = None
 
 
@@ -68,25 +77,21 @@ class ElasticPool(Protocol):
 
 
 def guarded_victims(pool: ElasticPool, tier: int, count: int, namespace: str) -> list[PageKey]:
-    """The pool policy's victims, skipping what the namespace quotas protect; pages of the
-    namespaces most over their share go first."""
+    """The pool policy's victims, skipping what the namespace quotas protect and what is
+    pinned; namespaces give in rounds (policies/quota.py's giving_order): lower priority
+    classes first, and within a class those most over their share."""
     if pool.elastic.guard is None:
         return pool.policies[tier].victims(count, pool.is_pinned)
-    guard = pool.elastic.guard(tier, namespace, pool.geometry.slot_bytes)
-
-    def off_limits(key: PageKey) -> bool:
-        if pool.is_pinned(key):
-            return True
-        owner = pool.index[key].namespace
-        return owner != guard.only if guard.only is not None else owner in guard.kept
-
-    first: list[PageKey] = []
-    if guard.first:
-        first = pool.policies[tier].victims(
-            count, lambda k: off_limits(k) or pool.index[k].namespace not in guard.first)
-    taken = set(first)
-    rest = pool.policies[tier].victims(count, lambda k: off_limits(k) or k in taken)
-    return (first + rest)[:count]
+    rounds = pool.elastic.guard(tier, namespace, pool.geometry.slot_bytes)
+    taken: list[PageKey] = []
+    for givers in rounds:
+        if len(taken) >= count:
+            break
+        chosen = set(taken)
+        taken += pool.policies[tier].victims(
+            count - len(taken), lambda k, g=givers, c=chosen: pool.is_pinned(k) or k in c
+            or pool.index[k].namespace not in g)
+    return taken[:count]
 
 
 async def within_namespace_max(pool: ElasticPool, tier: int, namespace: str, count: int) -> int:
@@ -108,17 +113,25 @@ async def within_namespace_max(pool: ElasticPool, tier: int, namespace: str, cou
     return max(0, min(count, room_bytes // pool.geometry.slot_bytes))
 
 
-async def release_chunks(pool: ElasticPool, tier: int, num_chunks: int) -> int:
-    """Give up to `num_chunks` of the pool's chunks in `tier` back to the budget, emptiest
-    first; their pages are demoted, and a chunk with a page in use is skipped."""
+async def release_chunks(pool: ElasticPool, tier: int, num_chunks: int,
+                         quotas: dict[str, Quota] | None = None) -> int:
+    """Give up to `num_chunks` of the pool's chunks in `tier` back to the budget: those of
+    lower priority classes' pages first (per the namespace `quotas`), the emptiest among
+    equals; their pages are demoted, and a chunk with a page in use is skipped."""
     slots = pool.slots(tier)
     if slots is None:
         return 0
     released = slots.release_empty()
-    for _, chunk in slots.chunks_by_use():
+    by_chunk: dict[int, list[PageKey]] = {}
+    for key, entry in pool.index.items():
+        if entry.tier == tier:
+            by_chunk.setdefault(entry.slot // slots.slots_per_chunk, []).append(key)
+    chunks = [(chunk, used, frozenset(pool.index[k].namespace for k in by_chunk.get(chunk, ())))
+              for used, chunk in slots.chunks_by_use()]
+    for chunk in release_order(chunks, quotas or {}):
         if released >= num_chunks:
             break
-        in_chunk = set(slots.slots_of(chunk))
+        in_chunk = set(slots.slots_of(chunk))  # afresh: pages may have moved meanwhile
         keys = [k for k, e in pool.index.items() if e.tier == tier and e.slot in in_chunk]
         if any(pool.is_pinned(k) for k in keys):
             continue
@@ -185,7 +198,7 @@ class ElasticMemory:
             if donor is None:
                 return
             donor_pool = self.holders[donor]
-            if not await release_chunks(donor_pool, tier, 1):
+            if not await release_chunks(donor_pool, tier, 1, self.namespace_quotas):
                 return
             freed_bytes += donor_pool.slots(tier).chunk_bytes
             self.counters[f"reclaimed_{TIER_NAMES[tier]}"] += 1
@@ -197,9 +210,11 @@ class ElasticMemory:
             return None
         return max(0, maximum - self.namespace_bytes(tier).get(namespace, 0))
 
-    def guard(self, tier: int, namespace: str, page_bytes: int) -> Guard:
-        return namespace_guard(self.namespace_bytes(tier), self.namespace_quotas, namespace,
-                               page_bytes)
+    def guard(self, tier: int, namespace: str, page_bytes: int) -> tuple[frozenset[str], ...]:
+        """The namespaces whose pages `namespace` may evict in `tier`, in rounds."""
+        usage = self.namespace_bytes(tier)
+        guard = namespace_guard(usage, self.namespace_quotas, namespace, page_bytes)
+        return giving_order(guard, usage, self.namespace_quotas)
 
     # ---- idle pools shrinking --------------------------------------------------------------
 
@@ -215,7 +230,8 @@ class ElasticMemory:
                 slots = pool.slots(tier)
                 extra = (slots.held_bytes - floor) // max(1, slots.chunk_bytes)
                 if extra > 0:
-                    released += await release_chunks(pool, tier, extra)
+                    released += await release_chunks(pool, tier, extra,
+                                                     self.namespace_quotas)
         self.counters["idle_released_chunks"] += released
         return released
 
@@ -262,4 +278,5 @@ class ElasticMemory:
 
 
 def _quota(quota: Quota) -> dict:
-    return {"min_bytes": quota.min_bytes, "max_bytes": quota.max_bytes, "weight": quota.weight}
+    return {"min_bytes": quota.min_bytes, "max_bytes": quota.max_bytes, "weight": quota.weight,
+            "priority": quota.priority}

@@ -5,8 +5,9 @@
 
 Each page lives in exactly one tier. Copies between the memory tiers run in a copy thread (on
 a CUDA stream where the device tier is VRAM: tiers/device_copy.py) and disk I/O in the disk
-arena's threads; both are awaited, off the owner's event loop. A page that is pinned (being read)
-or moving between tiers is never chosen as a victim.
+arena's threads; both are awaited, off the owner's event loop. A page that is pinned (being read,
+or held by an operator's pin: cluster/core/pins.py) or moving between tiers is never chosen as
+a victim.
 
 A reserved memory slot is written by someone else (a client, a pull's thread), so it goes back
 only through its write fence (tiers/fence.py): a slot whose writer may still be copying in
@@ -29,6 +30,7 @@ from cluster.core.disk_loads import DiskLoads
 from cluster.core.elastic import Elastic, guarded_victims, within_namespace_max
 from cluster.core.geometry import DEVICE, DISK, HOST, PageGeometry
 from cluster.core.keys import PageKey
+from cluster.core.pins import PinSet
 from cluster.core.pool_entry import Entry, State
 from cluster.core.pool_limits import PoolLimits
 from cluster.core.tiers.chunks import ChunkedSlots, Share
@@ -76,6 +78,7 @@ class Pool(DiskLoads):
         self.own_writes = [SlotFence(arena.descriptor().generations_path)
                            for arena in self.memory]
         self.quarantined: list[tuple[int, int]] = []  # (tier, slot) a late writer may hold
+        self.held = PinSet()  # operator pins (the node's, shared by its pools: NodeStore)
 
     def _num_slots(self, tier: int) -> int:
         if tier == DISK:
@@ -97,8 +100,10 @@ class Pool(DiskLoads):
         self.ns_pages[(entry.tier, entry.namespace)] += delta
 
     def is_pinned(self, key: PageKey) -> bool:
+        """Not to be evicted: read (a lease's pins), moving, or held by an operator's pin."""
         entry = self.index.get(key)
-        return entry is None or entry.pins > 0 or entry.state != State.READY
+        return (entry is None or entry.pins > 0 or entry.state != State.READY
+                or self.held.holds(key))
 
     def view(self, entry: Entry) -> torch.Tensor:
         return self.memory[entry.tier].view(entry.slot)

@@ -60,7 +60,7 @@ class Registry:
     def describe(self) -> dict:
         def q(quota: Quota) -> dict:
             return {"min_bytes": quota.min_bytes, "max_bytes": quota.max_bytes,
-                    "weight": quota.weight}
+                    "weight": quota.weight, "priority": quota.priority}
 
         return {"version": self.version,
                 "models": {n: {"spec": repr(s), **q(quota)}

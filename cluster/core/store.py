@@ -30,6 +30,7 @@ from cluster.core.elastic import ElasticMemory
 from cluster.core.faults import DiskFaults
 from cluster.core.geometry import DEVICE, DISK, HOST, TIER_NAMES, PageGeometry
 from cluster.core.keys import PageKey
+from cluster.core.pins import PinSet
 from cluster.core.pool import EventSink, Pool, PoolLimits, State
 from cluster.core.tiers.aligned import make_private_dir, write_private_text
 from cluster.core.tiers.disk import DiskArena
@@ -53,6 +54,7 @@ class StoreConfig:
     reserve_lease_s: float = 30.0
     chunk_bytes: int = 64 << 20
     disk_durability: str = "durable"  # or "volatile": see cluster/core/tiers/disk.py
+    max_pinned_fraction: float = 0.5  # of the node's memory (device + host) operators may pin
 
 
 @dataclass(slots=True)
@@ -86,6 +88,7 @@ class NodeStore:
         self._on_event = on_event
         self._lease_ids = itertools.count(1)
         self.disk_faults: DiskFaults | None = None  # test-only (cluster/core/faults.py)
+        self.pins = PinSet()  # operators' pins, over every pool of the node
         self.counters = {"puts": 0, "gets": 0, "hits_pages": 0, "misses_pages": 0,
                          "hits_device": 0, "hits_host": 0, "hits_disk": 0,
                          "expired_reservations": 0, "expired_leases": 0,
@@ -115,6 +118,7 @@ class NodeStore:
         shares = (self.elastic.share(DEVICE, holder, geometry.slot_bytes),
                   self.elastic.share(HOST, holder, geometry.slot_bytes))
         pool = Pool(geometry, limits, disk, self._on_event, shares)
+        pool.held = self.pins
         self.elastic.attach(holder, pool)
         return pool
 
@@ -311,6 +315,7 @@ class NodeStore:
             self.abort(reservation_id)  # its slots are fenced; a late writer's quarantined
         for pool in self.pools.values():
             self.counters["quarantine_freed_slots"] += pool.release_quarantined()
+        self.pins.sweep()
         self.counters["expired_leases"] += len(leases)
         self.counters["expired_reservations"] += len(reservations)
         return len(leases) + len(reservations)
@@ -336,6 +341,29 @@ class NodeStore:
         await pool.load_from_disk(keys[:count])
         await pool.promote_many(keys[:count])
         return sum(1 for k in keys[:count] if k in pool.index and pool.index[k].tier < DISK)
+
+    # ---- operators' pins -------------------------------------------------------------------
+
+    def pin_cap_bytes(self) -> int:
+        """The most that operators' pins may hold here: a fraction of the memory tiers."""
+        memory_bytes = sum(self.elastic.budgets[t].capacity_bytes for t in (DEVICE, HOST))
+        return int(self.config.max_pinned_fraction * memory_bytes)
+
+    def pin(self, geometry: PageGeometry, pin_id: bytes, keys: list[PageKey],
+            ttl_s: float) -> tuple[list[PageKey], tuple[list[PageKey], float] | None]:
+        """Pin the pages among `keys` stored here for `ttl_s` (replacing the pin `pin_id`):
+        (the keys pinned, the pin replaced as (its keys, its seconds left) or None).
+        PinRefused past the cap: nothing is pinned then."""
+        pool = self.pools.get(geometry)
+        stored = [k for k in dict.fromkeys(keys) if pool is not None and k in pool.index
+                  and pool.index[k].state != State.PENDING]
+        pages = {key: geometry.slot_bytes for key in stored}
+        old = self.pins.pin(pin_id, pages, ttl_s, self.pin_cap_bytes())
+        return stored, None if old is None else (list(old.pages), self.pins.remaining_s(old))
+
+    def unpin(self, pin_id: bytes) -> list[PageKey]:
+        """End the pin `pin_id` now; returns the keys it held."""
+        return self.pins.unpin(pin_id)
 
     # ---- rebalancing (the control loop) --------------------------------------------------
 
@@ -380,6 +408,7 @@ class NodeStore:
                 "disk_bytes_read": sum(d.bytes_read for d in disks),
                 "disk_bytes_written": sum(d.bytes_written for d in disks),
                 "disk_checksum_failures": sum(d.checksum_failures for d in disks),
+                "pins": {**self.pins.stats(), "cap_bytes": self.pin_cap_bytes()},
                 **self.counters}
 
     def set_quotas(self, models: dict[str, Quota], namespaces: dict[str, Quota],

@@ -7,6 +7,10 @@ API keys, each naming the namespace its caller may use.
                                       of the body is read; a chunked body is read (at most
                                       the limit) before the app sees it
 
+The operator's admin endpoints (ADMIN_PREFIX: pin, unpin, warm) answer only to the admin key
+(RAYKV_ADMIN_KEY or the app's admin_key), never to a tenant's: 401 without a key, 403 with
+any other key, and 404 when no admin key is configured (they are never open).
+
 Without keys, nothing tells callers apart: the app then serves the "default" namespace only
 (a header naming another is a 403, never trusted), and refuses to start where that would
 expose anything (`require_keys_for_namespaces`, `require_keys_for_bind`): when namespaces other
@@ -34,6 +38,8 @@ from cluster.serving import protocol
 NAMESPACE_KEY = "raykv_namespace"  # in the ASGI scope's state: who the key belongs to
 DEFAULT_NAMESPACE = "default"  # the one namespace served without keys
 ENV_VAR = "RAYKV_API_KEYS"
+ADMIN_ENV_VAR = "RAYKV_ADMIN_KEY"
+ADMIN_PREFIX = "/v1/raykv/admin/"
 KEYS_HOWTO = (f"Set API keys: {ENV_VAR}='{{\"<key>\": \"<namespace>\", ...}}' in the Ray nodes' "
               f"environment (on Kubernetes: env {ENV_VAR} from a Secret, as manifests/kuberay "
               f"does; see manifests/README.md), or the app's api_keys argument. Without keys "
@@ -48,6 +54,16 @@ class KeysRequired(ValueError):
 def key_digest(key: str) -> bytes:
     """What is kept of an API key (32 bytes of blake3 in its own context)."""
     return blake3.blake3(key.encode(), derive_key_context="raykv api key v1").digest()
+
+
+def admin_key_from_env() -> str | None:
+    """RAYKV_ADMIN_KEY, or None when unset or blank (the admin endpoints are then off)."""
+    return os.environ.get(ADMIN_ENV_VAR, "").strip() or None
+
+
+def _bearer(authorization: str | None) -> str | None:
+    scheme, _, key = (authorization or "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
 
 
 def api_keys_from_env() -> dict[str, str]:
@@ -94,16 +110,30 @@ def is_loopback(host: str | None) -> bool:
 @dataclass(frozen=True, slots=True)
 class Access:
     """key_digests: key_digest(key) -> namespace ({}: no key needed, and only the default
-    namespace served); max_request_bytes: a body's limit."""
+    namespace served); max_request_bytes: a body's limit; admin_digest: the admin key's
+    digest (None: the admin endpoints are off)."""
 
     key_digests: dict[bytes, str] = field(default_factory=dict)
     max_request_bytes: int = 1 << 20
+    admin_digest: bytes | None = None
 
     @classmethod
-    def of(cls, api_keys: dict[str, str], max_request_bytes: int = 1 << 20) -> Access:
-        """From plain keys (key -> namespace); only their digests are kept."""
+    def of(cls, api_keys: dict[str, str], max_request_bytes: int = 1 << 20,
+           admin_key: str | None = None) -> Access:
+        """From plain keys (key -> namespace, and the admin key); only digests are kept.
+        ValueError for an admin key that is also a tenant's key."""
         digests = {key_digest(key): namespace for key, namespace in api_keys.items()}
-        return cls(digests, max_request_bytes)
+        admin = key_digest(admin_key) if admin_key else None
+        if admin is not None and admin in digests:
+            raise ValueError("the admin key must differ from every tenant's API key")
+        return cls(digests, max_request_bytes, admin)
+
+    def is_admin(self, authorization: str | None) -> bool:
+        """Whether the header carries the admin key (compared in constant time)."""
+        key = _bearer(authorization)
+        if self.admin_digest is None or key is None:
+            return False
+        return hmac.compare_digest(self.admin_digest, key_digest(key))
 
     @property
     def keyed(self) -> bool:
@@ -111,10 +141,10 @@ class Access:
 
     def namespace_of(self, authorization: str | None) -> str | None:
         """The key's namespace, or None for a missing or wrong key (compared in constant time)."""
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = _bearer(authorization)
+        if key is None:
             return None
-        presented = key_digest(key.strip())
+        presented = key_digest(key)
         for known, namespace in self.key_digests.items():
             if hmac.compare_digest(known, presented):
                 return namespace
@@ -161,7 +191,11 @@ class AccessMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
-        if self.access.keyed:
+        if scope.get("path", "").startswith(ADMIN_PREFIX):
+            refusal = admin_refusal(self.access, headers.get("authorization"))
+            if refusal is not None:
+                return await _reply(send, *refusal)
+        elif self.access.keyed:
             namespace = self.access.namespace_of(headers.get("authorization"))
             if namespace is None:
                 return await _reply(send, 401, "Incorrect API key provided: pass "
@@ -186,6 +220,21 @@ class AccessMiddleware:
                 return await _too_large(send, limit)
         await self.app(scope, _replay([{"type": "http.request", "body": body,
                                          "more_body": False}], receive), send)
+
+
+def admin_refusal(access: Access, authorization: str | None) -> tuple | None:
+    """Why an admin request is refused, as (status, message, kind, code); None: it is the
+    admin's. No admin key configured: 404, as if the endpoints did not exist."""
+    if access.admin_digest is None:
+        return (404, f"Not found: the admin endpoints are off (set {ADMIN_ENV_VAR}).",
+                "not_found_error", "not_found")
+    if _bearer(authorization) is None:
+        return (401, "The admin endpoints need 'Authorization: Bearer <admin key>'.",
+                "invalid_request_error", "invalid_api_key")
+    if not access.is_admin(authorization):
+        return (403, "This key may not use the admin endpoints.", "permission_error",
+                "admin_only")
+    return None
 
 
 def _replay(messages: list, then=None):

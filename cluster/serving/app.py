@@ -25,6 +25,7 @@ from cluster.core.membership import kv_nodes
 from cluster.core.spec import ModelSpec
 from cluster.serving.access import (
     Access,
+    admin_key_from_env,
     api_keys_from_env,
     check_api_keys,
     require_keys_for_bind,
@@ -120,6 +121,10 @@ class AppArgs(BaseModel):
                                      "default namespace is served, and only on a loopback "
                                      "bind: the app refuses to start otherwise")
     max_request_bytes: int = Field(1 << 20, ge=1024, description="a request body's limit (413)")
+    admin_key: str | None = Field(default_factory=admin_key_from_env, description="the bearer "
+                                  "key of the admin endpoints (/v1/raykv/admin/pin, unpin, "
+                                  "warm; default: RAYKV_ADMIN_KEY); without it they answer "
+                                  "404. Only its digest is kept")
 
     @model_validator(mode="after")
     def _router_has_its_cache(self):
@@ -170,7 +175,7 @@ def build_app(args: dict | None = None):
                            "resources": {config.node_resource: 0.001}},
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[settings.router]),
     ).bind(engine_config, settings.model, local)
-    front_door = Access.of(settings.api_keys, settings.max_request_bytes)
+    front_door = Access.of(settings.api_keys, settings.max_request_bytes, settings.admin_key)
     require_keys(front_door, settings)
     ingress = IngressSettings(settings.max_context_tokens, settings.default_max_tokens,
                               settings.admission.limits(), front_door, local)

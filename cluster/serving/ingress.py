@@ -10,6 +10,9 @@ the x-raykv-namespace), priority classes (x-raykv-priority: high|normal|low, els
 tenant's default) and bounded queues. A refused request, or one that waited past the bound,
 gets 429 with Retry-After before it reaches an engine. The engines' own queue bound
 (max_queued_requests, Serve's BackPressureError) still answers 503.
+
+The operator's admin endpoints (/v1/raykv/admin/pin, unpin, warm: cluster/serving/admin.py)
+answer only to the admin key, which the access middleware checks before any body is read.
 """
 
 
@@ -31,9 +34,12 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.api import key_chain, running_config
+from cluster.calls import Steps, run_async
+from cluster.core.geometry import PageGeometry
 from cluster.core.keys import KeyChain
 from cluster.core.spec import ModelSpec
-from cluster.serving import access, protocol, tokenizer
+from cluster.operator import Operator, Prefix
+from cluster.serving import access, admin, protocol, tokenizer
 from cluster.serving.access import Access
 from cluster.serving.admission import AdmissionGate, Overloaded
 from cluster.serving.engine import Chunk, GenerationRequest
@@ -221,6 +227,7 @@ class Ingress:
         admission = settings.admission
         access.CURRENT[0] = settings.access
         self.gate = AdmissionGate(admission or AdmissionLimits())
+        self.operator = Operator.of(self.config) if self.config is not None else None
 
     @app.get("/v1/models")
     async def models(self) -> dict:
@@ -231,6 +238,51 @@ class Ingress:
     async def admission(self) -> dict:
         """This replica's gate: slots in flight, waiters per class, refusals."""
         return self.gate.stats()
+
+    @app.post("/v1/raykv/admin/pin")
+    async def admin_pin(self, body: admin.PinBody) -> dict:
+        """Pin a prompt's stored pages for ttl_s on every node holding them."""
+        prefix = await self._admin_prefix(body)
+        pages = await self._operate(self.operator.pin(prefix, body.ttl_s))
+        return {"pinned_pages": pages, "prompt_pages": len(prefix.keys),
+                "namespace": body.namespace, "ttl_s": body.ttl_s}
+
+    @app.post("/v1/raykv/admin/unpin")
+    async def admin_unpin(self, body: admin.PromptBody) -> dict:
+        prefix = await self._admin_prefix(body)
+        pages = await self._operate(self.operator.unpin(prefix))
+        return {"unpinned_pages": pages, "namespace": body.namespace}
+
+    @app.post("/v1/raykv/admin/warm")
+    async def admin_warm(self, body: admin.WarmBody) -> dict:
+        """Copy a prompt's stored pages onto a node ahead of its traffic."""
+        prefix = await self._admin_prefix(body)
+        pages = await self._operate(self.operator.warm(prefix, body.node))
+        return {"node_pages": pages, "prompt_pages": len(prefix.keys),
+                "namespace": body.namespace, "node": body.node}
+
+    async def _admin_prefix(self, body: admin.PromptBody) -> Prefix:
+        if self.operator is None:
+            raise ApiError(409, "this app runs without raykv (local_cache): nothing to pin or "
+                           "warm", "invalid_request_error", "no_service")
+        chain = await self._chain(body.namespace)
+        try:
+            keys = chain.keys(body.token_ids())
+        except (TypeError, ValueError) as error:
+            raise ApiError(400, str(error), "invalid_request_error", "invalid_tokens") from None
+        if not keys:
+            raise ApiError(400, f"the prompt has no full page ({chain.page_tokens} tokens "
+                           "each)", "invalid_request_error", "no_full_page")
+        geometry = PageGeometry.of(self.spec, self.config.page_tokens)
+        return Prefix(geometry, tuple(keys), body.namespace)
+
+    async def _operate(self, steps: Steps[int]) -> int:
+        try:
+            return await run_async(steps, self.config.call_timeout_s)
+        except (ValueError, RuntimeError) as error:
+            status, code = admin.error_status(error)
+            kind = "server_error" if status >= 500 else "invalid_request_error"
+            raise ApiError(status, str(error), kind, code) from None
 
     @app.post("/v1/completions")
     async def completions(self, body: protocol.CompletionRequest, request: Request):

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from cluster.tools.bench.harness import failed
+from cluster.tools.operator_cli import pin_command, unpin_command, warm_command
 from cluster.tools.ops_cli import start_command, status_command, stop_command
 from cluster.tools.quota_cli import quota_app
 from cluster.tools.serve_cli import serve_command
@@ -29,6 +30,9 @@ app.command("serve")(serve_command)
 app.command("start")(start_command)
 app.command("stop")(stop_command)
 app.command("status")(status_command)
+app.command("pin")(pin_command)
+app.command("unpin")(unpin_command)
+app.command("warm")(warm_command)
 app.command("tax", help="The per-token latency tax of KV pages on disk, measured against "
                         "pages x (latency + bytes / bandwidth), without and with prefetch, with "
                         "fp8 and int8 pages.")(tax_command)

@@ -122,16 +122,17 @@ def status_command(
 def _nodes_table(report: dict) -> Table:
     table = Table(title=f"raykv nodes (page_tokens {report['config']['page_tokens']})")
     for column in ("node", "pages dev/host/disk", "gets", "hit pages", "miss pages",
-                   "hit ratio", "leases"):
+                   "hit ratio", "leases", "pinned"):
         table.add_column(column, justify="left" if column == "node" else "right")
     for node in report["nodes"]:
         if "error" in node:
-            table.add_row(node["node_id"][:12], f"[red]{node['error'][:60]}[/]", *[""] * 5)
+            table.add_row(node["node_id"][:12], f"[red]{node['error'][:60]}[/]", *[""] * 6)
             continue
         pages = node["pages"]
         table.add_row(node["node_id"][:12], f"{pages['device']}/{pages['host']}/{pages['disk']}",
                       str(node["gets"]), str(node["hits_pages"]), str(node["misses_pages"]),
-                      f"{node['hit_ratio']:.0%}", str(node["leases"]))
+                      f"{node['hit_ratio']:.0%}", str(node["leases"]),
+                      str(node.get("pins", {}).get("pinned_pages", 0)))
     return table
 
 
@@ -160,11 +161,12 @@ def _prefix_table(report: dict) -> Table | None:
 
 def _quota_table(report: dict) -> Table:
     table = Table(title="models and namespaces: quotas (per tier per node) and use")
-    for column in ("kind", "name", "min", "max", "weight", "held"):
+    for column in ("kind", "name", "min", "max", "weight", "priority", "held"):
         table.add_column(column, justify="left" if column in ("kind", "name") else "right")
     for kind in ("models", "namespaces"):
         for name, row in report["registry"][kind].items():
             maximum = "-" if row["max_bytes"] is None else format_bytes(row["max_bytes"])
+            priority = row.get("priority", "normal") if kind == "namespaces" else "-"
             table.add_row(kind[:-1], name, format_bytes(row["min_bytes"]), maximum,
-                          f"{row['weight']:g}", format_bytes(row.get("held_bytes", 0)))
+                          f"{row['weight']:g}", priority, format_bytes(row.get("held_bytes", 0)))
     return table

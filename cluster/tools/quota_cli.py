@@ -19,17 +19,20 @@ quota_app = typer.Typer(help="Register models and namespaces and set their quota
 Min = Annotated[str, typer.Option("--min", help="never reclaimed below this, e.g. 1GiB")]
 Max = Annotated[str | None, typer.Option("--max", help="never grows past this, e.g. 8GiB")]
 Weight = Annotated[float, typer.Option("--weight", help="its share of a full tier")]
+Priority = Annotated[str, typer.Option(
+    "--priority", help="the namespace's eviction class: low, normal or high (when memory is "
+    "freed across namespaces, lower classes give their pages first)")]
 Address = Annotated[str | None, typer.Option(help="Ray cluster address (default: RAY_ADDRESS, "
                                                   "else the local cluster)")]
 AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 
 
-def _quota(min_text: str, max_text: str | None, weight: float):
+def _quota(min_text: str, max_text: str | None, weight: float, priority: str = "normal"):
     from policies.quota import Quota
 
     try:
         return Quota(parse_bytes(min_text), parse_bytes(max_text) if max_text else None,
-                     weight)
+                     weight, priority)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
 
@@ -60,14 +63,15 @@ def model_command(
 def namespace_command(
     name: Annotated[str, typer.Argument(help="the namespace (a tenant)")],
     min_bytes: Min = "0", max_bytes: Max = None, weight: Weight = 1.0,
-    address: Address = None,
+    priority: Priority = "normal", address: Address = None,
 ) -> None:
-    """Add a namespace (or change its quota)."""
+    """Add a namespace (or change its quota and priority class)."""
     from cluster import add_namespace
 
+    quota = _quota(min_bytes, max_bytes, weight, priority)
     _connect(address)
     try:
-        registry = add_namespace(name, _quota(min_bytes, max_bytes, weight))
+        registry = add_namespace(name, quota)
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="NAME") from None
     _show(registry, False)
@@ -87,11 +91,12 @@ def _show(registry: dict, as_json: bool) -> None:
         typer.echo(json.dumps(registry, indent=2))
         return
     table = Table(title=f"quotas (registry version {registry['version']}), per tier per node")
-    for column in ("kind", "name", "min", "max", "weight"):
+    for column in ("kind", "name", "min", "max", "weight", "priority"):
         table.add_column(column, justify="left" if column in ("kind", "name") else "right")
     for kind in ("models", "namespaces"):
         for name, quota in registry[kind].items():
             maximum = "-" if quota["max_bytes"] is None else format_bytes(quota["max_bytes"])
             table.add_row(kind[:-1], name, format_bytes(quota["min_bytes"]), maximum,
-                          f"{quota['weight']:g}")
+                          f"{quota['weight']:g}",
+                          quota.get("priority", "normal") if kind == "namespaces" else "-")
     Console().print(table)
