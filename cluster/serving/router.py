@@ -49,6 +49,7 @@ from actors.handles import DirectoryHandle, merge_shard_prefixes
 from cluster.api import running_config
 from cluster.core.spec import ModelSpec
 from cluster.serving.prompt_keys import PromptKeys
+from cluster.serving.vllm_plan import with_fetch_limit
 from policies.cost_routing import (
     Candidate,
     Decision,
@@ -256,8 +257,13 @@ def _num_tokens(pending_request: PendingRequest | None, num_pages: int,
 
 def _cut(pending_request: PendingRequest | None, max_fetch_tokens: int | None) -> None:
     """Tell the engine to fetch no more than the cut (it travels with the request; None: the
-    whole prefix)."""
+    whole prefix): raykv's engine reads `max_fetch_tokens`; a vLLM engine's RaykvConnector
+    reads it from the request's `kv_transfer_params` (vLLM's own field, which reaches the
+    scheduler's Request)."""
     request = pending_request.args[0] if pending_request is not None and pending_request.args \
         else None
     if hasattr(request, "max_fetch_tokens"):
         request.max_fetch_tokens = max_fetch_tokens
+    elif hasattr(request, "kv_transfer_params"):
+        request.kv_transfer_params = with_fetch_limit(request.kv_transfer_params,
+                                                      max_fetch_tokens)

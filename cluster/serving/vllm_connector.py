@@ -63,6 +63,7 @@ from cluster.serving.vllm_plan import (
     RunningRequest,
     SaveSpec,
     StepPlanner,
+    fetch_limit,
     loadable_tokens,
     page_misfit,
 )
@@ -163,6 +164,9 @@ class RaykvConnector(KVConnectorBase_V1):
                                     lambda: request_salt(request))
         if answer is None:
             return None, False  # in flight: vLLM asks again next step
+        limit = fetch_limit(getattr(request, "kv_transfer_params", None))
+        if limit is not None and limit < answer.num_tokens:  # raykv's router chose to recompute
+            answer = Answer(answer.salt, limit, answer.page_tokens)
         return self._answered(request_id, num_computed_tokens, answer)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,

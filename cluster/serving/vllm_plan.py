@@ -26,6 +26,32 @@ it) is never saved.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+# The key in a request's kv_transfer_params (vLLM's OpenAI field, carried to the scheduler's
+# Request) under which raykv's router sends its cut: the most prompt tokens to load.
+FETCH_LIMIT_KEY = "raykv_max_fetch_tokens"
+
+
+def fetch_limit(kv_transfer_params: Any) -> int | None:
+    """The router's cut, if the request carries one: load at most this many prompt tokens and
+    recompute the rest (the router found fetching them slower). None: load the whole hit.
+    Anything but a non-negative int is ignored: a client's odd params never fail a request."""
+    if not isinstance(kv_transfer_params, dict):
+        return None
+    value = kv_transfer_params.get(FETCH_LIMIT_KEY)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
+def with_fetch_limit(kv_transfer_params: Any, max_fetch_tokens: int | None) -> dict | None:
+    """kv_transfer_params carrying the cut (None: no cut; the request's other params kept)."""
+    params = dict(kv_transfer_params) if isinstance(kv_transfer_params, dict) else {}
+    params.pop(FETCH_LIMIT_KEY, None)
+    if max_fetch_tokens is not None:
+        params[FETCH_LIMIT_KEY] = int(max_fetch_tokens)
+    return params or None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # n
 
 from cluster.serving import vllm_service  # noqa: E402
 from cluster.serving.vllm_connector import RaykvConnector, RaykvMetadata  # noqa: E402
-from cluster.serving.vllm_plan import LoadSpec  # noqa: E402
+from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, LoadSpec  # noqa: E402
 
 BLOCK = 16
 PAGE = 32
@@ -61,10 +61,10 @@ def groups(*kinds):
                                             for kind in kinds])
 
 
-def request(request_id="r", num_tokens=100, cache_salt=None):
+def request(request_id="r", num_tokens=100, cache_salt=None, kv_transfer_params=None):
     return SimpleNamespace(request_id=request_id, prompt_token_ids=list(range(num_tokens)),
                            prompt_embeds=None, lora_request=None, cache_salt=cache_salt,
-                           mm_features=[])
+                           mm_features=[], kv_transfer_params=kv_transfer_params)
 
 
 @pytest.fixture
@@ -108,6 +108,19 @@ def test_a_slow_lookup_answers_none_then_the_hit_loaded_asynchronously(client):
     assert isinstance(metadata, RaykvMetadata)
     assert metadata.loads == [LoadSpec("r", list(range(96)), list(range(10, 17)), 32,
                                        client.salts[0])]
+    connector.shutdown()
+
+
+def test_the_routers_cut_loads_no_more_and_leaves_the_rest_to_recompute(client):
+    """raykv's router found the tail of the hit slower to fetch than to recompute: it sent
+    its cut in kv_transfer_params, and the connector offers vLLM only the head."""
+    client.gate.set()
+    connector = scheduler()
+    cut = request("cut", kv_transfer_params={FETCH_LIMIT_KEY: 32, "other": 1})
+    assert ask_until_answered(connector, cut) == (32, True)  # 1 page of the 3 raykv holds
+    assert ask_until_answered(connector, request("whole")) == (96, True)
+    odd = request("odd", kv_transfer_params={FETCH_LIMIT_KEY: "32"})
+    assert ask_until_answered(connector, odd) == (96, True)  # not the router's: ignored
     connector.shutdown()
 
 
