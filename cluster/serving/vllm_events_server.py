@@ -5,11 +5,13 @@ Ray's KVAwareRouter turns vLLM's events on itself, and only for its own deployme
 (ray.llm._internal.serve.routing_policies.kv_aware.vllm.kv_events): a ZMQ publisher per
 replica, its PUB and replay (ROUTER) ports offset by the replica's node-local rank, advertised
 through `record_routing_stats`. This server does the same for raykv's router, with one change:
-the ports are the OS's (`tcp://*:0`, which vLLM binds on this node's address and resolves), so
+the ports are the OS's (`tcp://*:0`, which vLLM binds on one address and resolves), so
 no two replicas on a node, nor another app's, collide:
 
   - before its engine starts, it sets `engine_kwargs["kv_events_config"]` (a user's own is
-    kept);
+    kept), and points vLLM's `VLLM_HOST_IP` at Ray's address for this node (unless the user
+    set it). vLLM otherwise binds the address of its default route, which on a node with
+    several interfaces is not the one Ray and raykv use (an exposed or unroutable one);
   - once the engine runs, it reads the endpoints vLLM bound and advertises them under
     ENGINE_EVENTS, with an epoch naming this engine: a replica is never taken for another.
 
@@ -19,6 +21,7 @@ The builder (cluster/serving/vllm_app.py) makes it the server class when the rou
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
@@ -64,11 +67,24 @@ def advertised(engine, configured: dict, epoch: str) -> dict:
             else None}
 
 
-def _node_address_known() -> bool:
-    """Whether vLLM can bind `tcp://*:0` (it binds the address its get_ip finds)."""
-    from vllm.utils.network_utils import get_ip
+def pin_bind_address(environ: dict, node_ip: str) -> str:
+    """The address vLLM binds `tcp://*:0` on: the user's `VLLM_HOST_IP` if set, else Ray's
+    address for this node, written into `environ` so that the engine-core process, which
+    inherits it and runs the publisher, binds there. Returns the address."""
+    own = environ.get("VLLM_HOST_IP")
+    if own:
+        return own
+    environ["VLLM_HOST_IP"] = node_ip
+    return node_ip
 
-    return get_ip() not in ("0.0.0.0", "::")
+
+def _node_address_known() -> bool:
+    """Whether vLLM can bind `tcp://*:0` here: it binds Ray's address for this node (see
+    pin_bind_address), which must be a concrete one."""
+    import ray
+
+    address = pin_bind_address(os.environ, ray.util.get_node_ip_address())
+    return address not in ("", "0.0.0.0", "::")
 
 
 def _routable(endpoint: str) -> str:

@@ -248,6 +248,20 @@ def test_the_raykv_router_s_app_turns_each_engine_s_events_on():
     assert advertised(engine, {"enable_kv_cache_events": False}, "e1") == {}
 
 
+def test_vllm_binds_ray_s_node_address_unless_the_user_chose_one():
+    """vLLM binds tcp://*:0 on VLLM_HOST_IP when set, else on its default route's address;
+    the server sets it to Ray's address for the node, so the events are served where Ray's
+    and raykv's own servers are, never on another interface."""
+    from cluster.serving.vllm_events_server import pin_bind_address
+
+    environ: dict = {}
+    assert pin_bind_address(environ, "10.0.0.7") == "10.0.0.7"
+    assert environ == {"VLLM_HOST_IP": "10.0.0.7"}
+    environ = {"VLLM_HOST_IP": "127.0.0.1"}  # the user's choice stands
+    assert pin_bind_address(environ, "10.0.0.7") == "127.0.0.1"
+    assert environ == {"VLLM_HOST_IP": "127.0.0.1"}
+
+
 def test_vllm_s_wire_format_decodes_to_plain_gpu_blocks_only():
     import msgspec
     from vllm.distributed.kv_events import AllBlocksCleared
