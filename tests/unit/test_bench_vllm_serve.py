@@ -130,3 +130,8 @@ def test_failed_requests_no_hits_or_a_working_set_that_fits_are_not_exercised():
     assert "memory was no limit" in fits["not_exercised"]["cached_tokens_vs_kv_aware"]
     unnamed = {**good, "raykv": [_round(shares={})] * 3}
     assert _report(unnamed).ratios["max_replica_share"] is None
+
+
+def test_a_quick_run_leaves_out_only_pow2_which_no_ratio_reads():
+    assert vllm_serve.setups_for(False) == ("raykv", "kv-aware", "prefix", "pow2")
+    assert vllm_serve.setups_for(True) == ("raykv", "kv-aware", "prefix")
