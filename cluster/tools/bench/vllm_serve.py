@@ -366,7 +366,9 @@ def run(json_path: str | None, quick: bool) -> dict:
              os.environ.get("PYTHONPATH")]
     env = {**os.environ, **CHILD_ENV, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     isolate = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
-    subprocess.run([*isolate, "sh", "-c", script], env=env, check=False)
+    done = subprocess.run([*isolate, "sh", "-c", script], env=env, check=False)
+    if not os.path.exists(out):
+        raise RuntimeError(f"the benchmark's process exited {done.returncode} without a result")
     with open(out) as file:
         return json.load(file)
 
