@@ -293,6 +293,11 @@ def notes(plan: Plan, traces: list[list[ScaledRequest]]) -> list[str]:
         "kv-aware: Ray's KVAwareRouter with direct streaming behind HAProxy (as Ray documents "
         "it); each replica's ZMQ ports moved to free ones (PortedLLMServer), since simulated "
         "nodes share a host. The raykv, prefix and pow2 apps go through the same HAProxy.",
+        "Ray 2.60's LLMRouter imports load_chat_template from vllm.entrypoints.chat_utils, "
+        "which vLLM 0.32 moved to vllm.renderers.chat_utils (ModuleNotFoundError: every "
+        "LLMRouter replica fails to start, so Ray's router never runs); vllm_compat/"
+        "sitecustomize.py aliases that one module name for this run's workers. Ray's own "
+        "router code runs otherwise unchanged.",
     ]
 
 

