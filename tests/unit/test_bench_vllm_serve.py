@@ -135,3 +135,25 @@ def test_failed_requests_no_hits_or_a_working_set_that_fits_are_not_exercised():
 def test_a_quick_run_leaves_out_only_pow2_which_no_ratio_reads():
     assert vllm_serve.setups_for(False) == ("raykv", "kv-aware", "prefix", "pow2")
     assert vllm_serve.setups_for(True) == ("raykv", "kv-aware", "prefix")
+
+
+def test_the_compat_finder_answers_only_a_moved_module_name(monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(vllm_serve.__file__).parent / "vllm_compat" / "sitecustomize.py"
+    spec = importlib.util.spec_from_file_location("raykv_vllm_compat_under_test", path)
+    compat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compat)
+    finder = sys.meta_path[-1]
+    try:
+        assert compat.MOVED == {"vllm.entrypoints.chat_utils": "vllm.renderers.chat_utils"}
+        monkeypatch.setitem(compat.MOVED, "raykv_moved_json_for_test", "json")
+        import json
+
+        assert importlib.import_module("raykv_moved_json_for_test") is json
+        assert finder.find_spec("json.decoder") is None
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.pop("raykv_moved_json_for_test", None)
