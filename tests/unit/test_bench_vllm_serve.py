@@ -90,6 +90,7 @@ def test_every_set_up_runs_the_same_engines():
 def test_replica_shares_count_only_the_requests_between_two_scrapes():
     assert vllm_serve.shares({"a": 3.0}, {"a": 5.0, "b": 6.0}) == {"a": 0.25, "b": 0.75}
     assert vllm_serve.shares({"a": 3.0}, {"a": 3.0}) == {}
+    assert vllm_serve.shares({"old": 9.0}, {"old": 9.0, "b": 2.0}) == {"b": 1.0}
 
 
 def _round(errors=0, cached=100, p50=10.0, shares=None):

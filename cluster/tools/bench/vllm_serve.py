@@ -86,7 +86,8 @@ def plan_for(quick: bool) -> Plan:
 
 def setups_for(quick: bool) -> tuple[str, ...]:
     """The set-ups a run replays. A quick run leaves out pow2, which no ratio reads: every
-    (round, set-up) starts three engines afresh, 2-3 minutes on 2 cores."""
+    (round, set-up) starts three engines afresh, 2.5-4 minutes on 2 cores (a quick run of
+    3 x 3 took 40 minutes here; the full one, 12 apps and longer replays, about an hour)."""
     return tuple(s for s in SETUPS if not (quick and s == "pow2"))
 
 
@@ -174,8 +175,9 @@ def replica_requests() -> dict[str, float]:
 
 
 def shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Each replica's share of the requests counted between two scrapes."""
-    taken = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    """Each replica's share of the requests counted between two scrapes (replicas of earlier
+    apps, whose counters stay in the metrics, took none and are left out)."""
+    taken = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
     total = sum(taken.values())
     return {k: v / total for k, v in sorted(taken.items())} if total > 0 else {}
 
