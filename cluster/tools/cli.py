@@ -49,6 +49,7 @@ BENCHMARKS = {
     "elastic": "cluster.tools.bench.elastic",
     "tax": "cluster.tools.tax",
     "vllm": "cluster.tools.bench.vllm",
+    "vllm-serve": "cluster.tools.bench.vllm_serve",
     "burst": "cluster.tools.bench.burst",
     "faults": "cluster.tools.bench.faults",
     "trace": "cluster.tools.bench.trace",
@@ -98,6 +99,9 @@ _register_plotted("serve", "One chat trace through the Serve app with raykv's, S
 _register("tax", "The paging tax (`raykv tax` with its defaults; a PNG beside the JSON).")
 _register("vllm", "vLLM TTFT with RaykvConnector vs LMCache's and no connector (run from "
           ".venv-vllm; `make bench-vllm`).")
+_register("vllm-serve", "Ray Serve LLM on vLLM's CPU build, 3 replicas, Mooncake's conversation "
+          "trace: raykv (connector + router) vs Ray's KVAwareRouter, PrefixCacheAffinityRouter "
+          "and pow2 (run from .venv-vllm; `make bench-vllm-serve`).")
 _register("faults", "Faults under load on 3 simulated nodes (nodes, actors, directory, Redis, "
                    "clients, replicas, damaged, full and slow disks, lost event batches), "
                    "the fuzzers, a soak: wrong bytes, client errors, recovery seconds.")

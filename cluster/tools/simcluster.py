@@ -13,9 +13,10 @@ OBJECT_STORE_BYTES = 160 * MiB
 
 
 @contextmanager
-def simulated_cluster(num_nodes: int, cpus_per_node: int = 1):
-    """A connected `ray.cluster_utils.Cluster` of `num_nodes` kv nodes; torn down after (raykv
-    stopped first, so node actors unlink their shared memory)."""
+def simulated_cluster(num_nodes: int, cpus_per_node: int = 1,
+                      resources: dict[str, float] | None = None):
+    """A connected `ray.cluster_utils.Cluster` of `num_nodes` kv nodes, each with `resources`
+    too; torn down after (raykv stopped first, so node actors unlink their shared memory)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -23,7 +24,7 @@ def simulated_cluster(num_nodes: int, cpus_per_node: int = 1):
         raise ValueError(f"num_nodes must be at least 1, got {num_nodes}")
     if ray.is_initialized():
         raise RuntimeError("a simulated cluster needs this process off Ray; ray.shutdown() first")
-    node_args = {"num_cpus": cpus_per_node, "resources": {"kv_node": 1},
+    node_args = {"num_cpus": cpus_per_node, "resources": {"kv_node": 1, **(resources or {})},
                  "object_store_memory": OBJECT_STORE_BYTES}
     # Metrics reach Ray's Prometheus endpoints every 2 s rather than 10 (the demo shows them).
     head_args = {**node_args, "include_dashboard": False,

@@ -1,0 +1,391 @@
+"""`raykv bench vllm-serve`: raykv under Ray Serve LLM's vLLM engines against Ray's own
+KV-aware router, on the same engines and the same trace (issue 19's benchmark).
+
+Set-up: 3 simulated nodes, one vLLM replica each (CPU build, small-llama with random weights),
+the four set-ups of vllm_serve_setups.py (raykv; kv-aware: Ray's KVAwareRouter over vLLM's own
+prefix cache; prefix: PrefixCacheAffinityRouter; pow2). Every (round, set-up) gets a fresh app
+(fresh engines, empty caches; for raykv a fresh service), in rotating order
+(harness.interleave). The workload is Mooncake's conversation trace thinned by conversation
+and scaled (vllm_serve_trace.py), sent open loop over HTTP with max_tokens 1 (trace.replay:
+the client's time is the TTFT). Each round keeps other conversations.
+
+Ray's KVAwareRouter is run as Ray documents it: direct streaming (LLMRouter tokenizes and
+scores, HAProxy forwards) with RAY_SERVE_ENABLE_HA_PROXY=1 in the cluster's environment. HAProxy
+and Serve's direct ingress bind every interface, so the benchmark runs in a network namespace of
+its own (`unshare -n`, loopback only); every set-up goes through the same HAProxy front.
+
+Ratios (Report.paired: the median of per-round ratios):
+    ttft_p50_vs_kv_aware, ttft_p99_vs_kv_aware   raykv's client TTFT / kv-aware's
+    cached_tokens_vs_kv_aware                    usage.prompt_tokens_details.cached_tokens summed
+    ttft_p50_vs_prefix_router                    raykv / PrefixCacheAffinityRouter
+    max_replica_share                            raykv's busiest replica's share (Serve's request
+                                                 counter by replica)
+    recompute_decisions_correct                  not built yet: null, not exercised
+A ratio whose set-ups failed requests, cached nothing, or whose working set fit in the engines'
+caches, is not exercised (null; the run exits 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from cluster.core.config import MiB
+from cluster.core.trace_format import read_trace
+from cluster.core.trace_scale import Scale, ScaledRequest, check_distinct
+from cluster.tools.bench import common
+from cluster.tools.bench.harness import Report, interleave
+from cluster.tools.bench.vllm_serve_setups import SETUPS, EngineShape
+from cluster.tools.bench.vllm_serve_trace import (
+    Thinning,
+    conversations,
+    distinct_blocks,
+    prefix_reuse,
+    round_trace,
+)
+
+MODEL = "small-llama"  # trace.replay sends this name
+NUM_NODES = 3
+START_TIMEOUT_S = 600.0
+METRICS_SETTLE_S = 5.0  # Serve's metrics reach Prometheus every 2 s here (simcluster)
+GOALS = {"ttft_p50_vs_kv_aware": {"max": 0.8}, "ttft_p99_vs_kv_aware": {"max": 0.7},
+         "cached_tokens_vs_kv_aware": {"min": 1.3}, "ttft_p50_vs_prefix_router": {"max": 0.8},
+         "max_replica_share": {"max": 0.5}, "recompute_decisions_correct": {"min": 0.9}}
+CHILD_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "VLLM_HOST_IP": "127.0.0.1"}
+REQUEST_COUNTER = "ray_serve_deployment_request_counter"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One run's sizes."""
+
+    thinning: Thinning
+    num_rounds: int
+    engine: EngineShape
+    host_bytes: int  # raykv's tiers per node
+    disk_bytes: int
+
+
+PLAN = Plan(Thinning(every=40, max_blocks=120, speedup=30.0), 3, EngineShape(num_blocks=256),
+            12 * MiB, 24 * MiB)
+QUICK_PLAN = Plan(Thinning(every=150, max_blocks=120, speedup=90.0), 3,
+                  EngineShape(num_blocks=192), 12 * MiB, 24 * MiB)
+
+
+def plan_for(quick: bool) -> Plan:
+    return QUICK_PLAN if quick else PLAN
+
+
+def setups_for(quick: bool) -> tuple[str, ...]:
+    """The set-ups a run replays. A quick run leaves out pow2, which no ratio reads: every
+    (round, set-up) starts three engines afresh, 2.5-4 minutes on 2 cores (a quick run of
+    3 x 3 took 40 minutes here; the full one, 12 apps and longer replays, about an hour)."""
+    return tuple(s for s in SETUPS if not (quick and s == "pow2"))
+
+
+def round_traces(plan: Plan, trace_path: str) -> list[list[ScaledRequest]]:
+    """Each round's scaled requests: conversations offset by the round's index."""
+    from cluster.serving import tokenizer
+
+    groups = conversations(read_trace(trace_path))
+    scale = Scale(plan.engine.block_tokens, plan.thinning.speedup, len(tokenizer.encode("")))
+    traces = [round_trace(groups, plan.thinning, index, scale) for index in range(plan.num_rounds)]
+    for requests in traces:
+        check_distinct(requests, scale)
+    return traces
+
+
+# ---- one (round, set-up) --------------------------------------------------------------------
+
+
+def cache_config(plan: Plan, disk_dir: str):
+    from cluster import CacheConfig
+
+    return CacheConfig(page_tokens=plan.engine.block_tokens, device_bytes=0,
+                       host_bytes=plan.host_bytes, disk_bytes=plan.disk_bytes,
+                       disk_dir=disk_dir, disk_codec="none")
+
+
+def build(setup: str, plan: Plan, model_dir: str):
+    """The set-up's Serve application (for raykv, on the running service)."""
+    from ray.serve.llm import build_openai_app
+
+    from cluster.tools.bench import vllm_serve_setups as setups
+
+    if setup == "raykv":
+        return setups.raykv_app(model_dir, MODEL, plan.engine, NUM_NODES)
+    config = setups.baseline_config(setup, model_dir, MODEL, plan.engine, NUM_NODES)
+    if setup != "kv-aware":
+        return build_openai_app({"llm_configs": [config]})
+    return setups.direct_streaming_app(config)
+
+
+def wait_ready(url: str) -> None:
+    import requests
+
+    deadline_s = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline_s:
+        try:
+            if requests.get(url + "/v1/models", timeout=5).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"the app served no /v1/models within {START_TIMEOUT_S} s")
+
+
+def warm_up(url: str, plan: Plan) -> None:
+    """Prompts shorter than a block, a few per replica: one-off costs paid, nothing cached."""
+    from cluster.tools.bench.trace import replay
+
+    short = plan.engine.block_tokens - 2
+    replay(url, [ScaledRequest(i, 0.0, f"{i}" + "w" * (short - 1), 0, short + 1, ())
+                 for i in range(3 * NUM_NODES)])
+
+
+def replica_requests() -> dict[str, float]:
+    """Requests each LLMServer replica has taken (Serve's counter, every node's metrics)."""
+    import urllib.request
+
+    import ray
+
+    totals: dict[str, float] = {}
+    for node in ray.nodes():
+        if not node["Alive"] or not node.get("MetricsExportPort"):
+            continue
+        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                text = reply.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith(REQUEST_COUNTER) and "LLMServer" in line and 'replica="' in line:
+                replica = line.split('replica="', 1)[1].split('"', 1)[0]
+                totals[replica] = totals.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each replica's share of the requests counted between two scrapes (replicas of earlier
+    apps, whose counters stay in the metrics, took none and are left out)."""
+    taken = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
+    total = sum(taken.values())
+    return {k: v / total for k, v in sorted(taken.items())} if total > 0 else {}
+
+
+def run_setup(setup: str, plan: Plan, model_dir: str, requests: list[ScaledRequest],
+              url: str) -> dict:
+    """A fresh app of `setup` behind Serve's front at `url` replaying the round's requests."""
+    from ray import serve
+
+    from cluster import start, stop
+    from cluster.tools.bench.trace import replay, summarize
+
+    disk_dir = tempfile.mkdtemp(prefix=f"raykv-bench-vllm-serve-{setup}-", dir="/tmp")
+    began_s = time.monotonic()
+    try:
+        if setup == "raykv":
+            start(cache_config(plan, disk_dir))
+        serve.run(build(setup, plan, model_dir), name=setup, route_prefix="/",
+                  blocking=False)
+        wait_ready(url)
+        started_s = time.monotonic() - began_s
+        warm_up(url, plan)
+        time.sleep(METRICS_SETTLE_S)
+        before = replica_requests()
+        sent = replay(url, requests)
+        time.sleep(METRICS_SETTLE_S)
+        summary = summarize(sent, requests)
+        summary["replica_shares"] = shares(before, replica_requests())
+        errors = sorted({s.error[:120] for s in sent if s.status != 200})[:3]
+        return {"summary": summary, "ttft_ms": sorted(s.ttft_s * 1e3 for s in sent
+                                                      if s.status == 200),
+                "start_s": started_s, "error_samples": errors}
+    finally:
+        serve.delete(setup)
+        if setup == "raykv":
+            stop()
+        shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+# ---- ratios ---------------------------------------------------------------------------------
+
+
+def figures(rounds: dict[str, list[dict]], setup: str, field: str) -> list[float]:
+    return [float(r["summary"][field]) for r in rounds[setup]]
+
+
+def exercised(rounds: dict[str, list[dict]], names: tuple[str, ...], plan: Plan,
+              working_set_blocks: list[int]) -> str:
+    """Why a comparison of these set-ups was not exercised ("" when it was): every request
+    answered, some tokens cached, in every round; and the round's working set beyond what the
+    engines' own caches hold together (else memory was no limit)."""
+    for name in names:
+        for index, result in enumerate(rounds[name]):
+            summary = result["summary"]
+            if summary["errors"]:
+                return (f"{name} failed {summary['errors']} of {summary['requests']} requests "
+                        f"in round {index}: {result['error_samples']}")
+            if not summary["cached_tokens"]:
+                return f"{name} cached no token in round {index}"
+    capacity = NUM_NODES * plan.engine.num_blocks
+    if min(working_set_blocks) <= capacity:
+        return (f"a round's working set ({min(working_set_blocks)} blocks) fits the engines' "
+                f"own caches ({capacity} blocks): memory was no limit")
+    return ""
+
+
+def fill_ratios(report: Report, rounds: dict[str, list[dict]], plan: Plan,
+                working_set_blocks: list[int]) -> None:
+    why = exercised(rounds, ("raykv", "kv-aware"), plan, working_set_blocks)
+    for ratio, field in (("ttft_p50_vs_kv_aware", "ttft_p50_ms"),
+                         ("ttft_p99_vs_kv_aware", "ttft_p99_ms"),
+                         ("cached_tokens_vs_kv_aware", "cached_tokens")):
+        if report.require(ratio, not why, why):
+            report.paired(ratio, figures(rounds, "raykv", field),
+                          figures(rounds, "kv-aware", field))
+    why_prefix = exercised(rounds, ("raykv", "prefix"), plan, working_set_blocks)
+    if report.require("ttft_p50_vs_prefix_router", not why_prefix, why_prefix):
+        report.paired("ttft_p50_vs_prefix_router", figures(rounds, "raykv", "ttft_p50_ms"),
+                      figures(rounds, "prefix", "ttft_p50_ms"))
+    busiest = [max(r["summary"]["replica_shares"].values(), default=None)
+               for r in rounds["raykv"]]
+    if report.require("max_replica_share", None not in busiest,
+                      "Serve's request counter named no raykv replica in some round"):
+        report.ratio("max_replica_share", statistics.median(busiest), busiest)
+    report.not_exercised("recompute_decisions_correct",
+                         "not built: the slow-tier part (RaykvLLMServer publishing measured "
+                         "rates, raykv_report / raykv_force_max_fetch_tokens) is not in this run")
+
+
+def print_rounds(rounds: dict[str, list[dict]]) -> None:
+    rows = []
+    for name, per_round in rounds.items():
+        for index, result in enumerate(per_round):
+            s = result["summary"]
+            rows.append([f"{name} r{index}", str(s["requests"]), str(s["errors"]),
+                         f"{s['ttft_p50_ms']:.0f}", f"{s['ttft_p99_ms']:.0f}",
+                         f"{s['hit_ratio']:.3f}", f"{result['start_s']:.0f}",
+                         " ".join(f"{v:.2f}" for v in s["replica_shares"].values())])
+    common.print_tables([common.table(
+        "the same trace per round, every set-up",
+        ["set-up", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "cached/prompt",
+         "app start s", "replica shares"], rows)])
+
+
+def notes(plan: Plan, traces: list[list[ScaledRequest]]) -> list[str]:
+    thin = plan.thinning
+    return [
+        f"workload per round: every {thin.every}th conversation of Mooncake's conversation "
+        f"trace from the round's offset ({[len(t) for t in traces]} requests), cut to "
+        f"{thin.max_blocks} blocks, one trace block = one {plan.engine.block_tokens}-token "
+        f"engine block of text, the clock {thin.speedup:g}x faster; open loop, max_tokens 1.",
+        f"engines: {MODEL} float32 eager on vLLM's CPU build, {plan.engine.num_blocks} blocks "
+        f"of vLLM's own cache each; raykv's tiers per node: host {plan.host_bytes // MiB} MiB "
+        f"+ disk {plan.disk_bytes // MiB} MiB.",
+        "kv-aware: Ray's KVAwareRouter with direct streaming behind HAProxy (as Ray documents "
+        "it); each replica's ZMQ ports moved to free ones (PortedLLMServer), since simulated "
+        "nodes share a host. The raykv, prefix and pow2 apps go through the same HAProxy.",
+        "Ray 2.60's LLMRouter imports load_chat_template from vllm.entrypoints.chat_utils, "
+        "which vLLM 0.32 moved to vllm.renderers.chat_utils (ModuleNotFoundError: every "
+        "LLMRouter replica fails to start, so Ray's router never runs); vllm_compat/"
+        "sitecustomize.py aliases that one module name for this run's workers. Ray's own "
+        "router code runs otherwise unchanged.",
+    ]
+
+
+def run_here(json_path: str | None, quick: bool, trace_path: str | None = None) -> dict:
+    """The benchmark in this process (which must have CHILD_ENV set before Ray was imported)."""
+    from ray import serve
+    from rich.progress import Progress
+
+    from cluster.serving.model_dir import save_model_dir
+    from cluster.tools.bench.trace import default_trace
+    from cluster.tools.bench.vllm_serve_setups import ENGINE_SLOT
+    from cluster.tools.simcluster import simulated_cluster, start_serve
+
+    plan = plan_for(quick)
+    traces = round_traces(plan, trace_path or str(default_trace()))
+    working_set = [distinct_blocks(t) for t in traces]
+    model_dir = save_model_dir(os.path.join(tempfile.mkdtemp(prefix="raykv-vs-"), MODEL))
+    setups = setups_for(quick)
+    rounds: dict[str, list[dict]] = {name: [] for name in setups}
+    config = {"model": MODEL, "nodes": NUM_NODES, "plan": asdict(plan), "quick": quick,
+              "setups": list(setups),
+              "working_set_blocks": working_set,
+              "prefix_reuse_bound": [prefix_reuse(t) for t in traces]}
+    report = Report("vllm-serve", "ms", config, GOALS, notes(plan, traces))
+
+    url: list[str] = []  # Serve's front, once the cluster runs
+
+    def setup_round(name: str):
+        def one_round(round_index: int) -> float:
+            rounds[name].append(run_setup(name, plan, model_dir, traces[round_index], url[0]))
+            return rounds[name][-1]["summary"]["ttft_p50_ms"]
+        return one_round
+
+    with simulated_cluster(NUM_NODES, cpus_per_node=2, resources={ENGINE_SLOT: 1}), \
+            Progress() as progress:
+        url.append(start_serve(free_port()))
+        steps = common.Steps(progress, "vllm-serve", plan.num_rounds)
+        order = interleave({name: setup_round(name) for name in setups}, plan.num_rounds,
+                           on_round=lambda i, names: steps(f"round {i}: {' '.join(names)}"))
+        serve.shutdown()
+    report["phase_s"] = steps.laps()
+    print_rounds(rounds)
+    report["ttft_p50_ms_per_round"] = order
+    report["per_round"] = {n: [{**r["summary"], "start_s": r["start_s"],
+                                "error_samples": r["error_samples"]} for r in per_round]
+                           for n, per_round in rounds.items()}
+    report["ttft_ms"] = {n: [r["ttft_ms"] for r in per_round] for n, per_round in rounds.items()}
+    fill_ratios(report, rounds, plan, working_set)
+    return report.finish(json_path)
+
+
+def free_port() -> int:
+    from cluster.tools.redis_server import free_port as pick
+
+    return pick()
+
+
+def run(json_path: str | None, quick: bool) -> dict:
+    """`raykv bench vllm-serve`: the benchmark in a child process in its own network namespace
+    (loopback only: HAProxy and Serve's direct ingress bind every interface), with HAProxy on."""
+    out = json_path or os.path.join(tempfile.mkdtemp(prefix="raykv-vs-"), "vllm-serve.json")
+    if shutil.which("unshare") is None:
+        raise RuntimeError("`unshare` (util-linux) is needed to run HAProxy on loopback only")
+    child = [sys.executable, "-m", "cluster.tools.bench.vllm_serve", "--json", out]
+    if quick:
+        child.append("--quick")
+    script = "ip link set lo up && exec " + " ".join(child)
+    # The repository (Ray's workers import raykv) and vllm_compat (Ray 2.60's LLMRouter imports
+    # a vLLM module that vLLM 0.32 moved: vllm_compat/sitecustomize.py) for every worker.
+    paths = [str(Path(__file__).parents[3]), str(Path(__file__).parent / "vllm_compat"),
+             os.environ.get("PYTHONPATH")]
+    env = {**os.environ, **CHILD_ENV, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    isolate = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
+    done = subprocess.run([*isolate, "sh", "-c", script], env=env, check=False)
+    if not os.path.exists(out):
+        raise RuntimeError(f"the benchmark's process exited {done.returncode} without a result")
+    with open(out) as file:
+        return json.load(file)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="raykv bench vllm-serve, in this process")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--trace")
+    arguments = parser.parse_args()
+    run_here(arguments.json, arguments.quick, arguments.trace)

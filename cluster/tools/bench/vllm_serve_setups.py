@@ -1,0 +1,129 @@
+"""The four set-ups of `raykv bench vllm-serve`: the same vLLM engines (CPU build) behind Ray
+Serve LLM, routed four ways.
+
+    raykv      RaykvConnector (raykv's tiers) and raykv's KV-aware router
+    kv-aware   vLLM's own prefix cache, Ray's KVAwareRouter (Dynamo's SelectionService fed by
+               vLLM's KV events), as Ray documents it: direct streaming behind HAProxy
+    prefix     vLLM's own prefix cache, Ray Serve LLM's PrefixCacheAffinityRouter
+    pow2       vLLM's own prefix cache, Serve's power-of-two choices router
+
+Every engine is the same: float32, eager, `BLOCK_TOKENS`-token blocks, `num_gpu_blocks_override`
+blocks of vLLM's own cache (below the trace's working set), prompt-token details on, one CPU
+bundle holding the node's one `engine_slot` (one replica per simulated node).
+
+Ray's KVAwareRouter binds its engines' ZMQ ports at a base plus the replica's *node-local*
+rank (ray.llm._internal.serve.routing_policies.kv_aware.vllm.kv_events). Simulated nodes
+share one host, so every replica would bind the same ports: `PortedLLMServer` gives each
+replica free ports before its engine starts (vllm_serve_server.py), the only change to Ray's
+router set-up. This module imports no vLLM (its unit tests run without it).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+SETUPS = ("raykv", "kv-aware", "prefix", "pow2")
+KV_AWARE_ROUTER = "ray.serve.llm.request_router:KVAwareRouter"
+PORTED_SERVER = "cluster.tools.bench.vllm_serve_server:PortedLLMServer"
+ENGINE_SLOT = "engine_slot"  # one per simulated node: one replica per node
+# Ray's direct streaming (LLMRouter as the ingress request router) needs both, read at import.
+DIRECT_STREAMING_ENV = {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1"}
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+# ray.llm._internal.serve.routing_policies.kv_aware.constants.KV_TOKEN_PORT_BASE_KEY (that
+# package needs vLLM to import): the experimental_configs key of the prompt-token port base.
+KV_TOKEN_PORT_BASE_KEY = "KV_TOKEN_PORT_BASE"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineShape:
+    """What every set-up's engines share."""
+
+    block_tokens: int = 32
+    max_model_len: int = 4096
+    num_blocks: int = 512  # vLLM's own cache per engine (num_gpu_blocks_override)
+    max_num_seqs: int = 8
+
+    def engine_kwargs(self) -> dict:
+        return {"enforce_eager": True, "dtype": "float32", "block_size": self.block_tokens,
+                "max_model_len": self.max_model_len,
+                "num_gpu_blocks_override": self.num_blocks, "max_num_seqs": self.max_num_seqs,
+                "enable_prompt_tokens_details": True, "enable_prefix_caching": True}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def ported_engine_kwargs(engine_kwargs: dict, experimental: dict, rank: int,
+                         ports: tuple[int, int, int]) -> tuple[dict, dict]:
+    """(engine_kwargs, experimental_configs) with Ray's KV-events endpoints and the prompt-token
+    port base moved to `ports` (events, replay, tokens). Ray adds the node-local `rank` to each
+    later, so it is taken off here."""
+    events = dict(engine_kwargs.get("kv_events_config") or {})
+    if not events:
+        return engine_kwargs, experimental
+    events["endpoint"] = f"tcp://*:{ports[0] - rank}"
+    events["replay_endpoint"] = f"tcp://*:{ports[1] - rank}"
+    return ({**engine_kwargs, "kv_events_config": events},
+            {**experimental, KV_TOKEN_PORT_BASE_KEY: ports[2] - rank})
+
+
+def placement(kv_cache_gib: int) -> dict:
+    """LLMConfig options that put one engine per simulated node on CPU."""
+    return {"accelerator_config": {"kind": "cpu"},
+            "placement_group_config": {"bundles": [{"CPU": 1, ENGINE_SLOT: 1}]},
+            "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}}}
+
+
+def baseline_config(setup: str, model_source: str, model_id: str, shape: EngineShape,
+                    num_replicas: int):
+    """The LLMConfig of a baseline set-up (kv-aware, prefix, pow2): vLLM's own cache only."""
+    from ray.serve.llm import LLMConfig
+
+    from cluster.serving.app import ROUTERS
+
+    routers = {"kv-aware": KV_AWARE_ROUTER, "prefix": ROUTERS["prefix"], "pow2": ROUTERS["pow2"]}
+    options = placement(1)
+    if setup == "kv-aware":
+        options["server_cls"] = PORTED_SERVER
+        options["runtime_env"]["env_vars"].update(DIRECT_STREAMING_ENV)
+    deployment = {"num_replicas": num_replicas, "ray_actor_options": {"num_cpus": 0},
+                  "request_router_config": {"request_router_class": routers[setup]}}
+    return LLMConfig(model_loading_config={"model_id": model_id, "model_source": model_source},
+                     engine_kwargs=shape.engine_kwargs(), deployment_config=deployment,
+                     **options)
+
+
+def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas: int):
+    """raykv's set-up: `build_vllm_app`'s app (RaykvConnector, raykv's router over the running
+    service, the keyed ingress), its engines placed one per node like the baselines'."""
+    import ray
+    from ray.serve.llm import build_openai_app
+
+    from cluster.api import running_config
+    from cluster.serving.vllm_app import VllmAppArgs, keyed_ingress, llm_config, router_settings
+
+    page_tokens = running_config().page_tokens
+    router, router_kwargs = router_settings("raykv", model_source, model_id, "default",
+                                            "float32", page_tokens)
+    args = VllmAppArgs(model_source, model_id, "default", num_replicas, router, router_kwargs,
+                       shape.engine_kwargs())
+    config = llm_config(args, ray.get_runtime_context().gcs_address)
+    config.placement_group_config = placement(1)["placement_group_config"]
+    return build_openai_app({"llm_configs": [config], "ingress_cls_config": keyed_ingress(args)})
+
+
+def direct_streaming_app(config):
+    """Ray Serve LLM's app for `config` with direct streaming on, as
+    RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1 at import would build it (the builder reads it once;
+    this process builds the other set-ups without it)."""
+    from unittest import mock
+
+    from ray.llm._internal.serve.core.ingress import builder
+    from ray.serve.llm import build_openai_app
+
+    with mock.patch.object(builder, "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", True):
+        return build_openai_app({"llm_configs": [config]})
