@@ -253,7 +253,7 @@ class RaykvConnector(KVConnectorBase_V1):
         if why:
             if not self._told_mismatch:
                 self._told_mismatch = True
-                log.error("raykv P/D: %s; the decode recomputes the prompt", why)
+                log.error("raykv P/D: %s; decodes do not wait for their prefill's pages", why)
             return False
         wanted = tokens_wanted(handoff, num_loadable, fetch_limit(params))
         if not self._waits.should_wait(request_id, answer.num_tokens, wanted,
