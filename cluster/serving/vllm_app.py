@@ -144,24 +144,70 @@ def build_vllm_app(args: VllmAppArgs, cache: CacheConfig | None = None):
     (ValueError otherwise). The engines reach the same cluster: its address goes into the
     connector's settings, so that an engine process never attaches to another Ray.
     """
-    import ray
     from ray.serve.llm import build_openai_app
+
+    address = _adopted_service([args], cache)
+    return build_openai_app({"llm_configs": [llm_config(args, address)],
+                             "ingress_cls_config": keyed_ingress(args)})
+
+
+def build_pd_vllm_app(prefill: VllmAppArgs, decode: VllmAppArgs,
+                      cache: CacheConfig | None = None):
+    """Ray Serve LLM's prefill/decode disaggregated OpenAI app (`build_pd_openai_app`) over
+    raykv: prefill replicas put each prompt's KV into raykv through RaykvConnector, and
+    decode replicas load it from there, with any other prefix raykv holds on any node
+    (cluster/serving/vllm_pd.py).
+
+        serve.run(build_pd_vllm_app(
+            VllmAppArgs(model_source="/models/small-llama", model_id="small-llama"),
+            VllmAppArgs(model_source="/models/small-llama", model_id="small-llama",
+                        request_router_class=router, request_router_kwargs=router_kwargs)))
+
+    Both sides must key pages alike: the same model_source, model_id (raykv.model_name) and
+    namespace, and the running service's page size (ValueError otherwise); their vLLM block
+    sizes must divide it. raykv is started and adopted as for `build_vllm_app`. Clients reach
+    the decode deployment through raykv's keyed ingress; a router on `decode` (raykv's, with
+    its fetch-or-recompute cut) routes decode replicas, one on `prefill` prefill replicas.
+    The decode replicas are Ray's PDDecodeServer, so raykv's router sees the directory and
+    the service's tiers there, not the engines' own KV events. Each replica takes one CPU on
+    CPU, the ingress one more.
+    """
+    from ray.serve.llm import build_pd_openai_app
+
+    from cluster.serving.vllm_pd import register_backend
+
+    for name in ("model_source", "model_id", "namespace"):
+        if getattr(prefill, name) != getattr(decode, name):
+            raise ValueError(f"prefill and decode must have the same {name}: "
+                             f"{getattr(prefill, name)!r} != {getattr(decode, name)!r}")
+    address = _adopted_service([prefill, decode], cache)
+    register_backend()  # Ray Serve LLM's P/D shaping for RaykvConnector (vllm_pd.py)
+    return build_pd_openai_app({"prefill_config": llm_config(prefill, address),
+                                "decode_config": llm_config(decode, address),
+                                "ingress_cls_config": keyed_ingress(decode)})
+
+
+def _adopted_service(apps: list[VllmAppArgs], cache: CacheConfig | None) -> str:
+    """Start raykv with `cache` unless one runs; check that it knows each app's namespace and
+    pages as each router keys them (ValueError otherwise). The Ray cluster's address."""
+    import ray
 
     from cluster.api import ensure_running, quotas
 
     running = ensure_running(cache or CacheConfig())
     known = quotas()["namespaces"]
-    if args.namespace not in known:
-        raise ValueError(f"raykv namespace {args.namespace!r} is not one the running service "
-                         f"knows: {sorted(known)}; add it with `raykv quota namespace`")
-    keyed = args.request_router_kwargs.get("prompt_keys") or {}
-    if keyed and keyed["page_tokens"] != running.page_tokens:
-        raise ValueError(f"the router keys pages of {keyed['page_tokens']} tokens, the running "
-                         f"raykv service's pages are {running.page_tokens}: build its settings "
-                         "with router_settings(..., page_tokens=<the service's>)")
-    address = ray.get_runtime_context().gcs_address
-    return build_openai_app({"llm_configs": [llm_config(args, address)],
-                             "ingress_cls_config": keyed_ingress(args)})
+    for args in apps:
+        if args.namespace not in known:
+            raise ValueError(f"raykv namespace {args.namespace!r} is not one the running "
+                             f"service knows: {sorted(known)}; add it with `raykv quota "
+                             f"namespace`")
+        keyed = args.request_router_kwargs.get("prompt_keys") or {}
+        if keyed and keyed["page_tokens"] != running.page_tokens:
+            raise ValueError(f"the router keys pages of {keyed['page_tokens']} tokens, the "
+                             f"running raykv service's pages are {running.page_tokens}: build "
+                             "its settings with router_settings(..., page_tokens=<the "
+                             "service's>)")
+    return ray.get_runtime_context().gcs_address
 
 
 def keyed_ingress(args: VllmAppArgs) -> dict:

@@ -18,6 +18,12 @@ Worker side: the hit goes into the request's paged blocks from a loader thread
 (cluster/serving/vllm_io.py), and each step's new full prompt pages, and only those, are saved
 in the background.
 
+Prefill/decode disaggregation (Ray Serve LLM's P/D; cluster/serving/vllm_pd.py): a prefill
+(`do_remote_decode` in its kv_transfer_params) is looked up and saved whole, even what vLLM's
+own cache held, and its request_finished returns {"raykv_pd": {"tokens": ...}}; a decode given
+those params asks raykv again (None to vLLM, never blocking its scheduler) until the pages are
+in the directory, for at most `raykv.pd_wait_s`, then loads them (vllm_plan.py, "P/D").
+
 Pages are keyed by the model's geometry as vLLM runs it (layers of the PP stage, KV heads per
 TP rank, head size, cache dtype), by `raykv.model_name` (default: vLLM's served model name),
 by the namespace, and per request by what else its KV depends on (its LoRA adapter,
@@ -34,6 +40,7 @@ connector sets kv_load_failure_policy to "recompute": a cache miss must never fa
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -58,14 +65,21 @@ from cluster.serving.vllm_layout import (
     spec_mismatch,
 )
 from cluster.serving.vllm_plan import (
+    Handoff,
+    HandoffWaits,
     LoadSpec,
     NewRequest,
     RunningRequest,
     SaveSpec,
     StepPlanner,
     fetch_limit,
+    handoff_mismatch,
+    handoff_of,
+    handoff_params,
+    is_producer,
     loadable_tokens,
     page_misfit,
+    tokens_wanted,
 )
 from cluster.serving.vllm_service import (
     Answer,
@@ -84,6 +98,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = init_logger(__name__)  # vLLM's handlers: these lines land in the engine's log
+# P/D: how soon a decode asks raykv again for its prefill's pages (the directory hears of a
+# put at the node's next event flush, 0.05 s by default).
+HANDOFF_RETRY_S = 0.02
 
 
 @dataclass
@@ -131,6 +148,8 @@ class RaykvConnector(KVConnectorBase_V1):
         self._unloaded: list[tuple[str, set[int]]] = []  # loads with no mover to run them
         self._link: ServiceLink | None = None
         self._lookups: Lookups | None = None
+        self._waits = HandoffWaits(settings.pd_wait_s)
+        self._told_mismatch = False
         self.why_off = unsupported_groups(kv_cache_config)
         try:
             spec = None if self.why_off else spec_of(vllm_config, settings.model_name)
@@ -157,17 +176,26 @@ class RaykvConnector(KVConnectorBase_V1):
             return _loaded_async(planner.rematched(request_id, num_computed_tokens))
         prompt = list(request.prompt_token_ids or [])
         num_loadable = loadable_tokens(self._block_size, len(prompt))
-        if planner is not None and num_computed_tokens >= num_loadable:
+        params = getattr(request, "kv_transfer_params", None)
+        # A prefill for a remote decode (P/D) is looked up, keyed and saved even when vLLM's
+        # own cache holds it: its decode loads it from raykv.
+        producing = is_producer(params)
+        if planner is not None and num_computed_tokens >= num_loadable and not producing:
             planner.matched(request_id, num_computed_tokens, num_computed_tokens)
             return 0, False  # vLLM holds all raykv could give: no lookup
         answer = self._lookups.poll(request_id, prompt[:num_loadable],
                                     lambda: request_salt(request))
         if answer is None:
             return None, False  # in flight: vLLM asks again next step
-        limit = fetch_limit(getattr(request, "kv_transfer_params", None))
+        limit = fetch_limit(params)
+        if self._awaits_handoff(request_id, answer, params, num_loadable):
+            return None, False  # its prefill's pages are not all in raykv yet: ask again
         if limit is not None and limit < answer.num_tokens:  # raykv's router chose to recompute
             answer = Answer(answer.salt, limit, answer.page_tokens)
-        return self._answered(request_id, num_computed_tokens, answer)
+        matched = self._answered(request_id, num_computed_tokens, answer)
+        if producing and self._planner is not None:
+            self._planner.producers.add(request_id)
+        return matched
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -198,13 +226,45 @@ class RaykvConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        handoff = None
         if self._planner is not None:
+            if is_producer(getattr(request, "kv_transfer_params", None)):
+                # P/D: tell the decode what raykv holds, or is being handed, of the prompt.
+                handoff = handoff_params(Handoff(
+                    self._planner.saved_tokens(request.request_id), self._link.spec.name,
+                    self._link.settings.namespace))
             self._planner.finished(request.request_id)
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
+        self._waits.forget(request.request_id)
         # Saves copy the blocks out in their step, and vLLM keeps a loading request's blocks
-        # until the worker reports the load: free them now.
-        return False, None
+        # until the worker reports the load: free them now. A decode needs no blocks held
+        # either: it loads the pages from raykv.
+        return False, handoff
+
+    def _awaits_handoff(self, request_id: str, answer: Answer, params: Any,
+                        num_loadable: int) -> bool:
+        """P/D decode: whether raykv does not hold its prefill's pages yet, and the request
+        is still within `pd_wait_s`; then its lookup is issued again shortly."""
+        handoff = handoff_of(params)
+        if handoff is None or answer.salt is None or answer.page_tokens is None:
+            return False
+        why = handoff_mismatch(handoff, self._link.spec.name, self._link.settings.namespace)
+        if why:
+            if not self._told_mismatch:
+                self._told_mismatch = True
+                log.error("raykv P/D: %s; decodes do not wait for their prefill's pages", why)
+            return False
+        wanted = tokens_wanted(handoff, num_loadable, fetch_limit(params))
+        if not self._waits.should_wait(request_id, answer.num_tokens, wanted,
+                                       time.monotonic()):
+            if answer.num_tokens < wanted:
+                log.warning("raykv P/D: %s found %d of the prefill's %d tokens within "
+                            "%.1f s; recomputing the rest", request_id, answer.num_tokens,
+                            wanted, self._waits.wait_s)
+            return False
+        self._lookups.retry(request_id, HANDOFF_RETRY_S)
+        return True
 
     def _answered(self, request_id: str, num_computed_tokens: int,
                   answer: Answer) -> tuple[int, bool]:

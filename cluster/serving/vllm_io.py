@@ -10,7 +10,8 @@ Saves copy the new pages out of the blocks while the step's blocks are still the
 (the copy is a few memcpys), then put them from one background thread, off the engine's
 critical path. A save puts only its new pages (continuing the key chain after the pages saved
 before), so chunked prefill copies each page once. A save that finds MAX_PENDING_SAVES already
-queued is dropped: a dropped save is only a future miss.
+queued is dropped: a dropped save is only a future miss. A prefill's save for a remote decode
+(SaveSpec.keep, P/D) is never dropped: its decode waits for those pages.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class KVMover:
     def save(self, spec: SaveSpec) -> None:
         """Copy the new pages out of the blocks now; put them in the background."""
         with self._lock:
-            if self._pending >= MAX_PENDING_SAVES:
+            if self._pending >= MAX_PENDING_SAVES and not spec.keep:
                 self.stats.dropped_saves += 1
                 return
             self._pending += 1

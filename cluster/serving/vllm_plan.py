@@ -76,6 +76,7 @@ class SaveSpec:
     block_ids: list[int]
     start: int = 0
     salt: bytes = b""
+    keep: bool = False  # a prefill's pages for a remote decode: never dropped when busy
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +137,7 @@ class StepPlanner:
     loads: list[LoadSpec] = field(default_factory=list)  # allocated, not in a step yet
     loading: dict[str, LoadSpec] = field(default_factory=dict)  # id -> its load, until done
     tracked: dict[str, _Tracked] = field(default_factory=dict)
+    producers: set[str] = field(default_factory=set)  # prefills for a remote decode (P/D)
 
     def loadable_tokens(self, prompt_len: int) -> int:
         return loadable_tokens(self.block_size, prompt_len)
@@ -194,6 +196,7 @@ class StepPlanner:
     def finished(self, request_id: str) -> None:
         for table in (self.hits, self.salts, self.tracked, self.loading):
             table.pop(request_id, None)
+        self.producers.discard(request_id)
         self.loads = [load for load in self.loads if load.request_id != request_id]
 
     def _held_up_to(self, request_id: str, num_tokens: int) -> None:
@@ -234,4 +237,110 @@ class StepPlanner:
         start = tracked.saved_tokens // self.page_tokens * self.page_tokens
         tracked.saved_tokens = end
         blocks = tracked.block_ids[start // self.block_size: -(-end // self.block_size)]
-        return SaveSpec(request_id, tracked.prompt[:end], blocks, start, tracked.salt)
+        return SaveSpec(request_id, tracked.prompt[:end], blocks, start, tracked.salt,
+                        request_id in self.producers)
+
+    def saved_tokens(self, request_id: str) -> int:
+        """The request's prompt tokens raykv holds or is being handed (its hit and its saves
+        so far); 0 for a request never keyed."""
+        tracked = self.tracked.get(request_id)
+        return 0 if tracked is None else tracked.saved_tokens
+
+
+# ---- prefill/decode disaggregation (P/D) over raykv --------------------------------------
+#
+#   prefill (P): kv_transfer_params {"do_remote_decode": True, ...} (Ray Serve LLM's shaping):
+#                its whole prompt is looked up, keyed and saved, even what vLLM's own cache
+#                held; request_finished hands back {"raykv_pd": {"tokens": E, ...}}
+#   decode  (D): those params (plus the router's cut): raykv is asked again, without blocking
+#                vLLM's scheduler, until it holds min(E, loadable, cut) tokens or `pd_wait_s`
+#                passes (a put is committed before the directory hears of it, at the node's
+#                next event flush); then D loads what is there and recomputes the rest.
+#
+# No blocks are held for D and no side channel is needed: raykv is the transfer.
+
+PD_KEY = "raykv_pd"
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """What a prefill tells its decode: raykv holds `num_tokens` of the prompt, keyed under
+    `model` (the engine's page-key name: model, TP rank, PP stage) in `namespace`."""
+
+    num_tokens: int
+    model: str
+    namespace: str
+
+
+def is_producer(kv_transfer_params: Any) -> bool:
+    """Whether the request is a prefill for a remote decode (Ray Serve LLM's P/D shaping)."""
+    return isinstance(kv_transfer_params, dict) and \
+        kv_transfer_params.get("do_remote_decode") is True
+
+
+def handoff_params(handoff: Handoff) -> dict:
+    """The kv_transfer_params a prefill returns (vLLM puts them in its response)."""
+    return {PD_KEY: {"tokens": handoff.num_tokens, "model": handoff.model,
+                     "namespace": handoff.namespace}}
+
+
+def handoff_of(kv_transfer_params: Any) -> Handoff | None:
+    """A decode request's handoff, or None (none, or malformed: a client's odd params are
+    ignored, never failing the request)."""
+    if not isinstance(kv_transfer_params, dict):
+        return None
+    value = kv_transfer_params.get(PD_KEY)
+    if not isinstance(value, dict):
+        return None
+    tokens, model, namespace = value.get("tokens"), value.get("model"), value.get("namespace")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0 \
+            or not isinstance(model, str) or not isinstance(namespace, str):
+        return None
+    return Handoff(tokens, model, namespace)
+
+
+def handoff_mismatch(handoff: Handoff, model: str, namespace: str) -> str | None:
+    """Why this decode engine can never find the prefill's pages, or None: both must key pages
+    alike (the same model name, TP/PP shape and dtype, the same namespace)."""
+    if handoff.model != model or handoff.namespace != namespace:
+        return (f"the prefill keyed its pages as {handoff.model!r} in namespace "
+                f"{handoff.namespace!r}, this decode engine as {model!r} in {namespace!r}: "
+                f"give both the same raykv.model_name, namespace, TP/PP sizes and dtype")
+    return None
+
+
+def decode_params(prefill_params: Any, request_params: Any) -> dict | None:
+    """The decode request's kv_transfer_params: the prefill's handoff, plus the router's cut
+    from the client's request (raykv's router on the decode deployment puts it there)."""
+    return with_fetch_limit(prefill_params, fetch_limit(request_params))
+
+
+def tokens_wanted(handoff: Handoff, num_loadable: int, limit: int | None) -> int:
+    """The prompt tokens a decode waits to see in raykv: the prefill's, at most what it may
+    load (whole blocks, one token left to compute) and the router's cut."""
+    wanted = min(handoff.num_tokens, num_loadable)
+    return wanted if limit is None else min(wanted, limit)
+
+
+@dataclass(slots=True)
+class HandoffWaits:
+    """The decode side's bounded wait for a prefill's pages, per request (pure: times are
+    given). A request is asked about again until raykv holds what it wants, or `wait_s`
+    after its first short answer; then it takes what is there."""
+
+    wait_s: float
+    since_s: dict[str, float] = field(default_factory=dict)
+
+    def should_wait(self, request_id: str, num_held: int, num_wanted: int,
+                    now_s: float) -> bool:
+        if num_held >= num_wanted:
+            self.since_s.pop(request_id, None)
+            return False
+        started_s = self.since_s.setdefault(request_id, now_s)
+        if now_s - started_s < self.wait_s:
+            return True
+        del self.since_s[request_id]
+        return False
+
+    def forget(self, request_id: str) -> None:
+        self.since_s.pop(request_id, None)

@@ -37,24 +37,31 @@ class RaykvSettings:
                        already connected to Ray (a Ray actor) keeps its connection.
     raykv.model_name   names the model in page keys; vLLM's served model name by default.
                        Give raykv's own name (e.g. "small-llama") to share pages with it.
+    raykv.pd_wait_s    P/D: how long a decode waits for its prefill's pages to reach raykv's
+                       directory (asked again, never blocking vLLM's scheduler), then loads
+                       what is there and recomputes the rest; 2 s
     """
 
     namespace: str = "default"
     ray_address: str = "auto"
     model_name: str | None = None
+    pd_wait_s: float = 2.0
 
     @staticmethod
     def from_extra(extra: dict | None) -> RaykvSettings:
         extra = extra or {}
-        known = {"raykv.namespace", "raykv.ray_address", "raykv.model_name"}
+        known = {"raykv.namespace", "raykv.ray_address", "raykv.model_name", "raykv.pd_wait_s"}
         unknown = sorted(k for k in extra if k.startswith("raykv.") and k not in known)
         if unknown:
             raise ValueError(f"unknown raykv settings {unknown}; known: {sorted(known)}")
+        pd_wait_s = float(extra.get("raykv.pd_wait_s", 2.0))
+        if not pd_wait_s >= 0:
+            raise ValueError(f"raykv.pd_wait_s must be >= 0, got {pd_wait_s}")
         return RaykvSettings(
             namespace=str(extra.get("raykv.namespace", "default")),
             ray_address=str(extra.get("raykv.ray_address")
                             or os.environ.get("RAY_ADDRESS") or "auto"),
-            model_name=extra.get("raykv.model_name"))
+            model_name=extra.get("raykv.model_name"), pd_wait_s=pd_wait_s)
 
 
 def spec_of(vllm_config, model_name: str | None) -> ModelSpec:
@@ -181,12 +188,19 @@ class Lookups:
         self._link = link
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="raykv-lookup")
         self._pending: dict[str, tuple[Future, float]] = {}
+        self._due_s: dict[str, float] = {}  # id -> when its retried lookup may start
         self.num_in_flight_answers = 0  # polls answered None: how often a request waited
 
     def poll(self, request_id: str, tokens: list[int],
              salt_of: Callable[[], bytes | None]) -> Answer | None:
         """The request's answer once its lookup is back; None while it is in flight.
         `salt_of()` (run in the lookup thread) names what sets the request's KV apart."""
+        due_s = self._due_s.get(request_id)
+        if due_s is not None:
+            if time.monotonic() < due_s:
+                self.num_in_flight_answers += 1
+                return None
+            del self._due_s[request_id]
         pending = self._pending.get(request_id)
         if pending is None:
             future = self._pool.submit(self._lookup, tokens, salt_of)
@@ -208,9 +222,16 @@ class Lookups:
             log.exception("raykv lookup of %s failed", request_id)
             return MISS
 
+    def retry(self, request_id: str, after_s: float) -> None:
+        """Look the request up afresh once `after_s` has passed (its answer was taken); polls
+        answer None until then."""
+        self._pending.pop(request_id, None)
+        self._due_s[request_id] = time.monotonic() + after_s
+
     def forget(self, request_id: str) -> None:
         """The request is gone: its lookup's answer, when it comes, is dropped."""
         self._pending.pop(request_id, None)
+        self._due_s.pop(request_id, None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -46,6 +46,18 @@ class Engine:
         return [(list(output.outputs[0].token_ids), output.num_cached_tokens or 0)
                 for output in outputs]
 
+    def generate_handing(self, prompt: list[int], max_tokens: int,
+                         kv_transfer_params: dict | None) -> tuple[list[int], int, dict | None]:
+        """generate() with the request's kv_transfer_params (as vLLM's OpenAI server passes
+        them, in SamplingParams.extra_args); also the params the engine returned (P/D)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                extra_args={"kv_transfer_params": kv_transfer_params})
+        (output,) = self.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return (list(output.outputs[0].token_ids), output.num_cached_tokens or 0,
+                output.kv_transfer_params)
+
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 

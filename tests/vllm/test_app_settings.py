@@ -81,3 +81,38 @@ def test_gpu_runs_bf16_on_gpu_bundles_and_cpu_fits_one_cpu_a_replica(service, mo
     assert cpu.placement_group_config == {"bundles": [{"CPU": 1}]}
     args = vllm_app.VllmAppArgs("/m", MODEL_ID, num_replicas=2)
     assert vllm_app.resources_needed(args) == {"CPU": 3}  # 2 engines and the ingress
+
+
+def test_the_pd_app_runs_both_sides_on_raykv_and_registers_its_shaping(service, model_dir,
+                                                                       monkeypatch):
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import (
+        KVConnectorBackendFactory,
+    )
+
+    from cluster.serving.vllm_pd import RaykvPDBackend
+
+    built = []
+    monkeypatch.setattr("ray.serve.llm.build_pd_openai_app",
+                        lambda builder: built.append(builder) or "app")
+    prefill = vllm_app.VllmAppArgs(model_dir, MODEL_ID)
+    with pytest.raises(ValueError, match="same model_id"):
+        vllm_app.build_pd_vllm_app(prefill, vllm_app.VllmAppArgs(model_dir, "another"))
+    with pytest.raises(ValueError, match="tenant-x"):
+        tenant = vllm_app.VllmAppArgs(model_dir, MODEL_ID, namespace="tenant-x")
+        vllm_app.build_pd_vllm_app(tenant, tenant)
+    assert built == []
+    router, kwargs = vllm_app.router_settings("raykv", model_dir, MODEL_ID, "default",
+                                              "float32", SERVICE_PAGE_TOKENS)
+    decode = vllm_app.VllmAppArgs(model_dir, MODEL_ID, request_router_class=router,
+                                  request_router_kwargs=kwargs)
+    assert vllm_app.build_pd_vllm_app(prefill, decode) == "app"
+    (args,) = built
+    sides = args["prefill_config"], args["decode_config"]
+    transfers = [side.engine_kwargs["kv_transfer_config"] for side in sides]
+    assert transfers[0] == transfers[1] and transfers[0]["kv_role"] == "kv_both"
+    assert transfers[0]["kv_connector"] == "RaykvConnector"
+    assert "request_router_config" not in sides[0].deployment_config
+    assert sides[1].deployment_config["request_router_config"]["request_router_class"] == router
+    assert args["ingress_cls_config"]["ingress_extra_kwargs"]["namespace"] == "default"
+    # Ray Serve LLM finds raykv's P/D shaping by the connector's name, in every process.
+    assert KVConnectorBackendFactory.get_backend_class("RaykvConnector") is RaykvPDBackend
