@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.core.config import CacheConfig
+from cluster.core.geometry import DEVICE, HOST
 from cluster.core.pool_limits import PoolLimits
 from cluster.core.sim_cache import GlobalCache
+from cluster.core.sim_cluster import SimNode
 from policies import eviction
 from policies.eviction import PutDepthPolicy, RecencyFrequencyPolicy
 from tests.unit._pages import key
@@ -124,6 +126,17 @@ def test_the_simulator_passes_the_puts_previous_new_page_as_parent():
     cache.serve([a, b])
     cache.serve([a, b, c, d])  # a, b hit; c, d new
     assert policy.inserts == [(a, None), (b, a), (c, None), (d, c)]
+
+
+def test_the_cluster_simulator_passes_parents_on_puts_only():
+    node = SimNode([2, 8, 0], "putdepth")
+    device, host = Recording(2), Recording(8)
+    node.policies[DEVICE], node.policies[HOST] = device, host
+    a, b, c = (key(i) for i in range(3))
+    node.put([a, b, c])  # a, b fill the device tier, c spills into host
+    assert device.inserts == [(a, None), (b, a)] and host.inserts == [(c, None)]
+    node.put([key(9)])  # room for it on the device: b, the deepest, goes down to host
+    assert host.inserts[-1] == (b, None)  # a move, not a put: no parent
 
 
 def test_pool_commit_passes_the_puts_previous_new_page_as_parent(harness):
