@@ -357,11 +357,11 @@ class PutDepthPolicy(RecencyFrequencyPolicy):
     On Mooncake's conversation trace the chance that the k-th new page of a put is read
     again falls with k: 0.40 at k = 1, 0.31 at 2-3, 0.26 at 8-15, 0.21 at 64 and beyond. All
     of a put's pages rank from one clock and the discount grows with depth, so within a put
-    the deeper page always leaves first (a leaf before its ancestors: no page is stranded
-    behind a missing parent), where recfreq lets a put's pages leave root first. A page read
-    again loses its discount: its rank is recfreq's. Without parents (parent=None) no page is
-    discounted. O(1) more per insert than recfreq; the put's depths are dropped when the next
-    put starts.
+    the deeper page always leaves first (a leaf before its ancestors: evicting part of a put
+    never strands the rest behind a missing parent), where recfreq lets a put's pages leave
+    root first. A page read again loses its discount: its rank is recfreq's. Without parents
+    (parent=None) no page is discounted. O(1) more per insert than recfreq; the put's depths
+    are dropped when the next put starts.
     """
 
     horizon_factor = PUT_DEPTH_HORIZON_FACTOR
