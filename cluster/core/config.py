@@ -39,7 +39,7 @@ class CacheConfig(BaseModel):
     host_bytes: int = Field(1 * GiB, ge=0, description="host DRAM (shared memory) per node")
     disk_bytes: int = Field(4 * GiB, ge=0, description="NVMe slab bytes per node")
     disk_dir: str = Field(default_factory=default_disk_dir)
-    eviction: Literal["lru", "s3fifo", "recfreq"] = "recfreq"
+    eviction: Literal["lru", "s3fifo", "recfreq", "putdepth"] = "putdepth"
     disk_codec: Literal["none", "fp8", "int8"] = "none"
     namespaces: tuple[str, ...] = ("default",)
     num_directory_shards: int = Field(1, ge=1, le=64)

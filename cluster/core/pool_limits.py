@@ -16,7 +16,7 @@ class PoolLimits:
     device_bytes: int
     host_bytes: int
     disk_bytes: int
-    eviction: str = "recfreq"
+    eviction: str = "putdepth"
     disk_codec: str = "none"
     use_cuda: bool = False
     shm_prefix: str = "raykv"

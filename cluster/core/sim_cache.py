@@ -7,8 +7,9 @@ Per request (a chain of page keys, root first):
     get       policy.on_access(key) for each hit page, in chain order (Pool.acquire does so)
     put       the pages not stored (Pool.reserve skips stored ones, without an access):
               policy.victims(shortfall, is_pinned=never) makes room first, each victim goes
-              (policy.on_remove), then each new page is inserted (policy.on_insert); at most
-              C new pages per request
+              (policy.on_remove), then each new page is inserted (policy.on_insert, with
+              the put's previous new page as its parent, None for the first, as
+              Pool.commit passes it); at most C new pages per request
     events    every change goes through the node's EventStream into the DirectoryIndex, as
               the node actor sends it to its directory shard
 
@@ -64,9 +65,11 @@ class GlobalCache:
         shortfall = len(self.stored) + len(fresh) - self.capacity_blocks
         if shortfall > 0:
             self._evict(shortfall)
+        parent = None
         for key in fresh[: self.capacity_blocks - len(self.stored)]:
             self.stored.add(key)
-            self.policy.on_insert(key)
+            self.policy.on_insert(key, parent)
+            parent = key
             self.stream.record(key, HOST)
             self.counters["inserts"] += 1
         self._sync()

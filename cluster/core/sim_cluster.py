@@ -79,7 +79,7 @@ class SimNode:
             # Fresh pages are in no tier, so no policy can name one: nothing to pin.
             self._make_room(tier, min(len(fresh), capacity), _never)
             room = capacity - self.counts[tier]
-            self._place(fresh[:room], tier)
+            self._place(fresh[:room], tier, chained=True)
             stored += min(room, len(fresh))
             fresh = fresh[room:]
         return stored
@@ -108,15 +108,19 @@ class SimNode:
             self.on_events(held, None)
         return len(held)
 
-    def _place(self, keys: list[PageKey], tier: int) -> None:
-        """Into `tier` (with room for them), in order."""
+    def _place(self, keys: list[PageKey], tier: int, chained: bool = False) -> None:
+        """Into `tier` (with room for them), in order. `chained`: the new pages of one put,
+        each inserted with the one before as its parent, as Pool.commit does (moves: None)."""
         if not keys:
             return
         tier_of = self.tier_of
         insert = self.policies[tier].on_insert
+        parent = None
         for key in keys:
             tier_of[key] = tier
-            insert(key)
+            insert(key, parent)
+            if chained:
+                parent = key
         self.counts[tier] += len(keys)
         if self.on_events:
             self.on_events(keys, tier)

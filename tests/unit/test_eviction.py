@@ -210,7 +210,7 @@ def test_registry_and_make_policy():
     assert isinstance(make_policy("S3FIFO", 4), S3FIFOPolicy)
     for name in EVICTION_POLICIES:
         assert isinstance(make_policy(name, 4), EvictionPolicy)
-    with pytest.raises(ValueError, match="lru, recfreq, s3fifo"):
+    with pytest.raises(ValueError, match="lru, putdepth, recfreq, s3fifo"):
         make_policy("arc", 4)
     with pytest.raises(ValueError, match="capacity_pages"):
         make_policy("s3fifo", 0)
