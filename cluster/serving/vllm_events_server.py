@@ -78,9 +78,9 @@ def pin_bind_address(environ: dict, node_ip: str) -> str:
     return node_ip
 
 
-def _node_address_known() -> bool:
-    """Whether vLLM can bind `tcp://*:0` here: it binds Ray's address for this node (see
-    pin_bind_address), which must be a concrete one."""
+def _bind_on_node_address() -> bool:
+    """Point vLLM's `tcp://*:0` at Ray's address for this node (pin_bind_address, into this
+    process's environment); whether that address is a concrete one vLLM can bind."""
     import ray
 
     address = pin_bind_address(os.environ, ray.util.get_node_ip_address())
@@ -103,7 +103,7 @@ class RaykvLLMServer(LLMServer):
     async def start(self):
         self._raykv_events: dict = {}
         configured = kv_events_config(self._llm_config.engine_kwargs)
-        if configured.get("endpoint") == ANY_PORT and not _node_address_known():
+        if configured.get("endpoint") == ANY_PORT and not _bind_on_node_address():
             # vLLM would refuse to start its engine: route this replica without its events.
             log.warning("vLLM finds no address of this node to publish KV events on (set "
                         "VLLM_HOST_IP): raykv's router will not see this engine's cache")

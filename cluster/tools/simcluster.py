@@ -5,6 +5,7 @@ run on."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from cluster.core.config import MiB
@@ -74,13 +75,13 @@ def deploy(app_args: dict) -> None:
     serve.run(build_app(app_args), name="raykv", route_prefix="/")
 
 
-def scrape_metric(series_name: str, label: str) -> dict[str, float]:
-    """Sum of a metric series over every node's Prometheus endpoint, by one label."""
+def metric_lines() -> Iterator[str]:
+    """Every line of every live node's Prometheus endpoint (a node that does not answer is
+    skipped)."""
     import urllib.request
 
     import ray
 
-    totals: dict[str, float] = {}
     for node in ray.nodes():
         if not node["Alive"] or not node.get("MetricsExportPort"):
             continue
@@ -90,8 +91,14 @@ def scrape_metric(series_name: str, label: str) -> dict[str, float]:
                 text = reply.read().decode()
         except OSError:
             continue
-        for line in text.splitlines():
-            if line.startswith(series_name + "{") and f'{label}="' in line:
-                key = line.split(f'{label}="', 1)[1].split('"', 1)[0]
-                totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        yield from text.splitlines()
+
+
+def scrape_metric(series_name: str, label: str) -> dict[str, float]:
+    """Sum of a metric series over every node's Prometheus endpoint, by one label."""
+    totals: dict[str, float] = {}
+    for line in metric_lines():
+        if line.startswith(series_name + "{") and f'{label}="' in line:
+            key = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals

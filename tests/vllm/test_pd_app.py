@@ -5,8 +5,6 @@ and the greedy text is the plain app's."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this "
@@ -23,6 +21,7 @@ from cluster.serving.vllm_app import (  # noqa: E402
     build_vllm_app,
     router_settings,
 )
+from cluster.tools.redis_server import free_port  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 
 MODEL_ID = "small-llama"
@@ -30,12 +29,6 @@ PREFIX_BYTES = 700  # byte tokens: 5 full blocks of 128, and a partial one
 START_TIMEOUT_S = 420
 # A plain app beside it, its pages in another raykv namespace: it computes every prompt itself.
 PLAIN_NAMESPACE = "plain"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

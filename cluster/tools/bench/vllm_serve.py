@@ -51,6 +51,7 @@ from cluster.tools.bench.vllm_serve_trace import (
     prefix_reuse,
     round_trace,
 )
+from cluster.tools.redis_server import free_port
 
 MODEL = "small-llama"  # trace.replay sends this name
 NUM_NODES = 3
@@ -128,18 +129,19 @@ def build(setup: str, plan: Plan, model_dir: str):
     return setups.direct_streaming_app(config)
 
 
-def wait_ready(url: str) -> None:
+def wait_ready(url: str, timeout_s: float = START_TIMEOUT_S, poll_s: float = 2.0) -> None:
+    """Until the app at `url` answers /v1/models; TimeoutError past `timeout_s`."""
     import requests
 
-    deadline_s = time.monotonic() + START_TIMEOUT_S
+    deadline_s = time.monotonic() + timeout_s
     while time.monotonic() < deadline_s:
         try:
             if requests.get(url + "/v1/models", timeout=5).ok:
                 return
         except requests.RequestException:
             pass
-        time.sleep(2)
-    raise TimeoutError(f"the app served no /v1/models within {START_TIMEOUT_S} s")
+        time.sleep(poll_s)
+    raise TimeoutError(f"the app served no /v1/models within {timeout_s} s")
 
 
 def warm_up(url: str, plan: Plan) -> None:
@@ -153,24 +155,13 @@ def warm_up(url: str, plan: Plan) -> None:
 
 def replica_requests() -> dict[str, float]:
     """Requests each LLMServer replica has taken (Serve's counter, every node's metrics)."""
-    import urllib.request
-
-    import ray
+    from cluster.tools.simcluster import metric_lines
 
     totals: dict[str, float] = {}
-    for node in ray.nodes():
-        if not node["Alive"] or not node.get("MetricsExportPort"):
-            continue
-        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                text = reply.read().decode()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith(REQUEST_COUNTER) and "LLMServer" in line and 'replica="' in line:
-                replica = line.split('replica="', 1)[1].split('"', 1)[0]
-                totals[replica] = totals.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    for line in metric_lines():
+        if line.startswith(REQUEST_COUNTER) and "LLMServer" in line and 'replica="' in line:
+            replica = line.split('replica="', 1)[1].split('"', 1)[0]
+            totals[replica] = totals.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
 
 
@@ -349,12 +340,6 @@ def run_here(json_path: str | None, quick: bool, trace_path: str | None = None) 
     report["ttft_ms"] = {n: [r["ttft_ms"] for r in per_round] for n, per_round in rounds.items()}
     fill_ratios(report, rounds, plan, working_set)
     return report.finish(json_path)
-
-
-def free_port() -> int:
-    from cluster.tools.redis_server import free_port as pick
-
-    return pick()
 
 
 def run(json_path: str | None, quick: bool) -> dict:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
-from cluster.tools.bench.vllm_serve_setups import free_port, ported_engine_kwargs
+from cluster.tools.bench.vllm_serve_setups import ported_engine_kwargs
+from cluster.tools.redis_server import free_port
 
 
 class PortedLLMServer(LLMServer):

@@ -20,7 +20,6 @@ router set-up. This module imports no vLLM (its unit tests run without it).
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 SETUPS = ("raykv", "kv-aware", "prefix", "pow2")
@@ -49,12 +48,6 @@ class EngineShape:
                 "max_model_len": self.max_model_len,
                 "num_gpu_blocks_override": self.num_blocks, "max_num_seqs": self.max_num_seqs,
                 "enable_prompt_tokens_details": True, "enable_prefix_caching": True}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def ported_engine_kwargs(engine_kwargs: dict, experimental: dict, rank: int,

@@ -50,20 +50,6 @@ def post(url: str, body: dict) -> tuple[int, dict, dict]:
     return reply.status_code, payload, dict(reply.headers)
 
 
-def wait_ready(url: str) -> None:
-    import requests
-
-    deadline_s = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline_s:
-        try:
-            if requests.get(url + "/v1/models", timeout=5).ok:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(3)
-    raise TimeoutError(f"no /v1/models within {START_TIMEOUT_S} s")
-
-
 def router_log_lines(session_dir: str) -> list[str]:
     words = ("KVTokenTracker", "dynamo", "SelectionService", "select_worker", "Traceback",
              "Error", "degrades")
@@ -83,6 +69,7 @@ def main() -> int:
     from ray.serve.llm import build_openai_app
 
     from cluster.serving.model_dir import save_model_dir
+    from cluster.tools.bench.vllm_serve import wait_ready
     from cluster.tools.bench.vllm_serve_setups import ENGINE_SLOT, EngineShape, baseline_config
     from cluster.tools.simcluster import simulated_cluster, start_serve
 
@@ -93,7 +80,7 @@ def main() -> int:
         config = baseline_config("kv-aware", model_dir, MODEL_ID, EngineShape(), 2)
         serve.run(build_openai_app({"llm_configs": [config]}), blocking=False, name="kv-aware",
                   route_prefix="/")
-        wait_ready(url)
+        wait_ready(url, START_TIMEOUT_S, poll_s=3.0)
         prefix = "".join(chr(97 + (i * 7) % 26) for i in range(700))
         for index in range(3):
             status, payload, headers = post(url + "/v1/completions", {
