@@ -356,20 +356,23 @@ class RecencyFrequencyPolicy:
                 for entry in live:
                     heapq.heappush(heap, entry)
         self._parked = parked = []
+        park, popleft, live_entry = parked.append, fifo.popleft, rank.get
         out: list[Key] = []
-        while len(out) < num_pages:
+        wanted = num_pages
+        while wanted:
             if heap:
-                entry = fifo.popleft() if fifo and fifo[0] < heap[0] else pop(heap)
+                entry = popleft() if fifo and fifo[0] < heap[0] else pop(heap)
             elif fifo:
-                entry = fifo.popleft()
+                entry = popleft()
             else:
                 break
             key = entry[2]
-            if rank.get(key) is not entry:
+            if live_entry(key) is not entry:
                 continue  # stale: used again or removed since
-            parked.append(entry)
+            park(entry)
             if not is_pinned(key):
                 out.append(key)
+                wanted -= 1
         return out
 
     def __len__(self) -> int:
