@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from typing import Protocol, runtime_checkable
 
 Key = Hashable
+Entry = tuple  # RecencyFrequencyPolicy: (priority, -call, key, uses, clock at the last use)
 IsPinned = Callable[[Key], bool]
 
 MAX_FREQ = 3  # S3-FIFO's 2-bit saturating access counter
@@ -228,7 +229,7 @@ class RecencyFrequencyPolicy:
         horizon    HORIZON_FACTOR x the median first-reuse distance: the clock's advance
                    between a key's first and second use (seen on access, or when a removed
                    key is put back), a running median; fixed for the accesses of one tick
-        ghost      the (uses, last use) of the last GHOST_FACTOR x capacity removed keys: a
+        ghost      the uses and last use of the last GHOST_FACTOR x capacity removed keys: a
                    key put back keeps counting, as S3-FIFO's ghost queue remembers
 
     On a prefix cache most pages are written by one prompt and never read again; a page read
@@ -243,11 +244,22 @@ class RecencyFrequencyPolicy:
     least as late, and ties go to the later call: of a prefix read again, the leaves leave
     before their ancestors. The new pages of one put leave root first, as under LRU.
 
-    A heap with lazy deletion: O(log n) per call. victims() pops: O(num_pages log n) plus
-    the pinned keys it skips; it changes no key's priority. A key's live heap entry is the
-    very tuple `_rank` holds for it, so a stale one is told by identity. The entries victims()
-    popped wait aside until its next call, which pushes back those still live: a victim that
-    was removed meanwhile (the usual case) costs no push and no second pop.
+    The queue: each key's live entry `(priority, -call, key, uses, clock at the last use)`,
+    compared by its first two items (calls are unique, so the order is total), held in one
+    of two places with lazy deletion:
+
+        fifo   entries of no bonus (a first use: priority = the clock, which every insert
+               advances), appended in increasing order: most pages of a host or disk tier,
+               demoted there once and never read again. O(1) in, O(1) out.
+        heap   every other entry: O(log n).
+
+    victims() pops the smaller of the two heads: O(num_pages) plus the heap's logs and the
+    pinned keys it skips; it changes no key's priority. A stale entry (its key used again or
+    removed) is told by identity: `_rank` holds each key's live entry. The entries victims()
+    popped wait aside until its next call, which puts back those still live (at the fifo's
+    head when they rank before it, else into the heap): a victim that was removed
+    meanwhile (the usual case) costs nothing more. When stale entries outnumber live ones
+    (plus 64), both places are compacted.
     """
 
     horizon_factor = HORIZON_FACTOR
@@ -259,11 +271,11 @@ class RecencyFrequencyPolicy:
         self.ghost_capacity_pages = max(1, int(GHOST_FACTOR * capacity_pages))
         self._clock = 0
         self._calls = 0
-        self._uses: dict[Key, tuple[int, int]] = {}  # key -> (uses, clock at the last use)
-        self._ghost: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # removed keys' too
-        self._rank: dict[Key, tuple[float, int, Key]] = {}  # key -> its live heap entry
-        self._heap: list[tuple[float, int, Key]] = []
-        self._parked: list[tuple[float, int, Key]] = []  # popped by victims(), off the heap
+        self._rank: dict[Key, Entry] = {}  # key -> its live entry
+        self._ghost: OrderedDict[Key, Entry] = OrderedDict()  # removed keys' last entries
+        self._fifo: deque[Entry] = deque()  # first uses, in increasing order
+        self._heap: list[Entry] = []  # the other entries
+        self._parked: list[Entry] = []  # popped by victims(), in order, off both
 
     def _reused(self, last_use: int) -> None:
         """Move the running median of reuse distances one step towards this one."""
@@ -275,72 +287,99 @@ class RecencyFrequencyPolicy:
     def _touch(self, key: Key, uses: int, discount: float = 0.0) -> None:
         """(Re)rank key: priority = clock + horizon x (log2(uses) - discount)."""
         clock = self._clock
-        self._uses[key] = (uses, clock)
         self._calls = calls = self._calls + 1
         bonus = self.horizon * (_LOG2_USES[uses if uses < MAX_USES else MAX_USES] - discount)
-        entry = self._rank[key] = (clock + bonus, -calls, key)
-        heapq.heappush(self._heap, entry)
-        if len(self._heap) > 2 * len(self._rank) + 64:  # too many stale entries: rebuild
-            self._heap = list(self._rank.values())  # every live entry, the parked ones too
-            heapq.heapify(self._heap)
-            self._parked = []
+        priority = clock + bonus
+        entry = self._rank[key] = (priority, -calls, key, uses, clock)
+        fifo = self._fifo
+        if bonus == 0.0 and (not fifo or fifo[-1][0] < priority):
+            fifo.append(entry)
+        else:
+            heapq.heappush(self._heap, entry)
+        if len(self._heap) + len(fifo) > 2 * len(self._rank) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries of both places (the parked live ones go to the heap)."""
+        rank = self._rank
+        self._fifo = deque(e for e in self._fifo if rank.get(e[2]) is e)
+        heap = [e for e in self._heap if rank.get(e[2]) is e]
+        heap.extend(e for e in self._parked if rank.get(e[2]) is e)
+        heapq.heapify(heap)
+        self._heap = heap
+        self._parked = []
 
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
-        if key in self._uses:
+        if key in self._rank:
             self.on_access(key)
             return
         self._clock += 1
         past = self._ghost.pop(key, None)
-        if past is not None and past[0] == 1:
-            self._reused(past[1])
+        if past is not None and past[3] == 1:
+            self._reused(past[4])
         # A new tick: the horizon moves now only, so that the pages of a prefix read at one
         # tick rank by their uses and call order alone (leaves first).
         self.horizon = self.horizon_factor * self.reuse_distance
-        self._touch(key, (past[0] if past else 0) + 1, self._insert_discount(key, parent))
+        self._touch(key, (past[3] if past else 0) + 1, self._insert_discount(key, parent))
 
     def _insert_discount(self, key: Key, parent: Key | None) -> float:
         """Horizons taken off a new page's bonus (none here; see PutDepthPolicy)."""
         return 0.0
 
     def on_access(self, key: Key) -> None:
-        held = self._uses.get(key)
+        held = self._rank.get(key)
         if held is not None:
-            if held[0] == 1:
-                self._reused(held[1])
-            self._touch(key, held[0] + 1)
+            if held[3] == 1:
+                self._reused(held[4])
+            self._touch(key, held[3] + 1)
 
     def on_remove(self, key: Key) -> None:
-        held = self._uses.pop(key, None)
+        held = self._rank.pop(key, None)
         if held is not None:
-            del self._rank[key]
-            self._ghost[key] = held
-            while len(self._ghost) > self.ghost_capacity_pages:
-                self._ghost.popitem(last=False)
+            ghost = self._ghost
+            ghost[key] = held
+            while len(ghost) > self.ghost_capacity_pages:
+                ghost.popitem(last=False)
 
     def victims(self, num_pages: int, is_pinned: IsPinned) -> list[Key]:
         """Smallest priorities first, skipping pinned keys; no key is removed."""
         _check_num_pages(num_pages)
-        heap, rank, pop = self._heap, self._rank, heapq.heappop
-        for entry in self._parked:  # the last call's, back on the heap while still live
-            if rank.get(entry[2]) is entry:
-                heapq.heappush(heap, entry)
+        heap, fifo, rank, pop = self._heap, self._fifo, self._rank, heapq.heappop
+        # The last call's entries still live go back: at the fifo's head when they come
+        # before it (they came out in order, before everything that stayed; a newer entry
+        # may rank lower), else into the heap.
+        live = [e for e in self._parked if rank.get(e[2]) is e]
+        if live:
+            if not fifo or live[-1] < fifo[0]:
+                fifo.extendleft(reversed(live))
+            else:
+                for entry in live:
+                    heapq.heappush(heap, entry)
         self._parked = parked = []
+        park, popleft, live_entry = parked.append, fifo.popleft, rank.get
         out: list[Key] = []
-        while len(out) < num_pages and heap:
-            entry = pop(heap)
+        wanted = num_pages
+        while wanted:
+            if heap:
+                entry = popleft() if fifo and fifo[0] < heap[0] else pop(heap)
+            elif fifo:
+                entry = popleft()
+            else:
+                break
             key = entry[2]
-            if rank.get(key) is not entry:
+            if live_entry(key) is not entry:
                 continue  # stale: used again or removed since
-            parked.append(entry)
+            park(entry)
             if not is_pinned(key):
                 out.append(key)
+                wanted -= 1
         return out
 
     def __len__(self) -> int:
-        return len(self._uses)
+        return len(self._rank)
 
     def __contains__(self, key: Key) -> bool:
-        return key in self._uses
+        return key in self._rank
 
 
 class PutDepthPolicy(RecencyFrequencyPolicy):

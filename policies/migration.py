@@ -69,15 +69,20 @@ def decide(view: LoadView, state: MigrationState | None, now_s: float,
         is_cold = (prefix.prefix_id not in view.burst.hot_prefixes
                    and rates.get(prefix.prefix_id, 0.0) < settings.cold_per_s)
         (cold if is_cold else warm).append(prefix)
-    kept = {key for prefix in warm for key in prefix.keys}
     cold.sort(key=lambda p: (rates.get(p.prefix_id, 0.0), p.prefix_id))
     used = {n.node_id: n.used_bytes for n in view.snapshot.nodes}
     moves: list[Move] = []
+    kept: set | None = None  # the warm prefixes' keys, stay put; built when first needed
     for prefix in cold:
-        keys = tuple(k for k in prefix.keys if k not in kept)
+        if prefix.prefix_id in moved or len(moves) >= settings.max_moves_per_step:
+            continue
         sources = sorted(set(prefix.holders) & pressed)
-        if (not keys or not sources or prefix.prefix_id in moved
-                or len(moves) >= settings.max_moves_per_step):
+        if not sources:
+            continue
+        if kept is None:
+            kept = {key for warm_prefix in warm for key in warm_prefix.keys}
+        keys = tuple(k for k in prefix.keys if k not in kept)
+        if not keys:
             continue
         if any(h not in pressed for h in prefix.holders):  # a copy stays elsewhere: drop ours
             moves += [Move(prefix.prefix_id, keys, source, None) for source in sources]

@@ -80,8 +80,12 @@ class PrefixDemand:
 
     def top(self, limit: int) -> list[tuple[PageKey, tuple[PageKey, ...], int]]:
         """Up to `limit` entries, highest recent demand first: (prefix_id, keys, requests)."""
-        best = heapq.nlargest(limit, self.entries.items(), key=lambda item: item[1].log_score)
-        return [(key, entry.keys, entry.num_requests) for key, entry in best]
+        # heapq.nlargest(limit, items, key=score) is sorted(..., reverse=True)[:limit] (ties
+        # keep the entries' order); sorting indices by a list of scores keeps the key in C.
+        items = list(self.entries.items())
+        scores = [entry.log_score for _, entry in items]
+        best = sorted(range(len(items)), key=scores.__getitem__, reverse=True)[:limit]
+        return [(items[i][0], items[i][1].keys, items[i][1].num_requests) for i in best]
 
     def stats(self) -> dict:
         return {"tracked_prefixes": len(self.entries), "evicted_prefixes": self.num_evicted}

@@ -95,21 +95,28 @@ class DirectoryIndex:
     def _apply_changes(self, node_id: str, log: NodeLog, changes: list, seq: int) -> None:
         """Batch `seq`'s changes: a store (key, tier) wins over an older state of the key, a
         removal (key, None) leaves a tombstone so that an older store cannot bring the page
-        back. One loop with NodeLog.add_key/discard_key inline: it runs for every change."""
+        back. One loop with NodeLog.add_key/discard_key, _forget and key_digest inline: it
+        runs for every change."""
         index, ranked, keys, tombstones = self.index, self.ranked, log.keys, log.tombstones
         digest = log.digest
+        from_bytes = int.from_bytes  # key_digest(key) is from_bytes(key, "little")
         for key, tier in changes:
             places = index.get(key)
             current = places.get(node_id) if places else None
             if tier is None:
                 if current is not None and current[1] > seq:
                     continue
-                tombstones[key] = max(seq, tombstones.get(key, -1))
+                tombstone = tombstones.get(key)
+                if tombstone is None or tombstone < seq:
+                    tombstones[key] = seq
                 if current is not None:
-                    self._forget(node_id, key)
+                    del places[node_id]
+                    ranked.pop(key, None)
+                    if not places:
+                        del index[key]
                     if key in keys:
                         keys.discard(key)
-                        digest ^= key_digest(key)
+                        digest ^= from_bytes(key, "little")
                 continue
             if tombstones and tombstones.get(key, -1) > seq:
                 continue
@@ -120,7 +127,7 @@ class DirectoryIndex:
                 ranked.pop(key, None)
                 if key not in keys:
                     keys.add(key)
-                    digest ^= key_digest(key)
+                    digest ^= from_bytes(key, "little")
                 if tombstones:
                     tombstones.pop(key, None)
         log.digest = digest

@@ -66,15 +66,16 @@ class _Shard:
     def hold_many(self, keys: Iterable[PageKey], tier: int | None) -> None:
         """pending[key] = tier and hold(key, tier) for each of `keys`, in order."""
         pending, present, digest = self.pending, self.present, self.digest
+        from_bytes = int.from_bytes  # key_digest(key) is from_bytes(key, "little")
         for key in keys:
             pending[key] = tier
             if tier is None:
                 if key in present:
                     present.discard(key)
-                    digest ^= key_digest(key)
+                    digest ^= from_bytes(key, "little")
             elif key not in present:
                 present.add(key)
-                digest ^= key_digest(key)
+                digest ^= from_bytes(key, "little")
         self.digest = digest
 
     def ack(self, seq: int) -> None:

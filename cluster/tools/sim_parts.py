@@ -118,7 +118,12 @@ def paused_gc() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
+            # Enabled as it is, the next allocation would collect the youngest generation:
+            # every object the run made and still holds, walked for nothing (4 % of the
+            # 16-node hour). Frozen and unfrozen, they join the oldest generation unwalked.
+            gc.freeze()
             gc.enable()
+            gc.unfreeze()
 
 
 def figures(cluster: SimCluster, requests: Sequence[SimRequest], wall_s: float) -> dict:

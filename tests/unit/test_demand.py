@@ -3,6 +3,11 @@ to it: holders of a chain, and the store's geometry_of / discard."""
 
 from __future__ import annotations
 
+import heapq
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from cluster.core.demand import PrefixDemand
 from cluster.core.directory_index import DirectoryIndex
 from cluster.core.events import EventBatch
@@ -74,3 +79,18 @@ def test_store_geometry_of_and_discard_skip_pinned_pages(stores):
     assert store.has(GEOMETRY, keys[0]) and not store.has(GEOMETRY, keys[1])
     assert stores.events(store).drain() == {keys[0]: 0, keys[1]: None, keys[2]: None}
     assert store.discard(GEOMETRY, keys) == 1 and not store.has(GEOMETRY, keys[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=1, max_size=5),
+                          st.integers(0, 5), st.integers(0, 3)), max_size=60),
+       st.integers(0, 10))
+def test_top_is_nlargest_by_score_ties_in_entry_order(records, limit):
+    """top() as heapq.nlargest over the entries by score (the plain way), ties included:
+    requests at equal times give equal scores."""
+    demand = PrefixDemand(max_entries=8)
+    for path, num_matched, now_s in records:
+        chain = [bytes(path[: i + 1]) for i in range(len(path))]
+        demand.record(chain, num_matched, float(now_s))
+    plain = heapq.nlargest(limit, demand.entries.items(), key=lambda item: item[1].log_score)
+    assert demand.top(limit) == [(k, e.keys, e.num_requests) for k, e in plain]

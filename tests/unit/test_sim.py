@@ -3,6 +3,7 @@ synthetic trace in Mooncake's format. No Ray."""
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 
@@ -97,3 +98,30 @@ def test_the_default_policy_is_no_worse_than_lru_on_conversations(tmp_path):
         raykv = sim.policy_hits(sim.default_policy(), chains, capacity_blocks)
         assert raykv >= sim.policy_hits("lru", chains, capacity_blocks), capacity_blocks
         assert raykv <= sim.policy_hits("belady", chains, capacity_blocks)
+
+
+def test_paused_gc_pauses_the_collector_and_hands_back_no_walk():
+    """Off inside; on again after, with the objects made inside moved out of the youngest
+    generation (no collection walks them at the next allocation) and nothing left frozen."""
+    was_enabled = gc.isenabled()
+    gc.enable()
+    try:
+        with sim_parts.paused_gc():
+            assert not gc.isenabled()
+            held = [[i] for i in range(50_000)]
+            assert gc.get_count()[0] >= 50_000
+            collections = [g["collections"] for g in gc.get_stats()]
+        assert gc.isenabled()
+        assert [g["collections"] for g in gc.get_stats()] == collections  # nothing walked
+        assert any(o is held[0] for o in gc.get_objects(generation=2))  # moved to the oldest
+        assert gc.get_freeze_count() == 0
+        gc.disable()
+        with sim_parts.paused_gc():
+            pass
+        assert not gc.isenabled()  # left as it was found
+        assert len(held) == 50_000
+    finally:
+        if was_enabled:
+            gc.enable()
+        else:
+            gc.disable()
