@@ -179,9 +179,13 @@ def fake_driver(monkeypatch, initialized: bool):
     from cluster import api
     from cluster.serving import vllm_service
 
-    worker = SimpleNamespace(listener_thread=object(), threads_stopped=threading.Event())
-    monkeypatch.setattr(ray_worker, "global_worker", worker)
+    worker = ray_worker.global_worker  # its other fields stay: Ray's log filters read them
+    monkeypatch.setattr(worker, "listener_thread", object(), raising=False)
+    monkeypatch.setattr(worker, "threads_stopped", threading.Event())
     monkeypatch.setattr(ray, "is_initialized", lambda: initialized)
+    # Ray's log filters (installed by earlier tests' imports) read a live worker when Ray
+    # says it is initialized: this fake one is not, so the link's log lines stay unhandled.
+    monkeypatch.setattr(vllm_service.log, "disabled", True)
     monkeypatch.setattr(api, "join_ray", lambda address=None: None)
     monkeypatch.setattr("cluster.connect", lambda spec, namespace: SimpleNamespace(
         page_tokens=16))
