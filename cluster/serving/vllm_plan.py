@@ -60,7 +60,9 @@ def fetch_limit(kv_transfer_params: Any) -> int | None:
 def routed_hit(kv_transfer_params: Any) -> int | None:
     """The prompt tokens raykv held when the router placed the request (None: no router
     said). A hint, never trusted further than a load: pages gone since are not loaded, and
-    vLLM recomputes them (the connector's failure policy)."""
+    vLLM recomputes them (the connector's failure policy). A client that sends its own
+    value (raykv's router replaces it) only changes what its own request tries to load,
+    under its own keys."""
     return _tokens_param(kv_transfer_params, HIT_KEY)
 
 
