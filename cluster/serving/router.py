@@ -49,7 +49,7 @@ from actors.handles import DirectoryHandle, merge_shard_prefixes
 from cluster.api import running_config
 from cluster.core.spec import ModelSpec
 from cluster.serving.prompt_keys import PromptKeys
-from cluster.serving.vllm_plan import with_fetch_limit
+from cluster.serving.vllm_plan import with_fetch_limit, with_routed_hit
 from policies.cost_routing import (
     Candidate,
     Decision,
@@ -100,7 +100,10 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
         keys_blob = await self._keys_of(pending_request)
-        located = await self._locate(keys_blob) if keys_blob else []
+        located = await self._locate(keys_blob) if keys_blob else None
+        if located is not None and self._prompt_keys is not None:
+            _tell_hit(pending_request, len(located) * self._prompt_keys.page_tokens)
+        located = located or []
         engine_pages = self._engine_pages(candidate_replicas, keys_blob)
         scores = prefix_scores(located, {r.node_id for r in candidate_replicas})
         if not has_hits(scores) and not any(engine_pages.values()):
@@ -188,7 +191,9 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # Tokenizing is CPU work: off the handle's event loop.
         return await asyncio.to_thread(self._prompt_keys.of, pending_request.args[0])
 
-    async def _locate(self, keys_blob: bytes) -> list:
+    async def _locate(self, keys_blob: bytes) -> list | None:
+        """Where each page of the prompt's longest cached prefix is; None when the
+        directory did not answer in time."""
         keys = [keys_blob[i : i + KEY_BYTES] for i in range(0, len(keys_blob), KEY_BYTES)]
         try:
             directory = await self._directory_handle()
@@ -197,7 +202,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         except Exception as error:  # a slow or dead directory: route without it
             self.counters["lookup_failures"] += 1
             log.warning("directory lookup for routing failed: %s", error)
-            return []
+            return None
         return merge_shard_prefixes(len(keys), positions, answers)
 
     async def _directory_handle(self):
@@ -267,3 +272,15 @@ def _cut(pending_request: PendingRequest | None, max_fetch_tokens: int | None) -
     elif hasattr(request, "kv_transfer_params"):
         request.kv_transfer_params = with_fetch_limit(request.kv_transfer_params,
                                                       max_fetch_tokens)
+
+
+def _tell_hit(pending_request: PendingRequest | None, hit_tokens: int) -> None:
+    """Tell a vLLM engine's RaykvConnector what raykv held of the prompt when it was routed
+    (in the request's `kv_transfer_params`): it takes that as its lookup's answer and
+    schedules the request at once (vllm_plan.HIT_KEY). A request without that field (raykv's
+    own engine looks up with its fetch) is left alone."""
+    request = pending_request.args[0] if pending_request is not None and pending_request.args \
+        else None
+    if request is not None and hasattr(request, "kv_transfer_params") \
+            and not hasattr(request, "max_fetch_tokens"):
+        request.kv_transfer_params = with_routed_hit(request.kv_transfer_params, hit_tokens)

@@ -41,6 +41,15 @@ def request_salt(request) -> bytes | None:
     return _canonical(fields)
 
 
+def is_plain(request) -> bool:
+    """Whether nothing sets the request's KV apart (request_salt would be b""), checked
+    without hashing anything: its pages are keyed as a router keys the prompt's text."""
+    return (getattr(request, "prompt_embeds", None) is None
+            and getattr(request, "lora_request", None) is None
+            and not getattr(request, "cache_salt", None)
+            and not getattr(request, "mm_features", None))
+
+
 def adapter_identity(path: str, name: str) -> bytes:
     """A LoRA adapter's identity: blake3 of its directory's files (names, sizes, bytes),
     computed once per version of the files; its name and path when `path` is not a local

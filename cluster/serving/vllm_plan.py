@@ -28,29 +28,59 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# The key in a request's kv_transfer_params (vLLM's OpenAI field, carried to the scheduler's
-# Request) under which raykv's router sends its cut: the most prompt tokens to load.
+# The keys in a request's kv_transfer_params (vLLM's OpenAI field, carried to the
+# scheduler's Request) under which raykv's router sends what it decided:
+# - its cut: the most prompt tokens to load (it found fetching the rest slower);
+# - its hit: the prompt tokens raykv's directory held when it routed the request. The
+#   connector takes that as its lookup's answer, so that the request is scheduled at its
+#   first step rather than one engine step later (an asynchronous lookup answers "ask
+#   again" first, and vLLM asks again only after the step it then runs).
 FETCH_LIMIT_KEY = "raykv_max_fetch_tokens"
+HIT_KEY = "raykv_hit_tokens"
 
 
-def fetch_limit(kv_transfer_params: Any) -> int | None:
-    """The router's cut, if the request carries one: load at most this many prompt tokens and
-    recompute the rest (the router found fetching them slower). None: load the whole hit.
-    Anything but a non-negative int is ignored: a client's odd params never fail a request."""
+def _tokens_param(kv_transfer_params: Any, key: str) -> int | None:
+    """A non-negative int under `key`, else None: a client's odd params never fail a
+    request."""
     if not isinstance(kv_transfer_params, dict):
         return None
-    value = kv_transfer_params.get(FETCH_LIMIT_KEY)
+    value = kv_transfer_params.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         return None
     return value
 
 
+def fetch_limit(kv_transfer_params: Any) -> int | None:
+    """The router's cut, if the request carries one: load at most this many prompt tokens and
+    recompute the rest (the router found fetching them slower). None: load the whole hit.
+    Anything but a non-negative int is ignored."""
+    return _tokens_param(kv_transfer_params, FETCH_LIMIT_KEY)
+
+
+def routed_hit(kv_transfer_params: Any) -> int | None:
+    """The prompt tokens raykv held when the router placed the request (None: no router
+    said). A hint, never trusted further than a load: pages gone since are not loaded, and
+    vLLM recomputes them (the connector's failure policy). A client that sends its own
+    value (raykv's router replaces it) only changes what its own request tries to load,
+    under its own keys."""
+    return _tokens_param(kv_transfer_params, HIT_KEY)
+
+
 def with_fetch_limit(kv_transfer_params: Any, max_fetch_tokens: int | None) -> dict | None:
     """kv_transfer_params carrying the cut (None: no cut; the request's other params kept)."""
+    return _with_tokens(kv_transfer_params, FETCH_LIMIT_KEY, max_fetch_tokens)
+
+
+def with_routed_hit(kv_transfer_params: Any, hit_tokens: int | None) -> dict | None:
+    """kv_transfer_params carrying the router's hit (None: none; other params kept)."""
+    return _with_tokens(kv_transfer_params, HIT_KEY, hit_tokens)
+
+
+def _with_tokens(kv_transfer_params: Any, key: str, num_tokens: int | None) -> dict | None:
     params = dict(kv_transfer_params) if isinstance(kv_transfer_params, dict) else {}
-    params.pop(FETCH_LIMIT_KEY, None)
-    if max_fetch_tokens is not None:
-        params[FETCH_LIMIT_KEY] = int(max_fetch_tokens)
+    params.pop(key, None)
+    if num_tokens is not None:
+        params[key] = int(num_tokens)
     return params or None
 
 

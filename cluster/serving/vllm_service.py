@@ -153,16 +153,34 @@ class ServiceLink:
             self._connecting = False
 
     def _connect(self):
+        import ray
+
         from cluster import connect
         from cluster.api import join_ray
 
         # An engine process outside Ray's process tree (vLLM's engine core, `vllm serve`) joins
         # with the token at hand when the cluster uses token auth, or says what to export.
+        joined_here = not ray.is_initialized()
         join_ray(self.settings.ray_address)
+        if joined_here:
+            stop_error_listener()
         client = connect(self.spec, self.settings.namespace)
         log.info("raykv connected: %s, namespace %r, %d tokens a page", self.spec,
                  self.settings.namespace, client.page_tokens)
         return client
+
+
+def stop_error_listener() -> None:
+    """Stop the thread that Ray starts in every driver to print the cluster's error messages
+    (ray._private.worker.listen_error_messages), in an engine process that joined Ray only
+    for raykv's calls: nobody reads that process's stderr for Ray's errors, and under
+    `raykv bench vllm-serve` the engines' listeners kept the GCS polling about 1,200 times
+    a second (docs/benchmarks.md, vllm-serve). Ray's own shutdown sets the same event."""
+    import ray._private.worker as ray_worker
+
+    worker = ray_worker.global_worker
+    if getattr(worker, "listener_thread", None) is not None:
+        worker.threads_stopped.set()
 
 
 @dataclass(frozen=True, slots=True)

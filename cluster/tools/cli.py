@@ -99,15 +99,27 @@ _register_plotted("serve", "One chat trace through the Serve app with raykv's, S
 _register("tax", "The paging tax (`raykv tax` with its defaults; a PNG beside the JSON).")
 _register("vllm", "vLLM TTFT with RaykvConnector vs LMCache's and no connector (run from "
           ".venv-vllm; `make bench-vllm`).")
-_register("vllm-serve", "Ray Serve LLM on vLLM's CPU build, 3 replicas, Mooncake's conversation "
-          "trace: raykv (connector + router) vs Ray's KVAwareRouter, PrefixCacheAffinityRouter "
-          "and pow2 (run from .venv-vllm; `make bench-vllm-serve`).")
 _register("faults", "Faults under load on 3 simulated nodes (nodes, actors, directory, Redis, "
                    "clients, replicas, damaged, full and slow disks, lost event batches), "
                    "the fuzzers, a soak: wrong bytes, client errors, recovery seconds.")
 _register_plotted("burst", "A spiky multi-model trace on 3 simulated nodes, rebalancing on and "
                            "off: p99 fetch latency, hit ratio, memory per model over time.")
 
+
+
+@bench_app.command("vllm-serve")
+def vllm_serve_command(
+    json_path: JsonPath = None,
+    quick: Quick = False,
+    setups: Annotated[str | None, typer.Option(
+        help="comma-separated set-ups to replay (of raykv, kv-aware, prefix, pow2; default: "
+             "all, pow2 left out of a quick run)")] = None,
+) -> None:
+    """Ray Serve LLM on vLLM's CPU build, 3 replicas, Mooncake's conversation trace: raykv
+    (connector + router) vs Ray's KVAwareRouter, PrefixCacheAffinityRouter and pow2 (run from
+    .venv-vllm; `make bench-vllm-serve`)."""
+    _bench("vllm-serve", json_path, quick,
+           setups=tuple(setups.split(",")) if setups else None)
 
 
 @bench_app.command("trace")

@@ -3,6 +3,8 @@ replica shares and when a comparison counts as exercised (no Ray, no vLLM)."""
 
 from __future__ import annotations
 
+import pytest
+
 from cluster.core.trace_format import BLOCK_TOKENS, BlockRequest
 from cluster.core.trace_scale import Scale
 from cluster.tools.bench import vllm_serve
@@ -137,6 +139,17 @@ def test_a_quick_run_leaves_out_only_pow2_which_no_ratio_reads():
     assert vllm_serve.setups_for(False) == ("raykv", "kv-aware", "prefix", "pow2")
     assert vllm_serve.setups_for(True) == ("raykv", "kv-aware", "prefix")
 
+
+
+def test_chosen_set_ups_run_in_order_and_ratios_without_theirs_are_not_exercised():
+    assert vllm_serve.setups_for(False, ("prefix", "raykv")) == ("raykv", "prefix")
+    with pytest.raises(ValueError, match="unknown set-ups"):
+        vllm_serve.setups_for(True, ("raykv", "lmcache"))
+    report = _report({"raykv": [_round()] * 3, "prefix": [_round(p50=20.0)] * 3})
+    assert "kv-aware was not among" in report["not_exercised"]["ttft_p50_vs_kv_aware"]
+    assert report.ratios["ttft_p50_vs_prefix_router"] == 0.5
+    assert "raykv was not among" in _report({"prefix": [_round()] * 3})["not_exercised"][
+        "ttft_p50_vs_prefix_router"]
 
 def test_the_compat_finder_answers_only_a_moved_module_name(monkeypatch):
     import importlib.util

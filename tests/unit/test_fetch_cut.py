@@ -10,8 +10,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cluster.serving.router import _cut
-from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, fetch_limit, with_fetch_limit
+from cluster.serving.router import _cut, _tell_hit
+from cluster.serving.vllm_keys import is_plain
+from cluster.serving.vllm_plan import (
+    FETCH_LIMIT_KEY,
+    HIT_KEY,
+    fetch_limit,
+    routed_hit,
+    with_fetch_limit,
+    with_routed_hit,
+)
 
 
 @given(limit=st.integers(0, 1 << 40) | st.none(),
@@ -50,3 +58,35 @@ def test_raykvs_own_engine_gets_the_cut_as_max_fetch_tokens():
     _cut(pending(request), 128)
     assert request.max_fetch_tokens == 128 and request.kv_transfer_params is None
     _cut(None, 128)  # no request to cut: nothing happens
+
+
+@given(hit=st.integers(0, 1 << 40) | st.none(),
+       limit=st.integers(0, 1 << 40) | st.none())
+def test_the_routers_hit_rides_beside_its_cut(hit, limit):
+    params = with_routed_hit(with_fetch_limit({"other": 1}, limit), hit)
+    assert routed_hit(params) == hit and fetch_limit(params) == limit
+    assert params["other"] == 1
+
+
+@pytest.mark.parametrize("params", [None, {}, {HIT_KEY: -1}, {HIT_KEY: True},
+                                    {HIT_KEY: "64"}])
+def test_odd_params_from_a_client_are_no_hit(params):
+    assert routed_hit(params) is None
+
+
+def test_the_router_tells_a_vllm_request_its_hit_and_leaves_raykvs_own_alone():
+    vllm_request = SimpleNamespace(kv_transfer_params=None)
+    _tell_hit(pending(vllm_request), 96)
+    assert vllm_request.kv_transfer_params == {HIT_KEY: 96}
+    own = SimpleNamespace(max_fetch_tokens=None, kv_transfer_params=None)
+    _tell_hit(pending(own), 96)
+    assert own.kv_transfer_params is None
+    _tell_hit(None, 96)  # no request: nothing to tell
+
+
+def test_only_a_request_nothing_sets_apart_is_plain():
+    plain = dict(prompt_embeds=None, lora_request=None, cache_salt=None, mm_features=[])
+    assert is_plain(SimpleNamespace(**plain))
+    for field, value in (("prompt_embeds", object()), ("lora_request", object()),
+                         ("cache_salt", "tenant"), ("mm_features", [object()])):
+        assert not is_plain(SimpleNamespace(**{**plain, field: value}))

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cluster.core.spec import ModelSpec
 from cluster.serving.vllm_keys import adapter_identity, request_salt
 from cluster.serving.vllm_service import (
     MISS,
@@ -168,3 +169,38 @@ def test_no_service_is_an_answer_without_hits():
     lookups._link.call_timeout_s = lambda: 1.0
     assert poll_until_answered(lookups, "r", list(range(40))) == Answer(b"", 0, None)
     lookups.close()
+
+
+def fake_driver(monkeypatch, initialized: bool):
+    """Ray as a process sees it: joined already or not, and a driver's error listener."""
+    import ray
+    import ray._private.worker as ray_worker
+
+    from cluster import api
+    from cluster.serving import vllm_service
+
+    worker = ray_worker.global_worker  # its other fields stay: Ray's log filters read them
+    monkeypatch.setattr(worker, "listener_thread", object(), raising=False)
+    monkeypatch.setattr(worker, "threads_stopped", threading.Event())
+    monkeypatch.setattr(ray, "is_initialized", lambda: initialized)
+    # Ray's log filters (installed by earlier tests' imports) read a live worker when Ray
+    # says it is initialized: this fake one is not, so the link's log lines stay unhandled.
+    monkeypatch.setattr(vllm_service.log, "disabled", True)
+    monkeypatch.setattr(api, "join_ray", lambda address=None: None)
+    monkeypatch.setattr("cluster.connect", lambda spec, namespace: SimpleNamespace(
+        page_tokens=16))
+    link = vllm_service.ServiceLink(vllm_service.RaykvSettings(), ModelSpec("m", 2, 2, 8,
+                                                                            "float32"))
+    return link, worker
+
+
+def test_an_engine_that_joins_ray_for_raykv_stops_rays_error_listener(monkeypatch):
+    link, worker = fake_driver(monkeypatch, initialized=False)
+    assert link.client().page_tokens == 16
+    assert worker.threads_stopped.is_set()  # the listener's loop exits at its next turn
+
+
+def test_a_process_that_had_joined_ray_keeps_its_error_listener(monkeypatch):
+    link, worker = fake_driver(monkeypatch, initialized=True)  # e.g. a user's own driver
+    assert link.client().page_tokens == 16
+    assert not worker.threads_stopped.is_set()

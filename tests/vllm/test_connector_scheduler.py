@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # n
 
 from cluster.serving import vllm_service  # noqa: E402
 from cluster.serving.vllm_connector import RaykvConnector, RaykvMetadata  # noqa: E402
-from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, LoadSpec  # noqa: E402
+from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, HIT_KEY, LoadSpec  # noqa: E402
 
 BLOCK = 16
 PAGE = 32
@@ -121,6 +121,40 @@ def test_the_routers_cut_loads_no_more_and_leaves_the_rest_to_recompute(client):
     assert ask_until_answered(connector, request("whole")) == (96, True)
     odd = request("odd", kv_transfer_params={FETCH_LIMIT_KEY: "32"})
     assert ask_until_answered(connector, odd) == (96, True)  # not the router's: ignored
+    connector.shutdown()
+
+
+def test_the_routers_hit_is_the_answer_at_the_first_ask_without_a_lookup(client):
+    """raykv's router looked the prompt up to place it and sent its hit: the connector
+    answers with it at once (no "ask again", which costs the request an engine step), capped
+    at what vLLM may load, with the router's cut applied; a salted request, a P/D decode or
+    a malformed hit still asks raykv."""
+    connector = scheduler()  # the client's lookups block on its gate: none may be made here
+    routed = request("routed", kv_transfer_params={HIT_KEY: 64})
+    assert connector.get_num_new_matched_tokens(routed, 0) == (64, True)
+    assert connector.get_num_new_matched_tokens(request("local", kv_transfer_params={
+        HIT_KEY: 64}), 32) == (32, True)  # vLLM's own cache holds the first block
+    assert connector.get_num_new_matched_tokens(request("long", kv_transfer_params={
+        HIT_KEY: 4096}), 0) == (96, True)  # never past the last whole block before token 99
+    assert connector.get_num_new_matched_tokens(request("none", kv_transfer_params={
+        HIT_KEY: 0}), 0) == (0, False)
+    assert connector.get_num_new_matched_tokens(request("cut", kv_transfer_params={
+        HIT_KEY: 96, FETCH_LIMIT_KEY: 32}), 0) == (32, True)
+    assert client.salts == [] and connector.num_routed_answers == 5
+    for asks_raykv in (request("salted", cache_salt="t", kv_transfer_params={HIT_KEY: 64}),
+                       request("odd", kv_transfer_params={HIT_KEY: "64"})):
+        assert connector.get_num_new_matched_tokens(asks_raykv, 0) == (None, False)
+    client.gate.set()
+    assert ask_until_answered(connector, request("odd", kv_transfer_params={
+        HIT_KEY: "64"})) == (96, True)
+    connector.update_state_after_alloc(routed, SimpleNamespace(
+        get_block_ids=lambda: (list(range(10, 17)),)), 64)
+    output = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                             scheduled_cached_reqs=SimpleNamespace(
+                                 req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                 num_computed_tokens=[]))
+    assert connector.build_connector_meta(output).loads == [
+        LoadSpec("routed", list(range(64)), list(range(10, 17)), 0, b"")]
     connector.shutdown()
 
 

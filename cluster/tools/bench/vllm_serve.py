@@ -85,10 +85,16 @@ def plan_for(quick: bool) -> Plan:
     return QUICK_PLAN if quick else PLAN
 
 
-def setups_for(quick: bool) -> tuple[str, ...]:
-    """The set-ups a run replays. A quick run leaves out pow2, which no ratio reads: every
-    (round, set-up) starts three engines afresh, 2.5-4 minutes on 2 cores (a quick run of
-    3 x 3 took 40 minutes here; the full one, 12 apps and longer replays, about an hour)."""
+def setups_for(quick: bool, chosen: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The set-ups a run replays: `chosen` (in SETUPS' order; ValueError for an unknown one),
+    else all but, in a quick run, pow2, which no ratio reads: every (round, set-up) starts
+    three engines afresh, 2.5-4 minutes on 2 cores (a quick run of 3 x 3 took 40 minutes
+    here; the full one, 12 apps and longer replays, about an hour)."""
+    if chosen:
+        unknown = sorted(set(chosen) - set(SETUPS))
+        if unknown:
+            raise ValueError(f"unknown set-ups {unknown}; known: {list(SETUPS)}")
+        return tuple(s for s in SETUPS if s in chosen)
     return tuple(s for s in SETUPS if not (quick and s == "pow2"))
 
 
@@ -221,6 +227,8 @@ def exercised(rounds: dict[str, list[dict]], names: tuple[str, ...], plan: Plan,
     answered, some tokens cached, in every round; and the round's working set beyond what the
     engines' own caches hold together (else memory was no limit)."""
     for name in names:
+        if name not in rounds:
+            return f"{name} was not among this run's set-ups"
         for index, result in enumerate(rounds[name]):
             summary = result["summary"]
             if summary["errors"]:
@@ -249,7 +257,7 @@ def fill_ratios(report: Report, rounds: dict[str, list[dict]], plan: Plan,
         report.paired("ttft_p50_vs_prefix_router", figures(rounds, "raykv", "ttft_p50_ms"),
                       figures(rounds, "prefix", "ttft_p50_ms"))
     busiest = [max(r["summary"]["replica_shares"].values(), default=None)
-               for r in rounds["raykv"]]
+               for r in rounds.get("raykv", [])] or [None]
     if report.require("max_replica_share", None not in busiest,
                       "Serve's request counter named no raykv replica in some round"):
         report.ratio("max_replica_share", statistics.median(busiest), busiest)
@@ -294,7 +302,8 @@ def notes(plan: Plan, traces: list[list[ScaledRequest]]) -> list[str]:
     ]
 
 
-def run_here(json_path: str | None, quick: bool, trace_path: str | None = None) -> dict:
+def run_here(json_path: str | None, quick: bool, trace_path: str | None = None,
+             setups: tuple[str, ...] | None = None) -> dict:
     """The benchmark in this process (which must have CHILD_ENV set before Ray was imported)."""
     from ray import serve
     from rich.progress import Progress
@@ -308,7 +317,7 @@ def run_here(json_path: str | None, quick: bool, trace_path: str | None = None) 
     traces = round_traces(plan, trace_path or str(default_trace()))
     working_set = [distinct_blocks(t) for t in traces]
     model_dir = save_model_dir(os.path.join(tempfile.mkdtemp(prefix="raykv-vs-"), MODEL))
-    setups = setups_for(quick)
+    setups = setups_for(quick, setups)
     rounds: dict[str, list[dict]] = {name: [] for name in setups}
     config = {"model": MODEL, "nodes": NUM_NODES, "plan": asdict(plan), "quick": quick,
               "setups": list(setups),
@@ -342,7 +351,7 @@ def run_here(json_path: str | None, quick: bool, trace_path: str | None = None) 
     return report.finish(json_path)
 
 
-def run(json_path: str | None, quick: bool) -> dict:
+def run(json_path: str | None, quick: bool, setups: tuple[str, ...] | None = None) -> dict:
     """`raykv bench vllm-serve`: the benchmark in a child process in its own network namespace
     (loopback only: HAProxy and Serve's direct ingress bind every interface), with HAProxy on."""
     out = json_path or os.path.join(tempfile.mkdtemp(prefix="raykv-vs-"), "vllm-serve.json")
@@ -351,6 +360,8 @@ def run(json_path: str | None, quick: bool) -> dict:
     child = [sys.executable, "-m", "cluster.tools.bench.vllm_serve", "--json", out]
     if quick:
         child.append("--quick")
+    if setups:
+        child += ["--setups", ",".join(setups_for(quick, setups))]
     script = "ip link set lo up && exec " + " ".join(child)
     # The repository (Ray's workers import raykv) and vllm_compat (Ray 2.60's LLMRouter imports
     # a vLLM module that vLLM 0.32 moved: vllm_compat/sitecustomize.py) for every worker.
@@ -372,5 +383,7 @@ if __name__ == "__main__":
     parser.add_argument("--json", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--trace")
+    parser.add_argument("--setups", help="comma-separated, of " + ",".join(SETUPS))
     arguments = parser.parse_args()
-    run_here(arguments.json, arguments.quick, arguments.trace)
+    run_here(arguments.json, arguments.quick, arguments.trace,
+             tuple(arguments.setups.split(",")) if arguments.setups else None)

@@ -1,0 +1,223 @@
+"""Summarize a diag/phases.py run: per set-up, per-request phases (medians, p90) and CPU."""
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+SUMMARY = ("requests", "errors", "ttft_p50_ms", "ttft_p99_ms", "hit_ratio", "send_late_p99_ms")
+
+
+def pct(values, q):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def fmt(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return (
+        f"n={len(values)} p50={pct(values, 50) * 1e3:.0f} p90={pct(values, 90) * 1e3:.0f} "
+        f"max={max(values) * 1e3:.0f} mean={statistics.mean(values) * 1e3:.0f} ms"
+    )
+
+
+def load_events(directory):
+    by_pid = {}
+    for path in Path(directory).glob("*.jsonl"):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        by_pid[path.stem] = rows
+    return by_pid
+
+
+def main(out_dir):
+    out = Path(out_dir)
+    results = json.loads((out / "results.json").read_text())
+    events = load_events(out / "events")
+    for setup, res in results.items():
+        w0, w1 = res["wall0"], res["wall1"]
+        print(
+            f"==== {setup}: "
+            + json.dumps({k: res["summary"][k] for k in SUMMARY if k in res["summary"]})
+        )
+        print("   shares", res["summary"].get("replica_shares"))
+        reqs = {}
+        steps = defaultdict(lambda: defaultdict(float))
+        loads, saves, puts, lruns, routes, keys, locs = {}, [], [], [], [], [], []
+        ldone = {}
+        for pid, rows in events.items():
+            for e in rows:
+                t = e.get("t", 0)
+                if not (w0 - 2 <= t <= w1 + 30):
+                    continue
+                k = e["k"]
+                if k == "add":
+                    reqs[e["rid"]] = {"pid": pid, "add": t, "arrival": e["arrival"], "n": e["n"]}
+                elif k == "steps":
+                    for f in ("calls", "empty", "sched_s", "busy_s", "idle_s"):
+                        steps[pid][f] += e[f]
+                elif k == "load":
+                    loads[e["rid"]] = e
+                elif k == "save":
+                    saves.append(e["dur"])
+                elif k == "put":
+                    puts.append(e["dur"])
+                elif k == "lookup_run":
+                    lruns.append(e["dur"])
+                elif k == "lookup_done":
+                    ldone[e["rid"]] = e
+                elif k == "route":
+                    routes.append(e)
+                elif k == "keys":
+                    keys.append(e["dur"])
+                elif k == "locate":
+                    locs.append(e["dur"])
+        for rows in events.values():
+            for e in rows:
+                r = reqs.get(e.get("rid"))
+                if r is None:
+                    continue
+                if e["k"] == "gnm":
+                    r.setdefault("gnm0", e["t"])
+                    r["gnm_calls"] = r.get("gnm_calls", 0) + 1
+                    r["gnm_s"] = r.get("gnm_s", 0) + e["dur"]
+                    if e["result"] is not None and "answer" not in r:
+                        r["answer"], r["matched"] = e["t"], e["result"]
+                elif e["k"] == "first_sched":
+                    r.setdefault("sched", e["t"])
+                    r.setdefault("computed", e["computed"])
+                elif e["k"] == "free":
+                    r["free"] = e["t"]
+        # join client sends to engine requests: same prompt tokens, nearest arrival after send
+        sent = [s for s in res["sent"] if s["status"] == 200]
+        free_reqs = sorted(reqs.values(), key=lambda r: r["arrival"] or 0)
+        used = set()
+        rows = []
+        for s in sorted(sent, key=lambda s: s["sent_at_s"]):
+            send = w0 + s["sent_at_s"]
+            cands = [
+                r
+                for r in free_reqs
+                if id(r) not in used
+                and r["n"] == s["prompt_tokens"]
+                and r["arrival"]
+                and r["arrival"] >= send - 0.05
+            ]
+            if not cands:
+                continue
+            r = min(cands, key=lambda r: r["arrival"])
+            used.add(id(r))
+            rows.append((s, send, r))
+        print(f"   joined {len(rows)} of {len(sent)} answered requests")
+        ph = defaultdict(list)
+        for s, send, r in rows:
+            ph["client ttft"].append(s["ttft_s"])
+            ph["send -> engine frontend (ingress, router, handle)"].append(r["arrival"] - send)
+            ph["frontend -> engine core add"].append(r["add"] - r["arrival"])
+            if "gnm0" in r:
+                ph["add -> first connector ask"].append(r["gnm0"] - r["add"])
+                if "answer" in r:
+                    ph["connector lookup wait (first ask -> answer)"].append(
+                        r["answer"] - r["gnm0"]
+                    )
+                    if "sched" in r:
+                        ph["answer -> first scheduled (load + queue)"].append(
+                            r["sched"] - r["answer"]
+                        )
+            elif "sched" in r:
+                ph["add -> first scheduled"].append(r["sched"] - r["add"])
+            if "sched" in r and "free" in r:
+                ph["first scheduled -> finished (prefill)"].append(r["free"] - r["sched"])
+            if "free" in r:
+                ph["engine finished -> client reply"].append(send + s["ttft_s"] - r["free"])
+                ph["engine arrival -> finished"].append(r["free"] - r["arrival"])
+            if r["pid"]:
+                pass
+            if r.get("answer") is not None and r.get("matched"):
+                ph["  (hits) answer -> first scheduled"].append(
+                    r["sched"] - r["answer"] if "sched" in r else None
+                )
+        for name, vals in ph.items():
+            print(f"   {name:52s} {fmt(vals)}")
+        gcalls = [r.get("gnm_calls", 0) for _, _, r in rows]
+        if any(gcalls):
+            print(
+                f"   connector asks per request: p50 {pct(gcalls, 50)} max {max(gcalls)}; "
+                f"time in get_num_new_matched_tokens total "
+                f"{sum(r.get('gnm_s', 0) for _, _, r in rows):.2f} s"
+            )
+        print(f"   lookup run (thread)   {fmt(lruns)}")
+        print(f"   lookup submit->done   {fmt([e['total'] for e in ldone.values()])}")
+        print(
+            f"   loads                 {fmt([e['dur'] for e in loads.values()])} "
+            f"tokens {sum(e['n'] for e in loads.values())}"
+        )
+        print(f"   save (gather, step)   {fmt(saves)} total {sum(saves):.2f} s")
+        print(f"   put (background)      {fmt(puts)} total {sum(puts):.2f} s")
+        print(f"   router choose         {fmt([e['dur'] for e in routes])}")
+        print(f"   router keys           {fmt(keys)}")
+        print(f"   router locate         {fmt(locs)}")
+        if routes:
+            chosen = defaultdict(int)
+            for e in routes:
+                chosen[e["chosen"]] += 1
+            print(
+                f"   router chosen counts  {dict(chosen)}; last counters {routes[-1]['counters']}"
+            )
+        for pid, st in steps.items():
+            print(
+                f"   engine {pid} steps: calls {st['calls']:.0f} empty {st['empty']:.0f} "
+                f"sched {st['sched_s']:.2f}s busy(forward) {st['busy_s']:.2f}s "
+                f"empty-step {st['idle_s']:.2f}s"
+            )
+        print(
+            f"   system busy {res['system_busy_s']} s, idle {res['system_idle_s']} s "
+            f"over {w1 - w0:.0f} s"
+        )
+        for name, (secs, count) in list(res["cpu"].items())[:14]:
+            print(f"     cpu {secs:7.2f} s  x{count}  {name}")
+        polls = defaultdict(lambda: [0, 0])
+        for pid, rows in events.items():
+            for e in rows:
+                if e["k"] == "errpoll" and w0 <= e["t"] <= w1:
+                    polls[pid][0] += e["n"]
+                    polls[pid][1] += e["none"]
+        if polls:
+            print(f"   Ray error-listener polls in the replay: {dict(polls)}")
+        for key, name, secs in res.get("threads", [])[:16]:
+            print(f"     thread {secs:7.2f} s  {key} / {name}")
+
+        # vLLM metrics deltas
+        def sums(lines):
+            out = defaultdict(float)
+            for line in lines:
+                name = line.split("{")[0]
+                if any(
+                    x in name
+                    for x in (
+                        "time_to_first_token_seconds",
+                        "request_queue_time_seconds",
+                        "request_prefill_time_seconds",
+                        "e2e_request_latency",
+                    )
+                ) and (name.endswith("_sum") or name.endswith("_count")):
+                    out[name] += float(line.rsplit(" ", 1)[1])
+            return out
+
+        b, a = sums(res["metrics_before"]), sums(res["metrics_after"])
+        for name in sorted(a):
+            if name.endswith("_sum"):
+                cnt = a[name[:-4] + "_count"] - b.get(name[:-4] + "_count", 0)
+                if cnt:
+                    print(
+                        f"   vllm {name[:-4]}: mean "
+                        f"{(a[name] - b.get(name, 0)) / cnt * 1e3:.0f} ms over {cnt:.0f}"
+                    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
