@@ -37,6 +37,7 @@ from cluster.core.dataplane.endpoint import PageRead, TensorPages, tensor_buffer
 from cluster.core.geometry import DISK
 from cluster.core.kvcheck import page_rows, page_slices, slab_order
 from cluster.core.tiers.slot_table import as_places
+from cluster.slabs import LocalSlabs
 from cluster.view import CacheView
 
 log = logging.getLogger("raykv.client")
@@ -84,15 +85,23 @@ def _copy_places(view: CacheView, places: np.ndarray, out: torch.Tensor,
     """Copy the pages at `places` (a slot table) into out's pages first_page.. in one pass,
     one block per run of consecutive slots; returns how many leading pages were copied (the
     rest sit in chunks not mapped here). Their generations are the caller's to check."""
-    rows = page_rows(out, view.page_tokens)
-    blocks = view.slabs.runs(places)
-    pairs = [(rows[:, :, :, first_page + run.position : first_page + run.position + run.count],
-              slab_order(block)) for run, block in blocks]
-    mapped = sum(run.count for run, _ in blocks)
+    pairs, mapped = copy_pairs(view.slabs, places, out, first_page)
     started_s = time.perf_counter()
     yield Work(lambda: copy_pages(pairs))
     view.note_copy(places[:mapped], time.perf_counter() - started_s)
     return mapped
+
+
+def copy_pairs(slabs: LocalSlabs, places: np.ndarray, out: torch.Tensor,
+               first_page: int) -> tuple[list, int]:
+    """The (destination, source) blocks that copy the pages at `places` into out's pages
+    first_page..: one per run of consecutive slots (copies.copy_pages copies them), and how
+    many leading pages they cover (the rest are in chunks not mapped here)."""
+    rows = page_rows(out, slabs.geometry.shape[3])
+    blocks = slabs.runs(places)
+    pairs = [(rows[:, :, :, first_page + run.position : first_page + run.position + run.count],
+              slab_order(block)) for run, block in blocks]
+    return pairs, sum(run.count for run, _ in blocks)
 
 
 # ---- 2. the calls for the rest ---------------------------------------------------------------

@@ -9,7 +9,8 @@ reads a prefix of it. Per request size, every contender runs once a round in rot
 (harness.interleave); a figure is the median of `reps` calls:
 
     memcpy_get  copies.copy_pages (the routine and threads client.get copies with) from the
-                host-tier slots of the request's pages into out's page slices: the get's bytes
+                host-tier slots of the request's pages into out's page slices, one block per
+                run of consecutive slots as the get copies them (fetch.copy_pairs): its bytes
     get         client.get(tokens, out=out) after the client dropped its notes of the pages:
                 the node's acquire and the directory match sent together, the copies, the
                 release: a replica's first get of a prefix (tiers' cold_get)
@@ -44,6 +45,8 @@ from cluster.core.config import CacheConfig
 from cluster.core.copies import COPY_THREADS, copy_pages
 from cluster.core.kvcheck import page_slices
 from cluster.core.spec import ModelSpec
+from cluster.core.tiers.slot_table import as_places
+from cluster.fetch import copy_pairs
 from cluster.tools.bench import common, harness
 
 MiB = common.MiB
@@ -210,17 +213,16 @@ def _noop_steps(node):
 
 
 def memcpy_get_s(session: Session, num_tokens: int, reps: int) -> float:
-    """copy_pages from the request's host-tier slots (held under a lease, untimed) into out."""
-    client, page_tokens = session.client, session.page_tokens
+    """copy_pages from the request's host-tier slots (held under a lease, untimed) into out,
+    as the get copies them: one block per run of consecutive slots (fetch.copy_pairs)."""
+    client = session.client
     keys = client.keys(session.tokens(0, num_tokens))
     stamp, lease_id, slots = ray.get(client.local.acquire(client.geometry, keys))
     try:
         common.map_slabs(client, stamp)
-        pages = client.view.slabs.pages(slots)
-        session.expect("memcpy_get", num_tokens, len(pages) == len(keys),
+        pairs, mapped = copy_pairs(client.view.slabs, as_places(slots), session.out, 0)
+        session.expect("memcpy_get", num_tokens, mapped == len(keys),
                        "batch 0's pages are not all in this node's host tier")
-        pairs = [(session.out[:, :, :, page_slices(p, page_tokens)], page)
-                 for p, page in enumerate(pages)]
         seconds = common.warm_median_s(lambda: copy_pages(pairs), reps)
     finally:
         ray.get(client.local.release(lease_id))
@@ -354,8 +356,9 @@ def notes(plan: Plan) -> list[str]:
         "get: the client's first get of a prefix (notes dropped: the node's acquire and the "
         "directory match sent together, copies, release); warm_get: a get right after another "
         f"(copies from noted slots, no call); both copy with copies.copy_pages ({COPY_THREADS} "
-        "threads for a batch >= 8 MiB), as the memcpy baselines do over the same bytes: "
-        "memcpy_get from the same host-tier slots into the same out",
+        "threads for a batch >= 8 MiB), one block per run of consecutive slots, as the memcpy "
+        "baselines do over the same bytes: memcpy_get from the same host-tier slots, in the "
+        "same blocks (fetch.copy_pairs), into the same out",
         "noop: NodeHandle.ping awaited through cluster.calls (the node actor answers at once)",
         "put: reserve call, copies into the host tier, commit call; pages discarded after, "
         "untimed; memcpy_put: kv's page slices into private page buffers",

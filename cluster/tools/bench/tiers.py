@@ -5,7 +5,8 @@ QUICK_BATCH_BYTES) moves through every contender, each run once a round in rotat
 (harness.interleave), for `rounds` rounds. Host contenders (GB/s of page bytes):
 
     memcpy_get   copies.copy_pages (raykv's copy routine and thread pool, COPY_THREADS threads
-                 for a batch >= 8 MiB) from private page buffers into `out`'s page slices (limit)
+                 for a batch >= 8 MiB) from the pages in one private buffer into `out`'s page
+                 slices, one block, as the get copies a run of consecutive slots (limit)
     get          client.get(tokens, out=out) of batch 0 this client read a moment ago: copies
                  from the slots it noted, generations checked after, no call to the node
     cold_get     the same get after the client dropped its notes of batch 0: what its first
@@ -46,7 +47,7 @@ import torch
 from cluster.client import fenced_copy
 from cluster.core.config import CacheConfig
 from cluster.core.copies import COPY_THREADS, copy_pages
-from cluster.core.kvcheck import page_slices
+from cluster.core.kvcheck import page_rows, page_slices, slab_order
 from cluster.tools.bench import common, disk, harness, peers
 
 MiB = common.MiB
@@ -204,8 +205,9 @@ def start_session(plan: SizePlan) -> Session:
 
 def memcpy_contenders(session: Session) -> dict[str, Callable[[int], float]]:
     """The limits: copies.copy_pages (the routine and threads client.get and client.put copy
-    with) between private page buffers (each its own touched allocation) and the page slices
-    of the same `out` (get) and `kv` (put) tensors that raykv's get and put use."""
+    with) into the page slices of the same `out` (get) from the pages in one private buffer,
+    one block, as a get copies a run of consecutive slots; and from the same `kv` (put) into
+    private page buffers (each its own touched allocation), page by page as a put copies."""
     plan, kv, out = session.plan, session.kv, session.out
     slices = [page_slices(p, plan.page_tokens) for p in range(plan.num_pages)]
     sources = [kv[:, :, :, s].contiguous() for s in slices]
@@ -219,7 +221,8 @@ def memcpy_contenders(session: Session) -> dict[str, Callable[[int], float]]:
             return _gbps(plan, seconds)
         return run
 
-    return {"memcpy_get": memcpy([(out[:, :, :, s], sources[p]) for p, s in enumerate(slices)]),
+    slab_like = torch.stack(sources)  # the pages as a host slab holds a put's run of slots
+    return {"memcpy_get": memcpy([(page_rows(out, plan.page_tokens), slab_order(slab_like))]),
             "memcpy_put": memcpy([(targets[p], kv[:, :, :, s]) for p, s in enumerate(slices)])}
 
 
@@ -422,8 +425,9 @@ NOTES = [
     "per-round ratios (spread: min, max, each round); every contender runs once a round in "
     "rotating order (harness.interleave)",
     f"host: client.get/put copy with copies.copy_pages ({COPY_THREADS} threads here, a batch "
-    ">= 8 MiB split); the memcpy limits run that function over the same pages: private page "
-    "buffers -> out's page slices (get), kv's page slices -> private page buffers (put); a "
+    ">= 8 MiB split; a get copies one block per run of consecutive slots); the memcpy limits "
+    "run that function over the same pages: the pages in one private buffer -> out's page "
+    "slices in one block (get), kv's page slices -> private page buffers (put); a "
     "figure is the median of GET_REPS runs (puts: PUT_REPS) after one untimed (puts: none)",
     "get: a batch the client read a moment ago (copies from its noted slots, no call); "
     "cold_get: the same client after dropping its notes of the batch, i.e. its first get of "
