@@ -4,9 +4,10 @@ with at most one round trip on its path (as steps: calls.py).
     fetch_prefix
       1. _copy_hinted   pages this client noted earlier (its gets and puts): no call at all
       2. _ask           the rest: this node's acquire(keys[h:]) and the directory's
-                        prefix_runs(keys[h:]), sent together before step 1's copy
+                        prefix_runs(keys[h:]), sent together before step 1's copy (the
+                        acquire carries the leases earlier gets are done with)
       3. _answer        local prefix L, global prefix P, from their replies
-           _copy_local    this node's slots -> out; release the lease
+           _copy_local    this node's slots -> out; the lease let go (touches.py)
            _read_remote   other nodes' page servers send pages L.. straight into out
                           (cluster/core/dataplane/); this node pulls them too, off our path
 
@@ -120,7 +121,8 @@ class _Asked:
 
 def _ask(view: CacheView, keys: list, start: int) -> _Asked:
     local = view.local
-    acquired = [local.acquire(view.geometry, keys[start:])] if local is not None else []
+    acquired = ([local.acquire(view.geometry, keys[start:], view.take_released())]
+                if local is not None else [])
     positions, prefix_refs = view.directory.prefix_refs(keys[start:])
     return _Asked(start, acquired, positions, prefix_refs, time.perf_counter())
 
@@ -129,7 +131,7 @@ def _drop(view: CacheView, asked: _Asked) -> Steps[None]:
     """Let go of answers we will not use (release a lease they took)."""
     replies = yield Wait(asked.acquired)
     if replies and not failed(replies[0]) and replies[0][1]:
-        view.home.release(replies[0][1])
+        view.release_later(replies[0][1])
 
 
 # ---- 3. their answers: this node's slots, then other nodes -------------------------------------
@@ -188,7 +190,7 @@ def _copy_local(view: CacheView, acquired: tuple, keys: list, out: torch.Tensor,
             places = places[:mapped]
     finally:
         if lease_id:
-            view.home.release(lease_id)  # fire and forget: the copy is done
+            view.release_later(lease_id)  # the copy is done: told with the next call
     # The pins may have lapsed mid-copy: a slot freed since (generation moved) is a miss.
     good = view.slabs.num_unchanged(places)
     if good < len(places):

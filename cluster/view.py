@@ -53,8 +53,8 @@ class CacheView:
 
     def __post_init__(self) -> None:
         if self.slabs is not None:
-            self.touches = TouchBatch(lambda keys, reads: self.home.touch(self.geometry, keys,
-                                                                          reads))
+            self.touches = TouchBatch(lambda keys, reads, released: self.home.touch(
+                self.geometry, keys, reads, released))
 
     @property
     def local(self) -> NodeHandle | None:
@@ -95,6 +95,13 @@ class CacheView:
         """Pages read without a lease: told to this node in batches, fire and forget."""
         if self.touches is not None:
             self.touches.note(keys)
+
+    def release_later(self, lease_id: int) -> None:
+        """Done with a lease of this node's: it goes with the next call (touches.py)."""
+        self.touches.release(lease_id)
+
+    def take_released(self) -> list[int]:
+        return self.touches.take_released() if self.touches is not None else []
 
     def flush_touched(self) -> None:
         if self.touches is not None:
