@@ -36,7 +36,7 @@ from cluster.calls import Steps, Wait, Work, failed
 from cluster.core.copies import copy_pages
 from cluster.core.dataplane.endpoint import PageRead, TensorPages, tensor_buffers
 from cluster.core.geometry import DISK
-from cluster.core.kvcheck import page_rows, page_slices, slab_order
+from cluster.core.kvcheck import page_slices
 from cluster.core.tiers.slot_table import as_places
 from cluster.slabs import LocalSlabs
 from cluster.view import CacheView
@@ -98,11 +98,7 @@ def copy_pairs(slabs: LocalSlabs, places: np.ndarray, out: torch.Tensor,
     """The (destination, source) blocks that copy the pages at `places` into out's pages
     first_page..: one per run of consecutive slots (copies.copy_pages copies them), and how
     many leading pages they cover (the rest are in chunks not mapped here)."""
-    rows = page_rows(out, slabs.geometry.shape[3])
-    blocks = slabs.runs(places)
-    pairs = [(rows[:, :, :, first_page + run.position : first_page + run.position + run.count],
-              slab_order(block)) for run, block in blocks]
-    return pairs, sum(run.count for run, _ in blocks)
+    return slabs.kv_blocks(places, out, first_page + np.arange(len(places)))
 
 
 # ---- 2. the calls for the rest ---------------------------------------------------------------

@@ -32,6 +32,7 @@ from actors.handles import NodeHandle
 from cluster.calls import Steps, Wait, failed
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
+from cluster.core.kvcheck import page_rows, slab_order
 from cluster.core.tiers.fence import SlotFence
 from cluster.core.tiers.memory import ArenaMapping, SlabStamp
 from cluster.core.tiers.slot_table import PlaceHints, SlotRun, as_places, num_unchanged, slot_runs
@@ -142,6 +143,24 @@ class LocalSlabs:
             views.append((run, rows.view(self.geometry.torch_dtype())
                           .unflatten(1, self.geometry.shape)))
         return views
+
+    def kv_blocks(self, places: np.ndarray, kv: torch.Tensor,
+                  positions: np.ndarray) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """(kv's pages, their slots) as blocks, one per run of consecutive slots and
+        consecutive pages of kv: page positions[i] of kv [L, 2, H, N, D] sits in places[i].
+        Also how many leading places the blocks cover (they stop at a slot not mapped here)."""
+        rows = page_rows(kv, self.geometry.shape[3])
+        stretch_starts = np.flatnonzero(np.diff(positions, prepend=-2) != 1).tolist()
+        blocks, covered = [], 0
+        for start, end in zip(stretch_starts, stretch_starts[1:] + [len(places)], strict=True):
+            runs = self.runs(places[start:end])
+            first = int(positions[start])
+            blocks += [(rows[:, :, :, first + run.position : first + run.position + run.count],
+                        slab_order(block)) for run, block in runs]
+            covered += sum(run.count for run, _ in runs)
+            if covered < end:
+                break
+        return blocks, covered
 
     # ---- hints ----------------------------------------------------------------------------
 

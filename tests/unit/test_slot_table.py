@@ -119,3 +119,22 @@ def test_the_oldest_hints_make_room(capacity):
     assert len(hints) == capacity
     assert hints.prefix([bytes([4])], 0.0).tolist() == [[1, 4, 0]]
     assert hints.prefix([bytes([4 - capacity])], 0.0).shape == (0, 3)
+
+
+def fence_runs_one_by_one(slots: list[int]) -> list[tuple[int, int]]:
+    """The fence's old loop: sorted distinct slots, extended one at a time."""
+    runs: list[tuple[int, int]] = []
+    for slot in sorted(set(slots)):
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((slot, 1))
+    return runs
+
+
+@given(slots=st.lists(st.integers(0, 60), max_size=40))
+def test_the_fences_lock_runs_are_the_one_by_one_runs(slots):
+    from cluster.core.tiers.fence import slot_runs as fence_runs
+
+    assert fence_runs(slots) == fence_runs_one_by_one(slots)
+    assert fence_runs(np.array(slots, dtype=np.int64)) == fence_runs_one_by_one(slots)

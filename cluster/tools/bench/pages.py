@@ -16,7 +16,8 @@ reads a prefix of it. Per request size, every contender runs once a round in rot
                 release: a replica's first get of a prefix (tiers' cold_get)
     warm_get    the same get right after another: copies from the noted slots, no call
     noop        a no-op call to the node actor (ping), awaited as the client awaits its calls
-    memcpy_put  copies.copy_pages from kv's page slices into private page buffers
+    memcpy_put  copies.copy_pages from kv's page slices into one private buffer of pages, one
+                block, as the put copies a run of consecutive reserved slots
     put         client.put of fresh tokens: reserve call, copies, commit call (the pages are
                 discarded afterwards, untimed, so that the next put finds room)
 
@@ -43,7 +44,7 @@ import torch
 from cluster.calls import Wait, run_sync
 from cluster.core.config import CacheConfig
 from cluster.core.copies import COPY_THREADS, copy_pages
-from cluster.core.kvcheck import page_slices
+from cluster.core.kvcheck import page_rows, slab_order
 from cluster.core.spec import ModelSpec
 from cluster.core.tiers.slot_table import as_places
 from cluster.fetch import copy_pairs
@@ -159,7 +160,7 @@ def round_values(how: str, numerators: list[float], denominators: list[float],
 @dataclass(slots=True)
 class Session:
     """One page size's service and client, kv and out for the largest request (batch 0's
-    tokens), private page buffers for the put's memcpy, and the paths not taken."""
+    tokens), a private buffer of pages for the put's memcpy, and the paths not taken."""
 
     plan: Plan
     page_tokens: int
@@ -284,8 +285,8 @@ def contenders(session: Session, num_tokens: int) -> dict[str, Callable[[int], f
     """Every contender for one request size: seconds per call (median of its reps)."""
     reps, client = reps_for(num_tokens), session.client
     num_pages = num_tokens // session.page_tokens
-    put_pairs = [(session.targets[p], session.kv[:, :, :, page_slices(p, session.page_tokens)])
-                 for p in range(num_pages)]
+    put_pairs = [(slab_order(session.targets[:num_pages]),  # one block, as a put's run
+                  page_rows(session.kv[:, :, :, :num_tokens], session.page_tokens))]
     noop = lambda: run_sync(_noop_steps(client.local), client.timeout_s)  # noqa: E731
     return {"memcpy_get": lambda _: memcpy_get_s(session, num_tokens, reps),
             "get": lambda _: get_s(session, num_tokens, reps, warm=False),
@@ -361,7 +362,8 @@ def notes(plan: Plan) -> list[str]:
         "same blocks (fetch.copy_pairs), into the same out",
         "noop: NodeHandle.ping awaited through cluster.calls (the node actor answers at once)",
         "put: reserve call, copies into the host tier, commit call; pages discarded after, "
-        "untimed; memcpy_put: kv's page slices into private page buffers",
+        "untimed; memcpy_put: kv's page slices into one private buffer of pages in one block "
+        "(a put copies one block per run of consecutive reserved slots)",
         "get_256_tokens_floor_vs_noop_call: (noop + memcpy_get) / noop at 256 tokens, the "
         "least a get with one call can cost; the small_page_*_overhead_us and *_vs_memcpy "
         "ratios without a goal are shown alongside (warm gets, puts)",
