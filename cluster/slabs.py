@@ -40,7 +40,6 @@ from cluster.core.tiers.slot_table import PlaceHints, SlotRun, as_places, num_un
 log = logging.getLogger("raykv.client")
 MAX_HINTS = 1 << 16
 HINT_TTL_S = 1.0
-Place = tuple[int, int, int]  # (tier, slot, generation)
 
 
 class LocalSlabs:
@@ -110,17 +109,6 @@ class LocalSlabs:
             return None
         raw = raw[: self.geometry.page_bytes]
         return raw.view(self.geometry.torch_dtype()).view(self.geometry.shape)
-
-    def pages(self, places: list) -> list[torch.Tensor]:
-        """The pages of the leading places whose chunks are mapped here (tier and slot
-        first in each place); the list stops at the first that is not."""
-        pages = []
-        for tier, slot, *_ in places:
-            page = self.page(tier, slot)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
 
     def generation(self, tier: int, slot: int) -> int:
         return self._mappings[tier].generation(slot)
