@@ -157,8 +157,8 @@ class NodeHandle:
     def abort(self, reservation_id: int):
         return self.actor.abort.remote(reservation_id)
 
-    def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
-        return self.actor.acquire.remote(geometry, keys)
+    def acquire(self, geometry: PageGeometry, keys: list[PageKey], released: list[int] = ()):
+        return self.actor.acquire.remote(geometry, keys, list(released))
 
     def release(self, lease_id: int):
         return self.actor.release.remote(lease_id)
@@ -171,9 +171,11 @@ class NodeHandle:
         """A ref to the node's data-plane Endpoint (where its page server listens)."""
         return self.actor.dataplane.remote()
 
-    def touch(self, geometry: PageGeometry, keys: list[PageKey], num_reads: int = 1):
-        """Report pages read optimistically (without a lease), for eviction and hit counts."""
-        return self.actor.touch.remote(geometry, keys, num_reads)
+    def touch(self, geometry: PageGeometry, keys: list[PageKey], num_reads: int = 1,
+              released: list[int] = ()):
+        """Report pages read optimistically (without a lease), for eviction and hit counts,
+        and the leases the client is done with."""
+        return self.actor.touch.remote(geometry, keys, num_reads, list(released))
 
     def set_registry(self, registry):
         return self.actor.set_registry.remote(registry)

@@ -278,10 +278,14 @@ class NodeCacheActor:
         await self.ready()
         self.store.abort(reservation_id)
 
-    async def acquire(self, geometry: PageGeometry, keys: list[PageKey]):
+    async def acquire(self, geometry: PageGeometry, keys: list[PageKey],
+                      released: list[int] = ()):
         """Pin the longest local prefix of `keys`:
-        (stamp, lease_id, [(tier, slot, generation), ...])."""
+        (stamp, lease_id, [(tier, slot, generation), ...]). The caller's `released` leases
+        (earlier gets', done) end first."""
         await self.ready()
+        for done in released:
+            self.store.release(done)
         lease_id, located = await self.store.acquire(geometry, keys)
         return self._stamp(geometry), lease_id, located
 
@@ -289,11 +293,15 @@ class NodeCacheActor:
         await self.ready()
         self.store.release(lease_id)
 
-    async def touch(self, geometry: PageGeometry, keys: list[PageKey], num_reads: int = 1) -> int:
+    async def touch(self, geometry: PageGeometry, keys: list[PageKey], num_reads: int = 1,
+                    released: list[int] = ()) -> int:
         """Accesses that clients read without a lease (optimistic reads, generation-checked):
         the eviction policy and the hit counters hear of them, after the fact; `num_reads`
-        gets made them (the requests this node served)."""
+        gets made them (the requests this node served). `released`: leases the client is
+        done with."""
         await self.ready()
+        for done in released:
+            self.store.release(done)
         return await self.store.touch(geometry, keys, num_reads)
 
     # ---- other nodes (the data plane) and clients without shared memory (Ray objects) ----

@@ -18,6 +18,7 @@ import copy
 import logging
 import time
 
+import numpy as np
 import torch
 
 from actors.handles import DirectoryHandle, NodeHandle, PeerCache
@@ -31,6 +32,7 @@ from cluster.core.geometry import HOST, PageGeometry
 from cluster.core.keys import KeyChain, PageKey
 from cluster.core.kvcheck import check_kv, check_out, page_slices
 from cluster.core.spec import ModelSpec
+from cluster.core.tiers.slot_table import as_places
 from cluster.fetch import fetch_prefix, located_prefix
 from cluster.operator import Operator, Prefix
 from cluster.slabs import LocalSlabs
@@ -253,7 +255,8 @@ class KVClient:
         if not (yield from view.slabs.ensure(stamp)):
             view.home.abort(reservation_id)
             return None
-        if len(view.slabs.pages([place for _, place in mine])) == len(mine):
+        places = as_places([place for _, place in mine])
+        if sum(run.count for run, _ in view.slabs.runs(places)) == len(mine):
             return reservation_id, slots, mine
         view.home.abort(reservation_id)
         view.counters["unmapped_pages"] += 1
@@ -267,14 +270,14 @@ class KVClient:
         how many leading pages of the put are stored: all of them, or none past the first of
         ours when the copy was fenced off or the commit failed."""
         view, slabs = self.view, self.view.slabs
-        places = [place for _, place in mine]  # (tier, slot, generation) as reserved
-        pages = slabs.pages(places)
-        if len(pages) < len(mine):  # a chunk this process cannot map: nothing written
+        places = as_places([place for _, place in mine])  # (tier, slot, generation) reserved
+        positions = np.array([p for p, _ in mine], dtype=np.int64)
+        blocks, mapped = slabs.kv_blocks(places, kv, positions)  # one per run of slots
+        if mapped < len(mine):  # a chunk this process cannot map: nothing written
             view.home.abort(reservation_id)
             view.counters["unmapped_pages"] += 1
             return mine[0][0]
-        pairs = [(page, kv[:, :, :, page_slices(p, self.page_tokens)])
-                 for (p, _), page in zip(mine, pages, strict=True)]
+        pairs = [(block, kv_rows) for kv_rows, block in blocks]
         try:
             copied = yield Work(lambda: fenced_copy(slabs, places, pairs))
         except BaseException:
@@ -353,15 +356,15 @@ class KVClient:
                 "page_tokens": self.page_tokens}
 
 
-def fenced_copy(slabs: LocalSlabs, places: list[tuple[int, int, int]], pairs: list) -> bool:
-    """Copy `pairs` into reserved slots only while they are still this put's: under the
+def fenced_copy(slabs: LocalSlabs, places, pairs: list) -> bool:
+    """Copy `pairs` into the reserved slots `places` (a slot table, or (tier, slot,
+    generation) tuples) only while they are still this put's: under the
     slots' write locks, with their generations unmoved since the reserve. False (nothing
     copied) when a lock is held elsewhere or a generation moved: the reservation lapsed, and
     the node may have given the slot to another put. Holding the locks through the copy is
     what keeps the node from reusing a slot under a copy that stalls (tiers/fence.py)."""
-    by_tier: dict[int, list[int]] = {}
-    for tier, slot, _ in places:
-        by_tier.setdefault(tier, []).append(slot)
+    places = as_places(places)
+    by_tier = {tier: places[places[:, 0] == tier, 1] for tier in np.unique(places[:, 0]).tolist()}
     locked: list[int] = []
     try:
         for tier, slots in by_tier.items():

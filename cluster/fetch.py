@@ -1,12 +1,20 @@
-"""Fetching a cached prefix with at most one round trip on its path (as steps: calls.py).
+"""A get, top to bottom: the longest cached prefix of a request's keys into one KV tensor,
+with at most one round trip on its path (as steps: calls.py).
 
-    hinted pages   slab -> out[:h], no call at all (slots noted by earlier gets and puts;
-                   each copy checked against its slot's generation afterwards)
-    the rest       this node: acquire(keys[h:]) --.  sent together, before the hinted copy
-                   directory: prefix_runs(keys[h:]) -'  local prefix L, global prefix P
-                   slab -> out (generations checked); release
-                   other nodes: their page servers send pages P..  straight into out
-                   (cluster/core/dataplane/); this node pulls them too, off our path
+    fetch_prefix
+      1. _copy_hinted   pages this client noted earlier (its gets and puts): no call at all
+      2. _ask           the rest: this node's acquire(keys[h:]) and the directory's
+                        prefix_runs(keys[h:]), sent together before step 1's copy (the
+                        acquire carries the leases earlier gets are done with)
+      3. _answer        local prefix L, global prefix P, from their replies
+           _copy_local    this node's slots -> out; the lease let go (touches.py)
+           _read_remote   other nodes' page servers send pages L.. straight into out
+                          (cluster/core/dataplane/); this node pulls them too, off our path
+
+Steps 1 and 3 copy a slot table (slot_table.py: one int64 row per page) in one pass: a block
+per run of consecutive slots, never a loop per page, then check every page's slot generation
+with one gather per tier. Each step calls only lower layers: the slabs (slot tables and
+copies), the actor handles, the data plane; the view holds the counters.
 
 Any call that fails or times out is a miss: a dead local node leaves only remote pages, a dead
 directory only local ones, a dead peer none of its own. A local page whose slot generation
@@ -29,45 +37,71 @@ from cluster.core.copies import copy_pages
 from cluster.core.dataplane.endpoint import PageRead, TensorPages, tensor_buffers
 from cluster.core.geometry import DISK
 from cluster.core.kvcheck import page_slices
+from cluster.core.tiers.slot_table import as_places
+from cluster.slabs import LocalSlabs
 from cluster.view import CacheView
 
 log = logging.getLogger("raykv.client")
 
 
-def remote_sources(located: list, start: int, local_node: str | None) -> list[str]:
-    """Where to read pages start.. from: the best-tier node other than this one; the list
-    stops at the first page only this node claims (it was not in our local prefix)."""
-    sources = []
-    for locations in located[start:]:
-        others = [node for node, _ in locations if node != local_node]
-        if not others:
-            break
-        sources.append(others[0])
-    return sources
+def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps[tuple]:
+    """(pages that arrived, out) for the longest cached prefix of `keys`; (0, None) on a miss."""
+    hints = view.slabs.hinted(keys) if view.local is not None else as_places([])
+    if out is None and len(hints) and len(hints) < len(keys):
+        hints = hints[:0]  # out's size depends on the answers: no copy before them
+    asked = _ask(view, keys, len(hints)) if len(hints) < len(keys) else None
+    if out is None and len(hints):
+        out = view.empty(len(keys) * view.page_tokens)
+    good = (yield from _copy_hinted(view, keys, hints, out)) if len(hints) else 0
+    if asked is None and good == len(keys):
+        return good, out
+    if asked is None or good < len(hints):  # a hint went stale: ask from there on
+        if asked is not None:
+            yield from _drop(view, asked)
+        asked = _ask(view, keys, good)
+    num_pages, out = yield from _answer(view, keys, asked, out)
+    return (num_pages, out) if num_pages else (0, None)
 
 
-def num_disk_pages(located: list, local_node: str | None) -> int:
-    """Pages the directory places on this node's disk tier only: the node's acquire reads
-    them up before it answers."""
-    count = 0
-    for places in located:
-        tiers = [tier for node, tier in places if node == local_node]
-        count += bool(tiers) and min(tiers) == DISK
-    return count
+# ---- 1. the pages noted earlier ---------------------------------------------------------------
 
 
-def group_positions(sources: list[str], start: int) -> dict[str, list[int]]:
-    groups: dict[str, list[int]] = {}
-    for offset, node in enumerate(sources):
-        groups.setdefault(node, []).append(start + offset)
-    return groups
+def _copy_hinted(view: CacheView, keys: list, hints: np.ndarray,
+                 out: torch.Tensor) -> Steps[int]:
+    """Copy pages from their noted slots; returns how many leading ones stayed valid (a slot
+    whose chunk is no longer mapped here ends them)."""
+    mapped = yield from _copy_places(view, hints, out, 0)
+    good = view.slabs.num_unchanged(hints[:mapped])
+    if good < len(hints):
+        view.slabs.forget(keys[good : len(hints)])
+        view.counters["stale_hints"] += 1
+    view.note_touched(keys[:good])
+    view.counters["local_pages"] += good
+    view.counters["optimistic_pages"] += good
+    return good
 
 
-def located_prefix(view: CacheView, keys: list, answers: list, positions: list) -> list:
-    """Merge the shards' answers; a shard that failed answers nothing (its keys miss)."""
-    view.note_failures(answers)
-    answers = [[] if failed(a) else a for a in answers]
-    return merge_shard_prefixes(len(keys), positions, answers)
+def _copy_places(view: CacheView, places: np.ndarray, out: torch.Tensor,
+                 first_page: int) -> Steps[int]:
+    """Copy the pages at `places` (a slot table) into out's pages first_page.. in one pass,
+    one block per run of consecutive slots; returns how many leading pages were copied (the
+    rest sit in chunks not mapped here). Their generations are the caller's to check."""
+    pairs, mapped = copy_pairs(view.slabs, places, out, first_page)
+    started_s = time.perf_counter()
+    yield Work(lambda: copy_pages(pairs))
+    view.note_copy(places[:mapped], time.perf_counter() - started_s)
+    return mapped
+
+
+def copy_pairs(slabs: LocalSlabs, places: np.ndarray, out: torch.Tensor,
+               first_page: int) -> tuple[list, int]:
+    """The (destination, source) blocks that copy the pages at `places` into out's pages
+    first_page..: one per run of consecutive slots (copies.copy_pages copies them), and how
+    many leading pages they cover (the rest are in chunks not mapped here)."""
+    return slabs.kv_blocks(places, out, first_page + np.arange(len(places)))
+
+
+# ---- 2. the calls for the rest ---------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -81,28 +115,10 @@ class _Asked:
     sent_s: float  # perf_counter when sent: the acquire's round trip times disk reads
 
 
-def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps[tuple]:
-    """(pages that arrived, out) for the longest cached prefix of `keys`; (0, None) on a miss."""
-    hints = view.slabs.hinted(keys) if view.local is not None else []
-    if out is None and hints and len(hints) < len(keys):
-        hints = []  # out's size depends on the answers: no copy before them
-    asked = _ask(view, keys, len(hints)) if len(hints) < len(keys) else None
-    if out is None and hints:
-        out = view.empty(len(keys) * view.page_tokens)
-    good = (yield from _copy_hinted(view, keys, hints, out)) if hints else 0
-    if asked is None and good == len(keys):
-        return good, out
-    if asked is None or good < len(hints):  # a hint went stale: ask from there on
-        if asked is not None:
-            yield from _drop(view, asked)
-        asked = _ask(view, keys, good)
-    num_pages, out = yield from _answer(view, keys, asked, out)
-    return (num_pages, out) if num_pages else (0, None)
-
-
 def _ask(view: CacheView, keys: list, start: int) -> _Asked:
     local = view.local
-    acquired = [local.acquire(view.geometry, keys[start:])] if local is not None else []
+    acquired = ([local.acquire(view.geometry, keys[start:], view.take_released())]
+                if local is not None else [])
     positions, prefix_refs = view.directory.prefix_refs(keys[start:])
     return _Asked(start, acquired, positions, prefix_refs, time.perf_counter())
 
@@ -111,26 +127,10 @@ def _drop(view: CacheView, asked: _Asked) -> Steps[None]:
     """Let go of answers we will not use (release a lease they took)."""
     replies = yield Wait(asked.acquired)
     if replies and not failed(replies[0]) and replies[0][1]:
-        view.home.release(replies[0][1])
+        view.release_later(replies[0][1])
 
 
-def _copy_hinted(view: CacheView, keys: list, hints: list, out: torch.Tensor) -> Steps[int]:
-    """Copy pages from their noted slots; returns how many leading ones stayed valid (a slot
-    whose chunk is no longer mapped here ends them)."""
-    pages = view.slabs.pages(hints)
-    pairs = [(out[:, :, :, page_slices(p, view.page_tokens)], page)
-             for p, page in enumerate(pages)]
-    started_s = time.perf_counter()
-    yield Work(lambda: copy_pages(pairs))
-    view.note_copy(hints[: len(pages)], time.perf_counter() - started_s)
-    good = view.slabs.num_unchanged(hints[: len(pages)])
-    if good < len(hints):
-        view.slabs.forget(keys[good : len(hints)])
-        view.counters["stale_hints"] += 1
-    view.note_touched(keys[:good])
-    view.counters["local_pages"] += good
-    view.counters["optimistic_pages"] += good
-    return good
+# ---- 3. their answers: this node's slots, then other nodes -------------------------------------
 
 
 def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None) -> Steps[tuple]:
@@ -150,7 +150,7 @@ def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None
         out = view.empty(total * view.page_tokens)
     arrived = np.zeros(total, dtype=bool)
     arrived[:start] = True
-    yield from _copy_local(view, (epoch, lease_id, slots), keys, out, arrived)
+    yield from _copy_local(view, (epoch, lease_id, as_places(slots)), keys, out, arrived)
     groups = group_positions(sources, start + len(slots))
     remote_started_s = time.perf_counter()
     remote_before = view.counters["remote_pages"]
@@ -173,31 +173,26 @@ def _acquired(view: CacheView, replies: list) -> tuple:
 
 def _copy_local(view: CacheView, acquired: tuple, keys: list, out: torch.Tensor,
                 arrived: np.ndarray) -> Steps[None]:
-    stamp, lease_id, slots = acquired
-    if not slots:
+    stamp, lease_id, places = acquired
+    if not len(places):
         return
     start = int(np.flatnonzero(~arrived)[0])
     try:
         if not (yield from view.slabs.ensure(stamp)):
             return
-        pages = view.slabs.pages(slots)  # a chunk not mapped here (another GPU) ends them
-        if len(pages) < len(slots):
+        mapped = yield from _copy_places(view, places, out, start)
+        if mapped < len(places):  # a chunk not mapped here (another GPU) ends them
             view.counters["unmapped_pages"] += 1
-            slots = slots[: len(pages)]
-        pairs = [(out[:, :, :, page_slices(start + p, view.page_tokens)], page)
-                 for p, page in enumerate(pages)]
-        started_s = time.perf_counter()
-        yield Work(lambda: copy_pages(pairs))
-        view.note_copy(slots, time.perf_counter() - started_s)
+            places = places[:mapped]
     finally:
         if lease_id:
-            view.home.release(lease_id)  # fire and forget: the copy is done
+            view.release_later(lease_id)  # the copy is done: told with the next call
     # The pins may have lapsed mid-copy: a slot freed since (generation moved) is a miss.
-    good = view.slabs.num_unchanged(slots)
-    if good < len(slots):
+    good = view.slabs.num_unchanged(places)
+    if good < len(places):
         view.counters["torn_reads"] += 1
     arrived[start : start + good] = True
-    view.slabs.remember(keys[start : start + good], slots[:good])
+    view.slabs.remember(keys[start : start + good], places[:good])
     view.counters["local_pages"] += good
 
 
@@ -244,3 +239,42 @@ def _destinations(view: CacheView, out: torch.Tensor, positions: list[int]) -> t
               for _ in targets]
     return (tuple(tensor_buffers(stage) for stage in stages),
             list(zip(targets, stages, strict=True)))
+
+
+# ---- the answers' arithmetic (pure) ----------------------------------------------------------
+
+
+def remote_sources(located: list, start: int, local_node: str | None) -> list[str]:
+    """Where to read pages start.. from: the best-tier node other than this one; the list
+    stops at the first page only this node claims (it was not in our local prefix)."""
+    sources = []
+    for locations in located[start:]:
+        others = [node for node, _ in locations if node != local_node]
+        if not others:
+            break
+        sources.append(others[0])
+    return sources
+
+
+def num_disk_pages(located: list, local_node: str | None) -> int:
+    """Pages the directory places on this node's disk tier only: the node's acquire reads
+    them up before it answers."""
+    count = 0
+    for places in located:
+        tiers = [tier for node, tier in places if node == local_node]
+        count += bool(tiers) and min(tiers) == DISK
+    return count
+
+
+def group_positions(sources: list[str], start: int) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for offset, node in enumerate(sources):
+        groups.setdefault(node, []).append(start + offset)
+    return groups
+
+
+def located_prefix(view: CacheView, keys: list, answers: list, positions: list) -> list:
+    """Merge the shards' answers; a shard that failed answers nothing (its keys miss)."""
+    view.note_failures(answers)
+    answers = [[] if failed(a) else a for a in answers]
+    return merge_shard_prefixes(len(keys), positions, answers)

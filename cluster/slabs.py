@@ -6,7 +6,7 @@ and go, each granted chunk a new allocation: map the new ones, drop the old). A 
 mappings are older asks for the descriptors before it copies; a slot in a chunk it cannot
 map (a GPU it does not see) is a miss, never a write through a stale mapping.
 
-    hints: key -> (tier, slot, generation)     learned from acquires and puts
+    hints: key -> (tier, slot, generation)     learned from acquires and puts (slot_table.py)
 
 A hint lets a get read a page with no call to the node: copy the slot, then check that its
 generation is the one noted. The generation grows whenever the slot is freed, and a page's
@@ -23,22 +23,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from actors.handles import NodeHandle
 from cluster.calls import Steps, Wait, failed
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
+from cluster.core.kvcheck import page_rows, slab_order
 from cluster.core.tiers.fence import SlotFence
 from cluster.core.tiers.memory import ArenaMapping, SlabStamp
+from cluster.core.tiers.slot_table import PlaceHints, SlotRun, as_places, num_unchanged, slot_runs
 
 log = logging.getLogger("raykv.client")
 MAX_HINTS = 1 << 16
 HINT_TTL_S = 1.0
-Place = tuple[int, int, int]  # (tier, slot, generation)
 
 
 class LocalSlabs:
@@ -50,7 +51,7 @@ class LocalSlabs:
         self.epoch: int | None = None
         self._mappings: list[ArenaMapping] = []
         self._fences: list[SlotFence] = []  # per tier: this client's slot write locks
-        self._hints: OrderedDict[PageKey, tuple[Place, float]] = OrderedDict()
+        self._hints = PlaceHints(MAX_HINTS)
         self._lock = threading.Lock()
         self._prefaulting: Future | None = None
 
@@ -109,17 +110,6 @@ class LocalSlabs:
         raw = raw[: self.geometry.page_bytes]
         return raw.view(self.geometry.torch_dtype()).view(self.geometry.shape)
 
-    def pages(self, places: list) -> list[torch.Tensor]:
-        """The pages of the leading places whose chunks are mapped here (tier and slot
-        first in each place); the list stops at the first that is not."""
-        pages = []
-        for tier, slot, *_ in places:
-            page = self.page(tier, slot)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
-
     def generation(self, tier: int, slot: int) -> int:
         return self._mappings[tier].generation(slot)
 
@@ -127,41 +117,62 @@ class LocalSlabs:
         """This client's write locks on a tier's slots (see cluster/core/tiers/fence.py)."""
         return self._fences[tier]
 
+    def runs(self, places: np.ndarray) -> list[tuple[SlotRun, torch.Tensor]]:
+        """The leading runs of `places` (an int64 [N, 3] slot table) whose slots are mapped
+        here, each with its pages as one [count, *page_shape] view; the list stops at the
+        first run this process cannot map (a chunk on a GPU it does not see)."""
+        per_chunk = [mapping.slots_per_chunk for mapping in self._mappings]
+        views = []
+        for run in slot_runs(places, per_chunk):  # one per run of consecutive slots
+            raw = self._mappings[run.tier].run_view(run.first_slot, run.count)
+            if raw is None:
+                break
+            rows = raw.view(run.count, -1)[:, : self.geometry.page_bytes]
+            views.append((run, rows.view(self.geometry.torch_dtype())
+                          .unflatten(1, self.geometry.shape)))
+        return views
+
+    def kv_blocks(self, places: np.ndarray, kv: torch.Tensor,
+                  positions: np.ndarray) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """(kv's pages, their slots) as blocks, one per run of consecutive slots and
+        consecutive pages of kv: page positions[i] of kv [L, 2, H, N, D] sits in places[i].
+        Also how many leading places the blocks cover (they stop at a slot not mapped here)."""
+        rows = page_rows(kv, self.geometry.shape[3])
+        stretch_starts = np.flatnonzero(np.diff(positions, prepend=-2) != 1).tolist()
+        blocks, covered = [], 0
+        for start, end in zip(stretch_starts, stretch_starts[1:] + [len(places)], strict=True):
+            runs = self.runs(places[start:end])
+            first = int(positions[start])
+            blocks += [(rows[:, :, :, first + run.position : first + run.position + run.count],
+                        slab_order(block)) for run, block in runs]
+            covered += sum(run.count for run, _ in runs)
+            if covered < end:
+                break
+        return blocks, covered
+
     # ---- hints ----------------------------------------------------------------------------
 
-    def hinted(self, keys: list[PageKey]) -> list[Place]:
-        """Places of the longest prefix of `keys` with a live hint (mapped slabs only)."""
+    def hinted(self, keys: list[PageKey]) -> np.ndarray:
+        """Places of the longest prefix of `keys` with a live hint (mapped slabs only), as
+        an int64 [N, 3] slot table."""
         if self.epoch is None:
-            return []
-        places, oldest_s = [], time.monotonic() - HINT_TTL_S
-        for key in keys:
-            hint = self._hints.get(key)
-            if hint is None or hint[1] < oldest_s:
-                break
-            places.append(hint[0])
-        return places
-
-    def remember(self, keys: list[PageKey], places: list[Place]) -> None:
-        """Note where the node said (or a put found) these pages are, as of now."""
-        now_s = time.monotonic()
+            return as_places([])
         with self._lock:
-            for key, place in zip(keys, places, strict=False):
-                self._hints[key] = (place, now_s)
-                self._hints.move_to_end(key)
-            while len(self._hints) > MAX_HINTS:
-                self._hints.popitem(last=False)
+            return self._hints.prefix(keys, time.monotonic() - HINT_TTL_S)
+
+    def remember(self, keys: list[PageKey], places) -> None:
+        """Note where the node said (or a put found) these pages are, as of now."""
+        places = as_places(places)[: len(keys)]
+        with self._lock:
+            self._hints.note(keys[: len(places)], places, time.monotonic())
 
     def forget(self, keys: list[PageKey]) -> None:
         with self._lock:
-            for key in keys:
-                self._hints.pop(key, None)
+            self._hints.forget(keys)
 
-    def num_unchanged(self, places: list[Place]) -> int:
+    def num_unchanged(self, places) -> int:
         """How many leading places still hold their generation (the rest are stale)."""
-        for position, (tier, slot, generation) in enumerate(places):
-            if self.generation(tier, slot) != generation:
-                return position
-        return len(places)
+        return num_unchanged(as_places(places), [m.generations for m in self._mappings])
 
 
 _prefaulter: ThreadPoolExecutor | None = None

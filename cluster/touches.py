@@ -1,9 +1,15 @@
-"""Pages a client read straight from shared memory, told to their node in batches.
+"""What a client's gets tell their node after the fact, in batches: pages read straight from
+shared memory, and the read leases they are done with.
 
 An optimistic read makes no call; the node still needs to hear of it, for its eviction policy
 (an access) and its counters (a hit, a request served). The first read after a quiet spell is
 sent at once; later ones are gathered for up to TOUCH_EVERY_S and sent together by a timer, so
 a burst of reads costs one call per interval and none is left untold.
+
+A get that took a lease (the node's acquire pinned its pages) lets go of it with no call of its
+own: the lease rides on the client's next acquire (`take_released`), or on this batch's timer
+within TOUCH_EVERY_S. A release only ends pins, so a late one merely keeps pages from eviction
+a moment longer, and a lease never released (a dead client) still lapses at its deadline.
 """
 
 from __future__ import annotations
@@ -18,13 +24,15 @@ TOUCH_EVERY_S = 0.5  # at most one report per interval
 
 
 class TouchBatch:
-    """Gathers (keys, reads) and hands them to `send(keys, num_reads)`, fire and forget."""
+    """Gathers (keys, reads, released lease ids) and hands them to
+    `send(keys, num_reads, released)`, fire and forget."""
 
-    def __init__(self, send: Callable[[list[PageKey], int], object]):
+    def __init__(self, send: Callable[[list[PageKey], int, list[int]], object]):
         self.send = send
         self._lock = threading.Lock()
         self._keys: list[PageKey] = []
         self._reads = 0
+        self._released: list[int] = []
         self._sent_at_s = -TOUCH_EVERY_S
         self._timer: threading.Timer | None = None
 
@@ -36,12 +44,28 @@ class TouchBatch:
             self._keys.extend(keys)
             self._reads += 1
             due = time.monotonic() - self._sent_at_s >= TOUCH_EVERY_S
-            if not due and self._timer is None:
-                self._timer = threading.Timer(TOUCH_EVERY_S, self.flush)
-                self._timer.daemon = True
-                self._timer.start()
+            if not due:
+                self._start_timer()
         if due:
             self.flush()
+
+    def release(self, lease_id: int) -> None:
+        """A lease this client is done with: sent with its next acquire or by the timer."""
+        with self._lock:
+            self._released.append(lease_id)
+            self._start_timer()
+
+    def take_released(self) -> list[int]:
+        """The leases gathered so far, for a call about to go to the node anyway."""
+        with self._lock:
+            released, self._released = self._released, []
+        return released
+
+    def _start_timer(self) -> None:
+        if self._timer is None:
+            self._timer = threading.Timer(TOUCH_EVERY_S, self.flush)
+            self._timer.daemon = True
+            self._timer.start()
 
     def flush(self) -> None:
         """Send what has gathered, now."""
@@ -49,8 +73,9 @@ class TouchBatch:
             if self._timer is not None and self._timer is not threading.current_thread():
                 self._timer.cancel()
             self._timer = None
-            if not self._keys:
+            if not self._keys and not self._released:
                 return
-            keys, reads = list(dict.fromkeys(self._keys)), self._reads
-            self._keys, self._reads, self._sent_at_s = [], 0, time.monotonic()
-        self.send(keys, reads)
+            keys, reads, released = list(dict.fromkeys(self._keys)), self._reads, self._released
+            self._keys, self._reads, self._released = [], 0, []
+            self._sent_at_s = time.monotonic()
+        self.send(keys, reads, released)

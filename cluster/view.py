@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from actors.handles import DirectoryHandle, NodeHandle, PeerCache
@@ -14,6 +15,7 @@ from cluster.core.dataplane.endpoint import Endpoint
 from cluster.core.dataplane.transport import TcpTransport, Transport
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
+from cluster.core.tiers.slot_table import TIER, as_places
 from cluster.slabs import LocalSlabs
 from cluster.touches import TouchBatch
 from policies.cost_routing import DISK, REMOTE, TIER_SOURCES
@@ -51,8 +53,8 @@ class CacheView:
 
     def __post_init__(self) -> None:
         if self.slabs is not None:
-            self.touches = TouchBatch(lambda keys, reads: self.home.touch(self.geometry, keys,
-                                                                          reads))
+            self.touches = TouchBatch(lambda keys, reads, released: self.home.touch(
+                self.geometry, keys, reads, released))
 
     @property
     def local(self) -> NodeHandle | None:
@@ -73,9 +75,9 @@ class CacheView:
     def note_copy(self, places: list, seconds: float) -> None:
         """A timed copy of pages out of this node's slabs: a rate sample when they all sat in
         one tier (a copy from several cannot tell their speeds apart)."""
-        tiers = {place[0] for place in places}
+        tiers = np.unique(as_places(places)[:, TIER])
         if len(tiers) == 1:
-            self.transfers.append((TIER_SOURCES[tiers.pop()],
+            self.transfers.append((TIER_SOURCES[int(tiers[0])],
                                    len(places) * self.geometry.page_bytes, seconds))
 
     def note_disk(self, num_pages: int, seconds: float) -> None:
@@ -93,6 +95,13 @@ class CacheView:
         """Pages read without a lease: told to this node in batches, fire and forget."""
         if self.touches is not None:
             self.touches.note(keys)
+
+    def release_later(self, lease_id: int) -> None:
+        """Done with a lease of this node's: it goes with the next call (touches.py)."""
+        self.touches.release(lease_id)
+
+    def take_released(self) -> list[int]:
+        return self.touches.take_released() if self.touches is not None else []
 
     def flush_touched(self) -> None:
         if self.touches is not None:

@@ -23,7 +23,7 @@ _pool_lock = threading.Lock()
 
 
 def copy_page(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src for one page (same shape and dtype)."""
+    """dst[...] = src for one page or one run of pages (same shape and dtype, any strides)."""
     if dst.is_cuda or src.is_cuda:
         dst.copy_(src, non_blocking=True)
         return
@@ -31,7 +31,8 @@ def copy_page(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def copy_pages(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy every (dst, src) page; large CPU batches are split across the copy threads.
+    """Copy every (dst, src) page or run of pages; large CPU batches are split across the
+    copy threads (a few large blocks cut up by their layers).
 
     Returns once every byte is in place, GPU copies included: callers commit or release the
     slots right after, and a slot released under a copy still in flight could be reused.
@@ -44,12 +45,24 @@ def copy_pages(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for device in devices:  # the copies were queued non-blocking on each device's stream
             torch.cuda.synchronize(device)
         return
-    if COPY_THREADS == 1 or len(pairs) < 2 or total_bytes < PARALLEL_MIN_BYTES:
+    if COPY_THREADS == 1 or total_bytes < PARALLEL_MIN_BYTES:
         for dst, src in pairs:
             copy_page(dst, src)
         return
+    if len(pairs) < 2 * COPY_THREADS:  # a few large blocks (runs of pages): cut each up
+        pairs = [piece for dst, src in pairs for piece in _split(dst, src, COPY_THREADS)]
     shares = [pairs[i::COPY_THREADS] for i in range(COPY_THREADS)]
     list(_executor().map(_copy_share, shares))
+
+
+def _split(dst: torch.Tensor, src: torch.Tensor, num_pieces: int) -> list[tuple]:
+    """(dst, src) cut into up to `num_pieces` pairs along the first dimension that has as
+    many rows (the layers of a run of pages); whole when none does."""
+    for dim, size in enumerate(dst.shape):
+        if size >= num_pieces:
+            return list(zip(dst.chunk(num_pieces, dim), src.chunk(num_pieces, dim),
+                            strict=True))
+    return [(dst, src)]
 
 
 def _copy_share(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -48,4 +49,9 @@ class PageGeometry:
         return "x".join(map(str, self.shape)) + "-" + self.dtype
 
     def torch_dtype(self):
-        return ModelSpec("g", 1, 1, 1, self.dtype).torch_dtype()
+        return _torch_dtype(self.dtype)
+
+
+@functools.cache
+def _torch_dtype(dtype: str):
+    return ModelSpec("g", 1, 1, 1, dtype).torch_dtype()

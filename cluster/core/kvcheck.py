@@ -12,6 +12,19 @@ def page_slices(page: int, page_tokens: int) -> slice:
     return slice(page * page_tokens, (page + 1) * page_tokens)
 
 
+def page_rows(kv: torch.Tensor, page_tokens: int) -> torch.Tensor:
+    """kv [L, 2, H, N, D] as its whole pages, [L, 2, H, N // page_tokens, page_tokens, D]: a
+    view, so rows[:, :, :, p:p+k] are pages p..p+k-1 of kv, written in place."""
+    num_pages = kv.shape[3] // page_tokens
+    return kv[:, :, :, : num_pages * page_tokens].unflatten(3, (num_pages, page_tokens))
+
+
+def slab_order(block: torch.Tensor) -> torch.Tensor:
+    """k pages as slots hold them, [k, L, 2, H, T, D], viewed in page_rows' order
+    [L, 2, H, k, T, D] (no copy)."""
+    return block.permute(1, 2, 3, 0, 4, 5)
+
+
 def _check_layout(kv: object, spec: ModelSpec, what: str) -> None:
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(kv).__name__}")

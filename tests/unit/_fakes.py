@@ -65,7 +65,8 @@ class FakeNode:
             return FakeRef(RuntimeError(f"{self.node_id} {name} failed"))
         return FakeRef(value)
 
-    def acquire(self, geometry: PageGeometry, keys: list):
+    def acquire(self, geometry: PageGeometry, keys: list, released: list = ()):
+        self.released = getattr(self, "released", []) + list(released)
         located = []
         for key in keys:
             if key not in self.pages:
@@ -86,8 +87,10 @@ class FakeNode:
     def pull(self, geometry: PageGeometry, remote: dict, namespace: str = ""):
         return self._call("pull", sum(len(keys) for keys in remote.values()))
 
-    def touch(self, geometry: PageGeometry, keys: list, num_reads: int = 1):
+    def touch(self, geometry: PageGeometry, keys: list, num_reads: int = 1,
+              released: list = ()):
         self.touched = getattr(self, "touched", []) + list(keys)
+        self.released = getattr(self, "released", []) + list(released)
         return self._call("touch", len(keys))
 
     # puts: reserve in `put_tier` (the host arena unless told), commit makes them visible

@@ -10,7 +10,7 @@ from cluster.touches import TOUCH_EVERY_S, TouchBatch
 
 def test_first_read_at_once_then_a_burst_in_one_report():
     sent: list[tuple[list, int]] = []
-    batch = TouchBatch(lambda keys, reads: sent.append((keys, reads)))
+    batch = TouchBatch(lambda keys, reads, released: sent.append((keys, reads)))
     batch.note([b"a", b"b"])
     assert sent == [([b"a", b"b"], 1)]  # the first after a quiet spell: at once
     batch.note([b"b", b"c"])
@@ -25,7 +25,7 @@ def test_first_read_at_once_then_a_burst_in_one_report():
 
 def test_flush_sends_what_gathered_and_cancels_the_timer():
     sent: list[tuple[list, int]] = []
-    batch = TouchBatch(lambda keys, reads: sent.append((keys, reads)))
+    batch = TouchBatch(lambda keys, reads, released: sent.append((keys, reads)))
     batch.note([b"a"])
     batch.note([b"d"])
     batch.flush()
@@ -33,3 +33,17 @@ def test_flush_sends_what_gathered_and_cancels_the_timer():
     time.sleep(2 * TOUCH_EVERY_S)
     batch.flush()  # nothing left: nothing sent
     assert len(sent) == 2
+
+
+def test_a_released_lease_rides_on_the_next_call_or_the_timer():
+    sent: list[tuple[list, int, list]] = []
+    batch = TouchBatch(lambda keys, reads, released: sent.append((keys, reads, released)))
+    batch.release(3)
+    batch.release(4)
+    assert sent == [] and batch.take_released() == [3, 4]  # an acquire carries them
+    assert batch.take_released() == []
+    batch.release(5)
+    deadline_s = time.monotonic() + 10 * TOUCH_EVERY_S
+    while not sent and time.monotonic() < deadline_s:
+        time.sleep(0.01)
+    assert sent == [([], 0, [5])]  # no call came: the timer told the node

@@ -26,6 +26,8 @@ import struct
 import threading
 from collections.abc import Iterable
 
+import numpy as np
+
 GEN_BYTES = 8  # one uint64 generation per slot, at slot * GEN_BYTES (tiers/memory.py)
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock: type, whence, start, len, pid (0 for OFD)
 _BUSY = {errno.EAGAIN, errno.EACCES}
@@ -33,13 +35,12 @@ _BUSY = {errno.EAGAIN, errno.EACCES}
 
 def slot_runs(slots: Iterable[int]) -> list[tuple[int, int]]:
     """Sorted, distinct slots as (first, count) runs of consecutive slots."""
-    runs: list[tuple[int, int]] = []
-    for slot in sorted(set(slots)):
-        if runs and runs[-1][0] + runs[-1][1] == slot:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((slot, 1))
-    return runs
+    distinct = np.unique(np.fromiter(slots, dtype=np.int64))
+    if not distinct.size:
+        return []
+    starts = np.flatnonzero(np.diff(distinct, prepend=distinct[0] - 2) != 1)
+    counts = np.diff(np.append(starts, distinct.size))
+    return list(zip(distinct[starts].tolist(), counts.tolist(), strict=True))
 
 
 class SlotFence:

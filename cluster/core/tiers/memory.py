@@ -277,6 +277,22 @@ class ArenaMapping:
         self._fault_in(start // self.descriptor.chunk_bytes)
         return self.tensor[start : start + self.descriptor.slot_bytes]
 
+    @property
+    def slots_per_chunk(self) -> int:
+        return max(1, self.descriptor.chunk_bytes // self.descriptor.slot_bytes)
+
+    def run_view(self, first_slot: int, count: int) -> torch.Tensor | None:
+        """The bytes of slots first_slot..first_slot+count-1 (one chunk's, in the device tier),
+        as one 1-D uint8 view; None where this process cannot map them (a miss)."""
+        slot_bytes = self.descriptor.slot_bytes
+        start, nbytes = first_slot * slot_bytes, count * slot_bytes
+        if self.device is not None:
+            return self.device.view(start, nbytes)
+        chunk_bytes = self.descriptor.chunk_bytes
+        for chunk in range(start // chunk_bytes, (start + nbytes - 1) // chunk_bytes + 1):
+            self._fault_in(chunk)
+        return self.tensor[start : start + nbytes]
+
     def _fault_in(self, chunk: int) -> bool:
         grant = int(self.held[chunk])
         if not grant or self._populated.get(chunk) == grant:

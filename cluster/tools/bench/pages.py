@@ -9,13 +9,15 @@ reads a prefix of it. Per request size, every contender runs once a round in rot
 (harness.interleave); a figure is the median of `reps` calls:
 
     memcpy_get  copies.copy_pages (the routine and threads client.get copies with) from the
-                host-tier slots of the request's pages into out's page slices: the get's bytes
+                host-tier slots of the request's pages into out's page slices, one block per
+                run of consecutive slots as the get copies them (fetch.copy_pairs): its bytes
     get         client.get(tokens, out=out) after the client dropped its notes of the pages:
                 the node's acquire and the directory match sent together, the copies, the
                 release: a replica's first get of a prefix (tiers' cold_get)
     warm_get    the same get right after another: copies from the noted slots, no call
     noop        a no-op call to the node actor (ping), awaited as the client awaits its calls
-    memcpy_put  copies.copy_pages from kv's page slices into private page buffers
+    memcpy_put  copies.copy_pages from kv's page slices into one private buffer of pages, one
+                block, as the put copies a run of consecutive reserved slots
     put         client.put of fresh tokens: reserve call, copies, commit call (the pages are
                 discarded afterwards, untimed, so that the next put finds room)
 
@@ -42,8 +44,10 @@ import torch
 from cluster.calls import Wait, run_sync
 from cluster.core.config import CacheConfig
 from cluster.core.copies import COPY_THREADS, copy_pages
-from cluster.core.kvcheck import page_slices
+from cluster.core.kvcheck import page_rows, slab_order
 from cluster.core.spec import ModelSpec
+from cluster.core.tiers.slot_table import as_places
+from cluster.fetch import copy_pairs
 from cluster.tools.bench import common, harness
 
 MiB = common.MiB
@@ -156,7 +160,7 @@ def round_values(how: str, numerators: list[float], denominators: list[float],
 @dataclass(slots=True)
 class Session:
     """One page size's service and client, kv and out for the largest request (batch 0's
-    tokens), private page buffers for the put's memcpy, and the paths not taken."""
+    tokens), a private buffer of pages for the put's memcpy, and the paths not taken."""
 
     plan: Plan
     page_tokens: int
@@ -210,17 +214,16 @@ def _noop_steps(node):
 
 
 def memcpy_get_s(session: Session, num_tokens: int, reps: int) -> float:
-    """copy_pages from the request's host-tier slots (held under a lease, untimed) into out."""
-    client, page_tokens = session.client, session.page_tokens
+    """copy_pages from the request's host-tier slots (held under a lease, untimed) into out,
+    as the get copies them: one block per run of consecutive slots (fetch.copy_pairs)."""
+    client = session.client
     keys = client.keys(session.tokens(0, num_tokens))
     stamp, lease_id, slots = ray.get(client.local.acquire(client.geometry, keys))
     try:
         common.map_slabs(client, stamp)
-        pages = client.view.slabs.pages(slots)
-        session.expect("memcpy_get", num_tokens, len(pages) == len(keys),
+        pairs, mapped = copy_pairs(client.view.slabs, as_places(slots), session.out, 0)
+        session.expect("memcpy_get", num_tokens, mapped == len(keys),
                        "batch 0's pages are not all in this node's host tier")
-        pairs = [(session.out[:, :, :, page_slices(p, page_tokens)], page)
-                 for p, page in enumerate(pages)]
         seconds = common.warm_median_s(lambda: copy_pages(pairs), reps)
     finally:
         ray.get(client.local.release(lease_id))
@@ -282,8 +285,8 @@ def contenders(session: Session, num_tokens: int) -> dict[str, Callable[[int], f
     """Every contender for one request size: seconds per call (median of its reps)."""
     reps, client = reps_for(num_tokens), session.client
     num_pages = num_tokens // session.page_tokens
-    put_pairs = [(session.targets[p], session.kv[:, :, :, page_slices(p, session.page_tokens)])
-                 for p in range(num_pages)]
+    put_pairs = [(slab_order(session.targets[:num_pages]),  # one block, as a put's run
+                  page_rows(session.kv[:, :, :, :num_tokens], session.page_tokens))]
     noop = lambda: run_sync(_noop_steps(client.local), client.timeout_s)  # noqa: E731
     return {"memcpy_get": lambda _: memcpy_get_s(session, num_tokens, reps),
             "get": lambda _: get_s(session, num_tokens, reps, warm=False),
@@ -354,11 +357,13 @@ def notes(plan: Plan) -> list[str]:
         "get: the client's first get of a prefix (notes dropped: the node's acquire and the "
         "directory match sent together, copies, release); warm_get: a get right after another "
         f"(copies from noted slots, no call); both copy with copies.copy_pages ({COPY_THREADS} "
-        "threads for a batch >= 8 MiB), as the memcpy baselines do over the same bytes: "
-        "memcpy_get from the same host-tier slots into the same out",
+        "threads for a batch >= 8 MiB), one block per run of consecutive slots, as the memcpy "
+        "baselines do over the same bytes: memcpy_get from the same host-tier slots, in the "
+        "same blocks (fetch.copy_pairs), into the same out",
         "noop: NodeHandle.ping awaited through cluster.calls (the node actor answers at once)",
         "put: reserve call, copies into the host tier, commit call; pages discarded after, "
-        "untimed; memcpy_put: kv's page slices into private page buffers",
+        "untimed; memcpy_put: kv's page slices into one private buffer of pages in one block "
+        "(a put copies one block per run of consecutive reserved slots)",
         "get_256_tokens_floor_vs_noop_call: (noop + memcpy_get) / noop at 256 tokens, the "
         "least a get with one call can cost; the small_page_*_overhead_us and *_vs_memcpy "
         "ratios without a goal are shown alongside (warm gets, puts)",

@@ -5,12 +5,14 @@ QUICK_BATCH_BYTES) moves through every contender, each run once a round in rotat
 (harness.interleave), for `rounds` rounds. Host contenders (GB/s of page bytes):
 
     memcpy_get   copies.copy_pages (raykv's copy routine and thread pool, COPY_THREADS threads
-                 for a batch >= 8 MiB) from private page buffers into `out`'s page slices (limit)
+                 for a batch >= 8 MiB) from the pages in one private buffer into `out`'s page
+                 slices, one block, as the get copies a run of consecutive slots (limit)
     get          client.get(tokens, out=out) of batch 0 this client read a moment ago: copies
                  from the slots it noted, generations checked after, no call to the node
     cold_get     the same get after the client dropped its notes of batch 0: what its first
                  get of a batch does (acquire + directory match sent together, copies, release)
-    memcpy_put   copies.copy_pages from `kv`'s page slices into private page buffers (limit)
+    memcpy_put   copies.copy_pages from `kv`'s page slices into one private buffer of pages,
+                 one block, as the put copies a run of consecutive reserved slots (limit)
     put          client.put(tokens, kv) of a fresh batch: reserve RPC, copies, commit RPC
     redis_get    pipelined GETs on COPY_THREADS connections, each copying its pages out (peer)
     ray_get      another worker ray.gets the driver's ray.put pages, copies them out with
@@ -46,7 +48,9 @@ import torch
 from cluster.client import fenced_copy
 from cluster.core.config import CacheConfig
 from cluster.core.copies import COPY_THREADS, copy_pages
-from cluster.core.kvcheck import page_slices
+from cluster.core.kvcheck import page_rows, page_slices, slab_order
+from cluster.core.tiers.slot_table import as_places
+from cluster.fetch import copy_pairs
 from cluster.tools.bench import common, disk, harness, peers
 
 MiB = common.MiB
@@ -204,12 +208,12 @@ def start_session(plan: SizePlan) -> Session:
 
 def memcpy_contenders(session: Session) -> dict[str, Callable[[int], float]]:
     """The limits: copies.copy_pages (the routine and threads client.get and client.put copy
-    with) between private page buffers (each its own touched allocation) and the page slices
-    of the same `out` (get) and `kv` (put) tensors that raykv's get and put use."""
+    with) into the page slices of the same `out` (get) from the pages in one private buffer,
+    and from the page slices of the same `kv` (put) into another: one block each, as a get or
+    a put copies a run of consecutive slots."""
     plan, kv, out = session.plan, session.kv, session.out
     slices = [page_slices(p, plan.page_tokens) for p in range(plan.num_pages)]
     sources = [kv[:, :, :, s].contiguous() for s in slices]
-    targets = [common.touched_like(page) for page in sources]
 
     def memcpy(pairs: list) -> Callable[[int], float]:
         def run(_: int) -> float:
@@ -219,8 +223,10 @@ def memcpy_contenders(session: Session) -> dict[str, Callable[[int], float]]:
             return _gbps(plan, seconds)
         return run
 
-    return {"memcpy_get": memcpy([(out[:, :, :, s], sources[p]) for p, s in enumerate(slices)]),
-            "memcpy_put": memcpy([(targets[p], kv[:, :, :, s]) for p, s in enumerate(slices)])}
+    slab_like = torch.stack(sources)  # the pages as a host slab holds a put's run of slots
+    target = common.touched_like(slab_like)  # a run of reserved slots, for the put
+    return {"memcpy_get": memcpy([(page_rows(out, plan.page_tokens), slab_order(slab_like))]),
+            "memcpy_put": memcpy([(slab_order(target), page_rows(kv, plan.page_tokens))])}
 
 
 def get_gbps(session: Session) -> float:
@@ -316,8 +322,7 @@ def get_phases_s(session: Session) -> dict[str, float]:
 
     stamp, lease_id, slots = ray.get(client.local.acquire(client.geometry, keys))
     common.map_slabs(client, stamp)
-    pairs = [(out[:, :, :, page_slices(p, plan.page_tokens)], page)
-             for p, page in enumerate(client.view.slabs.pages(slots))]
+    pairs, _ = copy_pairs(client.view.slabs, as_places(slots), out, 0)  # as the get's
     try:
         copies_s = common.warm_median_s(lambda: copy_pages(pairs), GET_REPS)
     finally:
@@ -331,7 +336,7 @@ def get_phases_s(session: Session) -> dict[str, float]:
 
 def put_phases_s(session: Session) -> dict[str, float]:
     """One put of a fresh batch, done step by step as client.put does it, each step timed."""
-    client, kv, plan = session.client, session.kv, session.plan
+    client, kv = session.client, session.kv
     tokens = session.fresh_tokens()
     keys_s, keys = common.timed(lambda: client.keys(tokens))
     reserve_s, (stamp, reservation_id, slots) = common.timed(
@@ -339,8 +344,8 @@ def put_phases_s(session: Session) -> dict[str, float]:
     if len(slots) != len(keys) or None in slots:
         raise RuntimeError(f"reserve found room for {len(slots)} of {len(keys)} pages")
     map_s, _ = common.timed(lambda: common.map_slabs(client, stamp))  # a new chunk: mapped
-    pairs = [(page, kv[:, :, :, page_slices(p, plan.page_tokens)])
-             for p, page in enumerate(client.view.slabs.pages(slots))]
+    blocks, _ = client.view.slabs.kv_blocks(as_places(slots), kv, np.arange(len(slots)))
+    pairs = [(block, kv_rows) for kv_rows, block in blocks]  # as the put's
     copy = lambda: fenced_copy(client.view.slabs, slots, pairs)  # noqa: E731
     copies_s, copied = common.timed(copy)
     rewrite_s, _ = common.timed(copy)  # the same slots again: their memory now touched
@@ -422,8 +427,9 @@ NOTES = [
     "per-round ratios (spread: min, max, each round); every contender runs once a round in "
     "rotating order (harness.interleave)",
     f"host: client.get/put copy with copies.copy_pages ({COPY_THREADS} threads here, a batch "
-    ">= 8 MiB split); the memcpy limits run that function over the same pages: private page "
-    "buffers -> out's page slices (get), kv's page slices -> private page buffers (put); a "
+    ">= 8 MiB split; a get copies one block per run of consecutive slots); the memcpy limits "
+    "run that function over the same pages: the pages in one private buffer -> out's page "
+    "slices in one block (get), kv's page slices -> one private buffer in one block (put); a "
     "figure is the median of GET_REPS runs (puts: PUT_REPS) after one untimed (puts: none)",
     "get: a batch the client read a moment ago (copies from its noted slots, no call); "
     "cold_get: the same client after dropping its notes of the batch, i.e. its first get of "
