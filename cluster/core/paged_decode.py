@@ -11,7 +11,8 @@ per batch, not per page); loads run on a loader thread, off the decoding thread,
 one hand-off per batch. The ways to decode a token (DECODE_STEPS):
 
     resident   attend to the resident pages and the disk pages' in-memory originals: compute only
-    sync       read a window of disk pages (one batch), wait for it, attend; repeat; then resident
+    sync       read a window of disk pages (its two halves' batches at once), wait for it,
+               attend; repeat; then resident
     prefetch   the window in two halves, each a batch in flight: attend to resident pages while
                they land; take each batch as it arrives and reload its half with the next pages
 
@@ -164,16 +165,20 @@ def resident_token(context: PagedContext, query: torch.Tensor,
 
 
 def sync_token(context: PagedContext, query: torch.Tensor, disk: DiskPages) -> torch.Tensor:
-    """Disk pages read when needed: a window's worth at a time (one batch), waited for, then
-    attended."""
+    """Disk pages read when needed: a window's worth at a time, waited for, then attended. The
+    window loads as two batches at once (window_groups), so that one half's decode overlaps
+    the other half's reads; the decoding thread waits for both."""
     attention = OnlineAttention(query)
     window = context.window
     for start in range(0, len(disk), window.num_buffers):
-        buffers = range(min(window.num_buffers, len(disk) - start))
-        future = context.loader.submit(disk.load, start, window, buffers)
+        count = min(window.num_buffers, len(disk) - start)
+        futures = [context.loader.submit(disk.load, start + group.start, window,
+                                         range(group.start, min(group.stop, count)))
+                   for group in window_groups(window.num_buffers) if group.start < count]
         with context.stall.waiting():
-            future.result()
-        for buffer in buffers:
+            for future in futures:
+                future.result()
+        for buffer in range(count):
             attention.add_page(window.pages[buffer])
     for page in context.resident:
         attention.add_page(page)
