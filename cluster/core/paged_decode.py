@@ -4,14 +4,17 @@
     window:   a few 4096-aligned page buffers that disk pages are read (and decoded) into
 
 Every token attends to every page (paged_attention.OnlineAttention), so each disk page is read
-once per token. A load reads one page through DiskArena.read_pages (O_DIRECT, checksum) and,
-for a quantized codec, decodes it with quant.decode_page; loads run in a thread pool, as the
-disk tier's own reads do. The ways to decode a token (DECODE_STEPS):
+once per token. A load brings a batch of pages (a run of window buffers) in with one
+DiskArena.read_pages (O_DIRECT; the arena's threads read and checksum the pages in parallel)
+and, for a quantized codec, decodes the whole batch with quant.decode_pages (a few tensor ops
+per batch, not per page); loads run on a loader thread, off the decoding thread, which gets
+one hand-off per batch. The ways to decode a token (DECODE_STEPS):
 
     resident   attend to the resident pages and the disk pages' in-memory originals: compute only
-    sync       read a window of disk pages, wait for all of them, attend; repeat; then resident
-    prefetch   issue a window of reads first and attend to resident pages while they land; take
-               each page as it arrives and reuse its buffer for the next read
+    sync       read a window of disk pages (its two halves' batches at once), wait for it,
+               attend; repeat; then resident
+    prefetch   the window in two halves, each a batch in flight: attend to resident pages while
+               they land; take each batch as it arrives and reload its half with the next pages
 
 Pure: no Ray. Pages of a quantized codec come back as their decoded values, not the originals.
 """
@@ -22,7 +25,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -40,22 +43,40 @@ WRITE_BATCH_PAGES = 16
 
 class PageWindow:
     """`num_buffers` aligned page buffers, seen as raw bytes and as page tensors, and an
-    aligned staging buffer each for payloads that must be decoded."""
+    aligned staging buffer each for payloads that must be decoded. Each kind is one block of
+    equal, 4096-aligned rows, so that a run of buffers is one tensor (`batch`, `staging_rows`)
+    that a batch's decode covers with a few whole-batch ops."""
 
     def __init__(self, geometry: PageGeometry, num_buffers: int) -> None:
         if num_buffers <= 0:
             raise ValueError(f"the window needs at least one buffer, got {num_buffers}")
         dtype = geometry.torch_dtype()
-        self.raw = [aligned_empty(geometry.page_bytes) for _ in range(num_buffers)]
-        self.pages = [torch.from_numpy(raw).view(dtype).view(geometry.shape) for raw in self.raw]
         # a quantized payload (scales + 1 byte per element) is never larger than the raw page
-        self.staging = [aligned_empty(round_up(geometry.page_bytes)) for _ in range(num_buffers)]
-        for buffer in (*self.raw, *self.staging):
-            buffer.fill(0)  # fault the pages in now, not inside a timed load
+        row_bytes = round_up(geometry.page_bytes)
+        raw_block, staging_block = (aligned_empty(num_buffers * row_bytes) for _ in range(2))
+        for block in (raw_block, staging_block):
+            block.fill(0)  # fault the pages in now, not inside a timed load
+        self._raw_rows = torch.from_numpy(raw_block).view(num_buffers, row_bytes)
+        self._staging_rows = torch.from_numpy(staging_block).view(num_buffers, row_bytes)
+        self._pages = self._raw_rows[:, : geometry.page_bytes].view(dtype).unflatten(
+            1, geometry.shape)
+        self.raw = [raw_block[i * row_bytes : i * row_bytes + geometry.page_bytes]
+                    for i in range(num_buffers)]
+        self.staging = [staging_block[i * row_bytes : (i + 1) * row_bytes]
+                        for i in range(num_buffers)]
+        self.pages = list(self._pages.unbind(0))
 
     @property
     def num_buffers(self) -> int:
         return len(self.raw)
+
+    def batch(self, buffers: range) -> torch.Tensor:
+        """Buffers `buffers` (a run of them) as one [n, *page shape] tensor."""
+        return self._pages[buffers.start : buffers.stop]
+
+    def staging_rows(self, buffers: range) -> torch.Tensor:
+        """Their staging buffers as one uint8 [n, row bytes] tensor."""
+        return self._staging_rows[buffers.start : buffers.stop]
 
 
 class DiskPages:
@@ -89,18 +110,23 @@ class DiskPages:
             self.arena.write_pages([(self.slots[i], self.keys[i], codec_id,
                                      quant.encode_page(pages[i], self.codec)) for i in batch])
 
-    def load(self, index: int, window: PageWindow, buffer: int) -> None:
-        """Read page `index` into window buffer `buffer` (decoding a quantized page); a page
-        that comes back missing or as another page raises RuntimeError."""
+    def load(self, first_index: int, window: PageWindow, buffers: range) -> None:
+        """Read pages first_index, first_index + 1, ... into window buffers `buffers` (a run of
+        them) as one batch: one DiskArena.read_pages (its threads read and checksum the pages
+        in parallel), then, for a quantized codec, one decode of the whole batch. A page that
+        comes back missing or as another page raises RuntimeError."""
+        indices = range(first_index, first_index + len(buffers))
         raw = self.codec == "none"
-        out = (window.raw if raw else window.staging)[buffer][: self.payload_bytes]
-        (meta,) = self.arena.read_pages([self.slots[index]], [out])
-        if meta is None or meta.key != self.keys[index]:
-            raise RuntimeError(f"disk page {index} (slot {self.slots[index]}) came back missing "
-                               f"or corrupt")
+        outs = [(window.raw if raw else window.staging)[buffer][: self.payload_bytes]
+                for buffer in buffers]
+        metas = self.arena.read_pages([self.slots[i] for i in indices], outs)
+        for index, meta in zip(indices, metas, strict=True):
+            if meta is None or meta.key != self.keys[index]:
+                raise RuntimeError(f"disk page {index} (slot {self.slots[index]}) came back "
+                                   f"missing or corrupt")
         if not raw:
-            quant.decode_page(out, self.codec, self.geometry.shape, self.geometry.torch_dtype(),
-                              window.pages[buffer])
+            quant.decode_pages(window.staging_rows(buffers), self.codec, self.geometry.shape,
+                               window.batch(buffers))
 
 
 class StallClock:
@@ -125,7 +151,7 @@ class PagedContext:
     resident: list[torch.Tensor]  # pages kept in memory
     originals: list[torch.Tensor]  # the disk pages' in-memory copies: the resident baseline
     window: PageWindow
-    loader: ThreadPoolExecutor  # runs DiskPages.load
+    loader: ThreadPoolExecutor  # runs DiskPages.load, a batch at a time
     stall: StallClock = field(default_factory=StallClock)
 
 
@@ -139,50 +165,64 @@ def resident_token(context: PagedContext, query: torch.Tensor,
 
 
 def sync_token(context: PagedContext, query: torch.Tensor, disk: DiskPages) -> torch.Tensor:
-    """Disk pages read when needed: a window's worth at a time, waited for, then attended."""
+    """Disk pages read when needed: a window's worth at a time, waited for, then attended. The
+    window loads as two batches at once (window_groups), so that one half's decode overlaps
+    the other half's reads; the decoding thread waits for both."""
     attention = OnlineAttention(query)
     window = context.window
     for start in range(0, len(disk), window.num_buffers):
-        indices = range(start, min(start + window.num_buffers, len(disk)))
-        futures = [context.loader.submit(disk.load, index, window, buffer)
-                   for buffer, index in enumerate(indices)]
+        count = min(window.num_buffers, len(disk) - start)
+        futures = [context.loader.submit(disk.load, start + group.start, window,
+                                         range(group.start, min(group.stop, count)))
+                   for group in window_groups(window.num_buffers) if group.start < count]
         with context.stall.waiting():
-            wait(futures)
-        for buffer, future in enumerate(futures):
-            future.result()
+            for future in futures:
+                future.result()
+        for buffer in range(count):
             attention.add_page(window.pages[buffer])
     for page in context.resident:
         attention.add_page(page)
     return attention.output()
 
 
+def window_groups(num_buffers: int) -> list[range]:
+    """The window split in two runs of buffers (one when it has a single buffer): while the
+    decode attends to one run's pages, the other run's batch is being read."""
+    half = -(-num_buffers // 2)
+    return [range(0, half), range(half, num_buffers)] if num_buffers > 1 else [range(1)]
+
+
 class _Stream:
-    """Disk pages 0..n-1 flowing through the window's buffers, in order, with at most one
-    load per buffer in flight; a buffer is reloaded once its page was attended to."""
+    """Disk pages 0..n-1 flowing through the window's buffers in order, a batch per group of
+    buffers (window_groups) in flight; a group is reloaded with the next pages once its batch
+    was attended to."""
 
     def __init__(self, context: PagedContext, disk: DiskPages) -> None:
         self.context, self.disk = context, disk
         self.next_index = 0
-        self.inflight: deque[tuple[int, Future]] = deque()
-        for buffer in range(context.window.num_buffers):
-            self._issue(buffer)
+        self.inflight: deque[tuple[range, range, Future]] = deque()  # group, loaded, batch
+        for group in window_groups(context.window.num_buffers):
+            self._issue(group)
 
-    def _issue(self, buffer: int) -> None:
-        if self.next_index < len(self.disk):
+    def _issue(self, group: range) -> None:
+        count = min(len(group), len(self.disk) - self.next_index)
+        if count > 0:
+            buffers = range(group.start, group.start + count)
             future = self.context.loader.submit(self.disk.load, self.next_index,
-                                                self.context.window, buffer)
-            self.inflight.append((buffer, future))
-            self.next_index += 1
+                                                self.context.window, buffers)
+            self.inflight.append((group, buffers, future))
+            self.next_index += count
 
     def _take_head(self, attention: OnlineAttention) -> None:
-        buffer, future = self.inflight.popleft()
+        group, buffers, future = self.inflight.popleft()
         with self.context.stall.waiting():
             future.result()
-        attention.add_page(self.context.window.pages[buffer])
-        self._issue(buffer)
+        for buffer in buffers:
+            attention.add_page(self.context.window.pages[buffer])
+        self._issue(group)
 
     def take_ready(self, attention: OnlineAttention) -> None:
-        while self.inflight and self.inflight[0][1].done():
+        while self.inflight and self.inflight[0][2].done():
             self._take_head(attention)
 
     def take_rest(self, attention: OnlineAttention) -> None:

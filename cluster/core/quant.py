@@ -118,14 +118,35 @@ def decode_page(
     if spec.code_dtype is None:
         page = src.view(dtype).view(shape)
         return out.copy_(page) if out is not None else page.clone()
-    scales_bytes = _scale_count(shape) * SCALE_BYTES
-    scales = src[:scales_bytes].view(torch.float32).view(*shape[:-2], 1, 1)
-    codes = src[scales_bytes:].view(torch.int8).view(shape)
     target = out if out is not None else torch.empty(shape, dtype=dtype)
-    # Decode in float32 (in place when the page is float32), then round once to the dtype.
-    work = target if dtype == torch.float32 else _float32_scratch(shape)
+    decode_pages(src.view(1, -1), codec, shape, target.unsqueeze(0))
+    return target
+
+
+def decode_pages(payloads: torch.Tensor, codec: str, shape: tuple, out: torch.Tensor) -> None:
+    """Decode a batch of payloads in one pass of whole-batch tensor ops (a few per batch, not
+    per page): row i of `payloads` (uint8 [n, row_bytes], rows contiguous, their stride a
+    multiple of 4) starts with page i's payload; `out` is [n, *shape] of the pages' dtype, in
+    place (its rows may be strided, e.g. a window's aligned buffers)."""
+    spec = get_codec(codec)
+    shape = tuple(shape)
+    num_pages = payloads.shape[0]
+    num_bytes = payload_bytes(shape, out.dtype, codec)
+    if (payloads.dtype != torch.uint8 or payloads.dim() != 2 or payloads.shape[1] < num_bytes
+            or payloads.stride(1) != 1 or tuple(out.shape) != (num_pages, *shape)):
+        raise ValueError(f"payloads must be uint8 [n, >= {num_bytes}] and out [n, *{shape}], "
+                         f"got {tuple(payloads.shape)} {payloads.dtype} and {tuple(out.shape)}")
+    if spec.code_dtype is None:
+        out.copy_(payloads[:, :num_bytes].view(out.dtype).view(out.shape))
+        return
+    scales_bytes = _scale_count(shape) * SCALE_BYTES
+    scales = payloads[:, :scales_bytes].view(torch.float32).view(num_pages, *shape[:-2], 1, 1)
+    codes = payloads[:, scales_bytes:num_bytes].view(torch.int8).view(out.shape)
+    # Decode in float32 (in place when the pages are float32), then round once to the dtype.
+    work = out if out.dtype == torch.float32 else _float32_scratch(tuple(out.shape))
     _DECODERS[codec](codes, scales, work)
-    return target if work is target else target.copy_(work)
+    if work is not out:
+        out.copy_(work)
 
 
 def _int8_to_float32(codes: torch.Tensor, scales: torch.Tensor, work: torch.Tensor) -> None:

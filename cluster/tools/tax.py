@@ -11,7 +11,8 @@ a peer), and the model predicts that round's tax from them:
     tax per token = pages on disk x (latency + page read bytes / bandwidth)
 
 The compute is real: an online-softmax attention of one query per (layer, head) over every page,
-in float32 on one torch thread; the disk loads run in a pool of the disk tier's thread count.
+in float32 on one torch thread; the disk loads run off that thread, a batch at a time, their
+reads and checksums spread over the disk tier's thread count.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from cluster.core.paged_decode import (
     PageWindow,
     random_pages,
     relative_error,
+    window_groups,
 )
 from cluster.core.spec import ModelSpec
 from cluster.core.tax_model import MODES, RESIDENT, Mode, num_disk_pages, page_read_bytes
@@ -58,8 +60,12 @@ class Workload:
         self.geometry = PageGeometry.of(spec, settings.page_tokens)
         self.num_pages = settings.context_tokens // settings.page_tokens
         self.num_disk = num_disk_pages(self.num_pages, settings.disk_fraction)
+        self.num_threads = settings.num_threads
         pages = random_pages(self.geometry, self.num_pages, seed=0)
-        loader = ThreadPoolExecutor(settings.num_threads, thread_name_prefix="raykv-tax-load")
+        # a loader thread per half-window batch; each batch's reads fan out over the arena's
+        # threads (the disk tier's count), as the pool's batched disk reads do
+        loader = ThreadPoolExecutor(len(window_groups(settings.window_pages)),
+                                    thread_name_prefix="raykv-tax-load")
         self.context = PagedContext(pages[self.num_disk:], pages[: self.num_disk],
                                     PageWindow(self.geometry, settings.window_pages), loader)
         self.disk: dict[str, DiskPages] = {}
@@ -69,7 +75,8 @@ class Workload:
     def _write(self, path: str, codec: str) -> DiskPages:
         payload_bytes = quant.payload_bytes(self.geometry.shape, self.geometry.torch_dtype(),
                                             codec)
-        arena = DiskArena(path, self.num_disk * page_read_bytes(payload_bytes), payload_bytes, 2)
+        arena = DiskArena(path, self.num_disk * page_read_bytes(payload_bytes), payload_bytes,
+                          self.num_threads)
         if not arena.direct_io:
             arena.close()
             raise RuntimeError(f"O_DIRECT does not work in {path}: the page cache would hide "

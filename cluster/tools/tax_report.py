@@ -78,8 +78,11 @@ NOTES = [
     "(disk figures: medians over rounds)",
     "page read bytes: DiskArena's header block + payload rounded up to 4096",
     "compute: online-softmax attention of one query per (layer, query head) over every page, "
-    "float32, one torch thread; the loads (read + checksum + decode) run in a pool of the disk "
-    "tier's thread count, so the two share the machine's cores",
+    "float32, one torch thread; the loads run off that thread, a batch of pages at a time "
+    "(sync: the window; prefetch: each half of it, two batches in flight), each batch one "
+    "DiskArena.read_pages whose reads and checksums spread over the disk tier's thread count, "
+    "then one whole-batch decode for fp8 and int8; loads and compute share the machine's "
+    "cores",
     "ratios, and measured/model per mode: medians of ratios taken within each round (spread: "
     "every round's value); a round whose raw-page tax came out <= 0 has no ratio to it, and a "
     "ratio no round defines is not exercised",

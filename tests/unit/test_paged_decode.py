@@ -20,6 +20,7 @@ from cluster.core.paged_decode import (
     PageWindow,
     random_pages,
     relative_error,
+    window_groups,
 )
 from cluster.core.tax_model import page_read_bytes
 from cluster.core.tiers.disk import HEADER_BYTES, DiskArena
@@ -76,6 +77,23 @@ def test_the_window_is_aligned_and_faulted_in():
         PageWindow(GEOMETRY, 0)
 
 
+def test_a_run_of_window_buffers_is_one_tensor_over_the_same_memory():
+    window = PageWindow(GEOMETRY, 5)
+    batch = window.batch(range(1, 4))
+    assert batch.shape == (3, *GEOMETRY.shape)
+    for offset, buffer in enumerate(range(1, 4)):
+        assert batch[offset].data_ptr() == window.pages[buffer].data_ptr()
+    rows = window.staging_rows(range(2, 5))
+    assert rows.shape[0] == 3 and rows[0].data_ptr() == window.staging[2].ctypes.data
+
+
+@pytest.mark.parametrize(("num_buffers", "groups"), [(1, [range(1)]), (2, [range(1), range(1, 2)]),
+                                                      (5, [range(3), range(3, 5)]),
+                                                      (8, [range(4), range(4, 8)])])
+def test_the_window_splits_in_two_runs_of_buffers(num_buffers, groups):
+    assert window_groups(num_buffers) == groups
+
+
 class Paged:
     """A context of `num_pages` pages, the first `num_disk` of them on disk in each codec."""
 
@@ -118,7 +136,7 @@ def paged(request):
         each.close()
 
 
-@pytest.mark.parametrize(("num_disk", "window_pages"), [(4, 2), (4, 1), (3, 8), (9, 2)])
+@pytest.mark.parametrize(("num_disk", "window_pages"), [(4, 2), (4, 1), (3, 8), (9, 2), (7, 5)])
 @pytest.mark.parametrize("step", ["sync", "prefetch"])
 def test_raw_disk_pages_give_the_resident_answer(paged, num_disk, window_pages, step):
     context = paged(9, num_disk, window_pages)
@@ -130,8 +148,10 @@ def test_raw_disk_pages_give_the_resident_answer(paged, num_disk, window_pages, 
 
 @pytest.mark.parametrize(("codec", "max_error"), [("int8", 0.02), ("fp8", 0.06)])
 @pytest.mark.parametrize("step", ["sync", "prefetch"])
-def test_quantized_disk_pages_give_it_within_the_codecs_rounding(paged, codec, max_error, step):
-    context = paged()
+@pytest.mark.parametrize("window_pages", [1, 2, 3])
+def test_quantized_disk_pages_give_it_within_the_codecs_rounding(paged, codec, max_error, step,
+                                                                 window_pages):
+    context = paged(9, 4, window_pages)
     error = relative_error(context.token(step, codec), context.token("resident"))
     assert 0 < error < max_error
 

@@ -1,5 +1,7 @@
 """KV quantization codecs: round trips, error bounds, payload sizes."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ from cluster.core.quant import (
     codec_id,
     codec_name,
     decode_page,
+    decode_pages,
     encode_page,
     payload_bytes,
     quant_report,
@@ -205,3 +208,29 @@ def test_fp8_decode_is_exact_for_every_code(dtype, scale):
     expected = (codes.float() * scales).to(dtype)
     decoded = decode_page(_payload_of(codes, scales), "fp8", shape, dtype)
     assert torch.equal(decoded.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_batch_decodes_as_its_pages_do_one_by_one(codec, dtype):
+    """decode_pages over padded rows into strided outs (a window's aligned buffers) gives each
+    page exactly what decode_page gives it, and touches nothing between the rows."""
+    pages = [make_page(dtype) * (index + 1) for index in range(3)]
+    payloads = [encode_page(page, codec) for page in pages]
+    row_bytes = payloads[0].size + 4096 - payloads[0].size % 4096
+    rows = torch.zeros(3, row_bytes, dtype=torch.uint8)
+    for row, payload in zip(rows, payloads, strict=True):
+        row[: payload.size] = torch.from_numpy(payload)
+    elements = math.prod(SHAPE)
+    block = torch.full((3, elements + 64), 5.0, dtype=dtype)  # each out row padded by 64
+    out = block[:, :elements].unflatten(1, SHAPE)
+    decode_pages(rows, codec, SHAPE, out)
+    for index, payload in enumerate(payloads):
+        assert torch.equal(out[index], decode_page(payload, codec, SHAPE, dtype))
+    assert (block[:, elements:] == 5.0).all()
+
+
+def test_decode_pages_refuses_a_batch_that_does_not_match():
+    rows = torch.zeros(2, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="payloads"):
+        decode_pages(rows, "fp8", SHAPE, torch.empty(2, *SHAPE))

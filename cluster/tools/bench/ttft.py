@@ -37,7 +37,8 @@ KV_BYTES_PER_TOKEN = ModelSpec.preset(MODEL).bytes_per_token  # 512: a page is 1
 HOST_PROMPTS = 4  # the host tier holds this many prompts' KV
 REPS, QUICK_REPS = 9, 3
 CASES = ("host", "disk", "recompute", "ideal")
-GOALS = {"ttft_host_vs_ideal": {"max": 1.15}, "ttft_disk_vs_ideal": {"max": 1.5}}
+# ttft_disk_vs_ideal: the hot-path issue (#20) asks for <= 1.3 (it was 1.5 before it)
+GOALS = {"ttft_host_vs_ideal": {"max": 1.15}, "ttft_disk_vs_ideal": {"max": 1.3}}
 NOTES = (f"workload: tiny-llama on CPU, prompts of {PROMPT_TOKENS} tokens whose first "
          f"{CACHED_TOKENS} ({CACHED_TOKENS // PAGE_TOKENS} pages of {PAGE_TOKENS}) are cached; "
          "one new token. TTFT = Engine.generate to its first token (fetch of the cached prefix "
