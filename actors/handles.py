@@ -174,7 +174,12 @@ class NodeHandle:
     def touch(self, geometry: PageGeometry, keys: list[PageKey], num_reads: int = 1,
               released: list[int] = ()):
         """Report pages read optimistically (without a lease), for eviction and hit counts,
-        and the leases the client is done with."""
+        and the leases the client is done with. None when this process has left Ray: a
+        client's touch timer may fire after ray.shutdown(), and a call then would make Ray
+        start a new local cluster of its own (its auto-init), beside whatever the process
+        starts next; the node, and its leases, went with the old one."""
+        if not ray.is_initialized():
+            return None
         return self.actor.touch.remote(geometry, keys, num_reads, list(released))
 
     def set_registry(self, registry):

@@ -47,3 +47,29 @@ def test_a_released_lease_rides_on_the_next_call_or_the_timer():
     while not sent and time.monotonic() < deadline_s:
         time.sleep(0.01)
     assert sent == [([], 0, [5])]  # no call came: the timer told the node
+
+
+def test_a_touch_after_this_process_left_ray_calls_nothing(monkeypatch):
+    """A client's touch timer may fire after ray.shutdown(): a call on an actor handle then
+    would make Ray auto-start a new local cluster (two heads in one process; the actor tier
+    once lost its driver to it). NodeHandle.touch sends nothing when Ray is not initialized."""
+    import ray
+
+    from actors.handles import NodeHandle
+
+    class Method:
+        calls: list = []
+
+        def remote(self, *args):
+            self.calls.append(args)
+            return "ref"
+
+    class Actor:
+        touch = Method()
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as after ray.shutdown()
+    assert NodeHandle(Actor(), "n").touch(None, ["k"], 1, [7]) is None
+    assert Method.calls == []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert NodeHandle(Actor(), "n").touch(None, ["k"], 1, [7]) == "ref"
+    assert Method.calls == [(None, ["k"], 1, [7])]
