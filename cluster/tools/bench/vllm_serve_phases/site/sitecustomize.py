@@ -148,39 +148,30 @@ def _patch_service(module):
     cls.poll, cls._lookup = poll_, lookup_
 
 
+def _timed_io(name, method):
+    """`method(self, spec, *rest)`, logged as `name` with its start, duration and tokens."""
+    def timed(self, spec, *rest):
+        start = time.time()
+        try:
+            return method(self, spec, *rest)
+        finally:
+            log(name, t=start, rid=spec.request_id, dur=time.time() - start,
+                n=len(spec.token_ids) - spec.start)
+    return timed
+
+
 def _patch_io(module):
     cls = module.KVMover
-    start_load, load, save, put = cls.start_load, cls.load, cls.save, cls._put
+    start_load = cls.start_load
 
     def start_load_(self, spec):
         log("load_submit", rid=spec.request_id, n=len(spec.token_ids) - spec.start)
         return start_load(self, spec)
 
-    def load_(self, spec):
-        start = time.time()
-        try:
-            return load(self, spec)
-        finally:
-            log("load", t=start, rid=spec.request_id, dur=time.time() - start,
-                n=len(spec.token_ids) - spec.start)
-
-    def save_(self, spec):
-        start = time.time()
-        try:
-            return save(self, spec)
-        finally:
-            log("save", t=start, rid=spec.request_id, dur=time.time() - start,
-                n=len(spec.token_ids) - spec.start)
-
-    def put_(self, spec, kv):
-        start = time.time()
-        try:
-            return put(self, spec, kv)
-        finally:
-            log("put", t=start, rid=spec.request_id, dur=time.time() - start,
-                n=len(spec.token_ids) - spec.start)
-
-    cls.start_load, cls.load, cls.save, cls._put = start_load_, load_, save_, put_
+    cls.start_load = start_load_
+    cls.load = _timed_io("load", cls.load)
+    cls.save = _timed_io("save", cls.save)
+    cls._put = _timed_io("put", cls._put)
 
 
 # ---- the ingress: raykv's router --------------------------------------------------------
