@@ -36,6 +36,7 @@ from cluster.serving.vllm_plan import decode_params
 
 CONNECTOR_NAME = "RaykvConnector"  # Ray Serve LLM picks a backend by the connector's name
 BACKEND_PATH = "cluster.serving.vllm_pd:RaykvPDBackend"
+REGISTRY_CATEGORY = "kv_connector_backend"  # Ray's registry of connector backends
 
 
 class RaykvPDBackend(BaseConnectorBackend):
@@ -63,11 +64,30 @@ class RaykvPDBackend(BaseConnectorBackend):
 
 
 def register_backend() -> None:
-    """Register RaykvPDBackend under the connector's name, for every process of this Ray
-    cluster (Ray's registry keeps it in the GCS); a registration already there is kept."""
+    """Register RaykvPDBackend under the connector's name in this Ray cluster's registry (the
+    GCS's KV store, which every process of the cluster reads); a registration already in this
+    cluster's store is kept.
+
+    Ray's registry also caches a name in the registering process, and then reports it
+    registered even after that process has left for another cluster whose store lacks it (a
+    driver that re-inits Ray, a test process): this cluster's replicas would then shape P/D
+    requests with Ray's default backend, which refuses the kv_transfer_params that raykv's
+    router sets. So the store itself is checked."""
     from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import (
         KVConnectorBackendFactory,
     )
 
-    if not KVConnectorBackendFactory.is_registered(CONNECTOR_NAME):
-        KVConnectorBackendFactory.register_backend(CONNECTOR_NAME, BACKEND_PATH)
+    if registered_in_cluster():
+        return
+    if KVConnectorBackendFactory.is_registered(CONNECTOR_NAME):  # cached here, not stored there
+        KVConnectorBackendFactory.unregister_backend(CONNECTOR_NAME)
+    KVConnectorBackendFactory.register_backend(CONNECTOR_NAME, BACKEND_PATH)
+
+
+def registered_in_cluster() -> bool:
+    """Whether this Ray cluster's registry store holds RaykvPDBackend's registration."""
+    from ray.experimental.internal_kv import _internal_kv_exists, _internal_kv_initialized
+    from ray.llm._internal.serve.utils.registry import _make_key
+
+    return _internal_kv_initialized() and bool(
+        _internal_kv_exists(_make_key(REGISTRY_CATEGORY, CONNECTOR_NAME)))

@@ -89,7 +89,7 @@ def test_the_pd_app_runs_both_sides_on_raykv_and_registers_its_shaping(service, 
         KVConnectorBackendFactory,
     )
 
-    from cluster.serving.vllm_pd import RaykvPDBackend
+    from cluster.serving.vllm_pd import RaykvPDBackend, registered_in_cluster
 
     built = []
     monkeypatch.setattr("ray.serve.llm.build_pd_openai_app",
@@ -116,3 +116,4 @@ def test_the_pd_app_runs_both_sides_on_raykv_and_registers_its_shaping(service, 
     assert args["ingress_cls_config"]["ingress_extra_kwargs"]["namespace"] == "default"
     # Ray Serve LLM finds raykv's P/D shaping by the connector's name, in every process.
     assert KVConnectorBackendFactory.get_backend_class("RaykvConnector") is RaykvPDBackend
+    assert registered_in_cluster()

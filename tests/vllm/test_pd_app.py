@@ -21,6 +21,7 @@ from cluster.serving.vllm_app import (  # noqa: E402
     build_vllm_app,
     router_settings,
 )
+from cluster.serving.vllm_pd import registered_in_cluster  # noqa: E402
 from cluster.tools.redis_server import free_port  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 
@@ -49,6 +50,9 @@ def clients(model_dir):
                          request_router_class=router, request_router_kwargs=router_kwargs)
     serve.run(build_pd_vllm_app(prefill, decode, cache), blocking=False, name="pd",
               route_prefix="/pd")
+    # The decode replicas shape with raykv's backend, read from this cluster's store (the
+    # test process registered it in an earlier module's cluster, too).
+    assert registered_in_cluster()
     plain = VllmAppArgs(model_source=model_dir, model_id=MODEL_ID, namespace=PLAIN_NAMESPACE,
                         engine_kwargs=engine)
     serve.run(build_vllm_app(plain), blocking=False, name="plain", route_prefix="/plain")
