@@ -51,7 +51,7 @@ from actors.handles import DirectoryHandle, merge_shard_prefixes
 from cluster.api import running_config
 from cluster.core.spec import ModelSpec
 from cluster.serving.prompt_keys import PromptKeys
-from cluster.serving.vllm_plan import with_fetch_limit, with_routed_hit
+from cluster.serving.vllm_plan import forced_fetch_limit, with_fetch_limit, with_routed_hit
 from policies.cost_routing import (
     Candidate,
     Decision,
@@ -129,6 +129,12 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
+        ranks = await self._choose(candidate_replicas, pending_request)
+        _force_cut(pending_request)
+        return ranks
+
+    async def _choose(self, candidate_replicas: list[RunningReplica],
+                      pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         keys_blob = await self._keys_of(pending_request)
         located = await self._locate(keys_blob) if keys_blob else None
         if located is not None and self._prompt_keys is not None:
@@ -301,6 +307,17 @@ def _cut(pending_request: PendingRequest | None, max_fetch_tokens: int | None) -
     elif hasattr(request, "kv_transfer_params"):
         request.kv_transfer_params = with_fetch_limit(request.kv_transfer_params,
                                                       max_fetch_tokens)
+
+
+def _force_cut(pending_request: PendingRequest | None) -> None:
+    """A client's forced cut (vllm_plan.FORCE_KEY) replaces the router's, whatever path routed
+    the request; the router's own is then only counted (`last_decision`)."""
+    request = pending_request.args[0] if pending_request is not None and pending_request.args \
+        else None
+    params = getattr(request, "kv_transfer_params", None)
+    forced = forced_fetch_limit(params)
+    if forced is not None and not hasattr(request, "max_fetch_tokens"):
+        request.kv_transfer_params = with_fetch_limit(params, forced)
 
 
 def _tell_hit(pending_request: PendingRequest | None, hit_tokens: int) -> None:

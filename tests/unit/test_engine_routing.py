@@ -222,3 +222,36 @@ def test_queued_requests_takes_the_larger_count():
     assert queued_requests(None, 2) == 2
     assert queued_requests(5, 2) == 5  # the cache heard of other routers' requests
     assert queued_requests(0, 0) == 0
+
+
+def vllm_request(kv_transfer_params):
+    """A request as Ray Serve LLM hands it to the router: the prompt's page keys put on by
+    the keyed ingress, vLLM's kv_transfer_params field."""
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    request = SimpleNamespace(page_keys=b"".join(bytes(k) for k in KEYS),
+                              token_ids=list(range(len(PROMPT))),
+                              kv_transfer_params=kv_transfer_params)
+    return PendingRequest(args=[request], kwargs={},
+                          metadata=RequestMetadata(request_id="r", internal_request_id="i"))
+
+
+def test_a_forced_cut_replaces_the_router_s_own_which_is_still_decided():
+    from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, FORCE_KEY
+
+    async def main():
+        follower = Follower()
+        router, replicas = make_router(AsyncFakeDirectory(), follower)
+        follower.store("r2", 4 * PAGE)
+        forced = vllm_request({FORCE_KEY: 0})
+        await router.choose_replicas(replicas, forced)
+        assert router.last_decision.fetch_pages == 4  # the router would fetch
+        assert forced.args[0].kv_transfer_params[FETCH_LIMIT_KEY] == 0  # the client's cut
+        plain = vllm_request(None)
+        await router.choose_replicas(replicas, plain)
+        assert FETCH_LIMIT_KEY not in (plain.args[0].kv_transfer_params or {})
+
+    asyncio.run(main())
