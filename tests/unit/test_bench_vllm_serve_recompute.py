@@ -84,3 +84,11 @@ def test_a_probe_s_prompts_share_exactly_the_prefix_s_pages():
     assert len(keys_one) == part.PREFIX_PAGES and keys_one == keys_two
     other = chain.keys(tokenizer.encode(part.prefix_text(1, 3, page) + part.suffix(rng)))
     assert other[0] != keys_one[0]  # another prefix shares nothing
+
+
+def test_a_failed_part_is_not_exercised_and_says_why():
+    report = Report("vllm-serve", "ms", {}, vllm_serve.GOALS)
+    vllm_serve.fill_ratios(report, {}, vllm_serve.QUICK_PLAN, [2000],
+                           {"error": "TimeoutError: no /v1/models"})
+    assert report.ratios["recompute_decisions_correct"] is None
+    assert "TimeoutError" in report["not_exercised"]["recompute_decisions_correct"]

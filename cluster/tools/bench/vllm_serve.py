@@ -267,6 +267,9 @@ def fill_ratios(report: Report, rounds: dict[str, list[dict]], plan: Plan,
         report.ratio("max_replica_share", statistics.median(busiest), busiest)
     if recompute is None:
         report.not_exercised("recompute_decisions_correct", "the recompute part did not run")
+    elif "error" in recompute:
+        report.not_exercised("recompute_decisions_correct",
+                             f"the recompute part failed: {recompute['error']}")
     elif report.require("recompute_decisions_correct", recompute["share"] is not None,
                         f"no probe counted: {recompute['summary']['all']['not_counted']}"):
         per_condition = [recompute["summary"][c]["correct_share"] for c in sorted(
@@ -353,8 +356,11 @@ def run_here(json_path: str | None, quick: bool, trace_path: str | None = None,
             from cluster.tools.bench.vllm_serve_recompute import run_part
 
             steps("recompute part")
-            recompute = run_part(plan.engine, model_dir, MODEL, NUM_NODES, url[0], wait_ready,
-                                 lambda at: warm_up(at, plan))
+            try:
+                recompute = run_part(plan.engine, model_dir, MODEL, NUM_NODES, url[0],
+                                     wait_ready, lambda at: warm_up(at, plan))
+            except Exception as error:  # the main part's figures are kept; the ratio is not
+                recompute = {"error": f"{type(error).__name__}: {error}"[:500]}
         serve.shutdown()
     report["phase_s"] = steps.laps()
     print_rounds(rounds)
