@@ -170,6 +170,17 @@ def pooled(prior: RateEstimates, by_replica: Mapping[str, Mapping]) -> RateEstim
                    prefill_samples={r: s.get("prefill_samples", 1) for r, s in own.items()})
 
 
+def queued_requests(reported: int | None, routed_in_flight: int) -> int:
+    """The requests ahead of a new one at a replica: what Serve's queue-length cache last
+    heard (None: it keeps none, which is Serve's default without strict max_ongoing_requests),
+    or the requests this router sent there that have not finished, whichever is more (the
+    cache, where kept, already counts this router's sends; the router's own count is a lower
+    bound where other routers send too). Without the router's own count, an empty cache reads
+    every replica as idle, locality decides every request and the replicas holding prefixes
+    take all the load."""
+    return max(reported or 0, routed_in_flight)
+
+
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """The request, as costs see it: its tokens and its pages' size."""

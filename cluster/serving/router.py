@@ -7,6 +7,8 @@ page of the longest cached prefix lives (node and tier). Then, per candidate rep
 (policies/cost_routing.py):
 
     TTFT = queue length x the replica's compute seconds per request
+           (queue length: the requests this router sent there that have not finished,
+           or Serve's queue-length cache where it keeps one and it says more)
          + the cheapest cut of: fetch the prefix's first pages from the best source the
            replica can use (its node's device, host or disk tier, or another node's copy),
            recompute the rest
@@ -49,7 +51,7 @@ from actors.handles import DirectoryHandle, merge_shard_prefixes
 from cluster.api import running_config
 from cluster.core.spec import ModelSpec
 from cluster.serving.prompt_keys import PromptKeys
-from cluster.serving.vllm_plan import with_fetch_limit, with_routed_hit
+from cluster.serving.vllm_plan import forced_fetch_limit, with_fetch_limit, with_routed_hit
 from policies.cost_routing import (
     Candidate,
     Decision,
@@ -60,6 +62,7 @@ from policies.cost_routing import (
     pooled,
     prefill_s,
     prior_rates,
+    queued_requests,
 )
 from policies.routing import ReplicaLoad, has_hits, prefix_scores, rank_replicas
 
@@ -95,10 +98,43 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                          "recomputed": 0, "engine_hits": 0}
         self.rates: RateEstimates = prior_rates()  # the latest pooled (for stats and tests)
         self.last_decision: Decision | None = None
+        # Per replica: requests this router sent there that have not finished (Serve's
+        # send and done hooks below); Serve's own cache stays empty unless strict.
+        self.in_flight: dict[str, int] = {}
+
+    def on_send_request(self, replica_id) -> None:
+        super().on_send_request(replica_id)
+        self.in_flight[replica_id.unique_id] = self.in_flight.get(replica_id.unique_id, 0) + 1
+
+    def decrement_queue_len_cache(self, replica_id) -> None:
+        """Serve calls this when a request it sent finishes, whatever the outcome (named for
+        the cache it keeps only when strict; it is called either way)."""
+        super().decrement_queue_len_cache(replica_id)
+        count = self.in_flight.get(replica_id.unique_id, 0)
+        self.in_flight[replica_id.unique_id] = max(0, count - 1)
+
+    def on_new_queue_len_info(self, replica_id, num_ongoing_requests: int) -> None:
+        """The replica's own count (strict mode's accept or reject) replaces the router's."""
+        super().on_new_queue_len_info(replica_id, num_ongoing_requests)
+        self.in_flight[replica_id.unique_id] = num_ongoing_requests
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.in_flight.pop(replica_id.unique_id, None)
+
+    def _queued(self, replica: RunningReplica) -> int:
+        return queued_requests(self._replica_queue_len_cache.get(replica.replica_id),
+                               self.in_flight.get(replica.replica_id.unique_id, 0))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
+        ranks = await self._choose(candidate_replicas, pending_request)
+        _force_cut(pending_request)
+        return ranks
+
+    async def _choose(self, candidate_replicas: list[RunningReplica],
+                      pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         keys_blob = await self._keys_of(pending_request)
         located = await self._locate(keys_blob) if keys_blob else None
         if located is not None and self._prompt_keys is not None:
@@ -116,8 +152,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if ranks:
             self.counters["cost_routed"] += 1
             return ranks
-        loads = [ReplicaLoad(r.replica_id.unique_id, r.node_id,
-                             self._replica_queue_len_cache.get(r.replica_id))
+        loads = [ReplicaLoad(r.replica_id.unique_id, r.node_id, self._queued(r))
                  for r in candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self.counters["ranked"] += 1
@@ -145,8 +180,8 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             {r: prefill_s(prompt, 0, self.rates.prefill_rate(r)) for r in published}
         replicas = random.sample(replicas, len(replicas))  # decide() breaks ties by order
         candidates = [Candidate(r.replica_id.unique_id, sources[r.replica_id.unique_id],
-                                (self._replica_queue_len_cache.get(r.replica_id) or 0)
-                                * busy.get(r.replica_id.unique_id, 0.0)) for r in replicas]
+                                self._queued(r) * busy.get(r.replica_id.unique_id, 0.0))
+                      for r in replicas]
         decision = decide(prompt, candidates, self.rates)
         self.last_decision = decision
         self.counters["recomputed"] += decision.recompute
@@ -272,6 +307,17 @@ def _cut(pending_request: PendingRequest | None, max_fetch_tokens: int | None) -
     elif hasattr(request, "kv_transfer_params"):
         request.kv_transfer_params = with_fetch_limit(request.kv_transfer_params,
                                                       max_fetch_tokens)
+
+
+def _force_cut(pending_request: PendingRequest | None) -> None:
+    """A client's forced cut (vllm_plan.FORCE_KEY) replaces the router's, whatever path routed
+    the request; the router's own is then only counted (`last_decision`)."""
+    request = pending_request.args[0] if pending_request is not None and pending_request.args \
+        else None
+    params = getattr(request, "kv_transfer_params", None)
+    forced = forced_fetch_limit(params)
+    if forced is not None and not hasattr(request, "max_fetch_tokens"):
+        request.kv_transfer_params = with_fetch_limit(params, forced)
 
 
 def _tell_hit(pending_request: PendingRequest | None, hit_tokens: int) -> None:

@@ -37,6 +37,11 @@ from typing import Any
 #   again" first, and vLLM asks again only after the step it then runs).
 FETCH_LIMIT_KEY = "raykv_max_fetch_tokens"
 HIT_KEY = "raykv_hit_tokens"
+# A client's, for checking the router's choice by running both (`raykv bench vllm-serve`'s
+# recompute part): the cut to apply whatever the router decides (0: recompute the whole
+# prefix; more than the prompt: load all raykv holds). It changes only what the request's
+# own engine loads of pages raykv holds under its own keys, as the router's cut does.
+FORCE_KEY = "raykv_force_max_fetch_tokens"
 
 
 def _tokens_param(kv_transfer_params: Any, key: str) -> int | None:
@@ -64,6 +69,12 @@ def routed_hit(kv_transfer_params: Any) -> int | None:
     value (raykv's router replaces it) only changes what its own request tries to load,
     under its own keys."""
     return _tokens_param(kv_transfer_params, HIT_KEY)
+
+
+def forced_fetch_limit(kv_transfer_params: Any) -> int | None:
+    """The cut the client forces (FORCE_KEY), if any (anything but a non-negative int is
+    ignored)."""
+    return _tokens_param(kv_transfer_params, FORCE_KEY)
 
 
 def with_fetch_limit(kv_transfer_params: Any, max_fetch_tokens: int | None) -> dict | None:

@@ -114,12 +114,16 @@ def vllm_serve_command(
     setups: Annotated[str | None, typer.Option(
         help="comma-separated set-ups to replay (of raykv, kv-aware, prefix, pow2; default: "
              "all, pow2 left out of a quick run)")] = None,
+    parts: Annotated[str, typer.Option(
+        help="comma-separated parts: main (the trace's set-ups), recompute (the router's "
+             "fetch-or-recompute choices under a slowed disk, both run)")] = "main,recompute",
 ) -> None:
     """Ray Serve LLM on vLLM's CPU build, 3 replicas, Mooncake's conversation trace: raykv
     (connector + router) vs Ray's KVAwareRouter, PrefixCacheAffinityRouter and pow2 (run from
     .venv-vllm; `make bench-vllm-serve`)."""
     _bench("vllm-serve", json_path, quick,
-           setups=tuple(setups.split(",")) if setups else None)
+           setups=tuple(setups.split(",")) if setups else None,
+           parts=tuple(parts.split(",")))
 
 
 @bench_app.command("trace")

@@ -159,3 +159,99 @@ def test_engine_sources_lead_the_replica_s_pages():
     assert sources["r0"] == (ENGINE, "host")
     assert sources["r1"] == ("remote", "remote")
     assert sources["r2"] == (ENGINE, ENGINE, ENGINE)
+
+
+def test_the_router_counts_its_own_in_flight_requests_where_serve_keeps_no_queue_lengths():
+    """Serve's default (no strict max_ongoing_requests) keeps no queue-length cache: every
+    replica reads as idle and the replica holding the prefix would take every request. The
+    router's own count of what it sent and has not finished makes a busy replica lose."""
+    async def main():
+        follower = Follower()
+        router = RaykvRouter(deployment_id=DeploymentID(name="engine", app_name="raykv"),
+                             handle_source=DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(directory=AsyncFakeDirectory(), engine_events=follower,
+                                prompt_keys={"tokenizer_dir": "/unused", "spec": SPEC,
+                                             "namespace": "default", "page_tokens": PAGE})
+        replicas = [PublishingReplica(f"r{i}", node_id=f"node-{i}") for i in range(3)]
+        for replica in replicas:
+            replica.routing_stats = {}
+        advertise_events(replicas, ("r0", "r1", "r2"))
+        router.update_replicas(replicas)
+        follower.store("r2", 4 * PAGE)
+        assert ids(await router.choose_replicas(replicas, request()))[0] == ["r2"]
+        router.on_send_request(replicas[2].replica_id)
+        assert router._replica_queue_len_cache.get(replicas[2].replica_id) is None
+        # One prefill of wait outweighs the 4 of 4.25 pages r2's engine holds.
+        assert ids(await router.choose_replicas(replicas, request()))[0] != ["r2"]
+        assert router.last_decision.chosen.queue_wait_s == 0.0
+        r2 = next(e for e in router.last_decision.estimates if e.replica_id == "r2")
+        assert r2.queue_wait_s > 0.0
+        router.decrement_queue_len_cache(replicas[2].replica_id)  # it finished
+        assert ids(await router.choose_replicas(replicas, request()))[0] == ["r2"]
+        router.decrement_queue_len_cache(replicas[2].replica_id)  # never below zero
+        assert router.in_flight["r2"] == 0
+
+    asyncio.run(main())
+
+
+def test_ties_spread_over_replicas_that_are_busy_alike():
+    """With no prefix anywhere worth the wait, each request goes to a replica with the fewest
+    of this router's requests in flight: three requests in a row reach three replicas."""
+    async def main():
+        follower = Follower()
+        router, replicas = make_router(AsyncFakeDirectory(), follower,
+                                       advertise=("r0", "r1", "r2"))
+        for replica in replicas:
+            router._replica_queue_len_cache.invalidate_key(replica.replica_id)
+        for name in ("r0", "r1", "r2"):
+            follower.store(name, 4 * PAGE)
+        chosen = []
+        for _ in range(3):
+            first = ids(await router.choose_replicas(replicas, request()))[0][0]
+            chosen.append(first)
+            router.on_send_request(next(r for r in replicas
+                                        if r.replica_id.unique_id == first).replica_id)
+        assert sorted(chosen) == ["r0", "r1", "r2"]
+
+    asyncio.run(main())
+
+
+def test_queued_requests_takes_the_larger_count():
+    from policies.cost_routing import queued_requests
+
+    assert queued_requests(None, 2) == 2
+    assert queued_requests(5, 2) == 5  # the cache heard of other routers' requests
+    assert queued_requests(0, 0) == 0
+
+
+def vllm_request(kv_transfer_params):
+    """A request as Ray Serve LLM hands it to the router: the prompt's page keys put on by
+    the keyed ingress, vLLM's kv_transfer_params field."""
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    request = SimpleNamespace(page_keys=b"".join(bytes(k) for k in KEYS),
+                              token_ids=list(range(len(PROMPT))),
+                              kv_transfer_params=kv_transfer_params)
+    return PendingRequest(args=[request], kwargs={},
+                          metadata=RequestMetadata(request_id="r", internal_request_id="i"))
+
+
+def test_a_forced_cut_replaces_the_router_s_own_which_is_still_decided():
+    from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, FORCE_KEY
+
+    async def main():
+        follower = Follower()
+        router, replicas = make_router(AsyncFakeDirectory(), follower)
+        follower.store("r2", 4 * PAGE)
+        forced = vllm_request({FORCE_KEY: 0})
+        await router.choose_replicas(replicas, forced)
+        assert router.last_decision.fetch_pages == 4  # the router would fetch
+        assert forced.args[0].kv_transfer_params[FETCH_LIMIT_KEY] == 0  # the client's cut
+        plain = vllm_request(None)
+        await router.choose_replicas(replicas, plain)
+        assert FETCH_LIMIT_KEY not in (plain.args[0].kv_transfer_params or {})
+
+    asyncio.run(main())

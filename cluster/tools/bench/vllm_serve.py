@@ -20,7 +20,10 @@ Ratios (Report.paired: the median of per-round ratios):
     ttft_p50_vs_prefix_router                    raykv / PrefixCacheAffinityRouter
     max_replica_share                            raykv's busiest replica's share (Serve's request
                                                  counter by replica)
-    recompute_decisions_correct                  not built yet: null, not exercised
+    recompute_decisions_correct                  the recompute part (vllm_serve_recompute.py):
+                                                 with a slowed disk tier, the share of probes
+                                                 where the router chose the faster of fetching
+                                                 and recomputing, both run
 A ratio whose set-ups failed requests, cached nothing, or whose working set fit in the engines'
 caches, is not exercised (null; the run exits 2).
 """
@@ -54,6 +57,7 @@ from cluster.tools.bench.vllm_serve_trace import (
 from cluster.tools.redis_server import free_port
 
 MODEL = "small-llama"  # trace.replay sends this name
+PARTS = ("main", "recompute")  # the replayed trace's set-ups; the recompute part
 NUM_NODES = 3
 START_TIMEOUT_S = 600.0
 METRICS_SETTLE_S = 5.0  # Serve's metrics reach Prometheus every 2 s here (simcluster)
@@ -244,7 +248,7 @@ def exercised(rounds: dict[str, list[dict]], names: tuple[str, ...], plan: Plan,
 
 
 def fill_ratios(report: Report, rounds: dict[str, list[dict]], plan: Plan,
-                working_set_blocks: list[int]) -> None:
+                working_set_blocks: list[int], recompute: dict | None = None) -> None:
     why = exercised(rounds, ("raykv", "kv-aware"), plan, working_set_blocks)
     for ratio, field in (("ttft_p50_vs_kv_aware", "ttft_p50_ms"),
                          ("ttft_p99_vs_kv_aware", "ttft_p99_ms"),
@@ -261,9 +265,16 @@ def fill_ratios(report: Report, rounds: dict[str, list[dict]], plan: Plan,
     if report.require("max_replica_share", None not in busiest,
                       "Serve's request counter named no raykv replica in some round"):
         report.ratio("max_replica_share", statistics.median(busiest), busiest)
-    report.not_exercised("recompute_decisions_correct",
-                         "not built: the slow-tier part (RaykvLLMServer publishing measured "
-                         "rates, raykv_report / raykv_force_max_fetch_tokens) is not in this run")
+    if recompute is None:
+        report.not_exercised("recompute_decisions_correct", "the recompute part did not run")
+    elif "error" in recompute:
+        report.not_exercised("recompute_decisions_correct",
+                             f"the recompute part failed: {recompute['error']}")
+    elif report.require("recompute_decisions_correct", recompute["share"] is not None,
+                        f"no probe counted: {recompute['summary']['all']['not_counted']}"):
+        per_condition = [recompute["summary"][c]["correct_share"] for c in sorted(
+            recompute["summary"]) if c != "all"]
+        report.ratio("recompute_decisions_correct", recompute["share"], per_condition)
 
 
 def print_rounds(rounds: dict[str, list[dict]]) -> None:
@@ -303,7 +314,7 @@ def notes(plan: Plan, traces: list[list[ScaledRequest]]) -> list[str]:
 
 
 def run_here(json_path: str | None, quick: bool, trace_path: str | None = None,
-             setups: tuple[str, ...] | None = None) -> dict:
+             setups: tuple[str, ...] | None = None, parts: tuple[str, ...] = PARTS) -> dict:
     """The benchmark in this process (which must have CHILD_ENV set before Ray was imported)."""
     from ray import serve
     from rich.progress import Progress
@@ -317,10 +328,10 @@ def run_here(json_path: str | None, quick: bool, trace_path: str | None = None,
     traces = round_traces(plan, trace_path or str(default_trace()))
     working_set = [distinct_blocks(t) for t in traces]
     model_dir = save_model_dir(os.path.join(tempfile.mkdtemp(prefix="raykv-vs-"), MODEL))
-    setups = setups_for(quick, setups)
+    setups = setups_for(quick, setups) if "main" in parts else ()
     rounds: dict[str, list[dict]] = {name: [] for name in setups}
     config = {"model": MODEL, "nodes": NUM_NODES, "plan": asdict(plan), "quick": quick,
-              "setups": list(setups),
+              "setups": list(setups), "parts": list(parts),
               "working_set_blocks": working_set,
               "prefix_reuse_bound": [prefix_reuse(t) for t in traces]}
     report = Report("vllm-serve", "ms", config, GOALS, notes(plan, traces))
@@ -338,7 +349,18 @@ def run_here(json_path: str | None, quick: bool, trace_path: str | None = None,
         url.append(start_serve(free_port()))
         steps = common.Steps(progress, "vllm-serve", plan.num_rounds)
         order = interleave({name: setup_round(name) for name in setups}, plan.num_rounds,
-                           on_round=lambda i, names: steps(f"round {i}: {' '.join(names)}"))
+                           on_round=lambda i, names: steps(f"round {i}: {' '.join(names)}")) \
+            if setups else []
+        recompute = None
+        if "recompute" in parts:
+            from cluster.tools.bench.vllm_serve_recompute import run_part
+
+            steps("recompute part")
+            try:
+                recompute = run_part(plan.engine, model_dir, MODEL, NUM_NODES, url[0],
+                                     wait_ready, lambda at: warm_up(at, plan))
+            except Exception as error:  # the main part's figures are kept; the ratio is not
+                recompute = {"error": f"{type(error).__name__}: {error}"[:500]}
         serve.shutdown()
     report["phase_s"] = steps.laps()
     print_rounds(rounds)
@@ -347,11 +369,13 @@ def run_here(json_path: str | None, quick: bool, trace_path: str | None = None,
                                 "error_samples": r["error_samples"]} for r in per_round]
                            for n, per_round in rounds.items()}
     report["ttft_ms"] = {n: [r["ttft_ms"] for r in per_round] for n, per_round in rounds.items()}
-    fill_ratios(report, rounds, plan, working_set)
+    report["recompute"] = recompute
+    fill_ratios(report, rounds, plan, working_set, recompute)
     return report.finish(json_path)
 
 
-def run(json_path: str | None, quick: bool, setups: tuple[str, ...] | None = None) -> dict:
+def run(json_path: str | None, quick: bool, setups: tuple[str, ...] | None = None,
+        parts: tuple[str, ...] = PARTS) -> dict:
     """`raykv bench vllm-serve`: the benchmark in a child process in its own network namespace
     (loopback only: HAProxy and Serve's direct ingress bind every interface), with HAProxy on."""
     out = json_path or os.path.join(tempfile.mkdtemp(prefix="raykv-vs-"), "vllm-serve.json")
@@ -362,6 +386,8 @@ def run(json_path: str | None, quick: bool, setups: tuple[str, ...] | None = Non
         child.append("--quick")
     if setups:
         child += ["--setups", ",".join(setups_for(quick, setups))]
+    if tuple(parts) != PARTS:
+        child += ["--parts", ",".join(parts)]
     script = "ip link set lo up && exec " + " ".join(child)
     # The repository (Ray's workers import raykv) and vllm_compat (Ray 2.60's LLMRouter imports
     # a vLLM module that vLLM 0.32 moved: vllm_compat/sitecustomize.py) for every worker.
@@ -384,6 +410,9 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--trace")
     parser.add_argument("--setups", help="comma-separated, of " + ",".join(SETUPS))
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="comma-separated, of " + ",".join(PARTS))
     arguments = parser.parse_args()
     run_here(arguments.json, arguments.quick, arguments.trace,
-             tuple(arguments.setups.split(",")) if arguments.setups else None)
+             tuple(arguments.setups.split(",")) if arguments.setups else None,
+             tuple(arguments.parts.split(",")))

@@ -42,12 +42,14 @@ class EngineShape:
     max_model_len: int = 4096
     num_blocks: int = 512  # vLLM's own cache per engine (num_gpu_blocks_override)
     max_num_seqs: int = 8
+    prefix_caching: bool = True  # vLLM's own (off: the recompute part, vllm_serve_recompute)
 
     def engine_kwargs(self) -> dict:
         return {"enforce_eager": True, "dtype": "float32", "block_size": self.block_tokens,
                 "max_model_len": self.max_model_len,
                 "num_gpu_blocks_override": self.num_blocks, "max_num_seqs": self.max_num_seqs,
-                "enable_prompt_tokens_details": True, "enable_prefix_caching": True}
+                "enable_prompt_tokens_details": True,
+                "enable_prefix_caching": self.prefix_caching}
 
 
 def ported_engine_kwargs(engine_kwargs: dict, experimental: dict, rank: int,
