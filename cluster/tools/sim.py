@@ -7,7 +7,9 @@
                (cluster/core/sim_cache.py: DirectoryIndex lookup, policy victims, puts).
                The hit ratio is hit tokens (whole 512-token blocks) over input tokens. Only
                a prompt's full blocks are cached (raykv keys full pages only), for every
-               contender, Belady included.
+               contender, Belady included. Beside them, an oracle that is told which pages
+               are dead (never used again) and evicts those first, LRU otherwise
+               ("oracle_dead_first_lru"): what knowing the future reuse alone is worth.
     routing    16 nodes of the H100 profile: raykv's router and shared tiers against the
                baselines (cluster/tools/sim_parts.py, cluster/core/sim_routers.py), TTFT and
                hit ratio; and one global cache of the same total capacity
@@ -40,7 +42,7 @@ from pathlib import Path
 from cluster.core.belady import belady_hits
 from cluster.core.config import CacheConfig
 from cluster.core.keys import KeyChain
-from cluster.core.sim_cache import GlobalCache
+from cluster.core.sim_cache import GlobalCache, dead_first_lru_hits
 from cluster.core.spec import ModelSpec
 from cluster.core.trace_format import (
     BLOCK_TOKENS,
@@ -176,7 +178,13 @@ def _eviction(report: Report, requests: list, chains: list, step: Step) -> None:
     input_tokens = sum(r.input_tokens for r in requests)
     hit_ratio = eviction_hit_ratios(chains, input_tokens, CAPACITIES_BLOCKS,
                                     lambda what: step(f"eviction: {what}"))
+    oracle = []
+    for capacity_blocks in CAPACITIES_BLOCKS:
+        step(f"eviction: dead-first LRU oracle at {capacity_blocks} blocks")
+        hits = sum(dead_first_lru_hits(chains, capacity_blocks))
+        oracle.append(hit_tokens(hits) / input_tokens)
     report["eviction"] = {"capacity_blocks": list(CAPACITIES_BLOCKS), "hit_ratio": hit_ratio,
+                          "oracle_dead_first_lru": oracle,
                           "default_policy": default_policy(),
                           "unlimited_hit_ratio": hit_tokens(unlimited_hits(chains))
                           / input_tokens,

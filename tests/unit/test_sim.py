@@ -57,6 +57,11 @@ def test_a_small_trace_gives_every_policy_and_the_bound(tmp_path, monkeypatch):
     # 5000 blocks hold the whole trace: every policy reaches the unlimited cache
     for ratios in eviction["hit_ratio"].values():
         assert ratios[-1] == pytest.approx(eviction["unlimited_hit_ratio"])
+    oracle = eviction["oracle_dead_first_lru"]
+    assert len(oracle) == 4
+    assert all(o <= b + 1e-12 for o, b in zip(oracle, eviction["hit_ratio"]["belady"],
+                                              strict=True))
+    assert oracle[-1] == pytest.approx(eviction["unlimited_hit_ratio"])
     assert written["config"]["num_requests"] == 250
     assert set(result["ratios"]) == set(sim.EVICTION_GOALS)
     assert (tmp_path / "sim.png").stat().st_size > 10_000
