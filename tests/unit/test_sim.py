@@ -130,3 +130,17 @@ def test_paused_gc_pauses_the_collector_and_hands_back_no_walk():
             gc.enable()
         else:
             gc.disable()
+
+
+def test_start_s_keeps_the_later_requests_rebased(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, num_requests=300)  # one request every 100 ms
+    requests, chains = sim.trace_chains(str(trace))
+    later, later_chains = sim.trace_chains(str(trace), limit=50, start_s=10.0)
+    assert len(later) == 50
+    assert [r.timestamp_ms for r in later] == [r.timestamp_ms - 10_000 for r in requests[100:150]]
+    assert [r.block_ids for r in later] == [r.block_ids for r in requests[100:150]]
+    assert later_chains == chains[100:150]
+    assert len(sim.trace_chains(str(trace), start_s=10.0)[0]) == 200
+    result = sim.run(str(trace), parts=("eviction",), bounds=sim.Bounds(start_s=25.0))
+    assert result["config"]["start_s"] == 25.0 and result["config"]["num_requests"] == 50
