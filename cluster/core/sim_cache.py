@@ -28,7 +28,7 @@ from cluster.core.directory_index import APPLIED, DirectoryIndex
 from cluster.core.events import EventStream
 from cluster.core.geometry import HOST
 from cluster.core.keys import PageKey
-from policies.eviction import EvictionPolicy
+from policies.eviction import EvictionPolicy, IsPinned
 
 NODE_ID = "global"
 
@@ -88,3 +88,63 @@ class GlobalCache:
             self.stream.on_status(shard, batch.seq, status)
             if status != APPLIED:
                 raise RuntimeError(f"the directory answered {status} to batch {batch.seq}")
+
+
+class DeadFirstLRU:
+    """An oracle, not a policy raykv can run: told at each use of a page whether any later
+    request will hold it, it evicts the pages never used again first (the longest dead
+    first), and the others least recently used first. It shows how much of Belady's lead
+    comes from knowing which pages are dead, under the same GlobalCache as the policies.
+
+    `dead_first_lru_hits` tells it, before each request, the next use of each of its pages
+    (`told`); a page the request holds but does not touch (one stored past a miss) keeps
+    what it was told before.
+    """
+
+    def __init__(self) -> None:
+        self.told: dict[PageKey, bool] = {}  # page -> used again later (this request's)
+        self._live: dict[PageKey, None] = {}  # least recently used first
+        self._dead: dict[PageKey, None] = {}  # dead longest first
+
+    def _place(self, key: PageKey) -> None:
+        self._live.pop(key, None)
+        self._dead.pop(key, None)
+        (self._live if self.told.get(key, True) else self._dead)[key] = None
+
+    def on_insert(self, key: PageKey, parent: PageKey | None = None) -> None:
+        self._place(key)
+
+    def on_access(self, key: PageKey) -> None:
+        if key in self._live or key in self._dead:
+            self._place(key)
+
+    def on_remove(self, key: PageKey) -> None:
+        self._live.pop(key, None)
+        self._dead.pop(key, None)
+
+    def victims(self, num_pages: int, is_pinned: IsPinned) -> list[PageKey]:
+        out: list[PageKey] = []
+        for queue in (self._dead, self._live):
+            for key in queue:
+                if len(out) >= num_pages:
+                    return out
+                if not is_pinned(key):
+                    out.append(key)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._live) + len(self._dead)
+
+
+def dead_first_lru_hits(chains: Sequence[Sequence[PageKey]], capacity_blocks: int) -> list[int]:
+    """Hit pages per request of the DeadFirstLRU oracle in a GlobalCache of capacity_blocks."""
+    from cluster.core.belady import next_uses
+
+    never = len(chains)
+    oracle = DeadFirstLRU()
+    cache = GlobalCache(oracle, capacity_blocks)
+    hits: list[int] = []
+    for chain, uses in zip(chains, next_uses(chains), strict=True):
+        oracle.told = {key: use < never for key, use in zip(chain, uses, strict=True)}
+        hits.append(cache.serve(chain))
+    return hits

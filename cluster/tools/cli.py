@@ -168,6 +168,8 @@ def sim_command(
     limit: Annotated[int | None, typer.Option(help="only the trace's first LIMIT requests")] = None,
     window_s: Annotated[float | None, typer.Option(
         help="the scale part: only the first WINDOW_S seconds of the replicated trace")] = None,
+    start_s: Annotated[float | None, typer.Option(
+        help="only the requests from START_S seconds on (a held-out part), started cold")] = None,
 ) -> None:
     """Replay a block trace offline through raykv's own policies. eviction: one global
     cache of 1k..50k blocks under every eviction policy raykv ships and Belady's bound.
@@ -182,7 +184,7 @@ def sim_command(
                                  param_hint="--part")
     result = sim.run(str(trace), str(json_path) if json_path else None,
                      str(plot) if plot else None, tuple(part or sim.PARTS),
-                     sim.Bounds(limit, window_s))
+                     sim.Bounds(limit, window_s, start_s))
     typer.echo(json.dumps(result["ratios"], indent=2))
     for name, why in failed(result).items():
         typer.echo(f"FAILED {name}: not exercised: {why}", err=True)

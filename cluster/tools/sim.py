@@ -7,7 +7,9 @@
                (cluster/core/sim_cache.py: DirectoryIndex lookup, policy victims, puts).
                The hit ratio is hit tokens (whole 512-token blocks) over input tokens. Only
                a prompt's full blocks are cached (raykv keys full pages only), for every
-               contender, Belady included.
+               contender, Belady included. Beside them, an oracle that is told which pages
+               are dead (never used again) and evicts those first, LRU otherwise
+               ("oracle_dead_first_lru"): what knowing the future reuse alone is worth.
     routing    16 nodes of the H100 profile: raykv's router and shared tiers against the
                baselines (cluster/tools/sim_parts.py, cluster/core/sim_routers.py), TTFT and
                hit ratio; and one global cache of the same total capacity
@@ -34,13 +36,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.core.belady import belady_hits
 from cluster.core.config import CacheConfig
 from cluster.core.keys import KeyChain
-from cluster.core.sim_cache import GlobalCache
+from cluster.core.sim_cache import GlobalCache, dead_first_lru_hits
 from cluster.core.spec import ModelSpec
 from cluster.core.trace_format import (
     BLOCK_TOKENS,
@@ -74,10 +76,17 @@ def default_policy() -> str:
     return CacheConfig.model_fields["eviction"].default
 
 
-def trace_chains(path: str, limit: int | None = None) -> tuple[list, list[list[bytes]]]:
+def trace_chains(path: str, limit: int | None = None, start_s: float | None = None
+                 ) -> tuple[list, list[list[bytes]]]:
     """The trace's requests and the page keys of each one's full blocks: raykv keys only
-    full pages, so a prompt's partial last block is neither stored nor hit."""
-    requests = read_trace(path, limit)
+    full pages, so a prompt's partial last block is neither stored nor hit. With start_s,
+    only the requests from start_s seconds on, their timestamps moved back by start_s (so
+    the simulated cluster starts cold, at time 0); limit counts the requests kept."""
+    requests = read_trace(path, None if start_s else limit)
+    if start_s:
+        start_ms = 1000.0 * start_s
+        requests = [replace(r, timestamp_ms=r.timestamp_ms - start_ms) for r in requests
+                    if r.timestamp_ms >= start_ms][:limit]
     keys = BlockKeys(KeyChain.of(ModelSpec.preset(MODEL), "default", BLOCK_TOKENS))
     return requests, [keys.keys(r)[: r.input_tokens // BLOCK_TOKENS] for r in requests]
 
@@ -124,11 +133,14 @@ def eviction_ratios(capacities_blocks: Sequence[int], hit_ratio: dict[str, list[
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """How much of the trace to simulate: its first `limit` requests (all when None), and in
-    the scale part above 16 nodes its first `window_s` seconds (all when None)."""
+    """How much of the trace to simulate: its first `limit` requests (all when None) from
+    `start_s` seconds on (from the start when None; a held-out part of the trace, started
+    cold), and in the scale part above 16 nodes its first `window_s` seconds (all when
+    None)."""
 
     limit: int | None = None
     window_s: float | None = None
+    start_s: float | None = None
 
 
 def run(trace_path: str, json_path: str | None = None, plot_path: str | None = None,
@@ -140,7 +152,7 @@ def run(trace_path: str, json_path: str | None = None, plot_path: str | None = N
     if unknown:
         raise ValueError(f"unknown part(s) {unknown}; this version has {list(PARTS)}")
     started_s = time.perf_counter()
-    requests, chains = trace_chains(trace_path, bounds.limit)
+    requests, chains = trace_chains(trace_path, bounds.limit, bounds.start_s)
     goals = {name: goal for part in parts for name, goal in PART_GOALS[part].items()}
     report = Report("sim", "token hit ratio; TTFT s", _config(trace_path, requests, bounds),
                     goals, _notes(len(requests), len(chains)))
@@ -176,7 +188,13 @@ def _eviction(report: Report, requests: list, chains: list, step: Step) -> None:
     input_tokens = sum(r.input_tokens for r in requests)
     hit_ratio = eviction_hit_ratios(chains, input_tokens, CAPACITIES_BLOCKS,
                                     lambda what: step(f"eviction: {what}"))
+    oracle = []
+    for capacity_blocks in CAPACITIES_BLOCKS:
+        step(f"eviction: dead-first LRU oracle at {capacity_blocks} blocks")
+        hits = sum(dead_first_lru_hits(chains, capacity_blocks))
+        oracle.append(hit_tokens(hits) / input_tokens)
     report["eviction"] = {"capacity_blocks": list(CAPACITIES_BLOCKS), "hit_ratio": hit_ratio,
+                          "oracle_dead_first_lru": oracle,
                           "default_policy": default_policy(),
                           "unlimited_hit_ratio": hit_tokens(unlimited_hits(chains))
                           / input_tokens,
@@ -192,7 +210,7 @@ def _set_ratios(report: Report, ratios: dict[str, float | None]) -> None:
 
 def _config(trace_path: str, requests: list, bounds: Bounds) -> dict:
     return {"trace": trace_path, "num_requests": len(requests), "limit": bounds.limit,
-            "window_s": bounds.window_s,
+            "window_s": bounds.window_s, "start_s": bounds.start_s,
             "block_tokens": BLOCK_TOKENS, "capacities_blocks": list(CAPACITIES_BLOCKS),
             "policies": list(EVICTION_POLICIES), "default_policy": default_policy(),
             "goal_min_capacity_blocks": GOAL_MIN_CAPACITY_BLOCKS}

@@ -38,6 +38,10 @@ def _eviction(row, eviction: dict) -> None:
         label = f"{name} (raykv default)" if name == eviction["default_policy"] else name
         style = {"color": "black", "linestyle": "--"} if name == "belady" else {}
         axis.plot(capacities, [100 * r for r in ratios], marker="o", label=label, **style)
+    if "oracle_dead_first_lru" in eviction:
+        axis.plot(capacities, [100 * r for r in eviction["oracle_dead_first_lru"]],
+                  color="grey", linestyle="--", marker="x",
+                  label="oracle: dead pages first, else LRU")
     axis.axhline(100 * eviction["unlimited_hit_ratio"], color="grey", linewidth=0.8,
                  linestyle=":", label="unlimited capacity")
     axis.set_xscale("log")

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.core.belady import belady_hits, next_uses
-from cluster.core.sim_cache import GlobalCache
+from cluster.core.sim_cache import GlobalCache, dead_first_lru_hits
 from policies.eviction import EVICTION_POLICIES, make_policy
 
 
@@ -80,3 +80,44 @@ def test_belady_by_hand():
 
 def test_next_uses():
     assert next_uses([(0, 1), (0, 2), (0, 1)]) == [[1, 2], [2, 3], [3, 3]]
+
+
+def dead_first_lru_reference(chains: list[tuple[int, ...]], capacity_blocks: int) -> list[int]:
+    """The dead-first LRU oracle written plainly: a list of (dead, last use) per stored page,
+    the victim being the smallest; pages stored past a miss are neither touched nor re-told."""
+    later = [set(key for c in chains[i + 1:] for key in c) for i in range(len(chains))]
+    stored: dict[int, tuple[bool, int]] = {}  # page -> (alive, tick of its last use)
+    tick, hits = 0, []
+    for i, chain in enumerate(chains):
+        num_hit = longest_prefix(chain, frozenset(stored))
+        hits.append(num_hit)
+        for key in chain[:num_hit]:
+            tick += 1
+            stored[key] = (key in later[i], tick)
+        fresh = [k for k in dict.fromkeys(chain[num_hit:]) if k not in stored][:capacity_blocks]
+        for _ in range(len(stored) + len(fresh) - capacity_blocks):
+            del stored[min(stored, key=stored.__getitem__)]
+        for key in fresh:
+            tick += 1
+            stored[key] = (key in later[i], tick)
+    return hits
+
+
+@settings(max_examples=150, deadline=None)
+@given(tree_traces(max_blocks=12, max_requests=12), st.integers(1, 6))
+def test_dead_first_lru_oracle_against_a_plain_reference_and_belady(chains, capacity_blocks):
+    keys = [[i.to_bytes(16, "little") for i in chain] for chain in chains]
+    hits = dead_first_lru_hits(keys, capacity_blocks)
+    assert hits == dead_first_lru_reference(chains, capacity_blocks)
+    assert sum(hits) <= sum(belady_hits(keys, capacity_blocks))
+
+
+def test_dead_first_lru_by_hand():
+    chains = [[i.to_bytes(16, "little") for i in chain]
+              for chain in [(0, 1), (0, 2), (0, 1), (0, 3), (0, 3)]]
+    # Two blocks. Request 1 evicts 1 (alive, but used before 0), request 2 then evicts 2
+    # (dead the moment it came) though it was stored after 0, and request 3 evicts 1 (dead
+    # since request 2, while 0 is still alive).
+    assert dead_first_lru_hits(chains, 2) == [0, 1, 1, 1, 2]
+    # Three blocks: request 3 evicts 2, dead longer than 1.
+    assert dead_first_lru_hits(chains, 3) == [0, 1, 2, 1, 2]

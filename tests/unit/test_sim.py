@@ -57,6 +57,11 @@ def test_a_small_trace_gives_every_policy_and_the_bound(tmp_path, monkeypatch):
     # 5000 blocks hold the whole trace: every policy reaches the unlimited cache
     for ratios in eviction["hit_ratio"].values():
         assert ratios[-1] == pytest.approx(eviction["unlimited_hit_ratio"])
+    oracle = eviction["oracle_dead_first_lru"]
+    assert len(oracle) == 4
+    assert all(o <= b + 1e-12 for o, b in zip(oracle, eviction["hit_ratio"]["belady"],
+                                              strict=True))
+    assert oracle[-1] == pytest.approx(eviction["unlimited_hit_ratio"])
     assert written["config"]["num_requests"] == 250
     assert set(result["ratios"]) == set(sim.EVICTION_GOALS)
     assert (tmp_path / "sim.png").stat().st_size > 10_000
@@ -125,3 +130,17 @@ def test_paused_gc_pauses_the_collector_and_hands_back_no_walk():
             gc.enable()
         else:
             gc.disable()
+
+
+def test_start_s_keeps_the_later_requests_rebased(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, num_requests=300)  # one request every 100 ms
+    requests, chains = sim.trace_chains(str(trace))
+    later, later_chains = sim.trace_chains(str(trace), limit=50, start_s=10.0)
+    assert len(later) == 50
+    assert [r.timestamp_ms for r in later] == [r.timestamp_ms - 10_000 for r in requests[100:150]]
+    assert [r.block_ids for r in later] == [r.block_ids for r in requests[100:150]]
+    assert later_chains == chains[100:150]
+    assert len(sim.trace_chains(str(trace), start_s=10.0)[0]) == 200
+    result = sim.run(str(trace), parts=("eviction",), bounds=sim.Bounds(start_s=25.0))
+    assert result["config"]["start_s"] == 25.0 and result["config"]["num_requests"] == 50
