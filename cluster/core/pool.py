@@ -33,6 +33,7 @@ from cluster.core.keys import PageKey
 from cluster.core.pins import PinSet
 from cluster.core.pool_entry import Entry, State
 from cluster.core.pool_limits import PoolLimits
+from cluster.core.put_leases import LeasedSlots
 from cluster.core.tiers.chunks import ChunkedSlots, Share
 from cluster.core.tiers.device_copy import tier_copies
 from cluster.core.tiers.disk import DiskArena
@@ -44,7 +45,7 @@ EventSink = Callable[[PageKey, int | None], None]
 MAX_LOAD_ROUNDS = 3
 
 
-class Pool(DiskLoads):
+class Pool(DiskLoads, LeasedSlots):
     """Pages of one geometry on one node."""
 
     def __init__(self, geometry: PageGeometry, limits: PoolLimits, disk: DiskArena | None,
