@@ -33,7 +33,7 @@ from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.pool_entry import Entry, State
 
-MAX_LEASED_FRACTION = 0.25  # of the top tier's slots, in one call's top-up
+MAX_LEASED_FRACTION = 0.25  # of the top tier's slots, held by one lease at most
 
 
 @dataclass(slots=True)
@@ -173,7 +173,9 @@ class PutLeases:
         lease_id = request.lease_id
         if lease is None or lease.geometry != pool.geometry:
             lease_id = new_id
-        want = min(request.want, max(1, int(MAX_LEASED_FRACTION * pool.num_slots_top())))
+        held = len(lease.slots) if lease_id == request.lease_id else 0
+        cap = max(1, int(MAX_LEASED_FRACTION * pool.num_slots_top()))
+        want = min(request.want, cap - held)
         slots = await pool.lease_free(request.tier, want, request.namespace) if want > 0 else []
         lease = self.leases.get(lease_id)  # afresh: the await may have let it lapse
         if lease is None:

@@ -118,11 +118,15 @@ def test_ending_a_lease_gives_its_uncommitted_slots_back(stores):
 def test_a_top_up_renews_the_lease_and_is_capped_by_the_tier(stores):
     store = stores.make(device_pages=0, host_pages=8, disk_pages=0, reserve_lease_s=0.5)
     reply = lease(store, 100)
-    assert len(reply.places) == 2  # a quarter of the 8 host slots a call
+    assert len(reply.places) == 2  # a lease holds a quarter of the 8 host slots at most
     deadline_s = store.put_leases.leases[reply.lease_id].deadline_s
+    time.sleep(0.01)
     more = lease(store, 1, reply.lease_id)
-    assert more.lease_id == reply.lease_id and len(more.places) == 1
-    assert store.put_leases.leases[reply.lease_id].deadline_s >= deadline_s
+    assert more.lease_id == reply.lease_id and more.places == []
+    assert store.put_leases.leases[reply.lease_id].deadline_s > deadline_s  # renewed
+    write(store, reply.places[0], 0)
+    more = lease(store, 5, reply.lease_id, [key(0)], [reply.places[0][:2]])
+    assert more.committed == [True] and len(more.places) == 1  # one committed, one more
 
 
 # ---- the client over the fakes ----------------------------------------------------------
