@@ -148,9 +148,10 @@ class LeasedPuts:
             self.view.slabs.remember([k for k, ok in zip(written[0], done, strict=True) if ok],
                                      written[1][done])  # a later get reads them directly
         with self._cond:
-            if reply is None:
+            if reply is None:  # a dead node, or a late answer: the lease may be gone
                 self._retry_at_s = time.monotonic() + self._retry_s
                 self._retry_s = min(2 * self._retry_s, RETRY_AFTER_S[1])
+                self.pool.granted(0, [], sent_s, 0.0)  # a fresh lease next (the old lapses)
             else:
                 _, answer = reply
                 self._retry_s = RETRY_AFTER_S[0]
