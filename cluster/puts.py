@@ -121,8 +121,12 @@ class LeasedPuts:
                 slots = tuple(map(tuple, written[1][:, :2].tolist()))
                 request = LeaseRequest(self.pool.lease_id, tuple(written[0]), slots,
                                        self.pool.want(), self.view.namespace, self.tier)
-            if not self._call(request, written):
-                return  # this process left Ray: nothing to commit to any more
+            try:
+                if not self._call(request, written):
+                    return  # this process left Ray: nothing to commit to any more
+            except Exception:  # Ray torn down under the call: its pages are a miss
+                log.exception("a leased-put call raised")
+                self._answer(request, written, None, time.monotonic())
 
     def _call(self, request: LeaseRequest, written: tuple[list, np.ndarray]) -> bool:
         """One leased-put call and what its answer means here; False once Ray is gone."""
