@@ -60,11 +60,13 @@ class LeasedPuts:
         return self.pool.max_pages > 0
 
     def take(self, count: int) -> np.ndarray | None:
-        """`count` leased slots (an int64 [count, 3] slot table), or None (reserve instead);
-        either way, the committer tops the lease up."""
+        """`count` leased slots (an int64 [count, 3] slot table), or None (reserve instead,
+        and the committer tops the lease up now). Slots taken are topped up with their
+        commit, after the copy: a call started now would contend with the copy for the GIL."""
         with self._cond:
             places = self.pool.take(count, time.monotonic())
-            self._wake()
+            if places is None:
+                self._wake()
         return places
 
     def wrote(self, keys: list, places: np.ndarray) -> None:
