@@ -59,14 +59,15 @@ class LeasedSlots:
         count = min(count, self._num_slots(level))
         if count <= 0:
             return []
-        count = await within_namespace_max(self, level, namespace, count)
-        await self.make_room(level, count, namespace)
         leased: list[tuple[int, int]] = []
-        for _ in range(min(count, self._free_slots(level))):
-            slot = self.memory[level].alloc()
-            if slot is None:  # the budget went to another pool meanwhile
-                break
-            leased.append((level, slot))
+        async with self.room_lock:  # as a reserve (pool.py)
+            count = await within_namespace_max(self, level, namespace, count)
+            await self.make_room(level, count, namespace)
+            for _ in range(min(count, self._free_slots(level))):
+                slot = self.memory[level].alloc()
+                if slot is None:  # the budget went to another pool meanwhile
+                    break
+                leased.append((level, slot))
         return leased
 
     def commit_leased(self, keys: list[PageKey], slots: list[tuple[int, int]],
