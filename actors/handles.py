@@ -157,6 +157,17 @@ class NodeHandle:
     def abort(self, reservation_id: int):
         return self.actor.abort.remote(reservation_id)
 
+    def put_leased(self, geometry: PageGeometry, request):
+        """Commit leased writes and top the slot lease up: a ref to (stamp, LeaseReply)
+        (cluster/core/put_leases.py). None once this process has left Ray (the committer
+        thread may outlive it: see touch)."""
+        if not ray.is_initialized():
+            return None
+        return self.actor.put_leased.remote(geometry, request)
+
+    def end_put_lease(self, lease_id: int):
+        return self.actor.end_put_lease.remote(lease_id)
+
     def acquire(self, geometry: PageGeometry, keys: list[PageKey], released: list[int] = ()):
         return self.actor.acquire.remote(geometry, keys, list(released))
 

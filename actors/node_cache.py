@@ -36,6 +36,7 @@ from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.loops import BackgroundLoops
 from cluster.core.pool import PoolLimits
+from cluster.core.put_leases import LeaseRequest
 from cluster.core.registry import Registry
 from cluster.core.store import NodeStore, StoreConfig, shm_bytes_per_node
 from cluster.core.tiers.gpus import describe_budget, measure_gpus, vram_budget
@@ -269,6 +270,22 @@ class NodeCacheActor:
         if committed:  # tell the directory now, in the background, not on the put's path
             self._flush_soon()
         return committed
+
+    async def put_leased(self, geometry: PageGeometry, request: LeaseRequest):
+        """(stamp, LeaseReply): commit a client's leased writes, and lease it more free
+        slots (cluster/core/put_leases.py); the directory hears of the commits as it does of
+        a reservation's."""
+        await self.ready()
+        reply = await self.store.put_leased(geometry, request)
+        if any(reply.committed):
+            self._flush_soon()
+        if reply.places:
+            self._grow_soon(geometry)
+        return self._stamp(geometry), reply
+
+    async def end_put_lease(self, lease_id: int) -> int:
+        await self.ready()
+        return self.store.end_put_lease(lease_id)
 
     def _flush_soon(self) -> None:
         if self._pending_flush is None or self._pending_flush.done():

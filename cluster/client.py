@@ -35,6 +35,7 @@ from cluster.core.spec import ModelSpec
 from cluster.core.tiers.slot_table import as_places
 from cluster.fetch import fetch_prefix, located_prefix
 from cluster.operator import Operator, Prefix
+from cluster.puts import LeasedPuts
 from cluster.slabs import LocalSlabs
 from cluster.view import CacheView
 
@@ -61,6 +62,15 @@ class KVClient:
                               namespace, make_transport(config.transport),
                               config.call_timeout_s, authority=secrets.authority(namespace))
         self.timeout_s = config.call_timeout_s
+
+    @property
+    def puts(self) -> LeasedPuts | None:
+        """The view's slot lease and committer (cluster/puts.py); None without mapped slabs."""
+        view = self.view
+        if view.puts is None and view.slabs is not None:
+            view.puts = LeasedPuts(view, self.config.put_lease_bytes,
+                                   self.config.reserve_lease_s)
+        return view.puts
 
     @property
     def counters(self) -> dict[str, int]:
@@ -216,8 +226,9 @@ class KVClient:
     # ---- the steps -----------------------------------------------------------------------
 
     def _put(self, tokens: object, kv: torch.Tensor) -> Steps[int]:
-        """reserve (one call) -> copy into the slots -> commit (one call; the node tells the
-        directory after it answers, so the put does not wait for that)."""
+        """Into slots leased ahead, with no call (cluster/puts.py); else reserve (one call)
+        -> copy into the slots -> commit (one call; the node tells the directory after it
+        answers, so the put does not wait for that)."""
         keys = self.keys(tokens)
         check_kv(kv, self.spec, len(tokens))
         if not keys:
@@ -225,6 +236,11 @@ class KVClient:
         view = self.view
         if view.local is None:
             return (yield from self._put_remote(keys, kv))
+        if self.puts.enabled:
+            stored_tokens = yield from self._put_leased(keys, kv)
+            if stored_tokens is not None:
+                view.counters["put_tokens"] += stored_tokens
+                return stored_tokens
         reserved = yield from self._reserve_mapped(keys)
         if reserved is None:
             return 0
@@ -236,6 +252,35 @@ class KVClient:
         stored_tokens = len(slots) * self.page_tokens  # the prefix that is stored now
         view.counters["put_tokens"] += stored_tokens
         return stored_tokens
+
+    def _put_leased(self, keys: list[PageKey], kv: torch.Tensor) -> Steps[int | None]:
+        """Copy the pages into slots leased ahead (fenced, as a reservation's) and leave
+        their commit to the committer: no call. The tokens written, or None when too few
+        slots are leased (the put then reserves)."""
+        puts, slabs = self.puts, self.view.slabs
+        places = puts.take(len(keys))
+        if places is None:
+            return None
+        blocks, mapped = slabs.kv_blocks(places, kv, np.arange(len(keys)))
+        if mapped < len(keys):  # the committer keeps only mapped slots: a torn mapping
+            puts.give_back(places)
+            return None
+        pairs = [(block, kv_rows) for kv_rows, block in blocks]
+        try:
+            copied = yield Work(lambda: fenced_copy(slabs, places, pairs))
+        except BaseException:
+            puts.give_back(places)  # uncommitted: rewritten by a later put
+            raise
+        if not copied:  # the lease lapsed: its slots are the node's again
+            puts.fenced_off()
+            return None
+        puts.wrote(keys, places)
+        return len(keys) * self.page_tokens
+
+    def _settled(self) -> Steps[None]:
+        """Wait for this client's own leased writes to be committed (read-your-writes)."""
+        if self.puts is not None and self.puts.unsettled():
+            yield Work(lambda: self.puts.settle(self.timeout_s))
 
     def _reserve_mapped(self, keys: list[PageKey], tier: int | None = None) -> Steps:
         """reserve (one call), and map what it names: (reservation_id, slots, ours as
@@ -307,6 +352,7 @@ class KVClient:
     def _locate(self, keys: list[PageKey]) -> Steps[list]:
         if not keys:
             return []
+        yield from self._settled()
         positions, refs = self.view.directory.prefix_refs(keys)
         answers = yield Wait(refs)
         return located_prefix(self.view, keys, answers, positions)
@@ -327,6 +373,7 @@ class KVClient:
             check_out(out, self.spec, len(keys) * self.page_tokens, self.page_tokens)
         if not keys:
             return 0, None
+        yield from self._settled()
         num_pages, out = yield from fetch_prefix(self.view, keys, out)
         if num_pages == 0:
             return 0, None
@@ -347,6 +394,7 @@ class KVClient:
         return len(located) * self.page_tokens
 
     def _stats(self) -> Steps[dict]:
+        yield from self._settled()
         self.view.flush_touched()  # so that the node's hits include this client's reads
         refs = [self.view.home.stats(), *self.view.directory.stats()]
         node, *directory = yield Wait(refs)

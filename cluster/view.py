@@ -44,9 +44,10 @@ class CacheView:
     counters: dict[str, int] = field(default_factory=lambda: {
         "put_tokens": 0, "get_tokens": 0, "lookups": 0, "local_pages": 0, "remote_pages": 0,
         "optimistic_pages": 0, "stale_hints": 0, "failed_calls": 0, "torn_reads": 0,
-        "unmapped_pages": 0})
+        "unmapped_pages": 0, "leased_pages": 0, "uncommitted_pages": 0})
     touches: TouchBatch | None = None  # set in __post_init__ when the slabs are mapped
     authority: Authority | None = None  # what remote reads prove (None: they miss)
+    puts: object = None  # cluster/puts.py's LeasedPuts, made by the client on first use
     # Recent timed reads, (source, bytes, seconds), for the rate estimates of cost-based
     # routing (policies/cost_routing.py); bounded, so a client nobody drains keeps a few.
     transfers: deque = field(default_factory=lambda: deque(maxlen=MAX_TRANSFERS))

@@ -33,6 +33,7 @@ from cluster.core.keys import PageKey
 from cluster.core.pins import PinSet
 from cluster.core.pool_entry import Entry, State
 from cluster.core.pool_limits import PoolLimits
+from cluster.core.put_leases import LeasedSlots
 from cluster.core.tiers.chunks import ChunkedSlots, Share
 from cluster.core.tiers.device_copy import tier_copies
 from cluster.core.tiers.disk import DiskArena
@@ -44,7 +45,7 @@ EventSink = Callable[[PageKey, int | None], None]
 MAX_LOAD_ROUNDS = 3
 
 
-class Pool(DiskLoads):
+class Pool(DiskLoads, LeasedSlots):
     """Pages of one geometry on one node."""
 
     def __init__(self, geometry: PageGeometry, limits: PoolLimits, disk: DiskArena | None,
@@ -79,6 +80,10 @@ class Pool(DiskLoads):
                            for arena in self.memory]
         self.quarantined: list[tuple[int, int]] = []  # (tier, slot) a late writer may hold
         self.held = PinSet()  # operator pins (the node's, shared by its pools: NodeStore)
+        # Held by a reserve and a lease's top-up from making room to taking the slots, so that
+        # two of them (one client's lease top-up and its own put's reserve) never split the
+        # room made between them and both come up short.
+        self.room_lock = asyncio.Lock()
 
     def _num_slots(self, tier: int) -> int:
         if tier == DISK:
@@ -121,21 +126,22 @@ class Pool(DiskLoads):
         """
         self.last_access_s = time.monotonic()
         placed: dict[PageKey, tuple[int, int]] = {}
-        for level in range(self.top_tier if tier is None else tier, HOST + 1):
-            count = min(len(self._fresh(keys)), self._num_slots(level))
-            if count == 0:
-                continue
-            count = await within_namespace_max(self, level, namespace, count)
-            await self.make_room(level, count, namespace)
-            # Recomputed after the await: a concurrent put may have reserved some meanwhile.
-            for key in self._fresh(keys)[: min(count, self._free_slots(level))]:
-                slot = self.memory[level].alloc()
-                if slot is None:  # the budget went to another pool meanwhile
-                    break
-                entry = self.index[key] = Entry(level, slot, State.PENDING, owner=owner,
-                                                namespace=namespace)
-                self._count(entry, 1)
-                placed[key] = (level, slot)
+        async with self.room_lock:  # the room one put makes is its own (put_leases.py too)
+            for level in range(self.top_tier if tier is None else tier, HOST + 1):
+                count = min(len(self._fresh(keys)), self._num_slots(level))
+                if count == 0:
+                    continue
+                count = await within_namespace_max(self, level, namespace, count)
+                await self.make_room(level, count, namespace)
+                # Recomputed after the await: a concurrent put may have reserved some.
+                for key in self._fresh(keys)[: min(count, self._free_slots(level))]:
+                    slot = self.memory[level].alloc()
+                    if slot is None:  # the budget went to another pool meanwhile
+                        break
+                    entry = self.index[key] = Entry(level, slot, State.PENDING, owner=owner,
+                                                    namespace=namespace)
+                    self._count(entry, 1)
+                    placed[key] = (level, slot)
         return self._reserved_prefix(keys, placed, owner)
 
     def _reserved_prefix(self, keys: list[PageKey], placed: dict[PageKey, tuple[int, int]],

@@ -32,6 +32,7 @@ from cluster.core.geometry import DEVICE, DISK, HOST, TIER_NAMES, PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.pins import PinSet
 from cluster.core.pool import EventSink, Pool, PoolLimits, State
+from cluster.core.put_leases import LeaseReply, LeaseRequest, PutLeases
 from cluster.core.tiers.aligned import make_private_dir, write_private_text
 from cluster.core.tiers.disk import DiskArena
 from cluster.core.tiers.memory import ArenaDescriptor, remove_stale_shm
@@ -89,6 +90,7 @@ class NodeStore:
         self._lease_ids = itertools.count(1)
         self.disk_faults: DiskFaults | None = None  # test-only (cluster/core/faults.py)
         self.pins = PinSet()  # operators' pins, over every pool of the node
+        self.put_leases = PutLeases(config.reserve_lease_s)  # leased puts: put_leases.py
         self.counters = {"puts": 0, "gets": 0, "hits_pages": 0, "misses_pages": 0,
                          "hits_device": 0, "hits_host": 0, "hits_disk": 0,
                          "expired_reservations": 0, "expired_leases": 0,
@@ -237,6 +239,18 @@ class NodeStore:
         dropped = set(keys)
         lease.keys = [key for key in lease.keys if key not in dropped]
 
+    async def put_leased(self, geometry: PageGeometry, request: LeaseRequest) -> LeaseReply:
+        """Commit a client's leased writes and top its slot lease up (core/put_leases.py)."""
+        self.expire()
+        reply = await self.put_leases.call(self.pool(geometry), request, next(self._lease_ids))
+        if any(reply.committed):
+            self.counters["puts"] += 1
+        return reply
+
+    def end_put_lease(self, lease_id: int) -> int:
+        """A client gives its leased slots back; returns how many."""
+        return self.put_leases.end(self.pools, lease_id)
+
     async def put_pages(self, geometry: PageGeometry, keys: list[PageKey],
                         pages: list[np.ndarray], tier: int | None = None,
                         namespace: str = "") -> int:
@@ -313,6 +327,7 @@ class NodeStore:
             self.release(lease_id)
         for reservation_id in reservations:
             self.abort(reservation_id)  # its slots are fenced; a late writer's quarantined
+        self.put_leases.expire(self.pools, now_s)  # before the quarantine: freed at once
         for pool in self.pools.values():
             self.counters["quarantine_freed_slots"] += pool.release_quarantined()
         self.pins.sweep()
@@ -404,6 +419,8 @@ class NodeStore:
                 "memory": self.elastic.stats(), "models": self.memory_by_model(),
                 "evictions": evictions, "disk_read_us_per_token": tax_us,
                 "reservations": len(self.reservations),
+                "leased_slots": self.put_leases.num_leased(),
+                **self.put_leases.counters,
                 "quarantined_slots": sum(len(p.quarantined) for p in self.pools.values()),
                 "disk_bytes_read": sum(d.bytes_read for d in disks),
                 "disk_bytes_written": sum(d.bytes_written for d in disks),

@@ -2,6 +2,9 @@
 
     DoomedWriter.reserve_then_die    "kill a client mid-put": its reservation must lapse after
                                      `reserve_lease_s`, and no half-written page be served
+    DoomedWriter.lease_then_die      "kill a client holding leased slots": it writes into slots
+                                     of its lease and dies before their commit; the node must
+                                     take them back after `reserve_lease_s`, none of it served
     DoomedWriter.put_stalled         "a stalled writer": a put that stalls past its lease,
                                      before its copy or in the middle of it, until released;
                                      its late bytes must never land in another page's slot
@@ -44,6 +47,29 @@ class DoomedWriter:
         if not run_sync(client.view.slabs.ensure(epoch), client.timeout_s):
             os._exit(2)
         tier, slot, _ = next(s for s in slots if s is not None)
+        target = client.view.slabs.page(tier, slot).reshape(-1).view(torch.uint8)
+        source = kv[:, :, :, page_slices(0, client.page_tokens)].contiguous()
+        half_bytes = target.numel() // 2
+        target[:half_bytes].copy_(source.reshape(-1).view(torch.uint8)[:half_bytes])
+        os._exit(1)
+
+    def leased_slots(self, tokens: list[int], kv: torch.Tensor, num_slots: int) -> int:
+        """Put once (a put that finds no lease reserves, and starts the client's lease), then
+        wait until `num_slots` slots are leased; returns how many are."""
+        self.client.put(tokens, kv)
+        deadline_s = time.monotonic() + 30.0
+        while len(self.client.puts.pool.free) < num_slots and time.monotonic() < deadline_s:
+            time.sleep(0.01)
+        return len(self.client.puts.pool.free)
+
+    def lease_then_die(self, tokens: list[int], kv: torch.Tensor) -> None:
+        """Take leased slots for every page of `tokens`, copy half of the first page in, and
+        exit before the commit (as a process killed there would)."""
+        client = self.client
+        places = client.puts.take(len(client.keys(tokens)))
+        if places is None:
+            os._exit(2)
+        tier, slot, _ = places[0].tolist()
         target = client.view.slabs.page(tier, slot).reshape(-1).view(torch.uint8)
         source = kv[:, :, :, page_slices(0, client.page_tokens)].contiguous()
         half_bytes = target.numel() // 2

@@ -55,7 +55,12 @@ def test_a_dead_local_node_actor_is_a_miss_not_an_error(service):
     time.sleep(HINT_TTL_S)  # until then the client may read the slabs it maps, unasked
     started_s = time.monotonic()
     assert client.get(tokens) == (0, None)
-    assert client.put(list(range(200, 232)), kv_for(TINY, 32)) == 0
+    # A put into slots leased before the node died copies in with no call: it cannot know,
+    # and its commit fails (a miss). Then the lease is dropped, and a put stores nothing.
+    leased_tokens = list(range(200, 232))
+    assert client.put(leased_tokens, kv_for(TINY, 32)) in (0, 32)
+    assert client.lookup(leased_tokens) == 0
+    assert client.put(list(range(300, 332)), kv_for(TINY, 32)) == 0
     assert client.prefetch(tokens) in (0, 64)  # the directory may still list the dead node
     assert "error" in client.stats()["node"]
     assert time.monotonic() - started_s < 2 * 2.0
@@ -73,7 +78,10 @@ def test_an_aget_on_a_dead_node_is_a_miss_too(service):
     local_node(client).kill()
     time.sleep(HINT_TTL_S)
     assert asyncio.run(client.aget(tokens)) == (0, None)
-    assert asyncio.run(client.aput(list(range(400, 432)), kv_for(TINY, 32))) == 0
+    leased_tokens = list(range(400, 432))  # into slots leased before: a miss, as above
+    assert asyncio.run(client.aput(leased_tokens, kv_for(TINY, 32))) in (0, 32)
+    assert asyncio.run(client.alookup(leased_tokens)) == 0
+    assert asyncio.run(client.aput(list(range(500, 532)), kv_for(TINY, 32))) == 0
     service()
 
 

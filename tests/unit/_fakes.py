@@ -12,6 +12,7 @@ from cluster.core.dataplane.endpoint import Endpoint
 from cluster.core.directory_index import DirectoryIndex
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import KEY_BYTES, shard_of
+from cluster.core.put_leases import LeaseReply, LeaseRequest
 from cluster.core.tiers.memory import SlabStamp
 
 
@@ -121,6 +122,30 @@ class FakeNode:
                 self.arenas[slot[0]].free(slot[1])
         self.reserved = {}
         return self._call("abort", None)
+
+    # leased puts (cluster/core/put_leases.py): slots leased in `put_tier`, committed by key
+    def put_leased(self, geometry: PageGeometry, request: LeaseRequest):
+        leased = self.__dict__.setdefault("leased", set())
+        committed = []
+        for key, slot in zip(request.keys, request.slots, strict=True):
+            ours = tuple(slot) in leased and "lapse" not in self.fail
+            leased.discard(tuple(slot))
+            committed.append(ours and key not in self.pages)
+            if committed[-1]:
+                self.pages[key] = tuple(slot)
+            elif ours:
+                self.arenas[slot[0]].free(slot[1])
+        places = []
+        for _ in range(request.want):
+            slot = self.arenas[self.put_tier].alloc()
+            if slot is None:
+                break
+            leased.add((self.put_tier, slot))
+            places.append((self.put_tier, slot, self.arenas[self.put_tier].generation(slot)))
+        return self._call("put_leased", (self.stamp(), LeaseReply(committed, 5, places, 30.0)))
+
+    def end_put_lease(self, lease_id: int):
+        return self._call("end_put_lease", 0)
 
     def put_pages(self, geometry: PageGeometry, keys: list, pages: list, namespace: str = ""):
         return self._call("put_pages", len(keys))

@@ -78,6 +78,9 @@ class _FakeSession:
             self.stats["disk_bytes_written"] += self.plan.batch_bytes + 4096
             self.stats["pages"]["disk"] += self.plan.num_pages
 
+    def put_settled(self):  # the put and its background commit (which demotes)
+        self.put_batch()
+
     def check_batch(self, batch):
         self.got.append(batch)
         self.stats["disk_bytes_read"] += self.plan.batch_bytes * self.reads_disk

@@ -137,7 +137,7 @@ class World:
         self.node = FakeNode("local", self.arenas, is_local=True, put_tier=DEVICE)
         self.view = CacheView(G, self.node, FakeDirectory(), FakePeers({}),
                               LocalSlabs(self.node, G), transport=FakeTransport({}))
-        config = CacheConfig(page_tokens=PAGE_TOKENS, disk_dir="/tmp")
+        config = CacheConfig(page_tokens=PAGE_TOKENS, disk_dir="/tmp", put_lease_bytes=0)
         self.client = KVClient(SPEC, "default", config, FakeDirectory(), self.node)
         self.client.view = self.view
 

@@ -298,8 +298,11 @@ def test_two_shards_one_down_ends_the_prefix_at_its_first_key():
 # ---- the client's put and lookup, on the same fakes --------------------------------------
 
 
-def client_of(world: World) -> KVClient:
-    config = CacheConfig(page_tokens=PAGE_TOKENS, disk_dir="/tmp")
+def client_of(world: World, put_lease_bytes: int = 0) -> KVClient:
+    """A client of the world's view; puts reserve and commit unless given slots to lease
+    (tests/unit/test_leased_puts.py)."""
+    config = CacheConfig(page_tokens=PAGE_TOKENS, disk_dir="/tmp",
+                         put_lease_bytes=put_lease_bytes)
     client = KVClient(SPEC, "default", config, world.directory, world.local)
     client.view = world.view
     return client

@@ -118,10 +118,12 @@ def _client_mid_put(ctx: Context) -> dict:
 
 def _reput(client, tokens: list[int], kv, sums: list[int]) -> tuple[bool, int]:
     """An op: a get (any page it finds must hold the bytes put), then a put of what is
-    missing; ok once every token is stored."""
+    missing; ok once a get finds every token (a put into leased slots answers before its
+    commit, which is refused while the dead writer's reservation holds the pages)."""
     num_tokens, wrong = checked_get(client, tokens, sums)
-    stored = client.put(tokens, kv) if num_tokens < len(tokens) else num_tokens
-    return stored == len(tokens) and not wrong, wrong
+    if num_tokens < len(tokens):
+        client.put(tokens, kv)
+    return num_tokens == len(tokens) and not wrong, wrong
 
 
 def _on(node_id: str):

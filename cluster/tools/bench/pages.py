@@ -18,8 +18,11 @@ reads a prefix of it. Per request size, every contender runs once a round in rot
     noop        a no-op call to the node actor (ping), awaited as the client awaits its calls
     memcpy_put  copies.copy_pages from kv's page slices into one private buffer of pages, one
                 block, as the put copies a run of consecutive reserved slots
-    put         client.put of fresh tokens: reserve call, copies, commit call (the pages are
-                discarded afterwards, untimed, so that the next put finds room)
+    put         client.put of fresh tokens: copies into slots the client's lease holds, no
+                call (cluster/puts.py; its background commit, which also tops the lease up, is
+                waited for afterwards, untimed); a put that finds too few leased slots reserves
+                and commits (two calls). The pages are discarded afterwards, untimed, so that
+                the next put finds room
 
 Ratios (contract), at 16-token pages (vLLM's block size), each the median of per-round values:
     small_page_overhead_us       (get - memcpy_get) / pages, at 4,096 tokens        (<= 5)
@@ -61,10 +64,13 @@ CONTENDERS = ("memcpy_get", "get", "warm_get", "noop", "memcpy_put", "put")
 ROUNDS = 5
 SMALL_REPS, LARGE_REPS, LARGE_TOKENS = 15, 5, 8192  # calls per figure: more for short calls
 # Bytes the largest request is held in at once: kv, out, put's page buffers, and in the host
-# tier batch 0 and one put (page_kv's source pool, freed, is a sixth while kv is made).
-FOOTPRINT_COPIES = 6
+# tier batch 0, one put and the client's lease of free slots for the next (page_kv's source
+# pool, freed, is a seventh while kv is made).
+FOOTPRINT_COPIES = 7
 MEMORY_FRACTION = 0.25  # of MemAvailable: the machine is shared
-HOST_REQUESTS = 3  # the host tier holds batch 0, one put and a spare
+# The host tier holds batch 0, one put, the lease for the next (a lease holds at most a
+# quarter of the tier: cluster/core/put_leases.py) and a spare.
+HOST_REQUESTS = 4
 TOKEN_STRIDE = 1 << 16  # batch b's tokens start at b * TOKEN_STRIDE (> any request's tokens)
 MAX_BATCHES = (1 << 32) // TOKEN_STRIDE  # token ids are uint32: a full run puts ~1,000 batches
 OBJECT_STORE_BYTES = 256 * MiB
@@ -185,9 +191,11 @@ class Session:
 
 
 def service_config(plan: Plan, page_tokens: int, disk_dir: str) -> CacheConfig:
-    """The host tier on top (no device tier) and no disk tier: nothing is demoted."""
+    """The host tier on top (no device tier) and no disk tier: nothing is demoted. The client
+    leases free slots for up to two of the largest requests ahead of its puts."""
+    request_bytes = plan.max_tokens * plan.spec.bytes_per_token
     return CacheConfig(page_tokens=page_tokens, device_bytes=0, disk_bytes=0,
-                       host_bytes=HOST_REQUESTS * plan.max_tokens * plan.spec.bytes_per_token,
+                       host_bytes=HOST_REQUESTS * request_bytes, put_lease_bytes=2 * request_bytes,
                        eviction="lru", disk_codec="none", disk_dir=disk_dir)
 
 
@@ -275,6 +283,8 @@ def put_s(session: Session, num_tokens: int, reps: int) -> float:
         session.num_batches += 1
         seconds, stored = common.timed(lambda: client.put(tokens, kv))
         session.expect("put", num_tokens, stored == num_tokens, "a put was not stored whole")
+        session.expect("put", num_tokens, client.puts.settle(client.timeout_s),
+                       "a put's background commit was not answered")  # then it can go:
         ray.get(client.local.discard(client.geometry, client.keys(tokens)))
         return seconds
 
@@ -361,8 +371,11 @@ def notes(plan: Plan) -> list[str]:
         "baselines do over the same bytes: memcpy_get from the same host-tier slots, in the "
         "same blocks (fetch.copy_pairs), into the same out",
         "noop: NodeHandle.ping awaited through cluster.calls (the node actor answers at once)",
-        "put: reserve call, copies into the host tier, commit call; pages discarded after, "
-        "untimed; memcpy_put: kv's page slices into one private buffer of pages in one block "
+        "put: copies into the host-tier slots the client's lease holds (no call; the "
+        "background commit and lease top-up waited for after, untimed; the client leases up to "
+        "two of the largest requests ahead, put_lease_bytes), or reserve call, copies, commit "
+        "call where the lease falls short; pages discarded after, untimed; memcpy_put: kv's "
+        "page slices into one private buffer of pages in one block "
         "(a put copies one block per run of consecutive reserved slots)",
         "get_256_tokens_floor_vs_noop_call: (noop + memcpy_get) / noop at 256 tokens, the "
         "least a get with one call can cost; the small_page_*_overhead_us and *_vs_memcpy "

@@ -13,7 +13,10 @@ QUICK_BATCH_BYTES) moves through every contender, each run once a round in rotat
                  get of a batch does (acquire + directory match sent together, copies, release)
     memcpy_put   copies.copy_pages from `kv`'s page slices into one private buffer of pages,
                  one block, as the put copies a run of consecutive reserved slots (limit)
-    put          client.put(tokens, kv) of a fresh batch: reserve RPC, copies, commit RPC
+    put          client.put(tokens, kv) of a fresh batch, back to back: into slots the
+                 client's lease holds ahead (copies, no call; the commit and the lease's top-up
+                 go in a background call: cluster/puts.py), else reserve RPC, copies, commit
+                 RPC (leased_pages / put_pages: how many of the host puts' pages went leased)
     redis_get    pipelined GETs on COPY_THREADS connections, each copying its pages out (peer)
     ray_get      another worker ray.gets the driver's ray.put pages, copies them out with
                  copies.copy_pages (peer); both peers fill a KV tensor laid out as `out`
@@ -28,8 +31,9 @@ size's own are in per_size. A ratio whose path was not taken (a get that asked t
 get that did not, an e2e step that left the disk alone) is null, unmet, and fails the run.
 
 Phases (phases_ms): the get and the put taken apart through the calls the client makes (keys,
-acquire, match, both together, copies; reserve, mapping a new chunk, copies, commit), each
-step timed alone, so that a missed goal shows which step holds the time.
+acquire, match, both together, copies; reserve, mapping a new chunk, copies, commit; and a put
+into leased slots: take, copies, then the background call that commits it and tops the lease
+up, waited for), each step timed alone, so that a missed goal shows which step holds the time.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,6 +69,7 @@ DISK_ROUNDS = 3  # each round runs fio three times for FIO_RUNTIME_S
 GET_REPS = 9  # per contender and round (after one untimed)
 PUT_REPS = 3  # per round, and as many taken apart: each needs fresh slots in the host tier
 E2E_REPS = 2  # e2e puts and e2e gets per disk round
+LEASE_BATCHES = 2  # a client leases twice its largest put ahead (cluster/core/lease_pool.py)
 TOKEN_STRIDE = 1 << 24  # batch b's tokens start at b * TOKEN_STRIDE
 OBJECT_STORE_BYTES = 768 * MiB
 DISK_HEADER_BYTES = 4096
@@ -124,8 +130,10 @@ def plan_for(page_mib: int, quick: bool, disk_dir: str) -> SizePlan:
 
 
 def host_batches(plan: SizePlan) -> int:
-    """Batch 0, a warm-up put, the timed puts, the puts taken apart, and one spare."""
-    return 3 + (plan.rounds + 1) * PUT_REPS
+    """Batch 0, a warm-up put, the timed puts, the puts taken apart (reserved and leased),
+    one spare, and the two
+    batches of free slots the client's lease holds ahead of its puts (cluster/puts.py)."""
+    return 3 + (plan.rounds + 2) * PUT_REPS + LEASE_BATCHES
 
 
 def _service_config(plan: SizePlan) -> CacheConfig:
@@ -170,6 +178,12 @@ class Session:
         stored = self.client.put(self.fresh_tokens(), self.kv)
         if stored != self.plan.batch_tokens:
             raise RuntimeError(f"put stored {stored} of {self.plan.batch_tokens} tokens")
+
+    def put_settled(self) -> None:
+        """put_batch, then wait for its background commit (and lease top-up) to answer."""
+        self.put_batch()
+        if not self.client.puts.settle(self.client.timeout_s):
+            raise RuntimeError("a put's commit was not answered in time")
 
     def get_batch(self, batch: int) -> None:
         num_tokens, _ = self.client.get(_tokens(self.plan, batch), out=self.out)
@@ -356,9 +370,36 @@ def put_phases_s(session: Session) -> dict[str, float]:
             "put_copies_rewrite": rewrite_s, "commit": commit_s}
 
 
+def leased_put_phases_s(session: Session) -> dict[str, float]:
+    """One put of a fresh batch into the client's leased slots, step by step as client.put
+    does it (take, fenced copy), and then the committer's call that commits it and tops the
+    lease up again (mapping and faulting in the new slots), waited for."""
+    client, kv, puts = session.client, session.kv, session.client.puts
+    num_pages = session.plan.num_pages
+    if not puts.settle(client.timeout_s):
+        raise RuntimeError("the client's commits were not answered in time")
+    deadline_s = time.monotonic() + client.timeout_s
+    while len(puts.pool.free) < num_pages and time.monotonic() < deadline_s:
+        time.sleep(0.005)  # the committer's top-up after the last put, in flight
+    keys = client.keys(session.fresh_tokens())
+    take_s, places = common.timed(lambda: puts.take(num_pages))
+    if places is None:
+        raise RuntimeError("the lease held too few slots for a batch")
+    slabs = client.view.slabs
+    blocks, _ = slabs.kv_blocks(places, kv, np.arange(num_pages))
+    pairs = [(block, kv_rows) for kv_rows, block in blocks]
+    copies_s, copied = common.timed(lambda: fenced_copy(slabs, places, pairs))
+    if not copied:
+        raise RuntimeError("a leased put's copy was fenced off: its lease lapsed")
+    puts.wrote(keys, places)
+    commit_s, _ = common.timed(lambda: puts.settle(client.timeout_s))
+    return {"leased_take": take_s, "leased_copies": copies_s,
+            "leased_commit_and_top_up": commit_s}
+
+
 def phases_ms(session: Session) -> dict[str, float]:
     phases = get_phases_s(session)
-    puts = [put_phases_s(session) for _ in range(PUT_REPS)]
+    puts = [put_phases_s(session) | leased_put_phases_s(session) for _ in range(PUT_REPS)]
     phases.update({name: statistics.median(p[name] for p in puts) for name in puts[0]})
     return {name: seconds * 1e3 for name, seconds in phases.items()}
 
@@ -388,6 +429,8 @@ def measure_size(plan: SizePlan, redis_url: str, step: Callable[[str], None]) ->
     step("host: memcpy, raykv, redis, ray")
     session = start_session(plan)
     rounds = measure_host(session, redis_url)
+    leased = {"leased_pages": session.node_stat("leased_pages"),
+              "put_pages": session.num_batches * plan.num_pages}
     step("host: phases")
     phases = phases_ms(session)
     step("disk: fio, disk tier, end to end")
@@ -402,7 +445,7 @@ def measure_size(plan: SizePlan, redis_url: str, step: Callable[[str], None]) ->
     del session
     common.stop_service()
     return {"page_tokens": plan.page_tokens, "pages_per_batch": plan.num_pages,
-            "phases_ms": phases, **result}
+            "phases_ms": phases, "host_puts": leased, **result}
 
 
 def measure_sizes(plans: list[SizePlan]) -> dict[str, dict]:

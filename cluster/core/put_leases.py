@@ -1,0 +1,208 @@
+"""Free slots leased to a client ahead of its puts, and the commit that names their pages.
+
+A put through a reservation makes two calls on its path (reserve, then commit). A leased put
+makes none: the client holds a lease on free slots, copies pages straight into them, and
+tells the node which key each slot now holds later, batched, in the same call that tops the
+lease up (cluster/puts.py):
+
+    node                                   client
+    lease: free slots, not in the index    take(n) slots of its lease
+                                           lock, generations unmoved?, copy, unlock   (fence)
+    commit(keys, slots) <------------------ a background call: these keys are in those slots
+      slot still in this lease?            (and: lease me `want` more, for the next puts)
+        key new: index it READY (visible)
+        key already held: free the slot
+      lease `want` more free slots -------> the next puts' slots
+
+Nothing half-stored is visible: a leased slot is in no index until its commit arrives, after
+the copy. A lease lapses `reserve_lease_s` after its last call, as a reservation does: its
+slots are fenced (the generation moves: a writer that has not locked yet writes nothing) and
+freed once no writer holds them, else quarantined (pool._release_written). A client that
+dies with leased, uncommitted slots thus loses them to the node; one that stalls past its
+lease finds its commit refused (a miss, never wrong bytes: the slot may hold another page by
+then, and its late copy was fenced off).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from cluster.core.elastic import within_namespace_max
+from cluster.core.geometry import PageGeometry
+from cluster.core.keys import PageKey
+from cluster.core.pool_entry import Entry, State
+
+MAX_LEASED_FRACTION = 0.25  # of the top tier's slots, held by one lease at most
+
+
+@dataclass(slots=True)
+class SlotLease:
+    """A client's lease on free slots of one pool: (tier, slot) leased, not yet committed."""
+
+    geometry: PageGeometry
+    namespace: str
+    slots: set[tuple[int, int]]
+    deadline_s: float
+
+
+class LeasedSlots:
+    """Pool methods for leased puts (a mixin of Pool: cluster/core/pool.py)."""
+
+    async def lease_free(self, tier: int | None, count: int,
+                         namespace: str = "") -> list[tuple[int, int]]:
+        """Up to `count` free slots of `tier` (None: the top tier), taken out of the free list
+        but indexed under no key: (tier, slot) each. Room is made as a reservation makes it
+        (the namespace's own pages first, then victims demoted)."""
+        self.last_access_s = time.monotonic()
+        level = self.top_tier if tier is None else tier
+        count = min(count, self._num_slots(level))
+        if count <= 0:
+            return []
+        leased: list[tuple[int, int]] = []
+        async with self.room_lock:  # as a reserve (pool.py)
+            count = await within_namespace_max(self, level, namespace, count)
+            await self.make_room(level, count, namespace)
+            for _ in range(min(count, self._free_slots(level))):
+                slot = self.memory[level].alloc()
+                if slot is None:  # the budget went to another pool meanwhile
+                    break
+                leased.append((level, slot))
+        return leased
+
+    def commit_leased(self, keys: list[PageKey], slots: list[tuple[int, int]],
+                      namespace: str = "") -> list[bool]:
+        """Index each key READY in its leased, written slot; a key already here (stored, or
+        another put's reservation) keeps its page, and the slot goes back. Whether each
+        key was committed."""
+        committed: list[bool] = []
+        parent = None  # the put's previous new page: putdepth ranks by depth in the put
+        for key, (tier, slot) in zip(keys, slots, strict=True):
+            if key in self.index:
+                self._release_written(tier, slot)
+                committed.append(False)
+                continue
+            entry = self.index[key] = Entry(tier, slot, State.READY, namespace=namespace)
+            self._count(entry, 1)
+            self.policies[tier].on_insert(key, parent)
+            parent = key
+            self._on_event(key, tier)
+            committed.append(True)
+        return committed
+
+    def num_slots_top(self) -> int:
+        return self._num_slots(self.top_tier)
+
+    def release_leased(self, slots: list[tuple[int, int]]) -> None:
+        """Give leased slots back (the lease ended): fenced, and quarantined while a late
+        writer still holds one."""
+        for tier, slot in slots:
+            self._release_written(tier, slot)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRequest:
+    """A leased-put call: the pages written into lease `lease_id`'s slots (key i in
+    slots[i], as (tier, slot)) to commit, and how many more free slots to lease."""
+
+    lease_id: int
+    keys: tuple[PageKey, ...] = ()
+    slots: tuple[tuple[int, int], ...] = ()
+    want: int = 0
+    namespace: str = ""
+    tier: int | None = None  # where to lease (None: the top tier)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReply:
+    """What a leased-put call answers: which keys were committed, and the lease as it now is
+    (its id, the slots newly leased as (tier, slot, generation), and its life in seconds
+    from the call). A lease_id that differs from the one sent means the old lease lapsed:
+    its slots are not the client's any more."""
+
+    committed: list[bool]
+    lease_id: int
+    places: list[tuple[int, int, int]]
+    lease_s: float
+
+
+class PutLeases:
+    """The node's slot leases (NodeStore.put_leases), each with a deadline."""
+
+    def __init__(self, lease_s: float):
+        self.lease_s = lease_s
+        self.leases: dict[int, SlotLease] = {}
+        self.counters = {"leased_puts": 0, "leased_pages": 0, "leased_duplicates": 0,
+                         "lapsed_commits": 0, "expired_slot_leases": 0}
+
+    def commit(self, pool, lease_id: int, keys: list[PageKey],
+               slots: list[tuple[int, int]]) -> list[bool]:
+        """Commit the written slots of lease `lease_id`; a slot not (or no longer) in it is
+        refused (the lease lapsed, or it was never leased), and so is its key."""
+        lease = self.leases.get(lease_id)
+        if not keys:
+            return []
+        if lease is None or lease.geometry != pool.geometry:
+            self.counters["lapsed_commits"] += len(keys)
+            return [False] * len(keys)
+        ours = [(key, slot) for key, slot in zip(keys, slots, strict=True)
+                if slot in lease.slots]
+        for _, slot in ours:
+            lease.slots.discard(slot)
+        done = dict(zip([key for key, _ in ours],
+                        pool.commit_leased([k for k, _ in ours], [s for _, s in ours],
+                                           lease.namespace), strict=True))
+        committed = [done.get(key, False) for key in keys]
+        self.counters["leased_puts"] += 1
+        self.counters["leased_pages"] += sum(committed)
+        self.counters["leased_duplicates"] += len(ours) - sum(committed)
+        self.counters["lapsed_commits"] += len(keys) - len(ours)
+        return committed
+
+    async def call(self, pool, request: LeaseRequest, new_id: int) -> LeaseReply:
+        """Commit what `request` wrote, then top its lease up to `request.want` more free
+        slots and renew it: one call for both (a fresh lease, `new_id`, when the request's
+        is not live: the client then drops the slots it held)."""
+        committed = self.commit(pool, request.lease_id, list(request.keys),
+                                [tuple(slot) for slot in request.slots])
+        lease_id, slots = await self._top_up(pool, request, new_id)
+        return LeaseReply(committed, lease_id, pool.places(slots), self.lease_s)
+
+    async def _top_up(self, pool, request: LeaseRequest,
+                      new_id: int) -> tuple[int, list[tuple[int, int]]]:
+        lease = self.leases.get(request.lease_id)
+        lease_id = request.lease_id
+        if lease is None or lease.geometry != pool.geometry:
+            lease_id = new_id
+        held = len(lease.slots) if lease_id == request.lease_id else 0
+        cap = max(1, int(MAX_LEASED_FRACTION * pool.num_slots_top()))
+        want = min(request.want, cap - held)
+        slots = await pool.lease_free(request.tier, want, request.namespace) if want > 0 else []
+        lease = self.leases.get(lease_id)  # afresh: the await may have let it lapse
+        if lease is None:
+            if not slots:
+                return lease_id, []
+            lease = self.leases[lease_id] = SlotLease(pool.geometry, request.namespace,
+                                                      set(), 0.0)
+        lease.slots.update(slots)
+        lease.deadline_s = time.monotonic() + self.lease_s
+        return lease_id, slots
+
+    def end(self, pools: dict, lease_id: int) -> int:
+        """End a lease now: its uncommitted slots go back. Returns how many."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return 0
+        pools[lease.geometry].release_leased(sorted(lease.slots))
+        return len(lease.slots)
+
+    def expire(self, pools: dict, now_s: float) -> int:
+        """End the leases past their deadline (a dead or stalled client's); how many."""
+        lapsed = [i for i, lease in self.leases.items() if lease.deadline_s < now_s]
+        for lease_id in lapsed:
+            self.end(pools, lease_id)
+        self.counters["expired_slot_leases"] += len(lapsed)
+        return len(lapsed)
+
+    def num_leased(self) -> int:
+        return sum(len(lease.slots) for lease in self.leases.values())

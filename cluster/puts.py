@@ -1,0 +1,197 @@
+"""Leased puts: a put with no call on its path (cluster/core/put_leases.py has the rules).
+
+    put (caller's thread)                       committer (one thread per client)
+    take(n) leased slots      no call           wake on a write, a shortage, a lease near its end
+    fenced copy into them                       node.put_leased(commit the writes, lease more)
+    wrote(keys, slots), wake  ------------->    map and pre-fault the new slots
+    return                                      note the committed pages (hints); wake readers
+
+Writes made while a call is in flight go in the next one: a burst of puts costs one call per
+round trip, none on the puts' path. A put that finds too few leased slots (the first one, or
+one larger than the lease) reserves and commits through the node as before (cluster/client.py),
+and the committer leases more for the next.
+
+Read-your-writes: a get, lookup or prefetch of this client first waits for its own writes'
+commit (`settle`), so it sees them; other clients see them once the commit lands, within
+one call's round trip of the put.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from cluster.calls import Steps, Wait, failed, run_sync
+from cluster.core.geometry import HOST
+from cluster.core.lease_pool import LeasePool
+from cluster.core.put_leases import LeaseRequest
+from cluster.view import CacheView
+
+log = logging.getLogger("raykv.client")
+RETRY_AFTER_S = (0.5, 30.0)  # after failed calls, before the next top-up: doubling, capped
+MIN_LEASED_PAGES = 4
+
+
+class LeasedPuts:
+    """One client's slot lease and its committer thread."""
+
+    def __init__(self, view: CacheView, lease_bytes: int, lease_s: float,
+                 wait: Callable[[Steps, float], object] = run_sync):
+        """`wait` drives the committer's calls (run_sync; unit tests drive fakes)."""
+        self.view = view
+        self._wait = wait
+        page_bytes = view.geometry.slot_bytes
+        max_pages = lease_bytes // page_bytes
+        self.pool = LeasePool(min(MIN_LEASED_PAGES, max_pages), max_pages, lease_s / 4)
+        self.tier: int | None = None  # None: the node's top tier; HOST once VRAM was unmapped
+        self._cond = threading.Condition()
+        self._written = 0  # pages handed to the committer, and those it has answered for
+        self._answered = 0
+        self._retry_at_s = 0.0
+        self._retry_s = RETRY_AFTER_S[0]
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.pool.max_pages > 0
+
+    def take(self, count: int) -> np.ndarray | None:
+        """`count` leased slots (an int64 [count, 3] slot table), or None (reserve instead,
+        and the committer tops the lease up now). Slots taken are topped up with their
+        commit, after the copy: a call started now would contend with the copy for the GIL."""
+        with self._cond:
+            places = self.pool.take(count, time.monotonic())
+            if places is None:
+                self._wake()
+        return places
+
+    def wrote(self, keys: list, places: np.ndarray) -> None:
+        """These keys were copied into these taken slots: commit them in the next call."""
+        with self._cond:
+            self.pool.wrote(keys, places)
+            self._written += len(keys)
+            self._wake()
+
+    def give_back(self, places: np.ndarray) -> None:
+        """Taken slots that were not written after all (nothing reached them that counts)."""
+        with self._cond:
+            self.pool.give_back(places)
+
+    def unsettled(self) -> bool:
+        """Whether some write of this client still waits for its commit's answer."""
+        with self._cond:
+            return self._answered < self._written
+
+    def fenced_off(self) -> None:
+        """A copy into taken slots was refused by their fence: the lease lapsed."""
+        with self._cond:
+            self.pool.drop_free()
+            self._wake()
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until every write so far has been answered for (committed or refused);
+        False on timeout."""
+        with self._cond:
+            target = self._written
+            if self._answered >= target:
+                return True
+            self._wake()
+            return self._cond.wait_for(lambda: self._answered >= target, timeout_s)
+
+    def _wake(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="raykv-commit", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    def _due(self) -> bool:
+        now_s = time.monotonic()
+        return self.pool.num_written() > 0 or (now_s >= self._retry_at_s
+                                               and self.pool.needs_call(now_s))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due():
+                    wait_s = max(self._retry_at_s - time.monotonic(), 0.0)
+                    self._cond.wait(wait_s if self.pool.needs_call(time.monotonic()) else None)
+                written = self.pool.take_written()
+                slots = tuple(map(tuple, written[1][:, :2].tolist()))
+                request = LeaseRequest(self.pool.lease_id, tuple(written[0]), slots,
+                                       self.pool.want(), self.view.namespace, self.tier)
+            try:
+                if not self._call(request, written):
+                    return  # this process left Ray: nothing to commit to any more
+            except Exception:  # Ray torn down under the call: its pages are a miss
+                log.exception("a leased-put call raised")
+                self._answer(request, written, None, time.monotonic())
+
+    def _call(self, request: LeaseRequest, written: tuple[list, np.ndarray]) -> bool:
+        """One leased-put call and what its answer means here; False once Ray is gone."""
+        view, sent_s = self.view, time.monotonic()
+        ref = view.home.put_leased(view.geometry, request)
+        if ref is None:
+            self._answer(request, written, None, sent_s)
+            return False
+        reply = self._wait(_one(ref), view.call_timeout_s)
+        if failed(reply):
+            view.note_failures([reply])
+            log.warning("a leased-put call failed (its %d pages are a miss): %s",
+                        len(request.keys), reply)
+        self._answer(request, written, None if failed(reply) else reply, sent_s)
+        return True
+
+    def _answer(self, request: LeaseRequest, written: tuple[list, np.ndarray], reply,
+                sent_s: float) -> None:
+        """Apply a call's answer (None: it failed, and its writes are a miss)."""
+        places = self._map(*reply) if reply is not None else None
+        if reply is not None and any(reply[1].committed):
+            done = np.asarray(reply[1].committed, dtype=bool)
+            self.view.slabs.remember([k for k, ok in zip(written[0], done, strict=True) if ok],
+                                     written[1][done])  # a later get reads them directly
+        with self._cond:
+            if reply is None:  # a dead node, or a late answer: the lease may be gone
+                self._retry_at_s = time.monotonic() + self._retry_s
+                self._retry_s = min(2 * self._retry_s, RETRY_AFTER_S[1])
+                self.pool.granted(0, [], sent_s, 0.0)  # a fresh lease next (the old lapses)
+            else:
+                _, answer = reply
+                self._retry_s = RETRY_AFTER_S[0]
+                if len(answer.places) < request.want:  # the node is short: not again at once
+                    self._retry_at_s = time.monotonic() + RETRY_AFTER_S[0]
+                if places is None:  # not mappable here: that lease was given back
+                    self.pool.drop_free()
+                    self.pool.granted(0, [], sent_s, 0.0)
+                else:
+                    self.pool.granted(answer.lease_id, places, sent_s, answer.lease_s)
+                self.view.counters["leased_pages"] += sum(answer.committed)
+                self.view.counters["uncommitted_pages"] += (
+                    len(answer.committed) - sum(answer.committed))
+            self._answered += len(written[0])
+            self._cond.notify_all()
+
+    def _map(self, stamp, answer):
+        """Map the newly leased slots (and fault their memory in here, off any put's path);
+        their table, or None when they cannot all be mapped (a VRAM chunk on a GPU this
+        process does not see: the lease goes back, and host slots are leased instead)."""
+        slabs = self.view.slabs
+        places = np.asarray(answer.places, dtype=np.int64).reshape(-1, 3)
+        if not len(places):
+            return places
+        if self._wait(slabs.ensure(stamp), self.view.call_timeout_s):
+            mapped = sum(run.count for run, _ in slabs.runs(places))
+            if mapped == len(places):
+                return places
+        self.view.home.end_put_lease(answer.lease_id)
+        self.tier = HOST
+        return None
+
+
+
+def _one(ref) -> Steps:
+    (reply,) = yield Wait([ref])
+    return reply

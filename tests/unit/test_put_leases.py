@@ -1,0 +1,192 @@
+"""Leased puts on the node (cluster/core/put_leases.py through NodeStore.put_leased): free slots
+leased with no key, invisible until their commit; a lapsed lease's slots fenced and freed (or
+quarantined while a writer holds one), its late commit refused; and the client's side of it
+(cluster/puts.py, cluster/client.py) over the fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import torch
+
+from cluster.core.geometry import HOST
+from cluster.core.put_leases import LeaseRequest
+from cluster.core.tiers.fence import SlotFence
+from cluster.puts import LeasedPuts
+from tests.unit._fakes import drive
+from tests.unit._pages import GEOMETRY as G
+from tests.unit._pages import as_page, key, page, page_bytes
+from tests.unit._pool_harness import store_put
+from tests.unit.test_fetch import KEYS, KV, PAGE_TOKENS, TOKENS, client_of, world  # noqa: F401
+
+
+def lease(store, want: int, lease_id: int = 0, keys=(), slots=()):
+    return asyncio.run(store.put_leased(G, LeaseRequest(lease_id, tuple(keys), tuple(slots),
+                                                        want)))
+
+
+def write(store, place, i: int) -> None:
+    tier, slot = place[0], place[1]
+    store.pool(G).memory[tier].view(slot)[: G.page_bytes].copy_(page_bytes(i))
+
+
+def read(store, i: int) -> torch.Tensor | None:
+    found = asyncio.run(store.map_pages(G, [key(i)], np.copy))
+    return as_page(torch.from_numpy(found[0])) if found else None
+
+
+def host_used(store) -> int:
+    return store.pool(G).memory[HOST].slots.num_used
+
+
+def test_leased_slots_are_invisible_until_committed_then_read_back(stores):
+    store = stores.make(device_pages=0, host_pages=8, disk_pages=0)
+    reply = lease(store, 2)
+    assert reply.committed == [] and len(reply.places) == 2 and reply.lease_id > 0
+    assert host_used(store) == 2 and store.stats()["leased_slots"] == 2
+    for i, place in enumerate(reply.places):
+        write(store, place, i)
+    assert read(store, 0) is None and store.pool(G).local_prefix([key(0)]) == 0
+    done = lease(store, 0, reply.lease_id, [key(0), key(1)], [p[:2] for p in reply.places])
+    assert done.committed == [True, True] and done.lease_id == reply.lease_id
+    assert torch.equal(read(store, 0), page(0)) and torch.equal(read(store, 1), page(1))
+    assert store.stats()["leased_slots"] == 0 and stores.events(store).drain() == {
+        key(0): HOST, key(1): HOST}
+
+
+def test_a_key_already_stored_keeps_its_page_and_the_leased_slot_goes_back(stores):
+    store = stores.make(device_pages=0, host_pages=8, disk_pages=0)
+    assert asyncio.run(store_put(store, [0])) == 1
+    reply = lease(store, 1)
+    write(store, reply.places[0], 9)  # other bytes under the same key
+    done = lease(store, 0, reply.lease_id, [key(0)], [reply.places[0][:2]])
+    assert done.committed == [False]
+    assert torch.equal(read(store, 0), page(0))
+    assert host_used(store) == 1  # only the stored page
+    assert store.stats()["leased_duplicates"] == 1
+
+
+def test_a_slot_not_in_the_lease_is_refused(stores):
+    store = stores.make(device_pages=0, host_pages=8, disk_pages=0)
+    reply = lease(store, 1)
+    other = lease(store, 1)  # another client's lease
+    assert other.lease_id != reply.lease_id
+    done = lease(store, 0, reply.lease_id, [key(0)], [other.places[0][:2]])
+    assert done.committed == [False] and read(store, 0) is None
+    assert store.stats()["lapsed_commits"] == 1
+
+
+def test_a_lapsed_lease_frees_its_slots_and_its_late_commit_is_a_miss(stores):
+    store = stores.make(device_pages=0, host_pages=8, disk_pages=0, reserve_lease_s=0.05)
+    reply = lease(store, 2)
+    write(store, reply.places[0], 0)
+    generation = reply.places[0][2]
+    assert store.expire(time.monotonic() + 1.0) == 0  # read leases and reservations only
+    assert host_used(store) == 0 and store.stats()["expired_slot_leases"] == 1
+    pool = store.pool(G)
+    assert pool.memory[HOST].generation(reply.places[0][1]) > generation  # fenced
+    late = lease(store, 1, reply.lease_id, [key(0)], [reply.places[0][:2]])
+    assert late.committed == [False] and late.lease_id != reply.lease_id
+    assert read(store, 0) is None
+
+
+def test_a_writer_that_holds_a_lapsed_slot_keeps_it_quarantined_until_it_lets_go(stores):
+    store = stores.make(device_pages=0, host_pages=8, disk_pages=0, reserve_lease_s=0.05)
+    reply = lease(store, 1)
+    tier, slot, _ = reply.places[0]
+    writer = SlotFence(store.pool(G).memory[tier].descriptor().generations_path)
+    try:
+        assert writer.lock([slot])  # a client stalled in its copy
+        store.expire(time.monotonic() + 1.0)
+        assert store.stats()["quarantined_slots"] == 1 and host_used(store) == 1
+        writer.unlock([slot])
+        store.expire(time.monotonic() + 2.0)
+        assert store.stats()["quarantined_slots"] == 0 and host_used(store) == 0
+    finally:
+        writer.close()
+
+
+def test_ending_a_lease_gives_its_uncommitted_slots_back(stores):
+    store = stores.make(device_pages=0, host_pages=8, disk_pages=0)
+    reply = lease(store, 2)
+    assert store.end_put_lease(reply.lease_id) == 2 and host_used(store) == 0
+    assert store.end_put_lease(reply.lease_id) == 0
+
+
+def test_a_top_up_renews_the_lease_and_is_capped_by_the_tier(stores):
+    store = stores.make(device_pages=0, host_pages=8, disk_pages=0, reserve_lease_s=0.5)
+    reply = lease(store, 100)
+    assert len(reply.places) == 2  # a lease holds a quarter of the 8 host slots at most
+    deadline_s = store.put_leases.leases[reply.lease_id].deadline_s
+    time.sleep(0.01)
+    more = lease(store, 1, reply.lease_id)
+    assert more.lease_id == reply.lease_id and more.places == []
+    assert store.put_leases.leases[reply.lease_id].deadline_s > deadline_s  # renewed
+    write(store, reply.places[0], 0)
+    more = lease(store, 5, reply.lease_id, [key(0)], [reply.places[0][:2]])
+    assert more.committed == [True] and len(more.places) == 1  # one committed, one more
+
+
+# ---- the client over the fakes ----------------------------------------------------------
+
+
+def leased_client(world):  # noqa: F811
+    """A client whose committer is driven on the fakes (no Ray)."""
+    client = client_of(world, put_lease_bytes=64 * world.arenas[HOST].slot_bytes)
+    world.view.puts = LeasedPuts(world.view, 64 * world.arenas[HOST].slot_bytes, 30.0,
+                                 wait=lambda steps, timeout_s: drive(steps))
+    return client
+
+
+def wait_leased(client, num_slots: int) -> None:
+    """Until the committer's top-up (started by a put that found too few slots) is in."""
+    deadline_s = time.monotonic() + 5.0
+    while len(client.puts.pool.free) < num_slots:
+        assert time.monotonic() < deadline_s, "the committer leased no slots"
+        time.sleep(0.005)
+
+
+def test_a_leased_put_makes_no_call_and_commits_in_the_background(world):  # noqa: F811
+    client = leased_client(world)
+    kv = torch.cat([KV, KV[:, :, :, :3]], dim=3)
+    assert drive(client._put(TOKENS, kv)) == 4 * PAGE_TOKENS  # the first reserves
+    assert world.local.calls[-1] == "commit"
+    wait_leased(client, 4)
+    calls = len(world.local.calls)
+    other_tokens = [t + 1000 for t in TOKENS]
+    assert drive(client._put(other_tokens, kv)) == 4 * PAGE_TOKENS
+    assert client.puts.settle(5.0)  # the committer's call, after the put returned
+    made = world.local.calls[calls:]
+    assert made and set(made) == {"put_leased"}, made
+    other_keys = client.keys(other_tokens)
+    assert all(k in world.local.pages for k in other_keys)
+    for p, k in enumerate(other_keys):  # each page's bytes sit in the slot it was committed in
+        tier, slot = world.local.pages[k]
+        stored = world.arenas[tier].view(slot)[: G.page_bytes].view(torch.float32)
+        assert torch.equal(stored, kv[:, :, :, p * PAGE_TOKENS:(p + 1) * PAGE_TOKENS]
+                           .contiguous().view(-1))
+    assert client.counters["leased_pages"] == 4
+
+
+def test_a_leased_put_whose_slots_lapsed_writes_nothing_and_reserves(world):  # noqa: F811
+    client = leased_client(world)
+    kv = torch.cat([KV, KV[:, :, :, :3]], dim=3)
+    drive(client._put(TOKENS, kv))
+    wait_leased(client, 4)
+    world.local.fail = {"put_leased"}  # no new lease from here on
+    for k in KEYS:  # room for the reservation the next put falls back to
+        tier, slot = world.local.pages.pop(k)
+        world.arenas[tier].free(slot)
+    leased = client.puts.pool.free.copy()
+    for tier, slot, _ in leased.tolist():  # the node let the lease go: the fence moves
+        world.arenas[tier].generations[slot] += 1
+    other_tokens = [t + 1000 for t in TOKENS]
+    before = [world.arenas[t].view(s)[: G.page_bytes].clone() for t, s, _ in leased.tolist()]
+    calls = len(world.local.calls)
+    assert drive(client._put(other_tokens, kv)) == 4 * PAGE_TOKENS  # through a reservation
+    assert "commit" in world.local.calls[calls:]
+    for (tier, slot, _), old in zip(leased.tolist(), before, strict=True):
+        assert torch.equal(world.arenas[tier].view(slot)[: G.page_bytes], old), \
+            "a leased put wrote into a slot after its lease lapsed"
