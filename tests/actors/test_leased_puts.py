@@ -18,6 +18,7 @@ from tests.waiting import wait_until
 
 TINY = ModelSpec.preset("tiny-llama")
 NUM_PAGES = 2  # 32 tokens of 16-token pages
+LEASE_BYTES = 256 << 20  # leased puts are opt-in (CacheConfig.put_lease_bytes)
 
 
 def leased(client, num_slots: int) -> None:
@@ -29,7 +30,7 @@ def node_stats(client) -> dict:
 
 
 def test_a_leased_put_makes_no_call_and_another_client_sees_it_once_committed(service):
-    service()
+    service(put_lease_bytes=LEASE_BYTES)
     writer, reader = connect(TINY), connect(TINY)
     assert writer.put(list(range(32)), kv_for(TINY, 32, 1)) == 32  # reserves; starts the lease
     leased(writer, NUM_PAGES)
@@ -58,7 +59,7 @@ def test_a_leased_put_makes_no_call_and_another_client_sees_it_once_committed(se
 
 
 def test_a_client_that_dies_with_leased_slots_loses_them_and_nothing_is_served(service):
-    service(reserve_lease_s=1.0)
+    service(reserve_lease_s=1.0, put_lease_bytes=LEASE_BYTES)
     client = connect(TINY)
     doomed = DoomedWriter.options(num_cpus=0).remote(TINY)
     tokens, kv = list(range(7000, 7032)), kv_for(TINY, 32, 3)
@@ -82,7 +83,7 @@ def test_a_client_that_dies_with_leased_slots_loses_them_and_nothing_is_served(s
 def test_a_lapsed_lease_is_a_miss_never_wrong_bytes(service):
     """A writer that stalls with leased slots past the lease: its late copy is fenced off and
     its late commit refused, and the slots' new pages stay exact."""
-    service(reserve_lease_s=1.0, device_bytes=0)
+    service(reserve_lease_s=1.0, device_bytes=0, put_lease_bytes=LEASE_BYTES)
     client = connect(TINY)
     client.put(list(range(32)), kv_for(TINY, 32, 1))
     leased(client, NUM_PAGES)

@@ -136,6 +136,11 @@ def host_batches(plan: SizePlan) -> int:
     return 3 + (plan.rounds + 2) * PUT_REPS + LEASE_BATCHES
 
 
+# Leased puts (opt-in: CacheConfig.put_lease_bytes), at the size they were measured with;
+# host_batches() leaves the lease its room.
+PUT_LEASE_BYTES = 256 * MiB
+
+
 def _service_config(plan: SizePlan) -> CacheConfig:
     """device_bytes=0: the host tier is the top tier, of host_batches(plan). The disk tier holds
     what fill_host pushes down (num_e2e_gets + 1 batches, and a spare) and every e2e put's
@@ -144,7 +149,7 @@ def _service_config(plan: SizePlan) -> CacheConfig:
     return CacheConfig(page_tokens=plan.page_tokens, device_bytes=0,
                        host_bytes=host_batches(plan) * plan.batch_bytes,  # 4096-aligned pages
                        disk_bytes=disk_pages * (DISK_HEADER_BYTES + plan.page_bytes),
-                       eviction="lru", disk_codec="none",
+                       eviction="lru", disk_codec="none", put_lease_bytes=PUT_LEASE_BYTES,
                        disk_dir=os.path.join(plan.disk_dir, f"service-{plan.page_bytes // MiB}"))
 
 
