@@ -279,8 +279,9 @@ class KVClient:
 
     def _settled(self) -> Steps[None]:
         """Wait for this client's own leased writes to be committed (read-your-writes)."""
-        if self.puts is not None and self.puts.unsettled():
-            yield Work(lambda: self.puts.settle(self.timeout_s))
+        puts = self.puts
+        if puts is not None and puts.enabled and puts.unsettled():  # no lock with leasing off
+            yield Work(lambda: puts.settle(self.timeout_s))
 
     def _reserve_mapped(self, keys: list[PageKey], tier: int | None = None) -> Steps:
         """reserve (one call), and map what it names: (reservation_id, slots, ours as

@@ -295,13 +295,18 @@ def _num_tokens(pending_request: PendingRequest | None, num_pages: int,
     return len(token_ids) if token_ids else num_pages * page_tokens + 1
 
 
+def _request_of(pending_request: PendingRequest | None):
+    """The request a pending request carries (its first argument), or None."""
+    return pending_request.args[0] if pending_request is not None and pending_request.args \
+        else None
+
+
 def _cut(pending_request: PendingRequest | None, max_fetch_tokens: int | None) -> None:
     """Tell the engine to fetch no more than the cut (it travels with the request; None: the
     whole prefix): raykv's engine reads `max_fetch_tokens`; a vLLM engine's RaykvConnector
     reads it from the request's `kv_transfer_params` (vLLM's own field, which reaches the
     scheduler's Request)."""
-    request = pending_request.args[0] if pending_request is not None and pending_request.args \
-        else None
+    request = _request_of(pending_request)
     if hasattr(request, "max_fetch_tokens"):
         request.max_fetch_tokens = max_fetch_tokens
     elif hasattr(request, "kv_transfer_params"):
@@ -312,8 +317,7 @@ def _cut(pending_request: PendingRequest | None, max_fetch_tokens: int | None) -
 def _force_cut(pending_request: PendingRequest | None) -> None:
     """A client's forced cut (vllm_plan.FORCE_KEY) replaces the router's, whatever path routed
     the request; the router's own is then only counted (`last_decision`)."""
-    request = pending_request.args[0] if pending_request is not None and pending_request.args \
-        else None
+    request = _request_of(pending_request)
     params = getattr(request, "kv_transfer_params", None)
     forced = forced_fetch_limit(params)
     if forced is not None and not hasattr(request, "max_fetch_tokens"):
@@ -325,8 +329,7 @@ def _tell_hit(pending_request: PendingRequest | None, hit_tokens: int) -> None:
     (in the request's `kv_transfer_params`): it takes that as its lookup's answer and
     schedules the request at once (vllm_plan.HIT_KEY). A request without that field (raykv's
     own engine looks up with its fetch) is left alone."""
-    request = pending_request.args[0] if pending_request is not None and pending_request.args \
-        else None
+    request = _request_of(pending_request)
     if request is not None and hasattr(request, "kv_transfer_params") \
             and not hasattr(request, "max_fetch_tokens"):
         request.kv_transfer_params = with_routed_hit(request.kv_transfer_params, hit_tokens)
