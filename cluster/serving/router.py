@@ -196,7 +196,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def _own_geometry(self, engine_pages: dict[str, int]) -> tuple[int, int] | None:
         """(page tokens, page bytes) as the router keys prompts, where engines hold pages of
-        them (vLLM replicas publish no page size); None otherwise."""
+        them (before any replica has published its page size); None otherwise."""
         if self._prompt_keys is None or not any(engine_pages.values()):
             return None
         page_tokens = self._prompt_keys.page_tokens

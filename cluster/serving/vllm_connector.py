@@ -352,12 +352,12 @@ class RaykvConnector(KVConnectorBase_V1):
         num_tokens = scheduler_output.total_num_scheduled_tokens
         prefills = bool(scheduler_output.scheduled_new_reqs) \
             or num_tokens > len(scheduler_output.num_scheduled_tokens)
-        self._meter.clock.scheduled(Step(num_tokens, prefills, time.monotonic()))
+        self._meter.clock.scheduled(Step(num_tokens, prefills, _now_s()))
 
     def _step_done(self) -> None:
         if self._meter is None:
             return
-        now_s = time.monotonic()
+        now_s = _now_s()
         self._meter.step_done(now_s)
         if self._rates_file and (self._rates_written_s is None
                                  or now_s - self._rates_written_s >= RATES_WRITE_S):
@@ -465,6 +465,11 @@ class RaykvConnector(KVConnectorBase_V1):
             if client is not None:
                 self._mover = KVMover(client, self._layers, self._layout, self._link.spec)
         return self._mover
+
+
+def _now_s() -> float:
+    """The steps' clock."""
+    return time.monotonic()
 
 
 def _loaded_async(num_tokens: int) -> tuple[int, bool]:
