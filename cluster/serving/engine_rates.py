@@ -31,10 +31,13 @@ replica's child, on the same host.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
+import threading
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from policies.cost_routing import (
@@ -47,6 +50,7 @@ from policies.cost_routing import (
     published,
 )
 
+log = logging.getLogger("raykv.vllm")
 MAX_PENDING_STEPS = 64  # steps scheduled and not yet done (a batch queue holds a few)
 
 
@@ -203,6 +207,44 @@ class EngineMeter:
         out.update(page_tokens=self.page_tokens, page_bytes=self.page_bytes,
                    busy_s_per_request=self.busy_s_per_request)
         return out
+
+
+class RatesFile:
+    """Writes a meter's published rates to `path` (write_published) at most once every
+    `period_s`, and always after the last change: a change within `period_s` of the last
+    write is written once the period is over (a timer), so the steps before an engine goes
+    idle are published too. `clock` is the steps' clock (monotonic seconds)."""
+
+    def __init__(self, meter: EngineMeter, path: str, period_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.meter, self.path, self.period_s, self.clock = meter, path, period_s, clock
+        self._written_s: float | None = None
+        self._due: threading.Timer | None = None  # a write put off, pending
+
+    def changed(self) -> None:
+        if self._due is not None:
+            return
+        wait_s = 0.0 if self._written_s is None \
+            else self._written_s + self.period_s - self.clock()
+        if wait_s <= 0:
+            self.write()
+        else:
+            self._due = threading.Timer(wait_s, self.write)
+            self._due.daemon = True
+            self._due.start()
+
+    def write(self) -> None:
+        """Write now (from the engine's thread, or the timer's: a write racing a step may
+        mix that step's update into some figures; the next write is whole)."""
+        self._written_s, self._due = self.clock(), None
+        try:
+            write_published(self.path, self.meter.published())
+        except OSError as error:  # the router goes on with what it had, or its priors
+            log.warning("raykv could not write its rates to %s: %s", self.path, error)
+
+    def close(self) -> None:
+        if self._due is not None:
+            self._due.cancel()
 
 
 def rates_path(engine_id: str) -> str:

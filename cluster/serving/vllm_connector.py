@@ -64,7 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from cluster.serving.engine_rates import EngineMeter, Step, write_published
+from cluster.serving.engine_rates import EngineMeter, RatesFile, Step
 from cluster.serving.vllm_io import KVMover
 from cluster.serving.vllm_keys import is_plain, request_salt
 from cluster.serving.vllm_layout import (
@@ -167,8 +167,7 @@ class RaykvConnector(KVConnectorBase_V1):
         self._waits = HandoffWaits(settings.pd_wait_s)
         self._told_mismatch = False
         self._meter: EngineMeter | None = None  # scheduler side, once the page size is known
-        self._rates_file = settings.rates_file
-        self._rates_written_s: float | None = None
+        self._rates: RatesFile | None = None  # scheduler side, with the meter
         self.num_routed_answers = 0  # requests answered by the router's hit, no lookup
         self.why_off = unsupported_groups(kv_cache_config)
         try:
@@ -342,6 +341,10 @@ class RaykvConnector(KVConnectorBase_V1):
                 self._planner = StepPlanner(self._block_size, page_tokens)
                 if self.role == KVConnectorRole.SCHEDULER:
                     self._meter = EngineMeter(page_tokens, self._link.spec.page_bytes(page_tokens))
+                    path = self._link.settings.rates_file
+                    if path:
+                        self._rates = RatesFile(self._meter, path, RATES_WRITE_S,
+                                                lambda: _now_s())
         return self._planner
 
     def _scheduled(self, scheduler_output: SchedulerOutput) -> None:
@@ -357,16 +360,9 @@ class RaykvConnector(KVConnectorBase_V1):
     def _step_done(self) -> None:
         if self._meter is None:
             return
-        now_s = _now_s()
-        self._meter.step_done(now_s)
-        if self._rates_file and (self._rates_written_s is None
-                                 or now_s - self._rates_written_s >= RATES_WRITE_S):
-            self._rates_written_s = now_s
-            try:
-                write_published(self._rates_file, self._meter.published())
-            except OSError as error:  # the router goes on with what it had, or priors
-                log.warning("raykv could not write its rates to %s: %s", self._rates_file,
-                            error)
+        self._meter.step_done(_now_s())
+        if self._rates is not None:
+            self._rates.changed()
 
     # ---- worker side ---------------------------------------------------------------------
 
@@ -452,6 +448,8 @@ class RaykvConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
+        if self._rates is not None:
+            self._rates.close()
         if self._lookups is not None:
             self._lookups.close()
         if self._mover is not None:

@@ -5,6 +5,9 @@ Loads run in one loader thread, off the engine's step: vLLM holds each loading r
 WAITING_FOR_REMOTE_KVS and schedules others meanwhile. A finished load is reported with the
 blocks it did not fill (finished()): vLLM recomputes those. A load fetches the pages from the
 one holding its first token on (KVClient.continued), not the prefix vLLM already holds.
+Each load's time and its client's timed reads become rate samples per source tier
+(engine_rates.load_samples), which the connector hands vLLM's stats path once a step
+(take_samples).
 
 Saves copy the new pages out of the blocks while the step's blocks are still the request's
 (the copy is a few memcpys), then put them from one background thread, off the engine's

@@ -7,12 +7,14 @@ prefill, and fetches it otherwise."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from cluster.serving.engine_rates import (
     EngineMeter,
     PrefillFit,
+    RatesFile,
     Step,
     StepClock,
     load_samples,
@@ -140,6 +142,22 @@ def test_the_rates_file_round_trips_and_reads_empty_before_it_is_written(tmp_pat
     write_published(path, meter_with(0.02).published())
     assert read_published(path)["page_tokens"] == PAGE
     assert rates_path("abc").endswith("abc.json")
+
+
+def test_the_rates_file_is_written_at_most_once_a_period_and_after_the_last_change(
+        tmp_path):
+    path = str(tmp_path / "rates.json")
+    meter = EngineMeter(PAGE, 2048)
+    rates = RatesFile(meter, path, period_s=0.3)
+    rates.changed()  # the first change: written at once
+    assert read_published(path)["busy_s_per_request"] == 0.0
+    meter.busy_s_per_request = 0.5  # a change within the period: put off, not lost
+    rates.changed()
+    rates.changed()
+    assert read_published(path)["busy_s_per_request"] == 0.0
+    time.sleep(0.6)
+    assert read_published(path)["busy_s_per_request"] == 0.5
+    rates.close()
 
 
 def decide_on_disk_prompt(rates: dict | None):

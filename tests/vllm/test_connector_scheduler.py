@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # n
 from cluster.serving import vllm_service  # noqa: E402
 from cluster.serving.vllm_connector import RaykvConnector, RaykvMetadata  # noqa: E402
 from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, HIT_KEY, LoadSpec  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 BLOCK = 16
 PAGE = 32
@@ -219,23 +220,28 @@ def test_the_scheduler_side_times_steps_takes_the_workers_loads_and_writes_its_r
     path = str(tmp_path / "rates.json")
     config = vllm_config()
     config.kv_transfer_config.kv_connector_extra_config["raykv.rates_file"] = path
+    now = [0.0]
+    monkeypatch.setattr(vllm_connector, "_now_s", lambda: now[0])
     connector = scheduler(config)
-    clock = iter([0.0, 0.0150, 1.0, 1.0105, 2.0, 2.0250, 3.0, 3.0105])
-    monkeypatch.setattr(vllm_connector, "_now_s", lambda: next(clock))
     loads = RaykvLoadStats({"loads": [["disk", 4 << 20, 0.2]]})
-    for step, (tokens, new) in enumerate([({"a": 100}, True), ({"a": 1, "b": 1}, False),
-                                          ({"c": 200}, True), ({"a": 1, "b": 1}, False)]):
+    steps = [({"a": 100}, True, 0.015), ({"a": 1, "b": 1}, False, 0.0105),
+             ({"c": 200}, True, 0.025), ({"a": 1, "b": 1}, False, 0.0105)]
+    for index, (tokens, new, took_s) in enumerate(steps):
+        now[0] = float(index)
         connector.build_connector_meta(step_output(tokens, new))
+        now[0] += took_s
         connector.update_connector_output(SimpleNamespace(
             finished_recving=None, invalid_block_ids=None,
-            kv_connector_stats=loads if step == 0 else None))
+            kv_connector_stats=loads if index == 0 else None))
         assert connector.get_kv_connector_stats() is None  # the scheduler side sends none
-        connector.request_finished(request(f"r{step}"), [])
-    rates = read_published(path)
+        connector.request_finished(request(f"r{index}"), [])
     # Steps of 100 and 200 prefill tokens took 15 and 25 ms: 5 ms + 0.1 ms a token; the
-    # decode steps (one token per request) do not count toward the prefill rate.
+    # decode steps (one token per request) do not count toward the prefill rate. The last
+    # change is written too (at once, or once a second has passed since the last write).
+    rates = wait_until(lambda: (r := read_published(path)).get("prefill_samples") == 2 and r,
+                       5.0, "the last steps' rates in the file")
     assert rates["prefill_tokens_per_s"] == pytest.approx(10_000, rel=1e-6)
     assert rates["step_overhead_s"] == pytest.approx(0.005, rel=1e-6)
-    assert rates["prefill_samples"] == 2
     assert rates["paths"]["disk"] == [pytest.approx((4 << 20) / 0.2), 0.0, 1]
     assert rates["page_tokens"] == PAGE and rates["busy_s_per_request"] > 0
+    connector.shutdown()
