@@ -267,27 +267,45 @@ def probe_condition(prober: Prober, condition_index: int) -> list[Probe]:
             for index in range(len(prefixes))]
 
 
-def probe_all(url: str, model: str, page_tokens: int, seed: int = 0) -> list[Probe]:
-    """Every condition's seeds and probes on the running app (see the module doc)."""
+def probe_all(url: str, model: str, page_tokens: int,
+              seed: int = 0) -> tuple[list[Probe], dict]:
+    """Every condition's seeds and probes on the running app (see the module doc), and what
+    the replica published of its rates at the end of each condition."""
     prober = Prober(url, model, page_tokens, random.Random(seed))
     probes: list[Probe] = []
+    rates: dict = {}
     try:
-        for condition_index, (_, delay_s) in enumerate(CONDITIONS):
+        for condition_index, (condition, delay_s) in enumerate(CONDITIONS):
             set_disk_delay(delay_s)
             probes += probe_condition(prober, condition_index)
+            rates[condition] = replica_rates()
     finally:
         set_disk_delay(None)
-    return probes
+    return probes, rates
 
 
 def replica_rates() -> dict:
-    """What the part's replica publishes of its measured rates (`raykv status`'s reading)."""
-    from cluster.tools.rates_status import routing_rates
+    """What the part's replica publishes of its measured rates, as `raykv status` reads it
+    (replica name -> its rates)."""
+    from cluster.tools.rates_status import replica_rates as published
 
     try:
-        return routing_rates()
+        return published()
     except Exception as error:  # a figure for the record, never the part's failure
         return {"error": f"{type(error).__name__}: {error}"[:300]}
+
+
+def print_summary(probes: Sequence[Probe]) -> None:
+    from cluster.tools.bench.harness import print_tables, table
+
+    rows = [[name, f"{row['counted']} of {row['probes']}", str(row["decisions"]),
+             str(row["router_fetched"]), str(row["fetch_faster"]),
+             "-" if row["correct_share"] is None else f"{row['correct_share']:.3f}",
+             "-" if row["median_gap_ms"] is None else f"{row['median_gap_ms']:.0f}"]
+            for name, row in summary(probes).items()]
+    print_tables([table("recompute part", ["condition", "probes counted", "decisions",
+                                           "router fetched", "forced fetch faster",
+                                           "right", "median gap ms"], rows)])
 
 
 def run_part(shape, model_dir: str, model: str, num_nodes: int, url: str,
@@ -311,10 +329,11 @@ def run_part(shape, model_dir: str, model: str, num_nodes: int, url: str,
         wait_ready(url)
         warm_up(url)
         began_s = time.perf_counter()
-        probes = probe_all(url, model, shape.block_tokens)
+        probes, rates = probe_all(url, model, shape.block_tokens)
         probe_s = time.perf_counter() - began_s
+        print_summary(probes)
         return {"summary": summary(probes), "share": correct_share(probes),
-                "per_round": per_round(probes), "rates_after": replica_rates(),
+                "per_round": per_round(probes), "rates_after": rates,
                 "probe_s": probe_s,
                 "probes": [{"condition": p.condition, "prefix": p.prefix,
                             "decisions": p.decisions(), "why_not_counted": p.why_not_counted(),
