@@ -4,14 +4,23 @@ recomputing it, checked by running both, several times (issue 19).
 
 Set-up: raykv's app (RaykvConnector, raykv's router) on the simulated cluster, with changes
 that make the router's choice the only thing that differs between a probe's runs:
-- one replica: the pages a probe's prefix saved are on that replica's node, and every run of
-  the probe reads them from there (no other replica to send it to);
+- one replica, on the head node of the simulated cluster: its vLLM engine-core process joins
+  Ray as a driver, and a driver on a host of several raylets attaches to the head's, so its
+  connector's raykv node is the head's (on a real cluster, a host's only raylet is the
+  replica's own). There the pages a probe's prefix saved are on the replica's node, as the
+  router must see them to weigh a fetch against a recompute, and every run of the probe
+  reads them from there (`placement` in the JSON records where the replica ran and which
+  node's tiers served the reads);
 - vLLM's own prefix cache is off: a prompt's prefix is either loaded from raykv or recomputed;
 - raykv's host tier holds HOST_PAGES pages, a little more than one prefix (a load goes
   through the host tier: a smaller one would cap every load at its size), with LRU eviction;
   before each run that must find the prefix on disk and may not (the first of each probe, any
   after a run that loaded it, which reads it up into the host tier), a flush request (a
-  fresh HOST_PAGES-page prompt, recomputed) pushes the host tier's pages down to disk;
+  fresh HOST_PAGES-page prompt, recomputed) pushes the host tier's pages down to disk. It
+  waits first for the last load's read lease to be let go (the client tells its node within
+  touches.TOUCH_EVERY_S): pages a lease pins are not evicted, and a flush sent at once left
+  the prefix in host for the next run (the first run of this part: forced fetches of the
+  slowed disk in 45 ms, as from host, beside routed ones in 470 ms);
 - the disk tier is made artificially slow in one condition: the node actors' test-only fault
   (cluster/core/faults.py, slow_disk: a sleep before every disk page read and write).
 
@@ -50,6 +59,7 @@ from dataclasses import asdict, dataclass, replace
 from cluster.core.config import MiB
 from cluster.core.trace_scale import ALPHABET, block_text
 from cluster.serving.vllm_plan import FORCE_KEY
+from cluster.touches import TOUCH_EVERY_S
 
 KINDS = ("routed", "fetch", "recompute")
 FORCED = {"routed": None, "fetch": 1 << 30, "recompute": 0}
@@ -65,6 +75,8 @@ DISK_BYTES = 512 * MiB
 SUFFIX_CHARS = 8  # with the lead token, short of a page: every probe hits PREFIX_PAGES pages
 SAVE_SETTLE_S = 3.0  # the seeds' saves reach raykv's tiers and its directory
 FLUSH_SETTLE_S = 1.5  # a flush's save (and the demotions it makes) lands
+RELEASE_WAIT_S = 2 * TOUCH_EVERY_S  # the last load's read lease reaches the node
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 REQUEST_TIMEOUT_S = 120.0
 FIRST_BLOCK = 1 << 40  # block texts from here on: none of the main part's trace blocks
 
@@ -241,6 +253,7 @@ class Prober:
 
     def run(self, text: str, kind: str) -> Run:
         if self.host_dirty:
+            time.sleep(RELEASE_WAIT_S)
             send(self.url, self.model, flush_text(self.num_flushes, self.page_tokens), 0)
             self.num_flushes += 1
             time.sleep(FLUSH_SETTLE_S)
@@ -289,9 +302,39 @@ def replica_rates() -> dict:
     (replica name -> its rates)."""
     from cluster.tools.rates_status import replica_rates as published
 
+    return _recorded(published)
+
+
+def placement() -> dict:
+    """Where the part's replica ran (its node, and whether it is the head) and, per node,
+    the pages its raykv tiers served (hits by tier)."""
+    import ray
+    from ray._private.state import actors
+
+    from actors.handles import NodeHandle
+    from cluster.api import running_config
+
+    head = next((n["NodeID"] for n in ray.nodes()
+                 if n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {})), None)
+    replica = [(a.get("Address") or {}).get("NodeID") for a in actors().values()
+               if a.get("State") == "ALIVE" and "RaykvLLMServer" in a.get("ActorClassName", "")]
+    config, served = running_config(), {}
+    for node in ray.nodes():
+        handle = NodeHandle.lookup(node["NodeID"], config) if node.get("Alive") else None
+        if handle is not None:
+            stats = ray.get(handle.stats(), timeout=30)
+            served[node["NodeID"][:12]] = {k: stats.get(k) for k in
+                                           ("hits_host", "hits_disk", "pulled_pages")}
+    return {"head": (head or "")[:12], "replica_nodes": [(n or "")[:12] for n in replica],
+            "replica_on_head": bool(replica) and all(n == head for n in replica),
+            "served_by_node": served}
+
+
+def _recorded(figures) -> dict:
+    """figures(), or what went wrong: a record for the JSON, never the part's failure."""
     try:
-        return published()
-    except Exception as error:  # a figure for the record, never the part's failure
+        return figures()
+    except Exception as error:
         return {"error": f"{type(error).__name__}: {error}"[:300]}
 
 
@@ -316,7 +359,7 @@ def run_part(shape, model_dir: str, model: str, num_nodes: int, url: str,
     from ray import serve
 
     from cluster import CacheConfig, start, stop
-    from cluster.tools.bench.vllm_serve_setups import raykv_app
+    from cluster.tools.bench.vllm_serve_setups import ENGINE_SLOT, raykv_app
 
     disk_dir = tempfile.mkdtemp(prefix="raykv-bench-vllm-serve-recompute-", dir="/tmp")
     page_bytes = _page_bytes(model_dir, model, shape.block_tokens)
@@ -324,7 +367,8 @@ def run_part(shape, model_dir: str, model: str, num_nodes: int, url: str,
         start(CacheConfig(page_tokens=shape.block_tokens, device_bytes=0,
                           host_bytes=HOST_PAGES * page_bytes, eviction="lru",
                           disk_bytes=DISK_BYTES, disk_dir=disk_dir, disk_codec="none"))
-        serve.run(raykv_app(model_dir, model, replace(shape, prefix_caching=False), 1),
+        bundle = {"CPU": 1, ENGINE_SLOT: 1, HEAD_RESOURCE: 0.001}
+        serve.run(raykv_app(model_dir, model, replace(shape, prefix_caching=False), 1, bundle),
                   name="recompute", route_prefix="/", blocking=False)
         wait_ready(url)
         warm_up(url)
@@ -332,7 +376,7 @@ def run_part(shape, model_dir: str, model: str, num_nodes: int, url: str,
         probes, rates = probe_all(url, model, shape.block_tokens)
         probe_s = time.perf_counter() - began_s
         print_summary(probes)
-        return {"summary": summary(probes), "share": correct_share(probes),
+        return {"placement": _recorded(placement),"summary": summary(probes), "share": correct_share(probes),
                 "per_round": per_round(probes), "rates_after": rates,
                 "probe_s": probe_s,
                 "probes": [{"condition": p.condition, "prefix": p.prefix,
