@@ -376,8 +376,9 @@ def run_part(shape, model_dir: str, model: str, num_nodes: int, url: str,
         probes, rates = probe_all(url, model, shape.block_tokens)
         probe_s = time.perf_counter() - began_s
         print_summary(probes)
-        return {"placement": _recorded(placement),"summary": summary(probes), "share": correct_share(probes),
-                "per_round": per_round(probes), "rates_after": rates,
+        return {"placement": _recorded(placement), "summary": summary(probes),
+                "share": correct_share(probes), "per_round": per_round(probes),
+                "rates_after": rates,
                 "probe_s": probe_s,
                 "probes": [{"condition": p.condition, "prefix": p.prefix,
                             "decisions": p.decisions(), "why_not_counted": p.why_not_counted(),
