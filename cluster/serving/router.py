@@ -26,10 +26,12 @@ The engine tier: replicas whose vLLM engines publish KV-cache events advertise w
 routing stats (ENGINE_EVENTS, cluster/serving/vllm_events_server.py). The router follows them
 (cluster/serving/engine_events.py) and counts, per replica, the prompt's leading pages its
 engine already holds: those cost nothing to fetch (`best_sources(..., engine_pages=...)`), and
-an engine hit is a hit even where the directory has none. vLLM replicas publish no rates: the
-cost path takes the page size from the router's own keying and the priors, and counts each
-queued request ahead as one prefill of this prompt at the replica's rate. Without events,
-routing is as before.
+an engine hit is a hit even where the directory has none. vLLM replicas publish the rates their
+RaykvConnector measures (its loads per source tier, the engine's prefill rate and compute
+seconds per request: cluster/serving/engine_rates.py) in the same form; before a replica has
+published any, the cost path takes the page size from the router's own keying and the priors,
+and counts each queued request ahead as one prefill of this prompt at the replica's rate.
+Without events, routing is as before.
 """
 
 from __future__ import annotations
@@ -176,8 +178,9 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         prompt = Prompt(_num_tokens(pending_request, max(len(located), num_keys), page_tokens),
                         page_tokens, page_bytes)
         sources = _sources(located, replicas, engine_pages)
-        busy = _busy_s_per_request(published) if sized else \
-            {r: prefill_s(prompt, 0, self.rates.prefill_rate(r)) for r in published}
+        busy = _busy_s_per_request(published)
+        busy = {r: busy.get(r) or prefill_s(prompt, 0, self.rates.prefill_rate(r))
+                for r in published}
         replicas = random.sample(replicas, len(replicas))  # decide() breaks ties by order
         candidates = [Candidate(r.replica_id.unique_id, sources[r.replica_id.unique_id],
                                 self._queued(r) * busy.get(r.replica_id.unique_id, 0.0))
@@ -193,7 +196,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def _own_geometry(self, engine_pages: dict[str, int]) -> tuple[int, int] | None:
         """(page tokens, page bytes) as the router keys prompts, where engines hold pages of
-        them (vLLM replicas publish no page size); None otherwise."""
+        them (before any replica has published its page size); None otherwise."""
         if self._prompt_keys is None or not any(engine_pages.values()):
             return None
         page_tokens = self._prompt_keys.page_tokens

@@ -43,6 +43,7 @@ RAYKV_ROUTER = "cluster.serving.router:RaykvRouter"
 # With raykv's router, each LLMServer turns its engine's KV-cache events on and advertises
 # them: the router's engine tier (as Ray's KVAwareRouter has its own turned on).
 EVENTS_SERVER = "cluster.serving.vllm_events_server:RaykvLLMServer"
+ROUTING_STATS_PERIOD_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,11 @@ def llm_config(args: VllmAppArgs, ray_address: str | None = None):
         deployment["request_router_config"] = {
             "request_router_class": args.request_router_class,
             "request_router_kwargs": dict(args.request_router_kwargs)}
+        if args.request_router_class == RAYKV_ROUTER:
+            # The replicas' measured rates reach the router this often (Serve's default is
+            # every 10 s); publishing them reads a small local file (vllm_events_server.py).
+            deployment["request_router_config"]["request_routing_stats_period_s"] = \
+                ROUTING_STATS_PERIOD_S
     options: dict = {"accelerator_config": {"kind": args.accelerator}}
     if args.request_router_class == RAYKV_ROUTER:
         options["server_cls"] = EVENTS_SERVER

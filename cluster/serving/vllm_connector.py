@@ -23,6 +23,13 @@ Worker side: the hit goes into the request's paged blocks from a loader thread
 (cluster/serving/vllm_io.py), and each step's new full prompt pages, and only those, are saved
 in the background.
 
+Rates for raykv's router (cluster/serving/engine_rates.py): the worker times each load per
+source tier and hands the samples to the scheduler side on vLLM's own stats path
+(get_kv_connector_stats -> update_connector_output: RaykvLoadStats, which vLLM also logs);
+the scheduler side times each step (build_connector_meta to its output) and fits the prefill
+rate, and writes what it measured, at most once a second, to `raykv.rates_file`, which its
+Serve replica publishes to routers (cluster/serving/vllm_events_server.py).
+
 Prefill/decode disaggregation (Ray Serve LLM's P/D; cluster/serving/vllm_pd.py): a prefill
 (`do_remote_decode` in its kv_transfer_params) is looked up and saved whole, even what vLLM's
 own cache held, and its request_finished returns {"raykv_pd": {"tokens": ...}}; a decode given
@@ -57,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from cluster.serving.engine_rates import EngineMeter, RatesFile, Step
 from cluster.serving.vllm_io import KVMover
 from cluster.serving.vllm_keys import is_plain, request_salt
 from cluster.serving.vllm_layout import (
@@ -95,6 +103,7 @@ from cluster.serving.vllm_service import (
     UnsupportedConfig,
     spec_of,
 )
+from cluster.serving.vllm_stats import RaykvLoadStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -107,6 +116,7 @@ log = init_logger(__name__)  # vLLM's handlers: these lines land in the engine's
 # P/D: how soon a decode asks raykv again for its prefill's pages (the directory hears of a
 # put at the node's next event flush, 0.05 s by default).
 HANDOFF_RETRY_S = 0.02
+RATES_WRITE_S = 1.0  # how often the scheduler side rewrites its rates file (at most)
 
 
 @dataclass
@@ -156,6 +166,8 @@ class RaykvConnector(KVConnectorBase_V1):
         self._lookups: Lookups | None = None
         self._waits = HandoffWaits(settings.pd_wait_s)
         self._told_mismatch = False
+        self._meter: EngineMeter | None = None  # scheduler side, once the page size is known
+        self._rates: RatesFile | None = None  # scheduler side, with the meter
         self.num_routed_answers = 0  # requests answered by the router's hit, no lookup
         self.why_off = unsupported_groups(kv_cache_config)
         try:
@@ -215,6 +227,7 @@ class RaykvConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._planner is None:
             return RaykvMetadata()
+        self._scheduled(scheduler_output)
         new = [NewRequest(r.req_id, list(r.prompt_token_ids), r.block_ids[0],
                           r.num_computed_tokens, scheduler_output.num_scheduled_tokens[r.req_id])
                for r in scheduler_output.scheduled_new_reqs if r.prompt_token_ids]
@@ -232,6 +245,24 @@ class RaykvConnector(KVConnectorBase_V1):
         if self._planner is not None:
             self._planner.reported(set(connector_output.finished_recving or ()),
                                    set(connector_output.invalid_block_ids or ()))
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if self._meter is not None and isinstance(stats, RaykvLoadStats):
+            self._meter.loaded(stats.samples)
+
+    def get_kv_connector_stats(self) -> RaykvLoadStats | None:
+        """Worker: the loads' rate samples since the last step (None: no load). Scheduler
+        (asked once a step, after the step's output): the step is timed, and the rates file
+        rewritten when due."""
+        if self.role == KVConnectorRole.SCHEDULER:
+            self._step_done()
+            return None
+        samples = self._mover.take_samples() if self._mover is not None else []
+        return RaykvLoadStats({"loads": [list(s) for s in samples]}) if samples else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> RaykvLoadStats | None:
+        return RaykvLoadStats(dict(data) if data else {})
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -243,6 +274,8 @@ class RaykvConnector(KVConnectorBase_V1):
                     self._planner.saved_tokens(request.request_id), self._link.spec.name,
                     self._link.settings.namespace))
             self._planner.finished(request.request_id)
+        if self._meter is not None:
+            self._meter.finished()
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
         self._waits.forget(request.request_id)
@@ -306,7 +339,30 @@ class RaykvConnector(KVConnectorBase_V1):
                 log.error("raykv connector off: %s", self.why_off)
             else:
                 self._planner = StepPlanner(self._block_size, page_tokens)
+                if self.role == KVConnectorRole.SCHEDULER:
+                    self._meter = EngineMeter(page_tokens, self._link.spec.page_bytes(page_tokens))
+                    path = self._link.settings.rates_file
+                    if path:
+                        self._rates = RatesFile(self._meter, path, RATES_WRITE_S,
+                                                lambda: _now_s())
         return self._planner
+
+    def _scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        """Start the step's clock: its tokens, and whether it prefills (a new request, or a
+        request given more than one token)."""
+        if self._meter is None:
+            return
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        prefills = bool(scheduler_output.scheduled_new_reqs) \
+            or num_tokens > len(scheduler_output.num_scheduled_tokens)
+        self._meter.clock.scheduled(Step(num_tokens, prefills, _now_s()))
+
+    def _step_done(self) -> None:
+        if self._meter is None:
+            return
+        self._meter.step_done(_now_s())
+        if self._rates is not None:
+            self._rates.changed()
 
     # ---- worker side ---------------------------------------------------------------------
 
@@ -392,6 +448,8 @@ class RaykvConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
+        if self._rates is not None:
+            self._rates.close()
         if self._lookups is not None:
             self._lookups.close()
         if self._mover is not None:
@@ -405,6 +463,11 @@ class RaykvConnector(KVConnectorBase_V1):
             if client is not None:
                 self._mover = KVMover(client, self._layers, self._layout, self._link.spec)
         return self._mover
+
+
+def _now_s() -> float:
+    """The steps' clock."""
+    return time.monotonic()
 
 
 def _loaded_async(num_tokens: int) -> tuple[int, bool]:

@@ -15,6 +15,15 @@ no two replicas on a node, nor another app's, collide:
   - once the engine runs, it reads the endpoints vLLM bound and advertises them under
     ENGINE_EVENTS, with an epoch naming this engine: a replica is never taken for another.
 
+It also publishes what the engine's RaykvConnector measures (its loads' rates per source tier,
+its prefill rate, its compute seconds per request: cluster/serving/engine_rates.py) under
+"rates", as raykv's own engine replicas do (cluster/serving/deployments.py), for the router's
+cost model and `raykv status`. The connector's scheduler side runs in vLLM's engine-core
+process, this replica's child on the same host: before the engine starts, the server names a
+file for it (`raykv.rates_file` in the connector's settings, a user's own kept), which the
+connector rewrites at most once a second and this server reads when Serve asks for its
+routing stats.
+
 The builder (cluster/serving/vllm_app.py) makes it the server class when the router is raykv's.
 """
 
@@ -26,6 +35,7 @@ import uuid
 
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
+from cluster.serving.engine_rates import rates_path, read_published
 from cluster.serving.router import ENGINE_EVENTS
 
 log = logging.getLogger("raykv.vllm")
@@ -78,6 +88,16 @@ def pin_bind_address(environ: dict, node_ip: str) -> str:
     return node_ip
 
 
+def with_rates_file(kv_transfer: dict | None, path: str) -> dict | None:
+    """The engine's kv_transfer_config with RaykvConnector's rates file named (`path`, unless
+    the user named one); None when the engine runs no RaykvConnector (nothing to publish)."""
+    if not isinstance(kv_transfer, dict) or kv_transfer.get("kv_connector") != "RaykvConnector":
+        return None
+    extra = dict(kv_transfer.get("kv_connector_extra_config") or {})
+    extra.setdefault("raykv.rates_file", path)
+    return {**kv_transfer, "kv_connector_extra_config": extra}
+
+
 def _bind_on_node_address() -> bool:
     """Point vLLM's `tcp://*:0` at Ray's address for this node (pin_bind_address, into this
     process's environment); whether that address is a concrete one vLLM can bind."""
@@ -102,6 +122,12 @@ class RaykvLLMServer(LLMServer):
 
     async def start(self):
         self._raykv_events: dict = {}
+        self._raykv_rates_file = None
+        kv_transfer = with_rates_file(self._llm_config.engine_kwargs.get("kv_transfer_config"),
+                                      rates_path(uuid.uuid4().hex))
+        if kv_transfer is not None:
+            self._llm_config.update_engine_kwargs(kv_transfer_config=kv_transfer)
+            self._raykv_rates_file = kv_transfer["kv_connector_extra_config"]["raykv.rates_file"]
         configured = kv_events_config(self._llm_config.engine_kwargs)
         if configured.get("endpoint") == ANY_PORT and not _bind_on_node_address():
             # vLLM would refuse to start its engine: route this replica without its events.
@@ -118,4 +144,6 @@ class RaykvLLMServer(LLMServer):
         stats = dict(await super().record_routing_stats() or {})
         if getattr(self, "_raykv_events", None):
             stats[ENGINE_EVENTS] = self._raykv_events
+        if getattr(self, "_raykv_rates_file", None):
+            stats["rates"] = read_published(self._raykv_rates_file)
         return stats

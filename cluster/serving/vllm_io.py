@@ -5,6 +5,9 @@ Loads run in one loader thread, off the engine's step: vLLM holds each loading r
 WAITING_FOR_REMOTE_KVS and schedules others meanwhile. A finished load is reported with the
 blocks it did not fill (finished()): vLLM recomputes those. A load fetches the pages from the
 one holding its first token on (KVClient.continued), not the prefix vLLM already holds.
+Each load's time and its client's timed reads become rate samples per source tier
+(engine_rates.load_samples), which the connector hands vLLM's stats path once a step
+(take_samples).
 
 Saves copy the new pages out of the blocks while the step's blocks are still the request's
 (the copy is a few memcpys), then put them from one background thread, off the engine's
@@ -19,12 +22,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from cluster.core.spec import ModelSpec
+from cluster.serving.engine_rates import load_samples
 from cluster.serving.vllm_layout import (
     block_tokens,
     blocks_of,
@@ -72,6 +77,7 @@ class KVMover:
         self._pending = 0
         self._lock = threading.Lock()
         self._finished: list[tuple[str, set[int]]] = []
+        self._samples: list[tuple[str, int, float]] = []  # loads' rate samples, not taken yet
         self._pinned = torch.cuda.is_available() and bool(getattr(self.layers[0], "is_cuda",
                                                                    False))
 
@@ -93,6 +99,8 @@ class KVMover:
         start_s, end = time.perf_counter(), len(spec.token_ids)
         block_size = block_tokens(self.layers)
         first, kv = self._first_page(spec.start), None
+        reads = self._reads()
+        reads.clear()  # what this load reads, nothing older
         try:  # the pages from the one holding token `start` on
             client = self._client_from(spec.salt, spec.token_ids, first)
             num_tokens, kv = client.get(spec.token_ids[first:], out=self._out(end - first))
@@ -107,11 +115,28 @@ class KVMover:
         self.stats.loaded_tokens += max(filled - spec.start, 0)
         self.stats.failed_tokens += end - max(filled, spec.start)
         self.stats.num_loads += 1
-        self.stats.load_s += time.perf_counter() - start_s
+        load_s = time.perf_counter() - start_s
+        self.stats.load_s += load_s
+        samples = load_samples(list(reads), load_s)
+        reads.clear()
+        with self._lock:
+            self._samples.extend(samples)
         if failed:
             log.warning("raykv held %d of %d tokens of %s; recomputing the rest", filled, end,
                         spec.request_id)
         return failed
+
+    def take_samples(self) -> list[tuple[str, int, float]]:
+        """The loads' rate samples since the last call (engine_rates.load_samples)."""
+        with self._lock:
+            samples, self._samples = self._samples, []
+        return samples
+
+    def _reads(self):
+        """The client's record of its timed reads (cluster/view.py); a client without one
+        (a test's fake) reads untimed."""
+        reads = getattr(getattr(self.client, "view", None), "transfers", None)
+        return reads if reads is not None else deque()
 
     def _load_and_report(self, spec: LoadSpec) -> None:
         try:

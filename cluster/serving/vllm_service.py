@@ -40,17 +40,22 @@ class RaykvSettings:
     raykv.pd_wait_s    P/D: how long a decode waits for its prefill's pages to reach raykv's
                        directory (asked again, never blocking vLLM's scheduler), then loads
                        what is there and recomputes the rest; 2 s
+    raykv.rates_file   where the scheduler side writes the rates it measures (its loads per
+                       source tier, its prefill rate: engine_rates.py) for its Serve replica
+                       to publish to raykv's router; None: not written. RaykvLLMServer sets it
     """
 
     namespace: str = "default"
     ray_address: str = "auto"
     model_name: str | None = None
     pd_wait_s: float = 2.0
+    rates_file: str | None = None
 
     @staticmethod
     def from_extra(extra: dict | None) -> RaykvSettings:
         extra = extra or {}
-        known = {"raykv.namespace", "raykv.ray_address", "raykv.model_name", "raykv.pd_wait_s"}
+        known = {"raykv.namespace", "raykv.ray_address", "raykv.model_name", "raykv.pd_wait_s",
+                 "raykv.rates_file"}
         unknown = sorted(k for k in extra if k.startswith("raykv.") and k not in known)
         if unknown:
             raise ValueError(f"unknown raykv settings {unknown}; known: {sorted(known)}")
@@ -61,7 +66,8 @@ class RaykvSettings:
             namespace=str(extra.get("raykv.namespace", "default")),
             ray_address=str(extra.get("raykv.ray_address")
                             or os.environ.get("RAY_ADDRESS") or "auto"),
-            model_name=extra.get("raykv.model_name"), pd_wait_s=pd_wait_s)
+            model_name=extra.get("raykv.model_name"), pd_wait_s=pd_wait_s,
+            rates_file=extra.get("raykv.rates_file") or None)
 
 
 def spec_of(vllm_config, model_name: str | None) -> ModelSpec:

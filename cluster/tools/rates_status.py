@@ -1,5 +1,6 @@
 """`raykv status`'s routing rates: what each engine replica measured online and publishes to
-raykv's router (cluster/serving/rates.py), and the paths pooled as the router pools them
+raykv's router (raykv's own engines: cluster/serving/rates.py; vLLM engines through their
+RaykvConnector: cluster/serving/engine_rates.py), and the paths pooled as the router pools them
 (policies/cost_routing.pooled).
 
 The figures are read as Serve's controller reads them, from each replica actor's
@@ -15,7 +16,9 @@ from rich.table import Table
 from cluster.core.sizing import format_bytes
 from policies.cost_routing import pooled, prior_rates
 
-ENGINE_CLASS = "EngineDeployment"
+# Serve replicas that publish rates: raykv's engine, and Ray Serve LLM's server with raykv's
+# router (its deployment is named after the server class: "RaykvLLMServer:<model>").
+ENGINE_CLASSES = ("EngineDeployment", "RaykvLLMServer")
 TIMEOUT_S = 5.0
 
 
@@ -25,13 +28,16 @@ def replica_rates() -> dict[str, dict]:
 
     out = {}
     for actor in actors().values():
-        if actor.get("State") != "ALIVE" or ENGINE_CLASS not in actor.get("ActorClassName", ""):
+        class_name = actor.get("ActorClassName", "")
+        if actor.get("State") != "ALIVE" or not any(c in class_name for c in ENGINE_CLASSES):
             continue
         try:
             replica = ray.get_actor(actor["Name"], namespace="serve")
             stats = ray.get(replica.record_routing_stats.remote(), timeout=TIMEOUT_S)
         except (ray.exceptions.RayError, ValueError, TimeoutError):
             continue  # gone or busy: the next status asks again
+        if "rates" not in stats:  # a vLLM server without RaykvConnector
+            continue
         out[actor["Name"]] = {"node_id": stats.get("node_id", ""), **(stats.get("rates") or {})}
     return out
 
@@ -54,12 +60,15 @@ def rates_tables(rates: dict) -> list[Table]:
                       f"{format_bytes(int(bandwidth))}/s", f"{path['latency_s'] * 1e3:.2f} ms",
                       str(path["num_samples"]))
     replicas = Table(title="routing: engine replicas (measured online)")
-    for column in ("replica", "node", "prefill tokens/s", "samples", "compute s/request"):
+    for column in ("replica", "node", "prefill tokens/s", "samples", "step overhead",
+                   "compute s/request"):
         replicas.add_column(column, justify="left" if column in ("replica", "node")
                             else "right")
     for name, row in rates["replicas"].items():
         replicas.add_row(name[-24:], row.get("node_id", "")[:12],
                          f"{row.get('prefill_tokens_per_s', 0.0):,.0f}",
                          str(row.get("prefill_samples", 0)),
+                         f"{row['step_overhead_s'] * 1e3:.1f} ms" if "step_overhead_s" in row
+                         else "",
                          f"{row.get('busy_s_per_request', 0.0):.3f}")
     return [paths, replicas]

@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # n
 from cluster.serving import vllm_service  # noqa: E402
 from cluster.serving.vllm_connector import RaykvConnector, RaykvMetadata  # noqa: E402
 from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, HIT_KEY, LoadSpec  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 
 BLOCK = 16
 PAGE = 32
@@ -101,6 +102,7 @@ def test_a_slow_lookup_answers_none_then_the_hit_loaded_asynchronously(client):
     connector.update_state_after_alloc(req, SimpleNamespace(
         get_block_ids=lambda: (list(range(10, 17)),)), 64)
     output = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                             total_num_scheduled_tokens=0,
                              scheduled_cached_reqs=SimpleNamespace(
                                  req_ids=[], new_block_ids=[], resumed_req_ids=set(),
                                  num_computed_tokens=[]))
@@ -150,6 +152,7 @@ def test_the_routers_hit_is_the_answer_at_the_first_ask_without_a_lookup(client)
     connector.update_state_after_alloc(routed, SimpleNamespace(
         get_block_ids=lambda: (list(range(10, 17)),)), 64)
     output = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                             total_num_scheduled_tokens=0,
                              scheduled_cached_reqs=SimpleNamespace(
                                  req_ids=[], new_block_ids=[], resumed_req_ids=set(),
                                  num_computed_tokens=[]))
@@ -189,4 +192,56 @@ def test_pages_that_are_not_whole_blocks_turn_it_off(client):
     connector = scheduler()
     assert "not a multiple" in connector.why_off
     assert connector.get_num_new_matched_tokens(request(), 0) == (0, False)
+    connector.shutdown()
+
+
+def step_output(num_tokens_by_request: dict[str, int], new: bool):
+    """A SchedulerOutput's fields the connector reads: `new` requests prefill from token 0."""
+    new_reqs = [SimpleNamespace(req_id=r, prompt_token_ids=list(range(n)),
+                                block_ids=([0],), num_computed_tokens=0)
+                for r, n in num_tokens_by_request.items()] if new else []
+    return SimpleNamespace(scheduled_new_reqs=new_reqs,
+                           num_scheduled_tokens=dict(num_tokens_by_request),
+                           total_num_scheduled_tokens=sum(num_tokens_by_request.values()),
+                           scheduled_cached_reqs=SimpleNamespace(
+                               req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                               num_computed_tokens=[]))
+
+
+def test_the_scheduler_side_times_steps_takes_the_workers_loads_and_writes_its_rates(
+        client, tmp_path, monkeypatch):
+    """As vLLM drives it: build_connector_meta (the step handed out), the step's output with
+    the worker's RaykvLoadStats (update_connector_output), get_kv_connector_stats (the step
+    done); the rates file then holds the measured prefill rate and load path."""
+    from cluster.serving import vllm_connector
+    from cluster.serving.engine_rates import read_published
+    from cluster.serving.vllm_stats import RaykvLoadStats
+
+    path = str(tmp_path / "rates.json")
+    config = vllm_config()
+    config.kv_transfer_config.kv_connector_extra_config["raykv.rates_file"] = path
+    now = [0.0]
+    monkeypatch.setattr(vllm_connector, "_now_s", lambda: now[0])
+    connector = scheduler(config)
+    loads = RaykvLoadStats({"loads": [["disk", 4 << 20, 0.2]]})
+    steps = [({"a": 100}, True, 0.015), ({"a": 1, "b": 1}, False, 0.0105),
+             ({"c": 200}, True, 0.025), ({"a": 1, "b": 1}, False, 0.0105)]
+    for index, (tokens, new, took_s) in enumerate(steps):
+        now[0] = float(index)
+        connector.build_connector_meta(step_output(tokens, new))
+        now[0] += took_s
+        connector.update_connector_output(SimpleNamespace(
+            finished_recving=None, invalid_block_ids=None,
+            kv_connector_stats=loads if index == 0 else None))
+        assert connector.get_kv_connector_stats() is None  # the scheduler side sends none
+        connector.request_finished(request(f"r{index}"), [])
+    # Steps of 100 and 200 prefill tokens took 15 and 25 ms: 5 ms + 0.1 ms a token; the
+    # decode steps (one token per request) do not count toward the prefill rate. The last
+    # change is written too (at once, or once a second has passed since the last write).
+    rates = wait_until(lambda: (r := read_published(path)).get("prefill_samples") == 2 and r,
+                       5.0, "the last steps' rates in the file")
+    assert rates["prefill_tokens_per_s"] == pytest.approx(10_000, rel=1e-6)
+    assert rates["step_overhead_s"] == pytest.approx(0.005, rel=1e-6)
+    assert rates["paths"]["disk"] == [pytest.approx((4 << 20) / 0.2), 0.0, 1]
+    assert rates["page_tokens"] == PAGE and rates["busy_s_per_request"] > 0
     connector.shutdown()

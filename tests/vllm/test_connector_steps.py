@@ -122,6 +122,49 @@ def test_chunked_prefill_saves_each_page_once_and_a_rerun_loads_them(engine):
     assert cached == full and rerun == ids
 
 
+def test_the_connector_measures_its_loads_per_tier_and_the_engine_s_prefill(engine):
+    """The worker's loads reach the scheduler side on vLLM's stats path (RaykvLoadStats), and
+    the scheduler side times the steps: what the replica publishes for raykv's router."""
+    prompt = prompt_tokens(900, seed=23)
+    full = 900 // BLOCK_TOKENS * BLOCK_TOKENS
+    generate(engine, prompt)
+    saved(engine, prompt, full)
+    before = engine_rates(engine)
+    _, cached = generate(engine, prompt)
+    assert cached == full
+    after = engine_rates(engine)
+    host_bytes_per_s, _, num_samples = after["paths"]["host"]
+    assert num_samples == before.get("paths", {}).get("host", [0, 0, 0])[2] + 1
+    assert host_bytes_per_s > 0
+    assert after["prefill_samples"] > before.get("prefill_samples", 0)
+    assert after["prefill_tokens_per_s"] > 0 and after["step_overhead_s"] >= 0
+    assert after["page_tokens"] == BLOCK_TOKENS
+    assert after["page_bytes"] == SMALL_LLAMA.page_bytes(BLOCK_TOKENS)
+
+
+def test_load_stats_aggregate_across_workers_and_reduce_for_vllm_s_log():
+    from cluster.serving.vllm_connector import RaykvConnector
+    from cluster.serving.vllm_stats import RaykvLoadStats
+
+    one = RaykvLoadStats({"loads": [["host", 2_000_000, 0.001]]})
+    two = RaykvConnector.build_kv_connector_stats({"loads": [["disk", 1_000_000, 0.01],
+                                                              ["host", 2_000_000, 0.003]]})
+    merged = one.aggregate(two)
+    assert merged.samples == [("host", 2_000_000, 0.001), ("disk", 1_000_000, 0.01),
+                              ("host", 2_000_000, 0.003)]
+    assert merged.reduce() == {"raykv disk loads": 1, "raykv disk MB/s": 100.0,
+                               "raykv host loads": 2, "raykv host MB/s": 1000.0}
+    assert not merged.is_empty()
+    merged.reset()
+    assert merged.is_empty() and RaykvConnector.build_kv_connector_stats(None).is_empty()
+
+
+def engine_rates(engine) -> dict:
+    """What the scheduler side's meter would publish now ({} before it has one)."""
+    meter = ray.get(engine.scheduler_connector.remote("_meter"))
+    return {} if meter is None else meter.published()
+
+
 def test_lookups_answer_none_while_in_flight(engine):
     """Every new request's lookup runs off the scheduler's thread: vLLM heard None ("ask
     again") at least once per request while it was out, and went on stepping."""

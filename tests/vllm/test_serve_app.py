@@ -117,6 +117,36 @@ def test_with_raykv_s_router_each_replica_advertises_its_engine_s_kv_events(base
     assert not advertised["endpoint"].endswith(":0") and advertised["replay_endpoint"]
 
 
+def test_each_replica_publishes_its_engine_s_measured_rates(base_url):
+    """The engine core's RaykvConnector measured its loads (the second request above loaded
+    its prefix from raykv's host tier) and its prefill, and the replica publishes them to
+    routers beside its events; `raykv status` shows them."""
+    from ray._private.state import actors
+
+    from cluster.tools.rates_status import routing_rates
+
+    names = [a["Name"] for a in actors().values() if a.get("State") == "ALIVE"
+             and "RaykvLLMServer" in a.get("ActorClassName", "")]
+    replica = ray.get_actor(names[0], namespace="serve")
+    prompt = "".join(chr(97 + (i * 11) % 26) for i in range(PREFIX_BYTES))
+    _complete(base_url, prompt + " one")  # a prefill of 700 tokens, the rates file rewritten
+
+    def published() -> dict:
+        return ray.get(replica.record_routing_stats.remote(), timeout=30).get("rates") or {}
+
+    wait_until(lambda: published().get("paths", {}).get("host")
+               and published().get("prefill_samples", 0) >= 2, SAVE_TIMEOUT_S,
+               "the replica's measured rates", period_s=0.5)
+    rates = published()
+    assert rates["page_tokens"] == 128 and rates["page_bytes"] > 0
+    assert rates["prefill_tokens_per_s"] > 0 and rates["busy_s_per_request"] > 0
+    host_bytes_per_s, _, num_samples = rates["paths"]["host"]
+    assert host_bytes_per_s > 0 and num_samples >= 1
+    shown = routing_rates()
+    assert names[0] in shown["replicas"]
+    assert shown["pooled"]["paths"]["host"]["num_samples"] >= 1
+
+
 def test_llm_config_runs_the_connector_on_cpu_with_a_chosen_router():
     from cluster.serving.vllm_app import llm_config
 

@@ -92,9 +92,11 @@ def baseline_config(setup: str, model_source: str, model_id: str, shape: EngineS
                      **options)
 
 
-def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas: int):
+def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas: int,
+              bundle: dict | None = None):
     """raykv's set-up: `build_vllm_app`'s app (RaykvConnector, raykv's router over the running
-    service, the keyed ingress), its engines placed one per node like the baselines'."""
+    service, the keyed ingress), its engines placed one per node like the baselines' (or by
+    `bundle`, each engine's placement-group bundle)."""
     import ray
     from ray.serve.llm import build_openai_app
 
@@ -107,7 +109,8 @@ def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas
     args = VllmAppArgs(model_source, model_id, "default", num_replicas, router, router_kwargs,
                        shape.engine_kwargs())
     config = llm_config(args, ray.get_runtime_context().gcs_address)
-    config.placement_group_config = placement(1)["placement_group_config"]
+    config.placement_group_config = {"bundles": [bundle]} if bundle \
+        else placement(1)["placement_group_config"]
     return build_openai_app({"llm_configs": [config], "ingress_cls_config": keyed_ingress(args)})
 
 

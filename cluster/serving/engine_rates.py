@@ -1,0 +1,271 @@
+"""A vLLM engine's own measurements for cost-based routing (no vLLM import): what its
+RaykvConnector's loads took per source tier, and how fast the engine prefills.
+
+    worker (loader thread)        scheduler (engine core)          Serve replica
+    a load: its raykv reads  --KVConnectorStats-->  EngineMeter  --rates file-->  routing stats
+            and its time          steps: schedule -> output           -> raykv's router
+
+- **Loads.** A load's raykv get times its reads (the client's `view.transfers`: this node's
+  disk acquire, the copy out of its slabs, reads from other nodes); the load as a whole also
+  waits on the directory and scatters the pages into vLLM's blocks. `load_samples` turns one
+  load into one sample per source it read from: the reads' own times, plus the rest of the
+  load's time shared by bytes, so that a source's rate is what a load from it costs the engine.
+- **Prefill.** Every step is timed from the scheduler handing it out to its output coming
+  back (`StepClock`; with async scheduling a step starts no earlier than the previous one
+  ends). A step's time is a fixed part (the step's overhead) plus a part per token;
+  `PrefillFit` fits both to the steps that prefill, as EWMA least squares, and the marginal
+  rate (tokens per second of the per-token part) is the prefill rate: the time a cut's
+  recomputed tokens add. One rate per step (seconds / tokens) would count a short prefill's
+  step overhead as if each of its tokens cost it: a 9-token prefill in a 15 ms step reads as
+  600 tokens/s on an engine that prefills 1,285 tokens in 100 ms.
+- **Queue.** A finished request's share of the engine's busy time (the step seconds since the
+  last request finished), an EWMA: `busy_s_per_request`, which the router multiplies by a
+  replica's queue length.
+
+`EngineMeter.published()` is in the form raykv's own engines publish (cluster/serving/
+rates.py), so the router pools both alike. The engine core writes it to a file the replica
+reads (`write_published`, `read_published`): the engine-core process is always its Serve
+replica's child, on the same host.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from policies.cost_routing import (
+    DISK,
+    HOST,
+    SAMPLE_WEIGHT,
+    RateEstimates,
+    observe_transfer,
+    prior_rates,
+    published,
+)
+
+log = logging.getLogger("raykv.vllm")
+MAX_PENDING_STEPS = 64  # steps scheduled and not yet done (a batch queue holds a few)
+
+
+def load_samples(transfers: Iterable[tuple[str, int, float]],
+                 load_s: float) -> list[tuple[str, int, float]]:
+    """One load's samples, (source, bytes, seconds) per source it read from, from its raykv
+    reads (`transfers`) and the load's whole time `load_s` (see the module doc). Pages read up
+    from this node's disk land in its host tier and are copied out from there: that copy is
+    the disk's, not the host's. Nothing for a load that read nothing."""
+    num_bytes: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    for source, moved, took_s in transfers:
+        num_bytes[source] = num_bytes.get(source, 0) + moved
+        seconds[source] = seconds.get(source, 0.0) + took_s
+    disk_b, host_b = num_bytes.get(DISK, 0), num_bytes.get(HOST, 0)
+    if disk_b and host_b:
+        promoted = min(disk_b, host_b)
+        copy_s = seconds[HOST] * promoted / host_b
+        seconds[DISK] += copy_s
+        seconds[HOST] -= copy_s
+        num_bytes[HOST] -= promoted
+        if num_bytes[HOST] <= 0:
+            del num_bytes[HOST], seconds[HOST]
+    total_b = sum(num_bytes.values())
+    if total_b <= 0:
+        return []
+    rest_s = max(0.0, load_s - sum(seconds.values()))
+    return [(source, int(b), seconds[source] + rest_s * b / total_b)
+            for source, b in num_bytes.items()]
+
+
+@dataclass(slots=True)
+class PrefillFit:
+    """EWMA least squares of a step's seconds against its tokens: seconds = fixed_s +
+    tokens x per_token_s. The means are exponentially weighted (SAMPLE_WEIGHT), so the fit
+    follows the engine as it speeds up or slows down."""
+
+    num_samples: int = 0
+    mean_tokens: float = 0.0
+    mean_s: float = 0.0
+    mean_tokens_sq: float = 0.0
+    mean_tokens_s: float = 0.0
+
+    def add(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        weight = 1.0 if self.num_samples == 0 else SAMPLE_WEIGHT
+        for name, sample in (("mean_tokens", num_tokens), ("mean_s", seconds),
+                             ("mean_tokens_sq", num_tokens * num_tokens),
+                             ("mean_tokens_s", num_tokens * seconds)):
+            setattr(self, name, (1 - weight) * getattr(self, name) + weight * sample)
+        self.num_samples += 1
+
+    def per_token_s(self) -> float | None:
+        """The marginal seconds per token; the mean seconds per token while the steps seen
+        are all of one size (no slope to fit) or the fit is not positive; None before any."""
+        if not self.num_samples:
+            return None
+        variance = self.mean_tokens_sq - self.mean_tokens ** 2
+        if variance > (0.01 * self.mean_tokens) ** 2:
+            slope = (self.mean_tokens_s - self.mean_tokens * self.mean_s) / variance
+            if slope > 0:
+                return slope
+        return self.mean_s / self.mean_tokens
+
+    def fixed_s(self) -> float:
+        """A step's fixed seconds (its overhead), >= 0."""
+        per_token_s = self.per_token_s()
+        if per_token_s is None:
+            return 0.0
+        return max(0.0, self.mean_s - per_token_s * self.mean_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """A step as scheduled: its tokens, whether it prefills, and when it was handed out."""
+
+    num_tokens: int
+    prefills: bool
+    scheduled_s: float
+
+
+class StepClock:
+    """Each step's time, from the scheduler handing it out to its output coming back, in
+    order (vLLM finishes steps in the order it schedules them). With async scheduling the
+    next step is handed out while one runs: a step's time starts no earlier than the
+    previous step's end."""
+
+    def __init__(self) -> None:
+        self._pending: deque[Step] = deque(maxlen=MAX_PENDING_STEPS)
+        self._last_done_s: float | None = None
+
+    def scheduled(self, step: Step) -> None:
+        self._pending.append(step)
+
+    def done(self, now_s: float) -> tuple[Step, float] | None:
+        """The oldest pending step, now done, and its seconds (None: none pending)."""
+        if not self._pending:
+            return None
+        step = self._pending.popleft()
+        began_s = step.scheduled_s if self._last_done_s is None \
+            else max(step.scheduled_s, self._last_done_s)
+        self._last_done_s = now_s
+        return step, max(0.0, now_s - began_s)
+
+
+class EngineMeter:
+    """One vLLM engine's rates (module doc); `page_tokens` and `page_bytes` are its raykv
+    pages'."""
+
+    def __init__(self, page_tokens: int, page_bytes: int) -> None:
+        self.page_tokens, self.page_bytes = page_tokens, page_bytes
+        self.rates: RateEstimates = prior_rates()
+        self.prefill = PrefillFit()
+        self.clock = StepClock()
+        self.busy_s_per_request = 0.0
+        self.num_finished = 0
+        self._busy_s = 0.0  # step seconds since the last request finished
+
+    def loaded(self, samples: Iterable[tuple[str, int, float]]) -> None:
+        """The worker's load samples (load_samples), as its KVConnectorStats brought them."""
+        for source, num_bytes, seconds in samples:
+            if source in self.rates.paths:
+                self.rates = observe_transfer(self.rates, source, int(num_bytes), seconds)
+
+    def step_done(self, now_s: float) -> None:
+        """The oldest scheduled step's output is back: time it."""
+        done = self.clock.done(now_s)
+        if done is None:
+            return
+        step, seconds = done
+        self._busy_s += seconds if step.num_tokens else 0.0
+        if step.prefills:
+            self.prefill.add(step.num_tokens, seconds)
+
+    def finished(self) -> None:
+        """A request finished: the busy time since the last one is its share."""
+        sample, self._busy_s = self._busy_s, 0.0
+        if self.num_finished == 0:
+            self.busy_s_per_request = sample
+        else:
+            self.busy_s_per_request += SAMPLE_WEIGHT * (sample - self.busy_s_per_request)
+        self.num_finished += 1
+
+    def published(self) -> dict:
+        """What the replica publishes to routers (rates.RateMeter.published's form), with the
+        prefill fit's step overhead beside it."""
+        out = published(self.rates, "")
+        per_token_s = self.prefill.per_token_s()
+        if per_token_s is not None:
+            out.update(prefill_tokens_per_s=1.0 / per_token_s,
+                       prefill_samples=self.prefill.num_samples,
+                       step_overhead_s=self.prefill.fixed_s())
+        out.update(page_tokens=self.page_tokens, page_bytes=self.page_bytes,
+                   busy_s_per_request=self.busy_s_per_request)
+        return out
+
+
+class RatesFile:
+    """Writes a meter's published rates to `path` (write_published) at most once every
+    `period_s`, and always after the last change: a change within `period_s` of the last
+    write is written once the period is over (a timer), so the steps before an engine goes
+    idle are published too. `clock` is the steps' clock (monotonic seconds)."""
+
+    def __init__(self, meter: EngineMeter, path: str, period_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.meter, self.path, self.period_s, self.clock = meter, path, period_s, clock
+        self._written_s: float | None = None
+        self._due: threading.Timer | None = None  # a write put off, pending
+
+    def changed(self) -> None:
+        if self._due is not None:
+            return
+        wait_s = 0.0 if self._written_s is None \
+            else self._written_s + self.period_s - self.clock()
+        if wait_s <= 0:
+            self.write()
+        else:
+            self._due = threading.Timer(wait_s, self.write)
+            self._due.daemon = True
+            self._due.start()
+
+    def write(self) -> None:
+        """Write now (from the engine's thread, or the timer's: a write racing a step may
+        mix that step's update into some figures; the next write is whole)."""
+        self._written_s, self._due = self.clock(), None
+        try:
+            write_published(self.path, self.meter.published())
+        except OSError as error:  # the router goes on with what it had, or its priors
+            log.warning("raykv could not write its rates to %s: %s", self.path, error)
+
+    def close(self) -> None:
+        if self._due is not None:
+            self._due.cancel()
+
+
+def rates_path(engine_id: str) -> str:
+    """Where the engine with this id writes its published rates (a private temp dir)."""
+    directory = os.path.join(tempfile.gettempdir(), f"raykv-{os.getuid()}", "engine-rates")
+    return os.path.join(directory, f"{engine_id}.json")
+
+
+def write_published(path: str, rates: dict) -> None:
+    """Replace the file at `path` with `rates` at once (a reader never sees half of it)."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    partial = f"{path}.{os.getpid()}.tmp"
+    with open(partial, "w") as file:
+        json.dump(rates, file)
+    os.replace(partial, path)
+
+
+def read_published(path: str) -> dict:
+    """The rates the engine last wrote ({} before it wrote any, or if unreadable)."""
+    try:
+        with open(path) as file:
+            return json.load(file)
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,52 @@
+"""RaykvLoadStats: the worker's load samples on vLLM's KV-connector stats path.
+
+vLLM carries a connector's KVConnectorStats from each worker, with the step's output, to the
+scheduler's connector (`update_connector_output`) and on to its stat loggers, which log
+`reduce()` with the engine's throughput. The samples are engine_rates.load_samples':
+(source, bytes, seconds) per source a load read from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+LOADS = "loads"
+
+
+@dataclass
+class RaykvLoadStats(KVConnectorStats):
+    """{"loads": [[source, bytes, seconds], ...]}: plain lists, so it crosses processes."""
+
+    def __post_init__(self) -> None:
+        self.data.setdefault(LOADS, [])
+
+    @property
+    def samples(self) -> list[tuple[str, int, float]]:
+        return [(str(s), int(b), float(t)) for s, b, t in self.data[LOADS]]
+
+    def reset(self) -> None:
+        self.data = {LOADS: []}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if isinstance(other, RaykvLoadStats):
+            self.data[LOADS].extend(other.data[LOADS])
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Per source: loads, and MB/s over them (bytes / seconds, summed)."""
+        out: dict[str, int | float] = {}
+        totals: dict[str, list[float]] = {}
+        for source, num_bytes, seconds in self.samples:
+            total = totals.setdefault(source, [0, 0.0, 0.0])
+            total[0] += 1
+            total[1] += num_bytes
+            total[2] += seconds
+        for source, (count, num_bytes, seconds) in sorted(totals.items()):
+            out[f"raykv {source} loads"] = int(count)
+            out[f"raykv {source} MB/s"] = round(num_bytes / seconds / 1e6, 1) if seconds else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data[LOADS]
