@@ -262,6 +262,15 @@ def write_published(path: str, rates: dict) -> None:
     os.replace(partial, path)
 
 
+def remove_published(path: str) -> None:
+    """Remove an engine's rates file when its replica goes (one per replica start would
+    otherwise pile up in the temp dir); a file already gone is fine."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
 def read_published(path: str) -> dict:
     """The rates the engine last wrote ({} before it wrote any, or if unreadable)."""
     try:

@@ -35,7 +35,7 @@ import uuid
 
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
-from cluster.serving.engine_rates import rates_path, read_published
+from cluster.serving.engine_rates import rates_path, read_published, remove_published
 from cluster.serving.router import ENGINE_EVENTS
 
 log = logging.getLogger("raykv.vllm")
@@ -147,3 +147,13 @@ class RaykvLLMServer(LLMServer):
         if getattr(self, "_raykv_rates_file", None):
             stats["rates"] = read_published(self._raykv_rates_file)
         return stats
+
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown: the engine stops first (it writes the file), then the
+        rates file goes."""
+        try:
+            await super().__del__()
+        finally:
+            path = getattr(self, "_raykv_rates_file", None)
+            if path:
+                remove_published(path)

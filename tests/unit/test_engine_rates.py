@@ -7,6 +7,7 @@ prefill, and fetches it otherwise."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -20,6 +21,7 @@ from cluster.serving.engine_rates import (
     load_samples,
     rates_path,
     read_published,
+    remove_published,
     write_published,
 )
 from policies.cost_routing import DISK, HOST, REMOTE, pooled, prior_rates
@@ -142,6 +144,9 @@ def test_the_rates_file_round_trips_and_reads_empty_before_it_is_written(tmp_pat
     write_published(path, meter_with(0.02).published())
     assert read_published(path)["page_tokens"] == PAGE
     assert rates_path("abc").endswith("abc.json")
+    remove_published(path)
+    assert read_published(path) == {} and not os.path.exists(path)
+    remove_published(path)  # already gone: fine
 
 
 def test_the_rates_file_is_written_at_most_once_a_period_and_after_the_last_change(

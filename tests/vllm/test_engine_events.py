@@ -284,3 +284,19 @@ def test_vllm_s_wire_format_decodes_to_plain_gpu_blocks_only():
                       Stored((b"h1", 2), None, (1, 2, 3, 4), 2, False),
                       Removed((2,)), Cleared()]
     assert _readable(b"\xc1 not msgpack") == [Cleared()]  # unreadable: nothing trusted
+
+
+def test_a_replica_going_away_removes_its_rates_file(tmp_path):
+    """Serve's graceful shutdown calls the server's __del__: the engine stops, then the file
+    its connector wrote the rates to goes (one per replica start would pile up in /tmp)."""
+    import asyncio
+
+    from cluster.serving.engine_rates import write_published
+    from cluster.serving.vllm_events_server import RaykvLLMServer
+
+    path = str(tmp_path / "engine-rates" / "e.json")
+    write_published(path, {"page_tokens": 16})
+    server = object.__new__(RaykvLLMServer)  # as after start(), with no engine left to stop
+    server.engine, server._raykv_rates_file = None, path
+    asyncio.run(server.__del__())
+    assert not (tmp_path / "engine-rates" / "e.json").exists()
