@@ -121,6 +121,7 @@ class NodeStore:
                   self.elastic.share(HOST, holder, geometry.slot_bytes))
         pool = Pool(geometry, limits, disk, self._on_event, shares)
         pool.held = self.pins
+        self.put_leases.attach(pool)
         self.elastic.attach(holder, pool)
         return pool
 
