@@ -71,19 +71,18 @@ class LeasedSlots:
     def lease_free(self, tier: int | None, count: int,
                          namespace: str = "") -> list[tuple[int, int]]:
         """Up to `count` free slots of `tier` (None: the top tier), taken out of the free list
-        but indexed under no key: (tier, slot) each. Only room that is free already (or
-        that the node's budget grants) is leased: no page is demoted for a lease."""
+        but indexed under no key: (tier, slot) each. Only free slots of chunks already held
+        are leased: no page is demoted, and no chunk faulted in, for a lease."""
         self.last_access_s = time.monotonic()
         level = self.top_tier if tier is None else tier
-        count = min(count, self._num_slots(level), self._free_slots(level))
         room = namespace_room_pages(self, level, namespace)
         if room is not None:
             count = min(count, room)
         leased: list[tuple[int, int]] = []
         for _ in range(max(0, count)):
-            slot = self.memory[level].alloc()
-            if slot is None:  # the budget went to another pool meanwhile
-                break
+            slot = self.memory[level].slots.alloc_held()
+            if slot is None:  # no chunk is grown (faulted in) on the call's path for a
+                break         # lease: the node readies chunks ahead (NodeStore.grow_ahead)
             leased.append((level, slot))
         return leased
 
@@ -289,3 +288,9 @@ class PutLeases:
 
     def num_leased(self) -> int:
         return sum(len(lease.slots) for lease in self.leases.values())
+
+    def num_leased_in(self, geometry, tier: int) -> int:
+        """Slots of `geometry`'s `tier` leased now: as many are readied ahead for the next
+        top-ups (NodeStore.grow_ahead)."""
+        return sum(1 for lease in self.leases.values() if lease.geometry == geometry
+                   for (t, _) in lease.slots if t == tier)

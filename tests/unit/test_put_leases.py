@@ -22,7 +22,20 @@ from tests.unit._pool_harness import store_put
 from tests.unit.test_fetch import KEYS, KV, PAGE_TOKENS, TOKENS, client_of, world  # noqa: F401
 
 
+def ready(store, count: int) -> None:
+    """Hold `count` free host slots (as far as the tier has room), as the node actor's
+    grow_ahead does after each leased-put call: a lease takes only free slots of chunks
+    already held."""
+    arena = store.pool(G).memory[HOST]
+    taken = []
+    while arena.slots.num_free_held < count and (slot := arena.alloc()) is not None:
+        taken.append(slot)
+    for slot in taken:
+        arena.free(slot)
+
+
 def lease(store, want: int, lease_id: int = 0, keys=(), slots=()):
+    ready(store, want)
     return asyncio.run(store.put_leased(G, LeaseRequest(lease_id, tuple(keys), tuple(slots),
                                                         want)))
 
@@ -199,6 +212,22 @@ def stored_ids(store) -> list[int]:
     return sorted(int.from_bytes(k[1:], "little") for k in store.pool(G).index)
 
 
+def test_a_lease_takes_only_slots_of_chunks_held_and_the_node_readies_more_ahead(stores):
+    store = stores.make(device_pages=0, host_pages=64, disk_pages=0)  # a lease: 16 at most
+    reply = asyncio.run(store.put_leased(G, LeaseRequest(0, want=2)))
+    assert reply.places == [] and host_used(store) == 0  # nothing held: nothing faulted in
+    slots = store.pool(G).memory[HOST].slots
+    ready(store, 1)  # one chunk held
+    held = slots.num_free_held
+    assert 1 <= held < 16
+    reply = asyncio.run(store.put_leased(G, LeaseRequest(0, want=held + 1)))
+    assert len(reply.places) == held and slots.num_free_held == 0
+    assert asyncio.run(store.grow_ahead(G)) >= 1  # as many free as the leases hold, or more
+    assert slots.num_free_held >= held
+    more = asyncio.run(store.put_leased(G, LeaseRequest(reply.lease_id, want=1)))
+    assert len(more.places) == 1
+
+
 def test_a_lease_in_a_full_tier_gets_nothing_and_demotes_nothing(stores):
     store = stores.make(device_pages=0, host_pages=8, disk_pages=4)
     asyncio.run(store_put(store, list(range(8))))
@@ -278,9 +307,11 @@ def test_leased_slots_count_in_no_namespace_until_committed(stores):
 
     store = stores.make(device_pages=0, host_pages=8, disk_pages=0)
     store.set_quotas({}, {"x": Quota(max_bytes=2 * store.pool(G).geometry.slot_bytes)})
+    ready(store, 2)
     assert asyncio.run(store.put_leased(G, LeaseRequest(0, want=2, namespace="x"))).places
     assert store.elastic.namespace_bytes(HOST) == {}
     asyncio.run(store_put(store, [0]))  # another namespace's page
+    ready(store, 4)
     reply = asyncio.run(store.put_leased(G, LeaseRequest(0, want=2, namespace="x")))
     for i, place in zip((30, 31), reply.places, strict=True):
         write(store, place, i)
