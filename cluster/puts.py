@@ -33,6 +33,9 @@ from cluster.view import CacheView
 
 log = logging.getLogger("raykv.client")
 RETRY_AFTER_S = (0.5, 30.0)  # after failed calls, before the next top-up: doubling, capped
+# After an answer short of slots (the node readies chunks ahead after each call, in tens of
+# ms): asked again after these, doubling, capped; a full answer starts over.
+SHORT_RETRY_S = (0.05, 30.0)
 MIN_LEASED_PAGES = 4
 
 
@@ -53,7 +56,7 @@ class LeasedPuts:
         self._answered = 0
         self._retry_at_s = 0.0
         self._retry_s = RETRY_AFTER_S[0]
-        self._short_retry_s = RETRY_AFTER_S[0]  # after answers short of slots: doubling
+        self._short_retry_s = SHORT_RETRY_S[0]  # after answers short of slots: doubling
         self._thread: threading.Thread | None = None
         self._wrote_s = 0.0  # when the first write not yet sent was handed over
         # The last call's steps, in s (what bench tiers reports as the commit + top-up):
@@ -185,14 +188,14 @@ class LeasedPuts:
                 self._retry_s = RETRY_AFTER_S[0]
                 if len(answer.places) < request.want:  # the node is short: not again at once
                     self._retry_at_s = time.monotonic() + self._short_retry_s
-                    self._short_retry_s = min(2 * self._short_retry_s, RETRY_AFTER_S[1])
+                    self._short_retry_s = min(2 * self._short_retry_s, SHORT_RETRY_S[1])
                 else:
-                    self._short_retry_s = RETRY_AFTER_S[0]
+                    self._short_retry_s = SHORT_RETRY_S[0]
                 if places is None:  # not mappable here: that lease was given back
                     self.pool.lapsed()
                 else:
                     self.pool.granted(answer.lease_id, places, sent_s, answer.lease_s,
-                                      answer.revoked)
+                                      answer.revoked, request.want)
                 self.view.counters["leased_pages"] += sum(answer.committed)
                 self.view.counters["uncommitted_pages"] += (
                     len(answer.committed) - sum(answer.committed))

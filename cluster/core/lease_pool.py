@@ -116,16 +116,18 @@ class LeasePool:
         return keys, places
 
     def granted(self, lease_id: int, places, sent_s: float, lease_s: float,
-                revoked=()) -> None:
-        """A call sent at `sent_s` came back: lease `lease_id` (renewed for `lease_s`), these
-        newly leased places, and those the node took back (`revoked`). Another lease id than
-        ours means ours lapsed: the slots we held are gone."""
+                revoked=(), asked: int = 0) -> None:
+        """A call sent at `sent_s` that asked for `asked` more slots came back: lease
+        `lease_id` (renewed for `lease_s`), these newly leased places, and those the node
+        took back (`revoked`). Another lease id than ours means ours lapsed: the slots we
+        held are gone. Fewer places than asked leave the lease short: asked again, paced by
+        the caller (the node readies more room after each call)."""
         if lease_id != self.lease_id:
             self.free = as_places([])
             self.lease_id = lease_id
         self.revoked(revoked)
         self._add_free(as_places(places))
-        self.short = self.short and self.want() > 0  # still short: asked again, paced
+        self.short = (self.short or len(places) < asked) and self.want() > 0
         self.deadline_s = sent_s + lease_s
 
     def _add_free(self, places: np.ndarray) -> None:
