@@ -161,6 +161,7 @@ class PutLeases:
         self.counters = {"leased_puts": 0, "leased_pages": 0, "leased_duplicates": 0,
                          "lapsed_commits": 0, "expired_slot_leases": 0,
                          "revoked_leased_slots": 0, "leased_over_namespace_max": 0}
+        self.last_want: dict[tuple, int] = {}  # (geometry, tier) -> the latest top-up's ask
 
     def attach(self, pool: LeasedSlots) -> None:
         """Let `pool` take its unused leased slots back when it needs room."""
@@ -259,6 +260,9 @@ class PutLeases:
         held = len(lease.slots) if lease is not None else 0
         cap = max(1, int(MAX_LEASED_FRACTION * pool.num_slots_top()))
         want = min(request.want, cap - held)
+        level = pool.top_tier if request.tier is None else request.tier
+        if want > 0:
+            self.last_want[(pool.geometry, level)] = want
         slots = pool.lease_free(request.tier, want, request.namespace) if want > 0 else []
         if lease is None:
             if not slots:
@@ -289,8 +293,7 @@ class PutLeases:
     def num_leased(self) -> int:
         return sum(len(lease.slots) for lease in self.leases.values())
 
-    def num_leased_in(self, geometry, tier: int) -> int:
-        """Slots of `geometry`'s `tier` leased now: as many are readied ahead for the next
-        top-ups (NodeStore.grow_ahead)."""
-        return sum(1 for lease in self.leases.values() if lease.geometry == geometry
-                   for (t, _) in lease.slots if t == tier)
+    def wanted(self, geometry, tier: int) -> int:
+        """How many slots of `geometry`'s `tier` the latest top-up there asked for: as many
+        are readied ahead for the next one (NodeStore.grow_ahead)."""
+        return self.last_want.get((geometry, tier), 0)

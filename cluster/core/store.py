@@ -193,19 +193,20 @@ class NodeStore:
 
     async def grow_ahead(self, geometry: PageGeometry) -> int:
         """Ready memory chunks, ahead of need, for each tier of the geometry's pool that is
-        short of free slots (fewer than a chunk's worth, or than its leases hold), from free
+        short of free slots (fewer than a chunk's worth, or than the latest lease top-up
+        asked for), from free
         budget only: their memory is faulted in off the event loop, so the next put into
         fresh slots, and the next lease top-up, find them ready. A pool that puts thus holds
-        up to a chunk (and its leases' worth) more than its pages, which other pools can
+        up to a chunk (or a top-up's worth) more than its pages, which other pools can
         reclaim (it is empty) and which an idle pool gives back. Returns how many chunks
         were readied."""
         grown = 0
         pool = self.pools.get(geometry)
         if pool is not None:
             for tier, arena in enumerate(pool.memory):
-                # as many free slots as the leases hold, so that their next top-ups (which
-                # take held slots only: put_leases.py) find them ready
-                ahead = self.put_leases.num_leased_in(geometry, tier)
+                # as many free slots as the latest lease top-up asked for, so that the next
+                # (which takes held slots only: put_leases.py) finds them ready
+                ahead = self.put_leases.wanted(geometry, tier)
                 while (chunk := arena.slots.take_ahead(ahead)) is not None:
                     try:
                         await asyncio.to_thread(arena.ready_chunk, chunk)
