@@ -279,8 +279,7 @@ class NodeCacheActor:
         reply = await self.store.put_leased(geometry, request)
         if any(reply.committed):
             self._flush_soon()
-        if reply.places:
-            self._grow_soon(geometry)
+        self._grow_soon(geometry)  # the next top-up takes only slots readied ahead
         return self._stamp(geometry), reply
 
     async def end_put_lease(self, lease_id: int) -> int:

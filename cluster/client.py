@@ -272,7 +272,7 @@ class KVClient:
             puts.give_back(places)  # uncommitted: rewritten by a later put
             raise
         if not copied:  # the lease lapsed: its slots are the node's again
-            puts.fenced_off()
+            puts.fenced_off(places)
             return None
         puts.wrote(keys, places)
         return len(keys) * self.page_tokens

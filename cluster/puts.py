@@ -33,6 +33,9 @@ from cluster.view import CacheView
 
 log = logging.getLogger("raykv.client")
 RETRY_AFTER_S = (0.5, 30.0)  # after failed calls, before the next top-up: doubling, capped
+# After an answer short of slots (the node readies chunks ahead after each call, in tens of
+# ms): asked again after these, doubling, capped; a full answer starts over.
+SHORT_RETRY_S = (0.05, 30.0)
 MIN_LEASED_PAGES = 4
 
 
@@ -53,7 +56,14 @@ class LeasedPuts:
         self._answered = 0
         self._retry_at_s = 0.0
         self._retry_s = RETRY_AFTER_S[0]
+        self._short_retry_s = SHORT_RETRY_S[0]  # after answers short of slots: doubling
         self._thread: threading.Thread | None = None
+        self._wrote_s = 0.0  # when the first write not yet sent was handed over
+        # The last call's steps, in s (what bench tiers reports as the commit + top-up):
+        # wake (first write handed over -> call sent), round_trip (sent -> answered; the
+        # node's commit and top-up inside it), map (the new slots mapped: a descriptors call
+        # when the node granted a chunk), answer (notes, lease accounting, readers woken).
+        self.last_call_s: dict[str, float] = {}
 
     @property
     def enabled(self) -> bool:
@@ -72,6 +82,8 @@ class LeasedPuts:
     def wrote(self, keys: list, places: np.ndarray) -> None:
         """These keys were copied into these taken slots: commit them in the next call."""
         with self._cond:
+            if not self.pool.num_written():
+                self._wrote_s = time.perf_counter()
             self.pool.wrote(keys, places)
             self._written += len(keys)
             self._wake()
@@ -86,10 +98,15 @@ class LeasedPuts:
         with self._cond:
             return self._answered < self._written
 
-    def fenced_off(self) -> None:
-        """A copy into taken slots was refused by their fence: the lease lapsed."""
+    def fenced_off(self, places: np.ndarray) -> None:
+        """A copy into the taken slots `places` was refused by their fence: the node took
+        some of them back (revoked, or the whole lease lapsed). Those whose generation still
+        holds are free again; of the rest, and of the lease's free slots, only the moved
+        ones are dropped."""
+        slabs = self.view.slabs
         with self._cond:
-            self.pool.drop_free()
+            self.pool.give_back(places)
+            self.pool.keep_free(slabs.unchanged(self.pool.free))
             self._wake()
 
     def settle(self, timeout_s: float) -> bool:
@@ -119,10 +136,13 @@ class LeasedPuts:
                 while not self._due():
                     wait_s = max(self._retry_at_s - time.monotonic(), 0.0)
                     self._cond.wait(wait_s if self.pool.needs_call(time.monotonic()) else None)
+                wake_s = time.perf_counter() - self._wrote_s if self.pool.num_written() else 0.0
+                want = self.pool.top_up()  # before the writes are taken: they count
                 written = self.pool.take_written()
-                slots = tuple(map(tuple, written[1][:, :2].tolist()))
+                slots = tuple(map(tuple, written[1].tolist()))  # (tier, slot, generation)
                 request = LeaseRequest(self.pool.lease_id, tuple(written[0]), slots,
-                                       self.pool.want(), self.view.namespace, self.tier)
+                                       want, self.view.namespace, self.tier)
+            self.last_call_s = {"wake": wake_s}
             try:
                 if not self._call(request, written):
                     return  # this process left Ray: nothing to commit to any more
@@ -132,12 +152,15 @@ class LeasedPuts:
 
     def _call(self, request: LeaseRequest, written: tuple[list, np.ndarray]) -> bool:
         """One leased-put call and what its answer means here; False once Ray is gone."""
-        view, sent_s = self.view, time.monotonic()
+        view, sent_s, start_s = self.view, time.monotonic(), time.perf_counter()
         ref = view.home.put_leased(view.geometry, request)
         if ref is None:
             self._answer(request, written, None, sent_s)
             return False
         reply = self._wait(_one(ref), view.call_timeout_s)
+        self.last_call_s["round_trip"] = time.perf_counter() - start_s
+        if not failed(reply):
+            self.last_call_s["node_commit"], self.last_call_s["node_top_up"] = reply[1].node_s
         if failed(reply):
             view.note_failures([reply])
             log.warning("a leased-put call failed (its %d pages are a miss): %s",
@@ -148,7 +171,9 @@ class LeasedPuts:
     def _answer(self, request: LeaseRequest, written: tuple[list, np.ndarray], reply,
                 sent_s: float) -> None:
         """Apply a call's answer (None: it failed, and its writes are a miss)."""
+        start_s = time.perf_counter()
         places = self._map(*reply) if reply is not None else None
+        mapped_s = time.perf_counter()
         if reply is not None and any(reply[1].committed):
             done = np.asarray(reply[1].committed, dtype=bool)
             self.view.slabs.remember([k for k, ok in zip(written[0], done, strict=True) if ok],
@@ -157,21 +182,26 @@ class LeasedPuts:
             if reply is None:  # a dead node, or a late answer: the lease may be gone
                 self._retry_at_s = time.monotonic() + self._retry_s
                 self._retry_s = min(2 * self._retry_s, RETRY_AFTER_S[1])
-                self.pool.granted(0, [], sent_s, 0.0)  # a fresh lease next (the old lapses)
+                self.pool.lapsed()  # a fresh lease next (the old lapses)
             else:
                 _, answer = reply
                 self._retry_s = RETRY_AFTER_S[0]
                 if len(answer.places) < request.want:  # the node is short: not again at once
-                    self._retry_at_s = time.monotonic() + RETRY_AFTER_S[0]
-                if places is None:  # not mappable here: that lease was given back
-                    self.pool.drop_free()
-                    self.pool.granted(0, [], sent_s, 0.0)
+                    self._retry_at_s = time.monotonic() + self._short_retry_s
+                    self._short_retry_s = min(2 * self._short_retry_s, SHORT_RETRY_S[1])
                 else:
-                    self.pool.granted(answer.lease_id, places, sent_s, answer.lease_s)
+                    self._short_retry_s = SHORT_RETRY_S[0]
+                if places is None:  # not mappable here: that lease was given back
+                    self.pool.lapsed()
+                else:
+                    self.pool.granted(answer.lease_id, places, sent_s, answer.lease_s,
+                                      answer.revoked, request.want)
                 self.view.counters["leased_pages"] += sum(answer.committed)
                 self.view.counters["uncommitted_pages"] += (
                     len(answer.committed) - sum(answer.committed))
             self._answered += len(written[0])
+            self.last_call_s["map"] = mapped_s - start_s
+            self.last_call_s["answer"] = time.perf_counter() - mapped_s
             self._cond.notify_all()
 
     def _map(self, stamp, answer):

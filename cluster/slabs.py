@@ -35,7 +35,14 @@ from cluster.core.keys import PageKey
 from cluster.core.kvcheck import page_rows, slab_order
 from cluster.core.tiers.fence import SlotFence
 from cluster.core.tiers.memory import ArenaMapping, SlabStamp
-from cluster.core.tiers.slot_table import PlaceHints, SlotRun, as_places, num_unchanged, slot_runs
+from cluster.core.tiers.slot_table import (
+    PlaceHints,
+    SlotRun,
+    as_places,
+    num_unchanged,
+    slot_runs,
+    unchanged,
+)
 
 log = logging.getLogger("raykv.client")
 MAX_HINTS = 1 << 16
@@ -173,6 +180,10 @@ class LocalSlabs:
     def num_unchanged(self, places) -> int:
         """How many leading places still hold their generation (the rest are stale)."""
         return num_unchanged(as_places(places), [m.generations for m in self._mappings])
+
+    def unchanged(self, places) -> np.ndarray:
+        """Per place, whether it still holds its generation (bool [N])."""
+        return unchanged(as_places(places), [m.generations for m in self._mappings])
 
 
 _prefaulter: ThreadPoolExecutor | None = None

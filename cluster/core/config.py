@@ -50,13 +50,13 @@ class CacheConfig(BaseModel):
     pin_lease_s: float = Field(30.0, gt=0, description="a read lease's life (pins of a get)")
     reserve_lease_s: float = Field(30.0, gt=0, description="a put's reservation life: a client "
                                    "that dies between reserve and commit loses its slots after it")
-    put_lease_bytes: int = Field(0, ge=0, description="free slots a client leases ahead of "
-                                 "its puts (up to twice its largest put), so that a put makes "
-                                 "no call: it copies in and commits in the background, and "
-                                 "other clients see it once the commit lands. Off by default "
-                                 "(0: every put reserves and commits through the node): a "
-                                 "lease's free slots count against the top tier, so while a "
-                                 "client holds one, stored pages are demoted to keep them free")
+    put_lease_bytes: int = Field(256 * MiB, ge=0, description="free slots a client leases "
+                                 "ahead of its puts (up to twice its largest put, and a quarter"
+                                 " of the top tier), so that a put makes no call: it copies in "
+                                 "and commits in the background, and other clients see it once "
+                                 "the commit lands (0: every put reserves and commits through "
+                                 "the node). A lease takes only free room: the node takes "
+                                 "unused leased slots back before it demotes any page")
     call_timeout_s: float = Field(10.0, gt=0, description="every Ray call a client makes; a "
                                   "call past it is a miss")
     max_geometries: int = Field(16, ge=1, le=256, description="page geometries (models) a "

@@ -73,6 +73,8 @@ class ElasticPool(Protocol):
 
     def _free_slots(self, tier: int) -> int: ...
 
+    def revoke_leased(self, tier: int, count: int) -> int: ...
+
     async def demote(self, keys: list[PageKey], tier: int) -> None: ...
 
 
@@ -113,6 +115,15 @@ async def within_namespace_max(pool: ElasticPool, tier: int, namespace: str, cou
     return max(0, min(count, room_bytes // pool.geometry.slot_bytes))
 
 
+def namespace_room_pages(pool: ElasticPool, tier: int, namespace: str) -> int | None:
+    """How many more pages `namespace` may place in `tier` under its max, demoting nothing
+    (None: no max)."""
+    if pool.elastic.room is None:
+        return None
+    room_bytes = pool.elastic.room(tier, namespace)
+    return None if room_bytes is None else room_bytes // pool.geometry.slot_bytes
+
+
 async def release_chunks(pool: ElasticPool, tier: int, num_chunks: int,
                          quotas: dict[str, Quota] | None = None) -> int:
     """Give up to `num_chunks` of the pool's chunks in `tier` back to the budget: those of
@@ -121,6 +132,8 @@ async def release_chunks(pool: ElasticPool, tier: int, num_chunks: int,
     slots = pool.slots(tier)
     if slots is None:
         return 0
+    if tier != DISK:  # leased, unwritten slots are room to give before any page moves
+        pool.revoke_leased(tier, slots.num_used)
     released = slots.release_empty()
     by_chunk: dict[int, list[PageKey]] = {}
     for key, entry in pool.index.items():

@@ -33,6 +33,7 @@ class LeasePool:
         self.deadline_s = float("-inf")
         self.free = as_places([])
         self.target = min_pages
+        self.short = False  # a put found too few slots since the last answer
         self._keys: list = []
         self._places: list[np.ndarray] = []
 
@@ -43,6 +44,7 @@ class LeasePool:
         held or the lease is too near its end. A shortage raises the target."""
         self.target = min(self.max_pages, max(self.target, 2 * count))
         if count == 0 or count > len(self.free) or not self.is_live(now_s):
+            self.short = self.short or (count > 0 and self.max_pages > 0)
             return None
         taken, self.free = self.free[:count], self.free[count:]
         return taken
@@ -61,6 +63,26 @@ class LeasePool:
         """Forget the free slots: the node fenced them off (the lease lapsed)."""
         self.free = as_places([])
 
+    def lapsed(self) -> None:
+        """The lease is gone (a failed call, or slots this process cannot map): forget it
+        and its slots, and ask for a fresh one with the next call (which the caller paces)."""
+        self.free = as_places([])
+        self.lease_id = 0
+        self.deadline_s = float("-inf")
+        self.short = self.max_pages > 0
+
+    def keep_free(self, mask: np.ndarray) -> None:
+        """Keep only the free slots where `mask` is True (the rest moved: revoked)."""
+        self.free = self.free[np.asarray(mask, dtype=bool)]
+
+    def revoked(self, places) -> None:
+        """The node took these leased slots back, as (tier, slot, generation) as leased:
+        forget them (a slot leased again since, at a new generation, stays)."""
+        gone = as_places(places)
+        if not len(gone) or not len(self.free):
+            return
+        self.free = self.free[~_rows_in(self.free, gone)]
+
     # ---- the call's side -----------------------------------------------------------------
 
     def is_live(self, now_s: float) -> bool:
@@ -73,11 +95,17 @@ class LeasePool:
         """How many more slots to ask for (0 when the pool is full enough)."""
         return max(0, min(self.target, self.max_pages) - len(self.free))
 
+    def top_up(self) -> int:
+        """How many more slots the next call asks for: want() when it commits writes or a
+        put found the lease short, else 0 (a renewal only: an idle client's lease, taken
+        back by a node short of room, does not grow again until a put needs it)."""
+        return self.want() if (self._keys or self.short) else 0
+
     def needs_call(self, now_s: float) -> bool:
-        """Whether a leased-put call is due: writes to commit, slots to top up, or a lease
-        with slots in hand that is near its end (renewed by any call)."""
-        return bool(self._keys) or self.want() > 0 or (len(self.free) > 0
-                                                        and not self.is_live(now_s))
+        """Whether a leased-put call is due: writes to commit, a put that found too few
+        slots, or a lease with slots in hand that is near its end (renewed by any call)."""
+        return bool(self._keys) or (self.short and self.want() > 0) or (
+            len(self.free) > 0 and not self.is_live(now_s))
 
     def take_written(self) -> tuple[list, np.ndarray]:
         """The writes to commit in the call about to go: (keys, their places as an int64
@@ -87,14 +115,19 @@ class LeasePool:
         self._keys, self._places = [], []
         return keys, places
 
-    def granted(self, lease_id: int, places, sent_s: float, lease_s: float) -> None:
-        """A call sent at `sent_s` came back: lease `lease_id` (renewed for `lease_s`) and
-        these newly leased places. Another lease id than ours means ours lapsed: the slots
-        we held are gone."""
+    def granted(self, lease_id: int, places, sent_s: float, lease_s: float,
+                revoked=(), asked: int = 0) -> None:
+        """A call sent at `sent_s` that asked for `asked` more slots came back: lease
+        `lease_id` (renewed for `lease_s`), these newly leased places, and those the node
+        took back (`revoked`). Another lease id than ours means ours lapsed: the slots we
+        held are gone. Fewer places than asked leave the lease short: asked again, paced by
+        the caller (the node readies more room after each call)."""
         if lease_id != self.lease_id:
             self.free = as_places([])
             self.lease_id = lease_id
+        self.revoked(revoked)
         self._add_free(as_places(places))
+        self.short = (self.short or len(places) < asked) and self.want() > 0
         self.deadline_s = sent_s + lease_s
 
     def _add_free(self, places: np.ndarray) -> None:
@@ -103,3 +136,10 @@ class LeasePool:
         merged = np.concatenate([self.free, places])
         order = np.lexsort((merged[:, SLOT], merged[:, TIER]))  # runs of consecutive slots
         self.free = merged[order]
+
+
+def _rows_in(table: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Per row of `table` (int64 [N, 3]), whether it is one of `rows` (all three columns)."""
+    row_type = np.dtype((np.void, table.dtype.itemsize * table.shape[1]))
+    return np.isin(np.ascontiguousarray(table).view(row_type).ravel(),
+                   np.ascontiguousarray(rows, dtype=table.dtype).view(row_type).ravel())

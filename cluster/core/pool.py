@@ -310,12 +310,16 @@ class Pool(DiskLoads, LeasedSlots):
     # ---- moving pages between tiers ----------------------------------------------------
 
     async def make_room(self, tier: int, num_pages: int, namespace: str = "") -> bool:
-        """Free up to `num_pages` slots in `tier`: first by taking chunks the node's budget can
-        give (from other pools, per the quotas), then by demoting this pool's own unpinned
-        victims, as the namespace quotas allow. True when all of it is free."""
+        """Free up to `num_pages` slots in `tier`: first by revoking unused leased slots
+        (put_leases.py), then by taking chunks the node's budget can give (from other pools,
+        per the quotas), then by demoting this pool's own unpinned victims, as the namespace
+        quotas allow. True when all of it is free."""
         if tier == DISK:  # slots freed since the last flush come back once their headers are zeroed
             await self.flush_disk_frees()
         shortfall = num_pages - self._free_slots(tier)
+        if shortfall > 0 and tier != DISK:  # leased, unwritten slots: room that moves nothing
+            self.revoke_leased(tier, shortfall)
+            shortfall = num_pages - self._free_slots(tier)
         if shortfall > 0 and self.elastic.reclaim is not None:
             await self.elastic.reclaim(self, tier, shortfall)
             shortfall = num_pages - self._free_slots(tier)

@@ -21,14 +21,29 @@ freed once no writer holds them, else quarantined (pool._release_written). A cli
 dies with leased, uncommitted slots thus loses them to the node; one that stalls past its
 lease finds its commit refused (a miss, never wrong bytes: the slot may hold another page by
 then, and its late copy was fenced off).
+
+A lease is spare room, never used room:
+- a lease takes only slots that are free (or that the node's budget grants); it never
+  demotes a stored page, nor evicts one under a namespace's max, to get them;
+- a node that needs room (a put, a promotion, a demotion into the tier, another model's
+  claim on a chunk) revokes leased slots before it demotes anything (Pool.make_room,
+  elastic.release_chunks): highest slot first, since a client writes its lowest first.
+  A revoked slot is fenced and freed as a lapsed one is; the next reply names it, so the
+  client drops it; a copy that reaches it first is refused by its fence, and the put
+  reserves instead;
+- a commit names each slot with the generation it was leased at, so a write into a slot
+  revoked and then leased again (a new generation) is refused, never indexed;
+- leased slots count in no namespace's pages until committed; the commit then makes room
+  under the namespace's max as a reserve does (its own pages first).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from cluster.core.elastic import within_namespace_max
+from cluster.core.elastic import namespace_room_pages, within_namespace_max
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.pool_entry import Entry, State
@@ -42,33 +57,40 @@ class SlotLease:
 
     geometry: PageGeometry
     namespace: str
-    slots: set[tuple[int, int]]
+    slots: dict[tuple[int, int], int]  # (tier, slot) -> its generation when leased
     deadline_s: float
+    revoked: list[tuple[int, int, int]] = field(default_factory=list)  # not yet told
 
 
 class LeasedSlots:
     """Pool methods for leased puts (a mixin of Pool: cluster/core/pool.py)."""
 
-    async def lease_free(self, tier: int | None, count: int,
+    # PutLeases.revoke, set by the node (NodeStore) on each of its pools
+    lease_revoker: Callable[[LeasedSlots, int, int], int] | None = None
+
+    def lease_free(self, tier: int | None, count: int,
                          namespace: str = "") -> list[tuple[int, int]]:
         """Up to `count` free slots of `tier` (None: the top tier), taken out of the free list
-        but indexed under no key: (tier, slot) each. Room is made as a reservation makes it
-        (the namespace's own pages first, then victims demoted)."""
+        but indexed under no key: (tier, slot) each. Only free slots of chunks already held
+        are leased: no page is demoted, and no chunk faulted in, for a lease."""
         self.last_access_s = time.monotonic()
         level = self.top_tier if tier is None else tier
-        count = min(count, self._num_slots(level))
-        if count <= 0:
-            return []
+        room = namespace_room_pages(self, level, namespace)
+        if room is not None:
+            count = min(count, room)
         leased: list[tuple[int, int]] = []
-        async with self.room_lock:  # as a reserve (pool.py)
-            count = await within_namespace_max(self, level, namespace, count)
-            await self.make_room(level, count, namespace)
-            for _ in range(min(count, self._free_slots(level))):
-                slot = self.memory[level].alloc()
-                if slot is None:  # the budget went to another pool meanwhile
-                    break
-                leased.append((level, slot))
+        for _ in range(max(0, count)):
+            slot = self.memory[level].slots.alloc_held()
+            if slot is None:  # no chunk is grown (faulted in) on the call's path for a
+                break         # lease: the node readies chunks ahead (NodeStore.grow_ahead)
+            leased.append((level, slot))
         return leased
+
+    def revoke_leased(self, tier: int, count: int) -> int:
+        """Take up to `count` unused leased slots of `tier` back (fenced, freed): room that
+        is made before any page is demoted. Set by the node's PutLeases (none on a pool of
+        its own); returns how many."""
+        return 0 if self.lease_revoker is None else self.lease_revoker(self, tier, count)
 
     def commit_leased(self, keys: list[PageKey], slots: list[tuple[int, int]],
                       namespace: str = "") -> list[bool]:
@@ -103,11 +125,12 @@ class LeasedSlots:
 @dataclass(frozen=True, slots=True)
 class LeaseRequest:
     """A leased-put call: the pages written into lease `lease_id`'s slots (key i in
-    slots[i], as (tier, slot)) to commit, and how many more free slots to lease."""
+    slots[i], as (tier, slot, generation) as leased) to commit, and how many more free slots
+    to lease."""
 
     lease_id: int
     keys: tuple[PageKey, ...] = ()
-    slots: tuple[tuple[int, int], ...] = ()
+    slots: tuple[tuple[int, int, int], ...] = ()
     want: int = 0
     namespace: str = ""
     tier: int | None = None  # where to lease (None: the top tier)
@@ -118,12 +141,15 @@ class LeaseReply:
     """What a leased-put call answers: which keys were committed, and the lease as it now is
     (its id, the slots newly leased as (tier, slot, generation), and its life in seconds
     from the call). A lease_id that differs from the one sent means the old lease lapsed:
-    its slots are not the client's any more."""
+    its slots are not the client's any more. `revoked`: slots of the lease the node took
+    back since its last answer, as (tier, slot, generation) as leased."""
 
     committed: list[bool]
     lease_id: int
     places: list[tuple[int, int, int]]
     lease_s: float
+    revoked: list[tuple[int, int, int]] = field(default_factory=list)
+    node_s: tuple[float, float] = (0.0, 0.0)  # the node's commit, and its top-up, in s
 
 
 class PutLeases:
@@ -133,22 +159,31 @@ class PutLeases:
         self.lease_s = lease_s
         self.leases: dict[int, SlotLease] = {}
         self.counters = {"leased_puts": 0, "leased_pages": 0, "leased_duplicates": 0,
-                         "lapsed_commits": 0, "expired_slot_leases": 0}
+                         "lapsed_commits": 0, "expired_slot_leases": 0,
+                         "revoked_leased_slots": 0, "leased_over_namespace_max": 0}
+        self.last_want: dict[tuple, int] = {}  # (geometry, tier) -> the latest top-up's ask
 
-    def commit(self, pool, lease_id: int, keys: list[PageKey],
-               slots: list[tuple[int, int]]) -> list[bool]:
-        """Commit the written slots of lease `lease_id`; a slot not (or no longer) in it is
-        refused (the lease lapsed, or it was never leased), and so is its key."""
+    def attach(self, pool: LeasedSlots) -> None:
+        """Let `pool` take its unused leased slots back when it needs room."""
+        pool.lease_revoker = self.revoke
+
+    async def commit(self, pool, lease_id: int, keys: list[PageKey],
+                     slots: list[tuple[int, int, int]]) -> list[bool]:
+        """Commit the written slots of lease `lease_id`; a slot not (or no longer) in it, or
+        leased at another generation (revoked, then leased again), is refused, and so is its
+        key."""
         lease = self.leases.get(lease_id)
         if not keys:
             return []
         if lease is None or lease.geometry != pool.geometry:
             self.counters["lapsed_commits"] += len(keys)
             return [False] * len(keys)
-        ours = [(key, slot) for key, slot in zip(keys, slots, strict=True)
-                if slot in lease.slots]
-        for _, slot in ours:
-            lease.slots.discard(slot)
+        ours: list[tuple[PageKey, tuple[int, int]]] = []
+        for key, (tier, slot, generation) in zip(keys, slots, strict=True):
+            if lease.slots.get((tier, slot)) == generation:
+                del lease.slots[(tier, slot)]
+                ours.append((key, (tier, slot)))
+        ours = await self._within_namespace_max(pool, lease.namespace, ours)
         done = dict(zip([key for key, _ in ours],
                         pool.commit_leased([k for k, _ in ours], [s for _, s in ours],
                                            lease.namespace), strict=True))
@@ -159,34 +194,85 @@ class PutLeases:
         self.counters["lapsed_commits"] += len(keys) - len(ours)
         return committed
 
+    async def _within_namespace_max(self, pool, namespace: str,
+                                    ours: list[tuple[PageKey, tuple[int, int]]]) -> list:
+        """The writes that fit under the namespace's max once committed (its own pages
+        demoted first, as for a reserve); the slots of the rest go back."""
+        if pool.elastic.room is None or not ours:
+            return ours
+        kept = []
+        async with pool.room_lock:
+            for tier in sorted({slot[0] for _, slot in ours}):
+                mine = [(k, s) for k, s in ours if s[0] == tier]
+                fresh = [(k, s) for k, s in mine if k not in pool.index]
+                allowed = await within_namespace_max(pool, tier, namespace, len(fresh))
+                over = {k for k, _ in fresh[allowed:]}
+                for key, slot in mine:
+                    if key in over:
+                        pool.release_leased([slot])
+                    else:
+                        kept.append((key, slot))
+                self.counters["leased_over_namespace_max"] += len(over)
+        return kept
+
+    def revoke(self, pool, tier: int, count: int) -> int:
+        """Take up to `count` unused leased slots of `pool`'s `tier` back: fenced, and freed
+        (quarantined while a late writer holds one), highest slot first. The lease hears of
+        them in its next reply. Returns how many."""
+        held = [(slot, lease_id) for lease_id, lease in self.leases.items()
+                if lease.geometry == pool.geometry
+                for (t, slot) in lease.slots if t == tier]
+        held.sort(reverse=True)
+        for slot, lease_id in held[:max(0, count)]:
+            lease = self.leases[lease_id]
+            generation = lease.slots.pop((tier, slot))
+            lease.revoked.append((tier, slot, generation))
+            pool.release_leased([(tier, slot)])
+        revoked = min(len(held), max(0, count))
+        self.counters["revoked_leased_slots"] += revoked
+        return revoked
+
     async def call(self, pool, request: LeaseRequest, new_id: int) -> LeaseReply:
         """Commit what `request` wrote, then top its lease up to `request.want` more free
         slots and renew it: one call for both (a fresh lease, `new_id`, when the request's
         is not live: the client then drops the slots it held)."""
-        committed = self.commit(pool, request.lease_id, list(request.keys),
-                                [tuple(slot) for slot in request.slots])
-        lease_id, slots = await self._top_up(pool, request, new_id)
-        return LeaseReply(committed, lease_id, pool.places(slots), self.lease_s)
+        start_s = time.perf_counter()
+        committed = await self.commit(pool, request.lease_id, list(request.keys),
+                                      [tuple(slot) for slot in request.slots])
+        committed_s = time.perf_counter()
+        lease_id, places = self._top_up(pool, request, new_id)
+        lease = self.leases.get(lease_id)
+        revoked = []
+        if lease is not None:
+            revoked, lease.revoked = lease.revoked, []
+        node_s = (committed_s - start_s, time.perf_counter() - committed_s)
+        return LeaseReply(committed, lease_id, places, self.lease_s, revoked, node_s)
 
-    async def _top_up(self, pool, request: LeaseRequest,
-                      new_id: int) -> tuple[int, list[tuple[int, int]]]:
+    def _top_up(self, pool, request: LeaseRequest,
+                new_id: int) -> tuple[int, list[tuple[int, int, int]]]:
+        """Lease up to `request.want` more free slots, as (tier, slot, generation) (no
+        await: no page is demoted for a lease, and the slots and the lease change
+        together)."""
         lease = self.leases.get(request.lease_id)
         lease_id = request.lease_id
         if lease is None or lease.geometry != pool.geometry:
-            lease_id = new_id
-        held = len(lease.slots) if lease_id == request.lease_id else 0
+            lease, lease_id = None, new_id
+        held = len(lease.slots) if lease is not None else 0
         cap = max(1, int(MAX_LEASED_FRACTION * pool.num_slots_top()))
         want = min(request.want, cap - held)
-        slots = await pool.lease_free(request.tier, want, request.namespace) if want > 0 else []
-        lease = self.leases.get(lease_id)  # afresh: the await may have let it lapse
+        level = pool.top_tier if request.tier is None else request.tier
+        if want > 0:
+            self.last_want[(pool.geometry, level)] = want
+        slots = pool.lease_free(request.tier, want, request.namespace) if want > 0 else []
         if lease is None:
             if not slots:
                 return lease_id, []
             lease = self.leases[lease_id] = SlotLease(pool.geometry, request.namespace,
-                                                      set(), 0.0)
-        lease.slots.update(slots)
+                                                      {}, 0.0)
+        places = pool.places(slots)
+        lease.slots.update(((tier, slot), generation) for tier, slot, generation in places)
         lease.deadline_s = time.monotonic() + self.lease_s
-        return lease_id, slots
+        return lease_id, places
 
     def end(self, pools: dict, lease_id: int) -> int:
         """End a lease now: its uncommitted slots go back. Returns how many."""
@@ -206,3 +292,8 @@ class PutLeases:
 
     def num_leased(self) -> int:
         return sum(len(lease.slots) for lease in self.leases.values())
+
+    def wanted(self, geometry, tier: int) -> int:
+        """How many slots of `geometry`'s `tier` the latest top-up there asked for: as many
+        are readied ahead for the next one (NodeStore.grow_ahead)."""
+        return self.last_want.get((geometry, tier), 0)

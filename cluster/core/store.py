@@ -121,6 +121,7 @@ class NodeStore:
                   self.elastic.share(HOST, holder, geometry.slot_bytes))
         pool = Pool(geometry, limits, disk, self._on_event, shares)
         pool.held = self.pins
+        self.put_leases.attach(pool)
         self.elastic.attach(holder, pool)
         return pool
 
@@ -191,25 +192,29 @@ class NodeStore:
         return reservation_id, slots
 
     async def grow_ahead(self, geometry: PageGeometry) -> int:
-        """Ready one more memory chunk, ahead of need, for each tier of the geometry's pool
-        that is short of free slots, from free budget only: its memory is faulted in off the
-        event loop, so the next put into fresh slots finds them ready. A pool that puts
-        thus holds up to one chunk more than its pages, which other pools can reclaim (it
-        is empty) and which an idle pool gives back. Returns how many chunks were readied."""
+        """Ready memory chunks, ahead of need, for each tier of the geometry's pool that is
+        short of free slots (fewer than a chunk's worth, or than the latest lease top-up
+        asked for), from free
+        budget only: their memory is faulted in off the event loop, so the next put into
+        fresh slots, and the next lease top-up, find them ready. A pool that puts thus holds
+        up to a chunk (or a top-up's worth) more than its pages, which other pools can
+        reclaim (it is empty) and which an idle pool gives back. Returns how many chunks
+        were readied."""
         grown = 0
         pool = self.pools.get(geometry)
         if pool is not None:
-            for arena in pool.memory:
-                chunk = arena.slots.take_ahead()
-                if chunk is None:
-                    continue
-                try:
-                    await asyncio.to_thread(arena.ready_chunk, chunk)
-                except BaseException:
-                    arena.slots.drop_ahead(chunk)
-                    raise
-                arena.slots.open_ahead(chunk)
-                grown += 1
+            for tier, arena in enumerate(pool.memory):
+                # as many free slots as the latest lease top-up asked for, so that the next
+                # (which takes held slots only: put_leases.py) finds them ready
+                ahead = self.put_leases.wanted(geometry, tier)
+                while (chunk := arena.slots.take_ahead(ahead)) is not None:
+                    try:
+                        await asyncio.to_thread(arena.ready_chunk, chunk)
+                    except BaseException:
+                        arena.slots.drop_ahead(chunk)
+                        raise
+                    arena.slots.open_ahead(chunk)
+                    grown += 1
         return grown
 
     def has(self, geometry: PageGeometry, key: PageKey) -> bool:

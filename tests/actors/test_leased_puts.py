@@ -101,7 +101,7 @@ def test_a_lapsed_lease_is_a_miss_never_wrong_bytes(service):
     assert not fenced_copy(slabs, stale, [(block, rows) for rows, block in blocks])
     keys = client.keys(tokens)
     late = ray.get(client.local.put_leased(client.geometry, LeaseRequest(
-        lease_id, tuple(keys), tuple(tuple(p) for p in stale[:, :2].tolist()))), timeout=30)
+        lease_id, tuple(keys), tuple(tuple(p) for p in stale.tolist()))), timeout=30)
     assert late[1].committed == [False] * NUM_PAGES
     assert client.lookup(tokens) == 0
     for other_tokens, other_kv in others:

@@ -127,12 +127,13 @@ class FakeNode:
     def put_leased(self, geometry: PageGeometry, request: LeaseRequest):
         leased = self.__dict__.setdefault("leased", set())
         committed = []
-        for key, slot in zip(request.keys, request.slots, strict=True):
-            ours = tuple(slot) in leased and "lapse" not in self.fail
-            leased.discard(tuple(slot))
+        for key, place in zip(request.keys, request.slots, strict=True):
+            slot = tuple(place)[:2]  # (tier, slot, generation): the fake checks no generation
+            ours = slot in leased and "lapse" not in self.fail
+            leased.discard(slot)
             committed.append(ours and key not in self.pages)
             if committed[-1]:
-                self.pages[key] = tuple(slot)
+                self.pages[key] = slot
             elif ours:
                 self.arenas[slot[0]].free(slot[1])
         places = []

@@ -94,3 +94,32 @@ def test_no_lease_bytes_no_slots():
     assert pool.take(1, NOW_S) is None and pool.want() == 0
     assert not pool.needs_call(NOW_S)
     assert isinstance(pool.free, np.ndarray)
+
+
+def test_revoked_slots_are_dropped_at_their_generation_only():
+    pool = pool_with([(1, 7, 2), (1, 8, 2), (1, 9, 2)])
+    # slot 8 revoked; slot 9 revoked at generation 2 and leased again at generation 3
+    pool.granted(5, [(1, 9, 3)], NOW_S + 1, LEASE_S, revoked=[(1, 8, 2), (1, 9, 2)])
+    assert pool.free.tolist() == [[1, 7, 2], [1, 9, 3]]
+    pool.revoked([(1, 7, 9)])  # another generation than the one held: kept
+    assert pool.free.tolist() == [[1, 7, 2], [1, 9, 3]]
+
+
+def test_keep_free_drops_the_moved_slots_only():
+    pool = pool_with([(1, 7, 2), (1, 8, 2), (1, 9, 2)])
+    pool.keep_free(np.array([True, False, True]))
+    assert pool.free.tolist() == [[1, 7, 2], [1, 9, 2]]
+
+
+def test_a_renewal_alone_asks_for_no_more_slots_until_a_put_finds_too_few():
+    pool = pool_with([(1, 0, 0)], min_pages=4, max_pages=8)
+    assert pool.want() == 3 and pool.top_up() == 0  # idle: the node may have taken them back
+    assert not pool.needs_call(NOW_S + 1)
+    assert pool.take(2, NOW_S + 1) is None  # a put that finds too few
+    assert pool.needs_call(NOW_S + 1) and pool.top_up() == 3
+    pool.granted(5, [(1, 1, 0)], NOW_S + 1, LEASE_S)  # fewer than asked: still short
+    assert pool.short and pool.top_up() == 2
+    pool.granted(5, [(1, 2, 0), (1, 3, 0)], NOW_S + 2, LEASE_S)
+    assert not pool.short and pool.top_up() == 0
+    pool.wrote([b"a"], pool.take(1, NOW_S + 2))
+    assert pool.top_up() == 1  # a commit tops up as it goes

@@ -22,7 +22,20 @@ from tests.unit._pool_harness import store_put
 from tests.unit.test_fetch import KEYS, KV, PAGE_TOKENS, TOKENS, client_of, world  # noqa: F401
 
 
+def ready(store, count: int) -> None:
+    """Hold `count` free host slots (as far as the tier has room), as the node actor's
+    grow_ahead does after each leased-put call: a lease takes only free slots of chunks
+    already held."""
+    arena = store.pool(G).memory[HOST]
+    taken = []
+    while arena.slots.num_free_held < count and (slot := arena.alloc()) is not None:
+        taken.append(slot)
+    for slot in taken:
+        arena.free(slot)
+
+
 def lease(store, want: int, lease_id: int = 0, keys=(), slots=()):
+    ready(store, want)
     return asyncio.run(store.put_leased(G, LeaseRequest(lease_id, tuple(keys), tuple(slots),
                                                         want)))
 
@@ -49,7 +62,7 @@ def test_leased_slots_are_invisible_until_committed_then_read_back(stores):
     for i, place in enumerate(reply.places):
         write(store, place, i)
     assert read(store, 0) is None and store.pool(G).local_prefix([key(0)]) == 0
-    done = lease(store, 0, reply.lease_id, [key(0), key(1)], [p[:2] for p in reply.places])
+    done = lease(store, 0, reply.lease_id, [key(0), key(1)], list(reply.places))
     assert done.committed == [True, True] and done.lease_id == reply.lease_id
     assert torch.equal(read(store, 0), page(0)) and torch.equal(read(store, 1), page(1))
     assert store.stats()["leased_slots"] == 0 and stores.events(store).drain() == {
@@ -61,7 +74,7 @@ def test_a_key_already_stored_keeps_its_page_and_the_leased_slot_goes_back(store
     assert asyncio.run(store_put(store, [0])) == 1
     reply = lease(store, 1)
     write(store, reply.places[0], 9)  # other bytes under the same key
-    done = lease(store, 0, reply.lease_id, [key(0)], [reply.places[0][:2]])
+    done = lease(store, 0, reply.lease_id, [key(0)], [reply.places[0]])
     assert done.committed == [False]
     assert torch.equal(read(store, 0), page(0))
     assert host_used(store) == 1  # only the stored page
@@ -73,7 +86,7 @@ def test_a_slot_not_in_the_lease_is_refused(stores):
     reply = lease(store, 1)
     other = lease(store, 1)  # another client's lease
     assert other.lease_id != reply.lease_id
-    done = lease(store, 0, reply.lease_id, [key(0)], [other.places[0][:2]])
+    done = lease(store, 0, reply.lease_id, [key(0)], [other.places[0]])
     assert done.committed == [False] and read(store, 0) is None
     assert store.stats()["lapsed_commits"] == 1
 
@@ -87,7 +100,7 @@ def test_a_lapsed_lease_frees_its_slots_and_its_late_commit_is_a_miss(stores):
     assert host_used(store) == 0 and store.stats()["expired_slot_leases"] == 1
     pool = store.pool(G)
     assert pool.memory[HOST].generation(reply.places[0][1]) > generation  # fenced
-    late = lease(store, 1, reply.lease_id, [key(0)], [reply.places[0][:2]])
+    late = lease(store, 1, reply.lease_id, [key(0)], [reply.places[0]])
     assert late.committed == [False] and late.lease_id != reply.lease_id
     assert read(store, 0) is None
 
@@ -125,7 +138,7 @@ def test_a_top_up_renews_the_lease_and_is_capped_by_the_tier(stores):
     assert more.lease_id == reply.lease_id and more.places == []
     assert store.put_leases.leases[reply.lease_id].deadline_s > deadline_s  # renewed
     write(store, reply.places[0], 0)
-    more = lease(store, 5, reply.lease_id, [key(0)], [reply.places[0][:2]])
+    more = lease(store, 5, reply.lease_id, [key(0)], [reply.places[0]])
     assert more.committed == [True] and len(more.places) == 1  # one committed, one more
 
 
@@ -190,3 +203,119 @@ def test_a_leased_put_whose_slots_lapsed_writes_nothing_and_reserves(world):  # 
     for (tier, slot, _), old in zip(leased.tolist(), before, strict=True):
         assert torch.equal(world.arenas[tier].view(slot)[: G.page_bytes], old), \
             "a leased put wrote into a slot after its lease lapsed"
+
+
+# ---- a lease is spare room: revoked under pressure, never paid for with stored pages ------
+
+
+def stored_ids(store) -> list[int]:
+    return sorted(int.from_bytes(k[1:], "little") for k in store.pool(G).index)
+
+
+def test_a_lease_takes_only_slots_of_chunks_held_and_the_node_readies_more_ahead(stores):
+    store = stores.make(device_pages=0, host_pages=64, disk_pages=0)  # a lease: 16 at most
+    reply = asyncio.run(store.put_leased(G, LeaseRequest(0, want=2)))
+    assert reply.places == [] and host_used(store) == 0  # nothing held: nothing faulted in
+    slots = store.pool(G).memory[HOST].slots
+    ready(store, 1)  # one chunk held
+    held = slots.num_free_held
+    assert 1 <= held < 16
+    reply = asyncio.run(store.put_leased(G, LeaseRequest(0, want=held + 1)))
+    assert len(reply.places) == held and slots.num_free_held == 0
+    assert asyncio.run(store.grow_ahead(G)) >= 1  # as many free as the top-up asked, or more
+    assert slots.num_free_held >= held + 1
+    more = asyncio.run(store.put_leased(G, LeaseRequest(reply.lease_id, want=1)))
+    assert len(more.places) == 1
+
+
+def test_a_lease_in_a_full_tier_gets_nothing_and_demotes_nothing(stores):
+    store = stores.make(device_pages=0, host_pages=8, disk_pages=4)
+    asyncio.run(store_put(store, list(range(8))))
+    reply = lease(store, 2)
+    assert reply.places == [] and store.pool(G).evictions == [0, 0, 0]
+    assert store.pool(G).tier_counts() == {"device": 0, "host": 8, "disk": 0}
+
+
+def test_a_put_into_a_tier_full_of_pages_and_an_idle_lease_takes_the_lease_back(stores):
+    """6 pages stored, 2 slots leased by an idle client: the tier is full. Another client's
+    put of 2 pages takes the leased slots back; no stored page moves, none is dropped."""
+    store = stores.make(device_pages=0, host_pages=8, disk_pages=0)
+    asyncio.run(store_put(store, list(range(6))))
+    reply = lease(store, 2)
+    assert len(reply.places) == 2 and host_used(store) == 8
+    assert asyncio.run(store_put(store, [10, 11])) == 2
+    assert stored_ids(store) == [0, 1, 2, 3, 4, 5, 10, 11]
+    assert store.pool(G).evictions == [0, 0, 0]
+    for i in (0, 5, 10, 11):
+        assert torch.equal(read(store, i), page(i))
+    stats = store.stats()
+    assert stats["revoked_leased_slots"] == 2 and stats["leased_slots"] == 0
+    # the idle client hears of it in its next call: both of its slots, as leased
+    told = lease(store, 0, reply.lease_id)
+    assert told.lease_id == reply.lease_id and sorted(told.revoked) == sorted(reply.places)
+
+
+def test_a_revoked_slot_written_late_is_refused_even_when_leased_again(stores):
+    """The client wrote page 20 into a leased slot, the node revoked it (a put needed the
+    room, then freed it again), and leased it to the same client at a new generation. The
+    late commit names the old generation: refused, nothing indexed; the new one commits."""
+    store = stores.make(device_pages=0, host_pages=4, disk_pages=0)
+    reply = lease(store, 1)
+    (old,) = reply.places
+    write(store, old, 20)  # written, its commit not sent yet
+    asyncio.run(store_put(store, [0, 1, 2, 3]))  # the tier fills: the slot is revoked
+    pool = store.pool(G)
+    assert store.stats()["revoked_leased_slots"] == 1
+    assert pool.memory[HOST].generation(old[1]) > old[2]  # fenced
+    (reused,) = [k for k, e in pool.index.items() if e.slot == old[1]]  # one of pages 0..3
+    pool.drop(reused)  # its room comes back...
+    again = lease(store, 1, reply.lease_id)  # ...and goes to the same lease, anew
+    assert again.places == [(HOST, old[1], pool.memory[HOST].generation(old[1]))]
+    assert again.revoked == [old]
+    late = lease(store, 0, reply.lease_id, [key(20)], [old])
+    assert late.committed == [False] and read(store, 20) is None
+    write(store, again.places[0], 21)
+    done = lease(store, 0, reply.lease_id, [key(21)], [again.places[0]])
+    assert done.committed == [True] and torch.equal(read(store, 21), page(21))
+    for i in (0, 1, 2, 3):
+        if key(i) != reused:
+            assert torch.equal(read(store, i), page(i)), "a stored page changed"
+
+
+def test_a_revoked_slot_a_writer_still_holds_is_quarantined_not_reused(stores):
+    store = stores.make(device_pages=0, host_pages=4, disk_pages=0)
+    reply = lease(store, 1)
+    tier, slot, _ = reply.places[0]
+    writer = SlotFence(store.pool(G).memory[tier].descriptor().generations_path)
+    try:
+        assert writer.lock([slot])  # a client in the middle of its copy
+        asyncio.run(store_put(store, [0, 1, 2]))  # 3 free slots: no revocation needed
+        assert store.stats()["revoked_leased_slots"] == 0
+        assert asyncio.run(store_put(store, [3])) == 1  # revoked, but a writer holds it:
+        stats = store.stats()  # quarantined, and the room came from a stored page instead
+        assert stats["revoked_leased_slots"] == 1 and stats["quarantined_slots"] == 1
+        assert store.pool(G).index[key(3)].slot != slot
+        writer.unlock([slot])
+        store.expire()
+        assert store.stats()["quarantined_slots"] == 0 and host_used(store) == 3
+    finally:
+        writer.close()
+
+
+def test_leased_slots_count_in_no_namespace_until_committed(stores):
+    from policies.quota import Quota
+
+    store = stores.make(device_pages=0, host_pages=8, disk_pages=0)
+    store.set_quotas({}, {"x": Quota(max_bytes=2 * store.pool(G).geometry.slot_bytes)})
+    ready(store, 2)
+    assert asyncio.run(store.put_leased(G, LeaseRequest(0, want=2, namespace="x"))).places
+    assert store.elastic.namespace_bytes(HOST) == {}
+    asyncio.run(store_put(store, [0]))  # another namespace's page
+    ready(store, 4)
+    reply = asyncio.run(store.put_leased(G, LeaseRequest(0, want=2, namespace="x")))
+    for i, place in zip((30, 31), reply.places, strict=True):
+        write(store, place, i)
+    done = asyncio.run(store.put_leased(G, LeaseRequest(
+        reply.lease_id, (key(30), key(31)), tuple(reply.places), namespace="x")))
+    assert done.committed == [True, True]
+    assert store.elastic.namespace_bytes(HOST)["x"] == 2 * G.slot_bytes

@@ -152,11 +152,27 @@ class ChunkedSlots:
         return next((c for c in range(self.num_chunks)
                      if c not in self._used_per_chunk and c not in self._arriving), None)
 
-    def take_ahead(self) -> int | None:
+    def alloc_held(self) -> int | None:
+        """A free slot of a chunk already held (never growing: no memory is readied on the
+        caller's path); None when none is free."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._used.add(slot)
+        self._used_per_chunk[slot // self.slots_per_chunk] += 1
+        return slot
+
+    @property
+    def num_free_held(self) -> int:
+        """Free slots of the chunks held (none that the budget would have to grant)."""
+        return len(self._free)
+
+    def take_ahead(self, ahead_slots: int = 0) -> int | None:
         """Take the next chunk from the budget ahead of need, when the held chunks have fewer
-        than a chunk's worth of free slots; its memory is readied by the caller (off the
-        event loop), then open_ahead(chunk) hands out its slots. None: no need, or no room."""
-        if len(self._free) >= self.slots_per_chunk or self._arriving:
+        than a chunk's worth of free slots (or `ahead_slots`, if more); its memory is
+        readied by the caller (off the event loop), then open_ahead(chunk) hands out its
+        slots. None: no need, or no room."""
+        if len(self._free) >= max(self.slots_per_chunk, ahead_slots) or self._arriving:
             return None
         chunk = self._next_chunk()
         if chunk is None or not self.budget.take(self.holder, self.chunk_bytes):

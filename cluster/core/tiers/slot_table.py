@@ -61,13 +61,19 @@ def num_unchanged(places: np.ndarray, generations: Sequence[np.ndarray]) -> int:
     `generations[tier]` a tier's live generation table (one gather per tier)."""
     if not len(places):
         return 0
+    changed = np.flatnonzero(~unchanged(places, generations))
+    return int(changed[0]) if changed.size else len(places)
+
+
+def unchanged(places: np.ndarray, generations: Sequence[np.ndarray]) -> np.ndarray:
+    """Per page of `places`, whether its slot still holds the generation noted there
+    (bool [N]; one gather per tier)."""
     tiers = places[:, TIER]
     now = np.empty(len(places), dtype=np.int64)
     for tier in np.unique(tiers).tolist():
         rows = tiers == tier
         now[rows] = generations[tier][places[rows, SLOT]].astype(np.int64)
-    changed = np.flatnonzero(now != places[:, GENERATION])
-    return int(changed[0]) if changed.size else len(places)
+    return now == places[:, GENERATION]
 
 
 class PlaceHints:
