@@ -96,8 +96,15 @@ class DirectoryIndex:
         """Batch `seq`'s changes: a store (key, tier) wins over an older state of the key, a
         removal (key, None) leaves a tombstone so that an older store cannot bring the page
         back. One loop with NodeLog.add_key/discard_key, _forget and key_digest inline: it
-        runs for every change."""
+        runs for every change.
+
+        A node holds a key here exactly when the key's places name the node (`log.keys` and
+        `index` change together), so a store over the node's own place skips `log.keys`. In
+        order (every batch below `seq` applied), a tombstone of this batch would be dropped
+        as soon as it is applied (_advance keeps only those above the watermark), and no
+        change of this batch can be older than it: none is written."""
         index, ranked, keys, tombstones = self.index, self.ranked, log.keys, log.tombstones
+        keep_tombstones = seq != log.watermark + 1
         digest = log.digest
         from_bytes = int.from_bytes  # key_digest(key) is from_bytes(key, "little")
         for key, tier in changes:
@@ -106,9 +113,10 @@ class DirectoryIndex:
             if tier is None:
                 if current is not None and current[1] > seq:
                     continue
-                tombstone = tombstones.get(key)
-                if tombstone is None or tombstone < seq:
-                    tombstones[key] = seq
+                if keep_tombstones:
+                    tombstone = tombstones.get(key)
+                    if tombstone is None or tombstone < seq:
+                        tombstones[key] = seq
                 if current is not None:
                     del places[node_id]
                     ranked.pop(key, None)
@@ -120,7 +128,7 @@ class DirectoryIndex:
                 continue
             if tombstones and tombstones.get(key, -1) > seq:
                 continue
-            if current is None or current[1] < seq:
+            if current is None:
                 if places is None:
                     places = index[key] = {}
                 places[node_id] = (tier, seq)
@@ -128,8 +136,13 @@ class DirectoryIndex:
                 if key not in keys:
                     keys.add(key)
                     digest ^= from_bytes(key, "little")
-                if tombstones:
-                    tombstones.pop(key, None)
+            elif current[1] < seq:
+                places[node_id] = (tier, seq)
+                ranked.pop(key, None)
+            else:
+                continue
+            if keep_tombstones and tombstones:
+                tombstones.pop(key, None)
         log.digest = digest
 
     def _forget(self, node_id: str, key: PageKey) -> None:
