@@ -26,10 +26,13 @@ import heapq
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import repeat
+from operator import itemgetter
 from typing import Protocol, runtime_checkable
 
 Key = Hashable
 Entry = tuple  # RecencyFrequencyPolicy: (priority, -call, key, uses, clock at the last use)
+_KEY = itemgetter(2)  # an Entry's key
 IsPinned = Callable[[Key], bool]
 
 MAX_FREQ = 3  # S3-FIFO's 2-bit saturating access counter
@@ -345,8 +348,17 @@ class RecencyFrequencyPolicy(PerKeyBatches):
                        chained: bool = False) -> None:
         """on_insert for each of `keys`, in order (see PerKeyBatches), in one loop with
         _touch inline: a tier's run of new pages costs no call per page. A key held already
-        is read again (on_access), as on_insert does."""
-        rank, ghost_pop, log2_uses = self._rank, self._ghost.pop, _LOG2_USES
+        is read again (on_access), as on_insert does.
+
+        The run's lookups in the big tables come first, in C (`map`), so that their cache
+        misses overlap: the ghost's pops (a held key is never in the ghost, so popping every
+        key of the run is the same), and whether each is held, when the run repeats no key
+        (else asked as the loop reaches it)."""
+        rank, log2_uses = self._rank, _LOG2_USES
+        keys = keys if isinstance(keys, list | tuple) else list(keys)
+        pasts = list(map(self._ghost.pop, keys, repeat(None)))
+        held = (list(map(rank.__contains__, keys)) if len(set(keys)) == len(keys)
+                else (key in rank for key in keys))
         fifo, heap, push = self._fifo, self._heap, heapq.heappush
         clock, calls, factor = self._clock, self._calls, self.horizon_factor
         discount_of = self._insert_discount if self._discounted else None
@@ -354,8 +366,8 @@ class RecencyFrequencyPolicy(PerKeyBatches):
         # at one tick rank by their uses and call order alone (leaves first).
         horizon = factor * self.reuse_distance
         root = None  # a discounted policy's last new page without a parent, not yet begun
-        for key in keys:
-            if key in rank:
+        for key, past, is_held in zip(keys, pasts, held, strict=True):
+            if is_held:
                 if root is not None:
                     self._begin_put(*root)
                     root = None
@@ -365,7 +377,6 @@ class RecencyFrequencyPolicy(PerKeyBatches):
                 horizon = factor * self.reuse_distance
             else:
                 clock += 1
-                past = ghost_pop(key, None)
                 if past is None:
                     uses = 1
                 else:
@@ -429,11 +440,11 @@ class RecencyFrequencyPolicy(PerKeyBatches):
         """on_remove for each of `keys`: each held one's entry goes to the ghost, which keeps
         the last ghost_capacity_pages (a key held is never in the ghost: on_insert took it
         out, so each lands at the new end and trimming once after all is the same)."""
-        rank_pop, ghost = self._rank.pop, self._ghost
-        for key in keys:
-            held = rank_pop(key, None)
-            if held is not None:
-                ghost[key] = held
+        keys = keys if isinstance(keys, list | tuple) else list(keys)
+        ghost = self._ghost
+        # In C (`map`, `update`): the lookups' cache misses overlap.
+        held = list(map(self._rank.pop, keys, repeat(None)))
+        ghost.update([(k, e) for k, e in zip(keys, held, strict=True) if e is not None])
         popitem, excess = ghost.popitem, len(ghost) - self.ghost_capacity_pages
         for _ in range(excess):
             popitem(last=False)
@@ -445,7 +456,9 @@ class RecencyFrequencyPolicy(PerKeyBatches):
         # The last call's entries still live go back: at the fifo's head when they come
         # before it (they came out in order, before everything that stayed; a newer entry
         # may rank lower), else into the heap.
-        live = [e for e in self._parked if rank.get(e[2]) is e]
+        parked = self._parked  # their keys' live entries looked up in C: misses overlap
+        live = [e for e, held in zip(parked, map(rank.get, map(_KEY, parked)), strict=True)
+                if held is e]
         if live:
             if not fifo or live[-1] < fifo[0]:
                 fifo.extendleft(reversed(live))

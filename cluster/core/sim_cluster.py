@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from cluster.core.demand import PrefixDemand
 from cluster.core.directory_index import APPLIED, DirectoryIndex
@@ -279,7 +280,7 @@ class SimCluster:
         here = self.nodes[node].tier_of
         if located is None:
             return [here[k] for k in keys[: self.nodes[node].local_prefix(keys)]]
-        return [here.get(key, REMOTE) for key in keys[: len(located)]]
+        return list(map(here.get, keys[: len(located)], repeat(REMOTE)))
 
     def fetch_s(self, sources: Sequence[int]) -> float:
         """Each source's pages in one transfer: its latency + bytes / its bandwidth."""
