@@ -26,7 +26,7 @@ import heapq
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 from operator import itemgetter
 from typing import Protocol, runtime_checkable
 
@@ -445,9 +445,9 @@ class RecencyFrequencyPolicy(PerKeyBatches):
         # In C (`map`, `update`): the lookups' cache misses overlap.
         held = list(map(self._rank.pop, keys, repeat(None)))
         ghost.update([(k, e) for k, e in zip(keys, held, strict=True) if e is not None])
-        popitem, excess = ghost.popitem, len(ghost) - self.ghost_capacity_pages
-        for _ in range(excess):
-            popitem(last=False)
+        excess = len(ghost) - self.ghost_capacity_pages
+        if excess > 0:  # the oldest go, popped in C
+            deque(map(ghost.pop, list(islice(ghost, excess))), maxlen=0)
 
     def victims(self, num_pages: int, is_pinned: IsPinned) -> list[Key]:
         """Smallest priorities first, skipping pinned keys; no key is removed."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import filterfalse, repeat
 
 from cluster.core.demand import PrefixDemand
 from cluster.core.directory_index import APPLIED, DirectoryIndex
@@ -71,7 +71,7 @@ class SimNode:
     def put(self, keys: Sequence[PageKey]) -> int:
         """Store the pages not held yet: top tier first, the rest spilling into host."""
         tier_of = self.tier_of
-        fresh = [k for k in dict.fromkeys(keys) if k not in tier_of]
+        fresh = list(filterfalse(tier_of.__contains__, dict.fromkeys(keys)))  # in C
         stored = 0
         for tier in (DEVICE, HOST):
             capacity = self.capacities[tier]
