@@ -65,6 +65,8 @@ class EvictionPolicy(Protocol):
         """Up to num_pages distinct unpinned keys, first to evict first; removes none."""
         ...
 
+    def __len__(self) -> int: ...
+
 
 class PerKeyBatches:
     """The calls for a run of pages, as one call per page (a policy may run them faster)."""
@@ -84,8 +86,6 @@ class PerKeyBatches:
         remove = self.on_remove  # type: ignore[attr-defined]
         for key in keys:
             remove(key)
-
-    def __len__(self) -> int: ...
 
 
 def _check_num_pages(num_pages: int) -> None:
