@@ -305,11 +305,14 @@ def best_sources(located: Sequence[Iterable[tuple[str, int]]], node_ids: Iterabl
     num_pages = len(located)
     # Every page defaults to another node; only the places the answer names change that.
     sources: dict[str, list[str]] = {node: [REMOTE] * num_pages for node in nodes}
+    best: dict[str, int] = {}
+    last = None
     for index, places in enumerate(located):
-        best: dict[str, int] = {}
-        for node, tier in places:
-            if tier in TIER_SOURCES and tier < best.get(node, len(TIER_SOURCES)):
-                best[node] = tier
+        if places is not last:  # a run's pages share one answer (prefix_runs): once a run
+            last, best = places, {}
+            for node, tier in places:
+                if tier in TIER_SOURCES and tier < best.get(node, len(TIER_SOURCES)):
+                    best[node] = tier
         for node, tier in best.items():
             if node in sources:
                 sources[node][index] = TIER_SOURCES[tier]

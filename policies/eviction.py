@@ -9,6 +9,10 @@ The node store drives one policy per tier:
     need room     -> victims(n, is_pinned)   # suggestions; nothing is removed
     page leaves   -> on_remove(key)          # evicted, promoted, deleted: any reason
 
+    a run of pages -> on_insert_many(keys, parent, chained), on_remove_many(keys): the same
+                      as a call per key in order (PerKeyBatches); recfreq and putdepth run
+                      them in one loop
+
 Keys are any hashable (page keys are 16-byte ``bytes``). Unknown keys are harmless in
 ``on_access`` and ``on_remove``. ``parent`` is optional: the page inserted just before by the
 same put, its parent in the chain (Pool.commit passes the put's new pages in chain order),
@@ -21,11 +25,14 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from itertools import islice, repeat
+from operator import itemgetter
 from typing import Protocol, runtime_checkable
 
 Key = Hashable
 Entry = tuple  # RecencyFrequencyPolicy: (priority, -call, key, uses, clock at the last use)
+_KEY = itemgetter(2)  # an Entry's key
 IsPinned = Callable[[Key], bool]
 
 MAX_FREQ = 3  # S3-FIFO's 2-bit saturating access counter
@@ -49,11 +56,36 @@ class EvictionPolicy(Protocol):
 
     def on_remove(self, key: Key) -> None: ...
 
+    def on_insert_many(self, keys: Sequence[Key], parent: Key | None = None,
+                       chained: bool = False) -> None: ...
+
+    def on_remove_many(self, keys: Iterable[Key]) -> None: ...
+
     def victims(self, num_pages: int, is_pinned: IsPinned) -> list[Key]:
         """Up to num_pages distinct unpinned keys, first to evict first; removes none."""
         ...
 
     def __len__(self) -> int: ...
+
+
+class PerKeyBatches:
+    """The calls for a run of pages, as one call per page (a policy may run them faster)."""
+
+    def on_insert_many(self, keys: Sequence[Key], parent: Key | None = None,
+                       chained: bool = False) -> None:
+        """on_insert(key, parent) for each of `keys`, in order: the first key's parent is
+        `parent`, each next one's the key before it when `chained` (a put's new pages, as
+        Pool.commit passes them), else None (pages demoted or adopted)."""
+        insert = self.on_insert  # type: ignore[attr-defined]
+        for key in keys:
+            insert(key, parent)
+            parent = key if chained else None
+
+    def on_remove_many(self, keys: Iterable[Key]) -> None:
+        """on_remove(key) for each of `keys`, in order."""
+        remove = self.on_remove  # type: ignore[attr-defined]
+        for key in keys:
+            remove(key)
 
 
 def _check_num_pages(num_pages: int) -> None:
@@ -68,7 +100,7 @@ def _check_capacity(capacity_pages: int) -> None:
         raise ValueError(f"capacity_pages must be positive, got {capacity_pages}")
 
 
-class LRUPolicy:
+class LRUPolicy(PerKeyBatches):
     """Least recently used first.
 
     oldest                      newest
@@ -109,7 +141,7 @@ class LRUPolicy:
         return key in self._order
 
 
-class S3FIFOPolicy:
+class S3FIFOPolicy(PerKeyBatches):
     """S3-FIFO (Yang et al., SOSP'23): three FIFO queues and a 2-bit frequency per key.
 
         insert --> small (~10%) --freq>0--> main (~90%) --freq>0: freq-1, back to new end
@@ -219,7 +251,7 @@ class S3FIFOPolicy:
         return key in self._small or key in self._main
 
 
-class RecencyFrequencyPolicy:
+class RecencyFrequencyPolicy(PerKeyBatches):
     """Recency with a bonus for reuse: evict the key whose last use, pushed into the future by
     a bonus that grows with its number of uses, is oldest (in the manner of LRFU and GDSF).
 
@@ -310,21 +342,89 @@ class RecencyFrequencyPolicy:
         self._parked = []
 
     def on_insert(self, key: Key, parent: Key | None = None) -> None:
-        if key in self._rank:
-            self.on_access(key)
-            return
-        self._clock += 1
-        past = self._ghost.pop(key, None)
-        if past is not None and past[3] == 1:
-            self._reused(past[4])
-        # A new tick: the horizon moves now only, so that the pages of a prefix read at one
-        # tick rank by their uses and call order alone (leaves first).
-        self.horizon = self.horizon_factor * self.reuse_distance
-        self._touch(key, (past[3] if past else 0) + 1, self._insert_discount(key, parent))
+        self.on_insert_many((key,), parent)
 
-    def _insert_discount(self, key: Key, parent: Key | None) -> float:
-        """Horizons taken off a new page's bonus (none here; see PutDepthPolicy)."""
+    def on_insert_many(self, keys: Sequence[Key], parent: Key | None = None,
+                       chained: bool = False) -> None:
+        """on_insert for each of `keys`, in order (see PerKeyBatches), in one loop with
+        _touch inline: a tier's run of new pages costs no call per page. A key held already
+        is read again (on_access), as on_insert does.
+
+        The run's lookups in the big tables come first, in C (`map`), so that their cache
+        misses overlap: the ghost's pops (a held key is never in the ghost, so popping every
+        key of the run is the same), and whether each is held, when the run repeats no key
+        (else asked as the loop reaches it)."""
+        rank, log2_uses = self._rank, _LOG2_USES
+        keys = keys if isinstance(keys, list | tuple) else list(keys)
+        pasts = list(map(self._ghost.pop, keys, repeat(None)))
+        held = (list(map(rank.__contains__, keys)) if len(set(keys)) == len(keys)
+                else (key in rank for key in keys))
+        fifo, heap, push = self._fifo, self._heap, heapq.heappush
+        clock, calls, factor = self._clock, self._calls, self.horizon_factor
+        discount_of = self._insert_discount if self._discounted else None
+        # A new tick's horizon: it moves at inserts only, so that the pages of a prefix read
+        # at one tick rank by their uses and call order alone (leaves first).
+        horizon = factor * self.reuse_distance
+        root = None  # a discounted policy's last new page without a parent, not yet begun
+        for key, past, is_held in zip(keys, pasts, held, strict=True):
+            if is_held:
+                if root is not None:
+                    self._begin_put(*root)
+                    root = None
+                self._clock, self._calls = clock, calls
+                self.on_access(key)
+                clock, calls, fifo, heap = self._clock, self._calls, self._fifo, self._heap
+                horizon = factor * self.reuse_distance
+            else:
+                clock += 1
+                if past is None:
+                    uses = 1
+                else:
+                    uses = past[3] + 1
+                    if uses == 2:  # a first reuse
+                        self._clock = clock
+                        self._reused(past[4])
+                        horizon = factor * self.reuse_distance
+                self.horizon = horizon
+                calls += 1
+                log2 = log2_uses[uses if uses < MAX_USES else MAX_USES]
+                if discount_of is None:
+                    bonus = horizon * log2
+                elif parent is None:
+                    # A put's first page: no discount (depth 1, ranked from its own clock).
+                    # Its put begins before the next discount, read or return: a run of
+                    # moved pages (no parents) costs no call per page.
+                    bonus = horizon * log2
+                    root = (key, clock)
+                else:
+                    if root is not None:
+                        self._begin_put(*root)
+                        root = None
+                    bonus = horizon * (log2 - discount_of(key, parent, clock))
+                priority = clock + bonus
+                entry = rank[key] = (priority, -calls, key, uses, clock)
+                if bonus == 0.0 and (not fifo or fifo[-1][0] < priority):
+                    fifo.append(entry)
+                else:
+                    push(heap, entry)
+            parent = key if chained else None
+        if root is not None:
+            self._begin_put(*root)
+        self._clock, self._calls = clock, calls
+        # Each new key adds one entry and one live key, so if this holds at all, it holds
+        # after the first: compacting once at the end drops the same stale entries.
+        if len(heap) + len(fifo) > 2 * len(rank) + 64:
+            self._compact()
+
+    _discounted = False  # whether _insert_discount takes anything off (PutDepthPolicy)
+
+    def _insert_discount(self, key: Key, parent: Key, clock: int) -> float:
+        """Horizons taken off the bonus of a new page with a parent, inserted at `clock`
+        (none here; see PutDepthPolicy). A page without one is never discounted."""
         return 0.0
+
+    def _begin_put(self, key: Key, clock: int) -> None:
+        """A discounted policy's put begins at `key`, inserted at `clock` without a parent."""
 
     def on_access(self, key: Key) -> None:
         held = self._rank.get(key)
@@ -334,12 +434,20 @@ class RecencyFrequencyPolicy:
             self._touch(key, held[3] + 1)
 
     def on_remove(self, key: Key) -> None:
-        held = self._rank.pop(key, None)
-        if held is not None:
-            ghost = self._ghost
-            ghost[key] = held
-            while len(ghost) > self.ghost_capacity_pages:
-                ghost.popitem(last=False)
+        self.on_remove_many((key,))
+
+    def on_remove_many(self, keys: Iterable[Key]) -> None:
+        """on_remove for each of `keys`: each held one's entry goes to the ghost, which keeps
+        the last ghost_capacity_pages (a key held is never in the ghost: on_insert took it
+        out, so each lands at the new end and trimming once after all is the same)."""
+        keys = keys if isinstance(keys, list | tuple) else list(keys)
+        ghost = self._ghost
+        # In C (`map`, `update`): the lookups' cache misses overlap.
+        held = list(map(self._rank.pop, keys, repeat(None)))
+        ghost.update([(k, e) for k, e in zip(keys, held, strict=True) if e is not None])
+        excess = len(ghost) - self.ghost_capacity_pages
+        if excess > 0:  # the oldest go, popped in C
+            deque(map(ghost.pop, list(islice(ghost, excess))), maxlen=0)
 
     def victims(self, num_pages: int, is_pinned: IsPinned) -> list[Key]:
         """Smallest priorities first, skipping pinned keys; no key is removed."""
@@ -348,7 +456,9 @@ class RecencyFrequencyPolicy:
         # The last call's entries still live go back: at the fifo's head when they come
         # before it (they came out in order, before everything that stayed; a newer entry
         # may rank lower), else into the heap.
-        live = [e for e in self._parked if rank.get(e[2]) is e]
+        parked = self._parked  # their keys' live entries looked up in C: misses overlap
+        live = [e for e, held in zip(parked, map(rank.get, map(_KEY, parked)), strict=True)
+                if held is e]
         if live:
             if not fifo or live[-1] < fifo[0]:
                 fifo.extendleft(reversed(live))
@@ -410,16 +520,23 @@ class PutDepthPolicy(RecencyFrequencyPolicy):
         self._put_depth: dict[Key, int] = {}  # the current put's new pages -> put depth
         self._put_clock = 0  # the clock at the current put's first page
 
-    def _insert_discount(self, key: Key, parent: Key | None) -> float:
-        depth = self._put_depth.get(parent, 0) + 1 if parent is not None else 1
-        if depth == 1:
-            if self._put_depth:
-                self._put_depth = {}  # a new put
-            self._put_clock = self._clock
+    _discounted = True
+
+    def _insert_discount(self, key: Key, parent: Key, clock: int) -> float:
+        depth = self._put_depth.get(parent, 0) + 1
+        if depth == 1:  # the parent is not the current put's: a new put
+            self._begin_put(key, clock)
+            return 0.0
         self._put_depth[key] = depth
         # Ranked from the put's first tick, so that depth alone orders the put: leaves first.
-        ticks_since_put = (self._clock - self._put_clock) / self.horizon
+        ticks_since_put = (clock - self._put_clock) / self.horizon
         return PUT_DEPTH_DISCOUNT * math.log2(depth) + ticks_since_put
+
+    def _begin_put(self, key: Key, clock: int) -> None:
+        # A page without a parent (or whose parent is not the current put's) has depth 1
+        # and no discount: log2(1) = 0 and no tick since its own.
+        self._put_depth = {key: 1}
+        self._put_clock = clock
 
     def on_access(self, key: Key) -> None:
         if self._put_depth:

@@ -21,7 +21,9 @@ holds for the node:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from cluster.core.events import APPLIED, DUPLICATE, FENCED, RESYNC, EventBatch, key_digest
 from cluster.core.keys import PageKey
@@ -52,6 +54,27 @@ class NodeLog:
         if key in self.keys:
             self.keys.discard(key)
             self.digest ^= key_digest(key)
+
+
+def _places_of(index: dict, changes: list) -> Iterable:
+    """index.get(key) of each change, as the loop over them reaches it. When no key repeats
+    (an EventStream batch), all are looked up first, in C (`map`), so that their cache misses
+    overlap: a change alters only its own key's places."""
+    keys = list(map(_KEY, changes))
+    if len(set(keys)) == len(keys):
+        return list(map(index.get, keys))
+    return (index.get(key) for key in keys)
+
+
+_KEY = itemgetter(0)
+
+
+def _ranked(places: dict[str, tuple[int, int]]) -> tuple[Location, ...]:
+    """A key's (node, tier) places, best tier first (ties in the order the nodes came)."""
+    if len(places) == 1:  # most keys: one holder, nothing to sort
+        for node_id, (tier, _) in places.items():
+            return ((node_id, tier),)
+    return tuple(sorted(((n, t) for n, (t, _) in places.items()), key=lambda p: p[1]))
 
 
 class DirectoryIndex:
@@ -96,19 +119,26 @@ class DirectoryIndex:
         """Batch `seq`'s changes: a store (key, tier) wins over an older state of the key, a
         removal (key, None) leaves a tombstone so that an older store cannot bring the page
         back. One loop with NodeLog.add_key/discard_key, _forget and key_digest inline: it
-        runs for every change."""
+        runs for every change.
+
+        A node holds a key here exactly when the key's places name the node (`log.keys` and
+        `index` change together), so a store over the node's own place skips `log.keys`. In
+        order (every batch below `seq` applied), a tombstone of this batch would be dropped
+        as soon as it is applied (_advance keeps only those above the watermark), and no
+        change of this batch can be older than it: none is written."""
         index, ranked, keys, tombstones = self.index, self.ranked, log.keys, log.tombstones
+        keep_tombstones = seq != log.watermark + 1
         digest = log.digest
         from_bytes = int.from_bytes  # key_digest(key) is from_bytes(key, "little")
-        for key, tier in changes:
-            places = index.get(key)
+        for (key, tier), places in zip(changes, _places_of(index, changes), strict=True):
             current = places.get(node_id) if places else None
             if tier is None:
                 if current is not None and current[1] > seq:
                     continue
-                tombstone = tombstones.get(key)
-                if tombstone is None or tombstone < seq:
-                    tombstones[key] = seq
+                if keep_tombstones:
+                    tombstone = tombstones.get(key)
+                    if tombstone is None or tombstone < seq:
+                        tombstones[key] = seq
                 if current is not None:
                     del places[node_id]
                     ranked.pop(key, None)
@@ -120,7 +150,7 @@ class DirectoryIndex:
                 continue
             if tombstones and tombstones.get(key, -1) > seq:
                 continue
-            if current is None or current[1] < seq:
+            if current is None:
                 if places is None:
                     places = index[key] = {}
                 places[node_id] = (tier, seq)
@@ -128,8 +158,13 @@ class DirectoryIndex:
                 if key not in keys:
                     keys.add(key)
                     digest ^= from_bytes(key, "little")
-                if tombstones:
-                    tombstones.pop(key, None)
+            elif current[1] < seq:
+                places[node_id] = (tier, seq)
+                ranked.pop(key, None)
+            else:
+                continue
+            if keep_tombstones and tombstones:
+                tombstones.pop(key, None)
         log.digest = digest
 
     def _forget(self, node_id: str, key: PageKey) -> None:
@@ -201,8 +236,7 @@ class DirectoryIndex:
                 places = self.index.get(key)
                 if not places:
                     break
-                ranked = self.ranked[key] = tuple(
-                    sorted(((n, t) for n, (t, _) in places.items()), key=lambda p: p[1]))
+                ranked = self.ranked[key] = _ranked(places)
             if runs and runs[-1][0] == ranked:
                 runs[-1][1] += 1
             else:

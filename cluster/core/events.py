@@ -64,18 +64,21 @@ class _Shard:
             self.digest ^= key_digest(key)
 
     def hold_many(self, keys: Iterable[PageKey], tier: int | None) -> None:
-        """pending[key] = tier and hold(key, tier) for each of `keys`, in order."""
-        pending, present, digest = self.pending, self.present, self.digest
-        from_bytes = int.from_bytes  # key_digest(key) is from_bytes(key, "little")
-        for key in keys:
-            pending[key] = tier
-            if tier is None:
-                if key in present:
-                    present.discard(key)
-                    digest ^= from_bytes(key, "little")
-            elif key not in present:
-                present.add(key)
-                digest ^= from_bytes(key, "little")
+        """pending[key] = tier and hold(key, tier) for each of `keys`, in order: set
+        operations, as the digest is an XOR (its order does not matter) and most of a run
+        changes nothing there (pages moved between tiers)."""
+        keys = keys if isinstance(keys, list | tuple) else list(keys)
+        self.pending.update(dict.fromkeys(keys, tier))
+        present = self.present
+        if tier is None:
+            changed = present.intersection(keys)
+            present.difference_update(changed)
+        else:
+            changed = set(keys) - present
+            present.update(changed)
+        digest = self.digest
+        for key in changed:
+            digest ^= int.from_bytes(key, "little")  # key_digest(key)
         self.digest = digest
 
     def ack(self, seq: int) -> None:

@@ -28,7 +28,7 @@ from cluster.core.directory_index import APPLIED, DirectoryIndex
 from cluster.core.events import EventStream
 from cluster.core.geometry import HOST
 from cluster.core.keys import PageKey
-from policies.eviction import EvictionPolicy, IsPinned
+from policies.eviction import EvictionPolicy, IsPinned, PerKeyBatches
 
 NODE_ID = "global"
 
@@ -90,7 +90,7 @@ class GlobalCache:
                 raise RuntimeError(f"the directory answered {status} to batch {batch.seq}")
 
 
-class DeadFirstLRU:
+class DeadFirstLRU(PerKeyBatches):
     """An oracle, not a policy raykv can run: told at each use of a page whether any later
     request will hold it, it evicts the pages never used again first (the longest dead
     first), and the others least recently used first. It shows how much of Belady's lead

@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import filterfalse, repeat
 
 from cluster.core.demand import PrefixDemand
 from cluster.core.directory_index import APPLIED, DirectoryIndex
@@ -70,7 +71,7 @@ class SimNode:
     def put(self, keys: Sequence[PageKey]) -> int:
         """Store the pages not held yet: top tier first, the rest spilling into host."""
         tier_of = self.tier_of
-        fresh = [k for k in dict.fromkeys(keys) if k not in tier_of]
+        fresh = list(filterfalse(tier_of.__contains__, dict.fromkeys(keys)))  # in C
         stored = 0
         for tier in (DEVICE, HOST):
             capacity = self.capacities[tier]
@@ -113,14 +114,8 @@ class SimNode:
         each inserted with the one before as its parent, as Pool.commit does (moves: None)."""
         if not keys:
             return
-        tier_of = self.tier_of
-        insert = self.policies[tier].on_insert
-        parent = None
-        for key in keys:
-            tier_of[key] = tier
-            insert(key, parent)
-            if chained:
-                parent = key
+        self.tier_of.update(dict.fromkeys(keys, tier))
+        self.policies[tier].on_insert_many(keys, None, chained)
         self.counts[tier] += len(keys)
         if self.on_events:
             self.on_events(keys, tier)
@@ -140,16 +135,14 @@ class SimNode:
             return
         policy = self.policies[tier]
         victims = policy.victims(shortfall, is_pinned)
-        tier_of, remove = self.tier_of, policy.on_remove
-        for key in victims:  # the tier's policy holds only the tier's pages
-            del tier_of[key]
-            remove(key)
+        policy.on_remove_many(victims)  # the tier's policy holds only the tier's pages
         self.counts[tier] -= len(victims)
         self.evictions[tier] += len(victims)
         self._demote(victims, tier + 1)
 
     def _demote(self, keys: list[PageKey], tier: int) -> None:
-        """Into the next tier that exists (making room there), else dropped."""
+        """Into the next tier that exists (making room there), else dropped. The keys left
+        their tier: tier_of still names it until they are placed or dropped here."""
         if not keys:
             return
         while tier <= DISK and self.capacities[tier] == 0:
@@ -161,8 +154,13 @@ class SimNode:
             self._make_room(tier, min(len(keys), self.capacities[tier]), _never)
             room = self.capacities[tier] - self.counts[tier]
             self._place(keys[:room], tier)
-        if room < len(keys) and self.on_events:
-            self.on_events(keys[room:], None)
+        if room < len(keys):
+            dropped = keys[room:]
+            tier_of = self.tier_of
+            for key in dropped:
+                del tier_of[key]
+            if self.on_events:
+                self.on_events(dropped, None)
 
 
 class SimDirectory:
@@ -282,7 +280,7 @@ class SimCluster:
         here = self.nodes[node].tier_of
         if located is None:
             return [here[k] for k in keys[: self.nodes[node].local_prefix(keys)]]
-        return [here.get(key, REMOTE) for key in keys[: len(located)]]
+        return list(map(here.get, keys[: len(located)], repeat(REMOTE)))
 
     def fetch_s(self, sources: Sequence[int]) -> float:
         """Each source's pages in one transfer: its latency + bytes / its bandwidth."""

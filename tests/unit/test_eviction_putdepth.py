@@ -114,9 +114,13 @@ class Recording(PutDepthPolicy):
         super().__init__(capacity_pages)
         self.inserts: list[tuple[object, object]] = []
 
-    def on_insert(self, key, parent=None) -> None:
-        self.inserts.append((key, parent))
-        super().on_insert(key, parent)
+    def on_insert_many(self, keys, parent=None, chained=False) -> None:
+        # on_insert comes here too (one key): every insert, with the parent it is given
+        first = parent
+        for page in keys:
+            self.inserts.append((page, parent))
+            parent = page if chained else None
+        super().on_insert_many(keys, first, chained)
 
 
 def test_the_simulator_passes_the_puts_previous_new_page_as_parent():

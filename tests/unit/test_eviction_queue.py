@@ -102,10 +102,14 @@ class ReferencePutDepth(ReferenceRecFreq):
 
 
 # An op: ("insert", key, chained), ("access", key), ("remove", key),
-# ("victims", n, pinned keys), ("evict", n): victims then on_remove of each, as a tier does.
+# ("victims", n, pinned keys), ("evict", n): victims then on_remove of each, as a tier does;
+# ("insert_many", keys, chained), ("remove_many", keys): the run calls (the reference makes
+# a call per key), with keys held already and repeated keys among them.
 KEYS = st.integers(0, 12)  # few keys: the fifo empties, parked entries meet new ones
 OPS = st.one_of(
     st.tuples(st.just("insert"), KEYS, st.booleans()),
+    st.tuples(st.just("insert_many"), st.lists(KEYS, max_size=8), st.booleans()),
+    st.tuples(st.just("remove_many"), st.lists(KEYS, max_size=8)),
     st.tuples(st.just("access"), KEYS),
     st.tuples(st.just("remove"), KEYS),
     st.tuples(st.just("victims"), st.integers(0, 12), st.frozensets(KEYS, max_size=6)),
@@ -122,6 +126,23 @@ def drive(policy, ops) -> list:
             page = key(op[1])
             policy.on_insert(page, last if op[2] else None)
             last = page
+        elif op[0] == "insert_many":
+            pages = [key(i) for i in op[1]]
+            parent = last if op[2] else None  # a chained run goes on from the last insert
+            if isinstance(policy, ReferenceRecFreq):
+                for page in pages:
+                    policy.on_insert(page, parent)
+                    parent = page if op[2] else None
+            else:
+                policy.on_insert_many(pages, parent, op[2])
+            last = pages[-1] if pages else last
+        elif op[0] == "remove_many":
+            pages = [key(i) for i in op[1]]
+            if isinstance(policy, ReferenceRecFreq):
+                for page in pages:
+                    policy.on_remove(page)
+            else:
+                policy.on_remove_many(pages)
         elif op[0] == "access":
             policy.on_access(key(op[1]))
         elif op[0] == "remove":
