@@ -77,8 +77,8 @@ SPEC = common.LLAMA_8B_KV  # pages of 8, 32 and 128 tokens
 GOALS = {
     "host_get_vs_memcpy": {"min": 0.9},
     "host_put_vs_memcpy": {"min": 0.8},
-    "disk_read_vs_raw": {"min": 0.85},
-    "disk_write_vs_raw": {"min": 0.85},
+    "disk_read_vs_raw": {"min": 0.9},  # the hot-path issue's goal (the benchmarks issue had 0.85)
+    "disk_write_vs_raw": {"min": 0.9},
     "durable_write_vs_raw": {"min": 0.85},
     "host_get_vs_redis": {"min": 10.0},
     "host_get_vs_ray": {"min": 1.0},
