@@ -92,7 +92,8 @@ def prior_rates(paths: Mapping[str, tuple[float, float]] | None = None,
                           in table.items()}, {}, prefill_tokens_per_s)
 
 
-def _ewma(old: float, sample: float, num_samples: int) -> float:
+def ewma(old: float, sample: float, num_samples: int) -> float:
+    """One step of the measured rates' EWMA (SAMPLE_WEIGHT) after `num_samples` samples."""
     # The first sample replaces the prior outright: a measurement beats a guess.
     return sample if num_samples == 0 else (1 - SAMPLE_WEIGHT) * old + SAMPLE_WEIGHT * sample
 
@@ -109,7 +110,7 @@ def observe_transfer(rates: RateEstimates, source: str, num_bytes: int,
     moving_s = seconds - path.latency_s
     if num_bytes <= 0 or moving_s <= 0:
         return rates
-    per_byte_s = _ewma(1.0 / path.bytes_per_s, moving_s / num_bytes, path.num_samples)
+    per_byte_s = ewma(1.0 / path.bytes_per_s, moving_s / num_bytes, path.num_samples)
     updated = replace(path, bytes_per_s=1.0 / per_byte_s, num_samples=path.num_samples + 1)
     return replace(rates, paths={**rates.paths, source: updated})
 
@@ -121,7 +122,7 @@ def observe_prefill(rates: RateEstimates, replica_id: str, num_tokens: int,
         return rates
     count = rates.prefill_samples.get(replica_id, 0)
     old = rates.prefill_tokens_per_s.get(replica_id, rates.prior_prefill_tokens_per_s)
-    per_token_s = _ewma(1.0 / old, seconds / num_tokens, count)
+    per_token_s = ewma(1.0 / old, seconds / num_tokens, count)
     return replace(rates,
                    prefill_tokens_per_s={**rates.prefill_tokens_per_s,
                                          replica_id: 1.0 / per_token_s},

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from policies.cost_routing import (
     DISK,
     HOST,
-    SAMPLE_WEIGHT,
     RateEstimates,
+    ewma,
     observe_transfer,
     prior_rates,
     published,
@@ -97,11 +97,10 @@ class PrefillFit:
     def add(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
-        weight = 1.0 if self.num_samples == 0 else SAMPLE_WEIGHT
         for name, sample in (("mean_tokens", num_tokens), ("mean_s", seconds),
                              ("mean_tokens_sq", num_tokens * num_tokens),
                              ("mean_tokens_s", num_tokens * seconds)):
-            setattr(self, name, (1 - weight) * getattr(self, name) + weight * sample)
+            setattr(self, name, ewma(getattr(self, name), sample, self.num_samples))
         self.num_samples += 1
 
     def per_token_s(self) -> float | None:
@@ -189,10 +188,7 @@ class EngineMeter:
     def finished(self) -> None:
         """A request finished: the busy time since the last one is its share."""
         sample, self._busy_s = self._busy_s, 0.0
-        if self.num_finished == 0:
-            self.busy_s_per_request = sample
-        else:
-            self.busy_s_per_request += SAMPLE_WEIGHT * (sample - self.busy_s_per_request)
+        self.busy_s_per_request = ewma(self.busy_s_per_request, sample, self.num_finished)
         self.num_finished += 1
 
     def published(self) -> dict:

@@ -14,8 +14,8 @@ They update EWMAs (policies/cost_routing.py). `published()` is what the replica'
 from __future__ import annotations
 
 from policies.cost_routing import (
-    SAMPLE_WEIGHT,
     RateEstimates,
+    ewma,
     observe_prefill,
     observe_transfer,
     prior_rates,
@@ -46,10 +46,7 @@ class RateMeter:
 
     def finished(self, compute_s: float) -> None:
         """A request's compute time, prefill and decode steps together."""
-        if self.num_requests == 0:
-            self.busy_s_per_request = compute_s
-        else:
-            self.busy_s_per_request += SAMPLE_WEIGHT * (compute_s - self.busy_s_per_request)
+        self.busy_s_per_request = ewma(self.busy_s_per_request, compute_s, self.num_requests)
         self.num_requests += 1
 
     def published(self) -> dict:
