@@ -59,10 +59,6 @@ class LeasePool:
         """Taken slots that were not written after all: free again."""
         self._add_free(as_places(places))
 
-    def drop_free(self) -> None:
-        """Forget the free slots: the node fenced them off (the lease lapsed)."""
-        self.free = as_places([])
-
     def lapsed(self) -> None:
         """The lease is gone (a failed call, or slots this process cannot map): forget it
         and its slots, and ask for a fresh one with the next call (which the caller paces)."""
