@@ -59,7 +59,9 @@ class PathRate:
 
 @dataclass(frozen=True, slots=True)
 class RateEstimates:
-    """Every fetch path's rate (`SOURCES`) and each replica's prefill tokens/s."""
+    """Every fetch path's rate (`SOURCES`) and each replica's prefill tokens/s;
+    `prior_prefill_tokens_per_s` is the rate of a replica without one of its own: the prior,
+    or in a router's estimates the replicas' pooled rate (`pooled`)."""
 
     paths: Mapping[str, PathRate]
     prefill_tokens_per_s: Mapping[str, float] = field(default_factory=dict)
@@ -81,7 +83,8 @@ class RateEstimates:
                                  "num_samples": p.num_samples}
                           for name, p in self.paths.items()},
                 "prefill_tokens_per_s": dict(self.prefill_tokens_per_s),
-                "prefill_samples": dict(self.prefill_samples)}
+                "prefill_samples": dict(self.prefill_samples),
+                "prefill_default_tokens_per_s": self.prior_prefill_tokens_per_s}
 
 
 def prior_rates(paths: Mapping[str, tuple[float, float]] | None = None,
@@ -160,15 +163,28 @@ def published(rates: RateEstimates, replica_id: str) -> dict:
 
 def pooled(prior: RateEstimates, by_replica: Mapping[str, Mapping]) -> RateEstimates:
     """The router's estimates from what each replica published (`published`): the paths
-    pooled over replicas (`merge_paths`), each replica's own prefill rate."""
+    pooled over replicas (`merge_paths`), and the prefill rate pooled over them too (the
+    sample-weighted mean of their seconds per token), which every replica is estimated at.
+
+    A deployment's replicas run one model. One replica's own rate, an EWMA over its last few
+    steps on a shared machine, can be off several-fold; a replica estimated slower is then
+    sent nothing while its queue is no longer than the others' (most of the time at moderate
+    load), so it is never measured again and its figure never mends: the live benchmark's
+    router sent one replica of three nothing, and another 72% of a round, on rates that
+    differed 7x between identical engines (docs/benchmarks.md, vllm-serve). Pooled, a noisy
+    step moves every replica's estimate alike; replicas differ by what they hold and their
+    queues (a slower replica's compute seconds per request lengthen its queue wait)."""
     paths = [{name: PathRate(*row) for name, row in (stats.get("paths") or {}).items()
               if name in prior.paths} for stats in by_replica.values()]
     rates = merge_paths(prior, paths)
-    own = {replica: stats for replica, stats in by_replica.items()
-           if stats.get("prefill_tokens_per_s")}
-    return replace(rates,
-                   prefill_tokens_per_s={r: s["prefill_tokens_per_s"] for r, s in own.items()},
-                   prefill_samples={r: s.get("prefill_samples", 1) for r, s in own.items()})
+    own = [(stats["prefill_tokens_per_s"], max(1, int(stats.get("prefill_samples", 1))))
+           for stats in by_replica.values() if stats.get("prefill_tokens_per_s")]
+    if not own:
+        return replace(rates, prefill_tokens_per_s={}, prefill_samples={})
+    num_samples = sum(count for _, count in own)
+    per_token_s = sum(count / tokens_per_s for tokens_per_s, count in own) / num_samples
+    return replace(rates, prefill_tokens_per_s={}, prefill_samples={},
+                   prior_prefill_tokens_per_s=1.0 / per_token_s)
 
 
 def queued_requests(reported: int | None, routed_in_flight: int) -> int:

@@ -87,6 +87,7 @@ def test_every_set_up_runs_the_same_engines():
     kwargs = EngineShape(num_blocks=256).engine_kwargs()
     assert kwargs["num_gpu_blocks_override"] == 256 and kwargs["block_size"] == 32
     assert kwargs["enable_prefix_caching"] and kwargs["enable_prompt_tokens_details"]
+    assert kwargs["enable_per_request_metrics"]  # the per-request TTFT split
 
 
 def test_replica_shares_count_only_the_requests_between_two_scrapes():

@@ -14,6 +14,7 @@ from policies.cost_routing import (
     DISK,
     ENGINE,
     HOST,
+    PRIOR_PREFILL_TOKENS_PER_S,
     REMOTE,
     SOURCES,
     Candidate,
@@ -245,6 +246,29 @@ def test_what_replicas_publish_pools_into_the_routers_estimates():
     assert rates.paths[HOST].bytes_per_s == pytest.approx(2 / (1e-6 / 1000 + 3e-6 / 1000))
     assert rates.paths[REMOTE].bytes_per_s == pytest.approx(1e8)
     assert rates.paths[DISK] == prior_rates().paths[DISK]
-    assert rates.prefill_rate("a") == pytest.approx(1000.0)
-    assert rates.prefill_rate("b") == pytest.approx(500.0)
-    assert rates.prefill_rate("c") == pytest.approx(2 / (1 / 1000 + 1 / 500))
+    # The prefill rate is pooled over the replicas (one sample each): every replica, and one
+    # that has published none, is estimated at it.
+    for replica in ("a", "b", "c"):
+        assert rates.prefill_rate(replica) == pytest.approx(2 / (1 / 1000 + 1 / 500))
+    assert rates.as_dict()["prefill_default_tokens_per_s"] == pytest.approx(2000 / 3)
+
+
+def test_pooled_prefill_rates_weigh_samples_and_keep_the_prior_without_any():
+    shown = {"a": {"prefill_tokens_per_s": 1000.0, "prefill_samples": 3},
+             "b": {"prefill_tokens_per_s": 4000.0, "prefill_samples": 1}, "c": {}}
+    rates = pooled(prior_rates(), shown)
+    assert rates.prefill_rate("b") == pytest.approx(4 / (3 / 1000 + 1 / 4000))
+    assert pooled(prior_rates(), {"a": {}}).prefill_rate("a") == PRIOR_PREFILL_TOKENS_PER_S
+
+
+def test_a_replica_measured_slower_on_a_few_noisy_steps_is_not_starved():
+    """Identical replicas; one published a rate 7x below the other's (an EWMA over a few
+    steps of a shared machine). The request goes where its prefix is held, not to the
+    replica whose own figure happened to be higher."""
+    shown = {"fast": {"prefill_tokens_per_s": 7000.0, "prefill_samples": 5},
+             "slow": {"prefill_tokens_per_s": 1000.0, "prefill_samples": 5}}
+    rates = pooled(prior_rates(), shown)
+    prompt = Prompt(3200, 32, 1 << 17)
+    decision = decide(prompt, [Candidate("fast", (), 0.0),
+                               Candidate("slow", (HOST,) * 50, 0.0)], rates)
+    assert decision.replica_id == "slow" and decision.fetch_pages == 50

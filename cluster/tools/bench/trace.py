@@ -150,6 +150,11 @@ class Sent:
     cached_tokens: int = 0
     replica: str = ""
     error: str = ""
+    # vLLM's own per-request timings (`enable_per_request_metrics`: the reply's "metrics"),
+    # None where the engine sends none: queued to first scheduled (a connector's load waits
+    # in it), first scheduled to first token (the prefill's steps).
+    engine_queue_ms: float | None = None
+    engine_prefill_ms: float | None = None
 
 
 def replay(url: str, requests: list[ScaledRequest]) -> list[Sent]:
@@ -170,10 +175,14 @@ def replay(url: str, requests: list[ScaledRequest]) -> list[Sent]:
             sent.ttft_s = time.perf_counter() - began_s
             sent.status, sent.replica = reply.status_code, reply.headers.get("x-raykv-replica", "")
             if reply.status_code == 200:
-                usage = reply.json()["usage"]
+                answer = reply.json()
+                usage = answer["usage"]
                 sent.prompt_tokens = usage["prompt_tokens"]
                 sent.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
                     "cached_tokens", 0)
+                metrics = answer.get("metrics") or {}
+                sent.engine_queue_ms = metrics.get("queue_time_ms")
+                sent.engine_prefill_ms = metrics.get("time_to_first_token_ms")
             else:
                 sent.error = reply.text[:200]
         except http.RequestException as error:

@@ -47,6 +47,7 @@ from cluster.core.trace_format import read_trace
 from cluster.core.trace_scale import Scale, ScaledRequest, check_distinct
 from cluster.tools.bench import common
 from cluster.tools.bench.harness import Report, interleave
+from cluster.tools.bench.vllm_serve_breakdown import TTFT_PARTS, columns, report_fields, split
 from cluster.tools.bench.vllm_serve_setups import SETUPS, EngineShape
 from cluster.tools.bench.vllm_serve_trace import (
     Thinning,
@@ -216,7 +217,7 @@ def run_setup(setup: str, plan: Plan, model_dir: str, requests: list[ScaledReque
         errors = sorted({s.error[:120] for s in sent if s.status != 200})[:3]
         return {"summary": summary, "ttft_ms": sorted(s.ttft_s * 1e3 for s in sent
                                                       if s.status == 200),
-                "start_s": started_s, "error_samples": errors}
+                "start_s": started_s, "error_samples": errors, "requests": columns(sent)}
     finally:
         serve.delete(setup)
         if setup == "raykv":
@@ -308,14 +309,21 @@ def print_rounds(rounds: dict[str, list[dict]]) -> None:
     for name, per_round in rounds.items():
         for index, result in enumerate(per_round):
             s = result["summary"]
+            parts = split(result["requests"])
             rows.append([f"{name} r{index}", str(s["requests"]), str(s["errors"]),
                          f"{s['ttft_p50_ms']:.0f}", f"{s['ttft_p99_ms']:.0f}",
+                         *(_ms(parts[p]["p50"]) for p in TTFT_PARTS[1:]),
                          f"{s['hit_ratio']:.3f}", f"{result['start_s']:.0f}",
                          " ".join(f"{v:.2f}" for v in s["replica_shares"].values())])
     common.print_tables([common.table(
         "the same trace per round, every set-up",
-        ["set-up", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "cached/prompt",
-         "app start s", "replica shares"], rows)])
+        ["set-up", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "queue p50",
+         "prefill p50", "outside p50", "cached/prompt", "app start s", "replica shares"],
+        rows)])
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def notes(plan: Plan, traces: list[list[ScaledRequest]]) -> list[str]:
@@ -405,6 +413,9 @@ def run_here(json_path: str | None, quick: bool, trace_path: str | None = None,
                                 "error_samples": r["error_samples"]} for r in per_round]
                            for n, per_round in rounds.items()}
     report["ttft_ms"] = {n: [r["ttft_ms"] for r in per_round] for n, per_round in rounds.items()}
+    report["requests"] = {n: [r["requests"] for r in per_round] for n, per_round in rounds.items()}
+    for key, value in report_fields(report["requests"]).items():
+        report[key] = value
     report["recompute"] = recompute
     fill_ratios(report, rounds, plan, working_set, recompute, parts)
     return report.finish(json_path)

@@ -8,7 +8,8 @@ Serve LLM, routed four ways.
     pow2       vLLM's own prefix cache, Serve's power-of-two choices router
 
 Every engine is the same: float32, eager, `BLOCK_TOKENS`-token blocks, `num_gpu_blocks_override`
-blocks of vLLM's own cache (below the trace's working set), prompt-token details on, one CPU
+blocks of vLLM's own cache (below the trace's working set), prompt-token details and vLLM's
+per-request timings (`enable_per_request_metrics`: queue and prefill per reply) on, one CPU
 bundle holding the node's one `engine_slot` (one replica per simulated node).
 
 Ray's KVAwareRouter binds its engines' ZMQ ports at a base plus the replica's *node-local*
@@ -49,6 +50,8 @@ class EngineShape:
                 "max_model_len": self.max_model_len,
                 "num_gpu_blocks_override": self.num_blocks, "max_num_seqs": self.max_num_seqs,
                 "enable_prompt_tokens_details": True,
+                # each reply's vLLM timings (queue, prefill): the bench's per-request split
+                "enable_per_request_metrics": True,
                 "enable_prefix_caching": self.prefix_caching}
 
 

@@ -101,7 +101,7 @@ def child(args):
     from cluster.tools.simcluster import simulated_cluster, start_serve
 
     out = Path(args.out)
-    plan = vs.plan_for(True)
+    plan = vs.plan_for(not args.full)
     traces = vs.round_traces(plan, str(default_trace()))
     requests = traces[args.round][: args.max_requests or None]
     model_dir = save_model_dir(os.path.join(tempfile.mkdtemp(prefix="raykv-vs-"), vs.MODEL))
@@ -123,7 +123,9 @@ def child(args):
             "wall0": wall0, "wall1": time.time(),
             "sent": [{"i": s.index, "status": s.status, "sent_at_s": s.sent_at_s,
                       "ttft_s": s.ttft_s, "prompt_tokens": s.prompt_tokens,
-                      "cached_tokens": s.cached_tokens, "error": s.error} for s in sent],
+                      "cached_tokens": s.cached_tokens, "error": s.error,
+                      "engine_queue_ms": s.engine_queue_ms,
+                      "engine_prefill_ms": s.engine_prefill_ms} for s in sent],
             "cpu": cpu_delta(cpu0, cpu1), "threads": thread_delta(threads0, threads1),
             "system_busy_s": round((sys1.user + sys1.system) - (sys0.user + sys0.system), 2),
             "system_idle_s": round(sys1.idle - sys0.idle, 2),
@@ -153,6 +155,8 @@ def main():
     parser.add_argument("--setups", default="raykv,prefix")
     parser.add_argument("--round", type=int, default=0)
     parser.add_argument("--max-requests", type=int, default=0)
+    parser.add_argument("--full", action="store_true", help="the full plan's round, not the "
+                        "quick plan's")
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
@@ -168,7 +172,7 @@ def main():
     cmd = [sys.executable, "-m", "cluster.tools.bench.vllm_serve_phases.run", "--child",
            "--out", str(out),
            "--setups", args.setups, "--round", str(args.round),
-           "--max-requests", str(args.max_requests)]
+           "--max-requests", str(args.max_requests), *(["--full"] if args.full else [])]
     script = "ip link set lo up && exec " + " ".join(cmd)
     isolate = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
     return subprocess.run([*isolate, "sh", "-c", script], env=env, check=False).returncode

@@ -217,6 +217,71 @@ HOOKS = {"vllm.v1.core.sched.scheduler": _patch_scheduler,
          "cluster.serving.router": _patch_router}
 
 
+
+# ---- the reply's way: vLLM's frontend, the LLMServer replica, the OpenAI ingress ----------
+
+def _prompt_len(body):
+    prompt = getattr(body, "prompt", None)
+    return len(prompt) if isinstance(prompt, str) else None
+
+
+def _timed_stream(kind, stream, **fields):
+    """`stream` (an async generator) logging `kind` when it is done."""
+    async def wrapped():
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            log(kind, **fields)
+    return wrapped()
+
+
+def _patch_output_processor(module):
+    cls = module.OutputProcessor
+    process = cls.process_outputs
+
+    def process_outputs(self, engine_core_outputs, *args, **kwargs):
+        now = time.time()
+        for out in engine_core_outputs:
+            if getattr(out, "finish_reason", None) is not None:
+                log("fout", t=now, rid=out.request_id)
+        return process(self, engine_core_outputs, *args, **kwargs)
+
+    cls.process_outputs = process_outputs
+
+
+def _patch_llm_server(module):
+    cls = module.LLMServer
+    completions = cls.completions
+
+    async def completions_(self, request, *args, **kwargs):
+        start = time.time()
+        stream = await completions(self, request, *args, **kwargs)
+        log("srv_in", t=start, n=_prompt_len(request))
+        return _timed_stream("srv_out", stream, n=_prompt_len(request), t0=start)
+
+    cls.completions = completions_
+
+
+def _patch_ingress(module):
+    cls = module.OpenAiIngress
+    completions = cls.completions
+
+    async def completions_(self, body, request):
+        start = time.time()
+        try:
+            return await completions(self, body, request)
+        finally:
+            log("ing", t=start, dur=time.time() - start, n=_prompt_len(body))
+
+    cls.completions = completions_
+
+
+HOOKS.update({"vllm.v1.engine.output_processor": _patch_output_processor,
+              "ray.llm._internal.serve.core.server.llm_server": _patch_llm_server,
+              "ray.llm._internal.serve.core.ingress.ingress": _patch_ingress})
+
+
 class _PostImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name not in HOOKS:
