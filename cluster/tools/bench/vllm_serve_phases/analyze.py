@@ -3,7 +3,7 @@
 import json
 import statistics
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 SUMMARY = ("requests", "errors", "ttft_p50_ms", "ttft_p99_ms", "hit_ratio", "send_late_p99_ms")
@@ -34,10 +34,11 @@ def load_events(directory):
     return by_pid
 
 
-def main(out_dir):
+def main(out_dir, json_path=None):
     out = Path(out_dir)
     results = json.loads((out / "results.json").read_text())
     events = load_events(out / "events")
+    kept = {}
     for setup, res in results.items():
         w0, w1 = res["wall0"], res["wall1"]
         print(
@@ -143,6 +144,19 @@ def main(out_dir):
                 )
         for name, vals in ph.items():
             print(f"   {name:52s} {fmt(vals)}")
+        kept[setup] = {
+            "summary": res["summary"], "cpu_s": res["cpu"], "system_busy_s": res["system_busy_s"],
+            "phases_ms": {name: {"n": len([v for v in vals if v is not None]),
+                                 "p50": _ms(pct(vals, 50)), "p90": _ms(pct(vals, 90))}
+                          for name, vals in ph.items()},
+            "router": {"choose_ms_p50": _ms(pct([e["dur"] for e in routes], 50)),
+                       "chosen": dict(Counter(e["chosen"] for e in routes)),
+                       "estimates": [e["est"] for e in sorted(routes, key=lambda e: e["t"])
+                                     if e.get("est")][:40]},
+            "loads_ms_p50": _ms(pct([e["dur"] for e in loads.values()], 50)),
+            "num_loads": len(loads), "num_puts": len(puts),
+            "puts_ms_p50": _ms(pct(puts, 50)),
+            "sent": res["sent"]}
         gcalls = [r.get("gnm_calls", 0) for _, _, r in rows]
         if any(gcalls):
             print(
@@ -219,5 +233,13 @@ def main(out_dir):
                     )
 
 
+    if json_path:
+        Path(json_path).write_text(json.dumps(kept, indent=1))
+
+
+def _ms(seconds):
+    return None if seconds is None else round(seconds * 1e3, 1)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

@@ -4,6 +4,7 @@ JSON lines of timings to $RAYKV_PHASES_DIR/<pid>.jsonl: vLLM's scheduler (reques
 first scheduled, finished; steps), RaykvConnector (asks, lookups, loads, saves, puts), raykv's
 router (decision, keying, directory lookup) and Ray's driver-side error listener (polls). It
 also runs the benchmark's vllm_compat/sitecustomize.py (RAYKV_PHASES_COMPAT)."""
+import functools
 import importlib.abc
 import importlib.machinery
 import json
@@ -267,6 +268,7 @@ def _patch_ingress(module):
     cls = module.OpenAiIngress
     completions = cls.completions
 
+    @functools.wraps(completions)  # FastAPI reads the route's signature through __wrapped__
     async def completions_(self, body, request):
         start = time.time()
         try:
