@@ -27,6 +27,11 @@ Ratios (Report.paired: the median of per-round ratios):
                                                  run several times
 A ratio whose set-ups failed requests, cached nothing, or whose working set fit in the engines'
 caches, is not exercised (null; the run exits 2).
+
+Per request (vllm_serve_breakdown.py): every engine replies with vLLM's own timings, so the JSON
+keeps each round's requests (`requests`: TTFT, engine queue, engine prefill, the rest outside the
+engine, cached tokens), each set-up's split (`ttft_split`) and raykv's paired by request with
+each baseline (`ttft_split_paired`).
 """
 
 from __future__ import annotations
