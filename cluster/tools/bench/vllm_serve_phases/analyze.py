@@ -234,7 +234,7 @@ def main(out_dir, json_path=None):
 
 
     if json_path:
-        Path(json_path).write_text(json.dumps(kept, indent=1))
+        Path(json_path).write_text(json.dumps(kept, separators=(",", ":")) + "\n")
 
 
 def _ms(seconds):
