@@ -226,7 +226,7 @@ def memcpy_get_s(session: Session, num_tokens: int, reps: int) -> float:
     as the get copies them: one block per run of consecutive slots (fetch.copy_pairs)."""
     client = session.client
     keys = client.keys(session.tokens(0, num_tokens))
-    stamp, lease_id, slots = ray.get(client.local.acquire(client.geometry, keys))
+    stamp, lease_id, slots, _ = ray.get(client.local.acquire(client.geometry, keys))
     try:
         common.map_slabs(client, stamp)
         pairs, mapped = copy_pairs(client.view.slabs, as_places(slots), session.out, 0)

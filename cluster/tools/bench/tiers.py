@@ -335,11 +335,11 @@ def get_phases_s(session: Session) -> dict[str, float]:
                 ray.get(client.directory.prefix_refs(keys)[1])
             return ray.get(acquired)
 
-        seconds, (_, lease, _) = common.timed(call)
+        seconds, (_, lease, _, _) = common.timed(call)
         ray.get(client.local.release(lease))
         return seconds
 
-    stamp, lease_id, slots = ray.get(client.local.acquire(client.geometry, keys))
+    stamp, lease_id, slots, _ = ray.get(client.local.acquire(client.geometry, keys))
     common.map_slabs(client, stamp)
     pairs, _ = copy_pairs(client.view.slabs, as_places(slots), out, 0)  # as the get's
     try:
