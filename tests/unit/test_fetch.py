@@ -8,7 +8,7 @@ import torch
 
 from cluster.client import KVClient
 from cluster.core.config import CacheConfig
-from cluster.core.geometry import DISK, HOST, PageGeometry
+from cluster.core.geometry import HOST, PageGeometry
 from cluster.core.keys import page_keys
 from cluster.core.spec import ModelSpec
 from cluster.core.tiers.memory import ArenaOptions, MappedArena
