@@ -486,7 +486,8 @@ NOTES = [
     "get: a batch the client read a moment ago (copies from its noted slots, no call); "
     "cold_get: the same client after dropping its notes of the batch, i.e. its first get of "
     "a batch (the node's acquire alone, as the node holds the batch; copies, release); its "
-    "slabs are mapped already, as any running client's are: a new client's one-time mapping is not timed",
+    "slabs are mapped already, as any running client's are: a new client's one-time mapping "
+    "is not timed",
     "redis: pipelined SET/GET (hiredis, loopback), as many connections as copy threads, each "
     "thread copying its values out; ray: another worker on this node ray.gets the driver's "
     "ray.put pages and copies them out with copies.copy_pages; both fill a touched KV tensor "
