@@ -253,10 +253,6 @@ class NodeCacheActor:
         slot's write fence. Then, after answering, the next memory chunk is readied ahead of
         the puts that will need it."""
         await self.ready()
-        if self._pending_grow is not None and not self._pending_grow.done():
-            # the chunk being readied ahead (faulted in by a thread) is the room this reserve
-            # wants: wait for it rather than grow and fault in another one on this call
-            await asyncio.wait([self._pending_grow])  # its failure is not this call's
         reservation_id, slots = await self.store.reserve(geometry, keys, tier, namespace)
         places = self.store.pool(geometry).places(slots)
         self._grow_soon(geometry)
