@@ -267,7 +267,9 @@ class KVClient:
             return None
         pairs = [(block, kv_rows) for kv_rows, block in blocks]
         try:
-            copied = yield Work(lambda: fenced_copy(slabs, places, pairs))
+            # The slots stay locked until their commit is answered (puts.wrote): a node
+            # short of room then cannot revoke a written slot before its page is indexed.
+            copied = yield Work(lambda: fenced_copy(slabs, places, pairs, hold=True))
         except BaseException:
             puts.give_back(places)  # uncommitted: rewritten by a later put
             raise
@@ -405,16 +407,19 @@ class KVClient:
                 "page_tokens": self.page_tokens}
 
 
-def fenced_copy(slabs: LocalSlabs, places, pairs: list) -> bool:
+def fenced_copy(slabs: LocalSlabs, places, pairs: list, hold: bool = False) -> bool:
     """Copy `pairs` into the reserved slots `places` (a slot table, or (tier, slot,
     generation) tuples) only while they are still this put's: under the
     slots' write locks, with their generations unmoved since the reserve. False (nothing
     copied) when a lock is held elsewhere or a generation moved: the reservation lapsed, and
     the node may have given the slot to another put. Holding the locks through the copy is
-    what keeps the node from reusing a slot under a copy that stalls (tiers/fence.py)."""
+    what keeps the node from reusing a slot under a copy that stalls (tiers/fence.py).
+    `hold`: after a copy that went through, keep the locks (the caller lets them go with
+    `LocalSlabs.unlock_places`)."""
     places = as_places(places)
     by_tier = {tier: places[places[:, 0] == tier, 1] for tier in np.unique(places[:, 0]).tolist()}
     locked: list[int] = []
+    copied = False
     try:
         for tier, slots in by_tier.items():
             if not slabs.fence(tier).lock(slots):
@@ -423,10 +428,13 @@ def fenced_copy(slabs: LocalSlabs, places, pairs: list) -> bool:
         if slabs.num_unchanged(places) < len(places):
             return False
         copy_pages(pairs)
+        copied = True
         return True
     finally:
-        for tier in locked:
-            slabs.fence(tier).unlock(by_tier[tier])
+        if not (hold and copied):
+            for tier in locked:
+                slabs.fence(tier).unlock(by_tier[tier])
+
 
 
 def _or_error(result: object) -> object:

@@ -2,9 +2,11 @@
 
     put (caller's thread)                       committer (one thread per client)
     take(n) leased slots      no call           wake on a write, a shortage, a lease near its end
-    fenced copy into them                       node.put_leased(commit the writes, lease more)
-    wrote(keys, slots), wake  ------------->    map and pre-fault the new slots
-    return                                      note the committed pages (hints); wake readers
+    fenced copy into them,                      node.put_leased(commit the writes, lease more)
+      their locks kept
+    wrote(keys, slots), wake  ------------->    unlock the written slots; map and pre-fault the
+    return                                      new ones; note the committed pages (hints);
+                                                wake readers
 
 Writes made while a call is in flight go in the next one: a burst of puts costs one call per
 round trip, none on the puts' path. A put that finds too few leased slots (the first one, or
@@ -172,6 +174,9 @@ class LeasedPuts:
                 sent_s: float) -> None:
         """Apply a call's answer (None: it failed, and its writes are a miss)."""
         start_s = time.perf_counter()
+        # Answered for: the written slots are indexed (or refused), so their locks go; until
+        # now they kept a node short of room from revoking them (put_leases.PutLeases.revoke).
+        self.view.slabs.unlock_places(written[1])
         places = self._map(*reply) if reply is not None else None
         mapped_s = time.perf_counter()
         if reply is not None and any(reply[1].committed):

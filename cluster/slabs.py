@@ -124,6 +124,17 @@ class LocalSlabs:
         """This client's write locks on a tier's slots (see cluster/core/tiers/fence.py)."""
         return self._fences[tier]
 
+    def unlock_places(self, places: np.ndarray) -> None:
+        """Let go of this client's write locks on `places` (a slot table), kept after a
+        leased copy until its commit was answered. A lock of slabs mapped anew since (the
+        node restarted) went with the old file's close: unlocking it here is a no-op."""
+        if not len(places):
+            return
+        with self._lock:
+            fences = list(self._fences)
+        for tier in np.unique(places[:, 0]).tolist():
+            fences[tier].unlock(places[places[:, 0] == tier, 1].tolist())
+
     def runs(self, places: np.ndarray) -> list[tuple[SlotRun, torch.Tensor]]:
         """The leading runs of `places` (an int64 [N, 3] slot table) whose slots are mapped
         here, each with its pages as one [count, *page_shape] view; the list stops at the

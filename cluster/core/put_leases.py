@@ -7,20 +7,20 @@ lease up (cluster/puts.py):
 
     node                                   client
     lease: free slots, not in the index    take(n) slots of its lease
-                                           lock, generations unmoved?, copy, unlock   (fence)
+                                           lock, generations unmoved?, copy     (fence)
     commit(keys, slots) <------------------ a background call: these keys are in those slots
       slot still in this lease?            (and: lease me `want` more, for the next puts)
         key new: index it READY (visible)
         key already held: free the slot
-      lease `want` more free slots -------> the next puts' slots
+      lease `want` more free slots -------> unlock the written slots; the next puts' slots
 
 Nothing half-stored is visible: a leased slot is in no index until its commit arrives, after
 the copy. A lease lapses `reserve_lease_s` after its last call, as a reservation does: its
-slots are fenced (the generation moves: a writer that has not locked yet writes nothing) and
-freed once no writer holds them, else quarantined (pool._release_written). A client that
-dies with leased, uncommitted slots thus loses them to the node; one that stalls past its
-lease finds its commit refused (a miss, never wrong bytes: the slot may hold another page by
-then, and its late copy was fenced off).
+slots that no writer holds are fenced (the generation moves: a writer that has not locked yet
+writes nothing) and freed. A slot whose lock a writer holds is kept in the lease until the
+lock goes: the client keeps a written slot's lock until its commit is answered, so a client
+that stalls past its lease still gets its commit (its put has returned). A client that dies
+with leased, uncommitted slots loses them to the node (the kernel drops its locks).
 
 A lease is spare room, never used room:
 - a lease takes only slots that are free (or that the node's budget grants); it never
@@ -28,9 +28,11 @@ A lease is spare room, never used room:
 - a node that needs room (a put, a promotion, a demotion into the tier, another model's
   claim on a chunk) revokes leased slots before it demotes anything (Pool.make_room,
   elastic.release_chunks): highest slot first, since a client writes its lowest first.
-  A revoked slot is fenced and freed as a lapsed one is; the next reply names it, so the
-  client drops it; a copy that reaches it first is refused by its fence, and the put
-  reserves instead;
+  Only a slot no writer holds is revoked: a client keeps a slot's write lock from its copy
+  until its commit is answered, so a written page whose put has returned is never taken
+  back before it is indexed. A revoked slot is fenced and freed; the next reply names it,
+  so the client drops it; a copy that reaches it after is refused by its fence, and the
+  put reserves instead;
 - a commit names each slot with the generation it was leased at, so a write into a slot
   revoked and then leased again (a new generation) is refused, never indexed;
 - leased slots count in no namespace's pages until committed; the commit then makes room
@@ -115,6 +117,21 @@ class LeasedSlots:
     def num_slots_top(self) -> int:
         return self._num_slots(self.top_tier)
 
+    def take_back_unheld(self, tier: int, slot: int) -> bool:
+        """Fence and free a leased slot that no writer holds (True). A slot whose write lock
+        a client holds is in use: its copy is in flight, or it is written and the client
+        keeps the lock until its commit is answered (cluster/puts.py). It stays leased
+        (False): taking it would lose a page whose put already returned."""
+        fence = self.fences[tier]
+        if not fence.lock([slot]):
+            return False
+        try:
+            self.memory[tier].generations[slot] += 1  # a writer that locks later writes nothing
+            self.memory[tier].free(slot)
+        finally:
+            fence.unlock([slot])
+        return True
+
     def release_leased(self, slots: list[tuple[int, int]]) -> None:
         """Give leased slots back (the lease ended): fenced, and quarantined while a late
         writer still holds one."""
@@ -160,7 +177,8 @@ class PutLeases:
         self.leases: dict[int, SlotLease] = {}
         self.counters = {"leased_puts": 0, "leased_pages": 0, "leased_duplicates": 0,
                          "lapsed_commits": 0, "expired_slot_leases": 0,
-                         "revoked_leased_slots": 0, "leased_over_namespace_max": 0}
+                         "revoked_leased_slots": 0, "leased_over_namespace_max": 0,
+                         "written_leased_slots_kept": 0}
         self.last_want: dict[tuple, int] = {}  # (geometry, tier) -> the latest top-up's ask
 
     def attach(self, pool: LeasedSlots) -> None:
@@ -216,19 +234,24 @@ class PutLeases:
         return kept
 
     def revoke(self, pool, tier: int, count: int) -> int:
-        """Take up to `count` unused leased slots of `pool`'s `tier` back: fenced, and freed
-        (quarantined while a late writer holds one), highest slot first. The lease hears of
-        them in its next reply. Returns how many."""
+        """Take up to `count` unused leased slots of `pool`'s `tier` back: fenced and freed,
+        highest slot first. A slot a writer holds (copying, or written and waiting for its
+        commit) is passed over. The lease hears of them in its next reply. Returns how many."""
         held = [(slot, lease_id) for lease_id, lease in self.leases.items()
                 if lease.geometry == pool.geometry
                 for (t, slot) in lease.slots if t == tier]
         held.sort(reverse=True)
-        for slot, lease_id in held[:max(0, count)]:
+        revoked = 0
+        for slot, lease_id in held:
+            if revoked >= count:
+                break
+            if not pool.take_back_unheld(tier, slot):
+                self.counters["written_leased_slots_kept"] += 1
+                continue
             lease = self.leases[lease_id]
             generation = lease.slots.pop((tier, slot))
             lease.revoked.append((tier, slot, generation))
-            pool.release_leased([(tier, slot)])
-        revoked = min(len(held), max(0, count))
+            revoked += 1
         self.counters["revoked_leased_slots"] += revoked
         return revoked
 
@@ -283,12 +306,29 @@ class PutLeases:
         return len(lease.slots)
 
     def expire(self, pools: dict, now_s: float) -> int:
-        """End the leases past their deadline (a dead or stalled client's); how many."""
+        """End the leases past their deadline (a dead or stalled client's); how many.
+
+        A slot whose write lock a writer still holds is kept, and its lease with it: a live
+        client holds a slot's lock from its copy until its commit is answered, so that page's
+        put has returned and its commit is on the way (a stalled call, a client paused).
+        A dead client's locks went with it, so its slots are freed at the next expiry. The
+        slots freed from a kept lease are told in its next reply, as revoked ones are."""
         lapsed = [i for i, lease in self.leases.items() if lease.deadline_s < now_s]
+        ended = 0
         for lease_id in lapsed:
-            self.end(pools, lease_id)
-        self.counters["expired_slot_leases"] += len(lapsed)
-        return len(lapsed)
+            lease = self.leases[lease_id]
+            pool = pools[lease.geometry]
+            freed = [place for place in sorted(lease.slots) if pool.take_back_unheld(*place)]
+            for place in freed:
+                lease.revoked.append((*place, lease.slots.pop(place)))
+            if lease.slots:
+                lease.deadline_s = now_s + self.lease_s
+                self.counters["written_leased_slots_kept"] += len(lease.slots)
+            else:
+                del self.leases[lease_id]
+                ended += 1
+        self.counters["expired_slot_leases"] += ended
+        return ended
 
     def num_leased(self) -> int:
         return sum(len(lease.slots) for lease in self.leases.values())

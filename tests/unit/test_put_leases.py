@@ -1,6 +1,7 @@
 """Leased puts on the node (cluster/core/put_leases.py through NodeStore.put_leased): free slots
-leased with no key, invisible until their commit; a lapsed lease's slots fenced and freed (or
-quarantined while a writer holds one), its late commit refused; and the client's side of it
+leased with no key, invisible until their commit; a lapsed lease's slots fenced and freed, its
+late commit refused, except a slot its writer still holds (kept until it commits or lets go);
+revocation passing over a slot a writer holds; and the client's side of it
 (cluster/puts.py, cluster/client.py) over the fakes."""
 
 from __future__ import annotations
@@ -105,20 +106,44 @@ def test_a_lapsed_lease_frees_its_slots_and_its_late_commit_is_a_miss(stores):
     assert read(store, 0) is None
 
 
-def test_a_writer_that_holds_a_lapsed_slot_keeps_it_quarantined_until_it_lets_go(stores):
+def test_a_lapsed_lease_keeps_the_slot_its_writer_holds_and_takes_its_late_commit(stores):
+    """A client stalled past its lease, holding a written slot's lock (its put returned, its
+    commit is late): that slot stays its own and the late commit lands; the slot it did not
+    hold is freed and told as revoked."""
+    store = stores.make(device_pages=0, host_pages=8, disk_pages=0, reserve_lease_s=0.05)
+    reply = lease(store, 2)
+    held, unheld = reply.places
+    writer = SlotFence(store.pool(G).memory[HOST].descriptor().generations_path)
+    try:
+        assert writer.lock([held[1]])
+        write(store, held, 20)
+        store.expire(time.monotonic() + 1.0)
+        stats = store.stats()
+        assert host_used(store) == 1 and stats["expired_slot_leases"] == 0
+        assert stats["written_leased_slots_kept"] == 1 and stats["quarantined_slots"] == 0
+        late = lease(store, 0, reply.lease_id, [key(20)], [held])
+        assert late.lease_id == reply.lease_id and late.committed == [True]
+        assert late.revoked == [unheld] and torch.equal(read(store, 20), page(20))
+    finally:
+        writer.unlock([held[1]])
+        writer.close()
+
+
+def test_a_held_lapsed_slot_is_freed_once_its_writer_lets_go(stores):
+    """A writer that dies lets its locks go (the kernel): the next expiry frees the slot."""
     store = stores.make(device_pages=0, host_pages=8, disk_pages=0, reserve_lease_s=0.05)
     reply = lease(store, 1)
-    tier, slot, _ = reply.places[0]
+    tier, slot, generation = reply.places[0]
     writer = SlotFence(store.pool(G).memory[tier].descriptor().generations_path)
     try:
-        assert writer.lock([slot])  # a client stalled in its copy
+        assert writer.lock([slot])
         store.expire(time.monotonic() + 1.0)
-        assert store.stats()["quarantined_slots"] == 1 and host_used(store) == 1
-        writer.unlock([slot])
-        store.expire(time.monotonic() + 2.0)
-        assert store.stats()["quarantined_slots"] == 0 and host_used(store) == 0
+        assert host_used(store) == 1 and store.stats()["expired_slot_leases"] == 0
     finally:
-        writer.close()
+        writer.close()  # as a dead process's locks go
+    store.expire(time.monotonic() + 2.0)
+    assert host_used(store) == 0 and store.stats()["expired_slot_leases"] == 1
+    assert store.pool(G).memory[tier].generation(slot) > generation  # fenced
 
 
 def test_ending_a_lease_gives_its_uncommitted_slots_back(stores):
@@ -282,23 +307,49 @@ def test_a_revoked_slot_written_late_is_refused_even_when_leased_again(stores):
             assert torch.equal(read(store, i), page(i)), "a stored page changed"
 
 
-def test_a_revoked_slot_a_writer_still_holds_is_quarantined_not_reused(stores):
+def test_a_leased_slot_a_writer_holds_is_not_revoked_and_its_page_commits(stores):
+    """A client holds a leased slot's write lock from its copy until its commit is answered.
+    A node short of room passes that slot over (it demotes a stored page instead), so a
+    page whose put has returned is not lost before its commit lands."""
     store = stores.make(device_pages=0, host_pages=4, disk_pages=0)
     reply = lease(store, 1)
-    tier, slot, _ = reply.places[0]
+    place = reply.places[0]
+    tier, slot, _ = place
     writer = SlotFence(store.pool(G).memory[tier].descriptor().generations_path)
     try:
-        assert writer.lock([slot])  # a client in the middle of its copy
+        assert writer.lock([slot])  # the client's copy, its lock kept until the answer
+        write(store, place, 20)
         asyncio.run(store_put(store, [0, 1, 2]))  # 3 free slots: no revocation needed
-        assert store.stats()["revoked_leased_slots"] == 0
-        assert asyncio.run(store_put(store, [3])) == 1  # revoked, but a writer holds it:
-        stats = store.stats()  # quarantined, and the room came from a stored page instead
-        assert stats["revoked_leased_slots"] == 1 and stats["quarantined_slots"] == 1
-        assert store.pool(G).index[key(3)].slot != slot
-        writer.unlock([slot])
-        store.expire()
-        assert store.stats()["quarantined_slots"] == 0 and host_used(store) == 3
+        assert asyncio.run(store_put(store, [3])) == 1  # the tier is full: a stored page goes
+        stats = store.stats()
+        assert stats["revoked_leased_slots"] == 0 and stats["written_leased_slots_kept"] == 1
+        assert stats["quarantined_slots"] == 0 and store.pool(G).index[key(3)].slot != slot
+        assert store.pool(G).evictions[HOST] == 1
+        done = lease(store, 0, reply.lease_id, [key(20)], [place])
+        assert done.committed == [True] and done.revoked == []
+        assert torch.equal(read(store, 20), page(20))
     finally:
+        writer.unlock([slot])
+        writer.close()
+
+
+def test_a_revoke_takes_the_unheld_leased_slots_and_passes_over_a_held_one(stores):
+    store = stores.make(device_pages=0, host_pages=8, disk_pages=0)
+    reply = lease(store, 2)
+    (held_place, free_place) = sorted(reply.places, key=lambda p: -p[1])  # highest first
+    writer = SlotFence(store.pool(G).memory[HOST].descriptor().generations_path)
+    try:
+        assert writer.lock([held_place[1]])
+        asyncio.run(store_put(store, list(range(7))))  # 6 free + 1 revoked: the unheld one
+        stats = store.stats()
+        assert stats["revoked_leased_slots"] == 1 and stats["written_leased_slots_kept"] == 1
+        pool = store.pool(G)
+        assert pool.memory[HOST].generation(free_place[1]) > free_place[2]  # fenced
+        assert pool.memory[HOST].generation(held_place[1]) == held_place[2]  # untouched
+        told = lease(store, 0, reply.lease_id)
+        assert told.revoked == [free_place]
+    finally:
+        writer.unlock([held_place[1]])
         writer.close()
 
 

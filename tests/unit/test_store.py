@@ -385,6 +385,7 @@ def test_stats_figures(stores):
         "leased_slots": 0, "leased_puts": 0, "leased_pages": 0, "leased_duplicates": 0,
         "lapsed_commits": 0, "expired_slot_leases": 0,  # leased puts: test_put_leases.py
         "revoked_leased_slots": 0, "leased_over_namespace_max": 0,
+        "written_leased_slots_kept": 0,
         "disk_bytes_read": 0, "disk_bytes_written": DISK_SLOT_BYTES,  # one page, header incl.
         "disk_checksum_failures": 0,
         "evictions": {"device": 3, "host": 1, "disk": 0}, "disk_read_us_per_token": 0.0,

@@ -393,7 +393,7 @@ def leased_put_phases_s(session: Session) -> dict[str, float]:
     slabs = client.view.slabs
     blocks, _ = slabs.kv_blocks(places, kv, np.arange(num_pages))
     pairs = [(block, kv_rows) for kv_rows, block in blocks]
-    copies_s, copied = common.timed(lambda: fenced_copy(slabs, places, pairs))
+    copies_s, copied = common.timed(lambda: fenced_copy(slabs, places, pairs, hold=True))
     if not copied:
         raise RuntimeError("a leased put's copy was fenced off: its lease lapsed")
     puts.wrote(keys, places)
