@@ -126,6 +126,15 @@ class DirectoryShard:
         self.demand.record(keys, sum(count for _, count in runs), time.monotonic())
         return runs
 
+    async def record_demand(self, keys_blobs: list[bytes]) -> None:
+        """Requests a node served whole without asking for a match (each blob its
+        concatenated keys, all found): counted as prefix_runs would have counted them."""
+        await self.ready()
+        now_s = time.monotonic()
+        for blob in keys_blobs:
+            keys = [blob[i : i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]
+            self.demand.record(keys, len(keys), now_s)
+
     async def hot_prefixes(self, limit: int) -> list[PrefixLoad]:
         """The prefixes requests asked for most lately (this shard's keys of each), with
         the nodes that hold them: the control loop's snapshot (page_bytes left 0)."""

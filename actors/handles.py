@@ -104,6 +104,19 @@ class DirectoryHandle:
                 for shard, shard_positions in zip(self.shards, positions, strict=True)]
         return positions, refs
 
+    def record_demand(self, requests: list[list[PageKey]]) -> list:
+        """Requests served without a match (each a chain of keys, all of them found): one
+        call per shard that owns some of their keys, each request's keys there as one blob."""
+        positions = [split_by_shard(keys, len(self.shards)) for keys in requests]
+        refs = []
+        for shard_index, shard in enumerate(self.shards):
+            blobs = [b"".join(keys[p] for p in request_positions[shard_index])
+                     for keys, request_positions in zip(requests, positions, strict=True)]
+            blobs = [blob for blob in blobs if blob]
+            if blobs:
+                refs.append(shard.record_demand.remote(blobs))
+        return refs
+
     def hot_prefixes(self, limit: int) -> list:
         """Per shard, a ref to its most asked-for prefixes (a list of PrefixLoad)."""
         return [shard.hot_prefixes.remote(limit) for shard in self.shards]

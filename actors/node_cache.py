@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import shutil
 import time
 
+import numpy as np
 import ray
 
 from actors.devices import expose_node_gpus
@@ -296,14 +298,18 @@ class NodeCacheActor:
 
     async def acquire(self, geometry: PageGeometry, keys: list[PageKey],
                       released: list[int] = ()):
-        """Pin the longest local prefix of `keys`:
-        (stamp, lease_id, [(tier, slot, generation), ...]). The caller's `released` leases
-        (earlier gets', done) end first."""
+        """Pin the longest local prefix of `keys`: (stamp, lease_id, places, num_disk), with
+        places an int64 [N, 3] slot table of (tier, slot, generation) rows (slot_table.py)
+        and num_disk how many of them were read up from disk for it. The caller's `released`
+        leases (earlier gets', done) end first."""
         await self.ready()
         for done in released:
             self.store.release(done)
         lease_id, located = await self.store.acquire(geometry, keys)
-        return self._stamp(geometry), lease_id, located
+        lease = self.store.leases.get(lease_id)
+        places = np.fromiter(itertools.chain.from_iterable(located), dtype=np.int64,
+                             count=3 * len(located)).reshape(-1, 3)
+        return self._stamp(geometry), lease_id, places, lease.num_disk if lease else 0
 
     async def release(self, lease_id: int) -> None:
         await self.ready()

@@ -1,20 +1,23 @@
 """A get, top to bottom: the longest cached prefix of a request's keys into one KV tensor,
-with at most one round trip on its path (as steps: calls.py).
+with one round trip on its path when this node holds the prefix (as steps: calls.py).
 
     fetch_prefix
       1. _copy_hinted   pages this client noted earlier (its gets and puts): no call at all
-      2. _ask           the rest: this node's acquire(keys[h:]) and the directory's
-                        prefix_runs(keys[h:]), sent together before step 1's copy (the
-                        acquire carries the leases earlier gets are done with)
-      3. _answer        local prefix L, global prefix P, from their replies
+      2. _ask           the rest: this node's acquire(keys[h:]) (it carries the leases earlier
+                        gets are done with), sent before step 1's copy; the directory's
+                        prefix_runs(keys[h:]) too when there is no local node, or when this
+                        client's last asked get went past its node's prefix (early_directory)
+      3. _answer        local prefix L from the acquire: all of keys[h:] -> no directory
+                        call (the request's demand goes to the directory in a batch, off the
+                        path: touches.DemandBatch); short -> the directory's global prefix P
            _copy_local    this node's slots -> out; the lease let go (touches.py)
            _read_remote   other nodes' page servers send pages L.. straight into out
                           (cluster/core/dataplane/); this node pulls them too, off our path
 
-Steps 1 and 3 copy a slot table (slot_table.py: one int64 row per page) in one pass: a block
-per run of consecutive slots, never a loop per page, then check every page's slot generation
-with one gather per tier. Each step calls only lower layers: the slabs (slot tables and
-copies), the actor handles, the data plane; the view holds the counters.
+Steps 1 and 3 copy a slot table (slot_table.py: one int64 row per page; the acquire's reply
+is one) in one pass: a block per run of consecutive slots, never a loop per page, then check
+every page's slot generation with one gather per tier. Each step calls only lower layers: the
+slabs (slot tables and copies), the actor handles, the data plane; the view holds the counters.
 
 Any call that fails or times out is a miss: a dead local node leaves only remote pages, a dead
 directory only local ones, a dead peer none of its own. A local page whose slot generation
@@ -35,7 +38,6 @@ from actors.handles import merge_shard_prefixes
 from cluster.calls import Steps, Wait, Work, failed
 from cluster.core.copies import copy_pages
 from cluster.core.dataplane.endpoint import PageRead, TensorPages, tensor_buffers
-from cluster.core.geometry import DISK
 from cluster.core.kvcheck import page_slices
 from cluster.core.tiers.slot_table import as_places
 from cluster.slabs import LocalSlabs
@@ -106,7 +108,8 @@ def copy_pairs(slabs: LocalSlabs, places: np.ndarray, out: torch.Tensor,
 
 @dataclass(slots=True)
 class _Asked:
-    """The calls sent for keys[start:]: this node's acquire and the directory's match."""
+    """The calls sent for keys[start:]: this node's acquire, and the directory's match when
+    it went along (else it is sent only if the acquire comes back short)."""
 
     start: int
     acquired: list
@@ -119,7 +122,9 @@ def _ask(view: CacheView, keys: list, start: int) -> _Asked:
     local = view.local
     acquired = ([local.acquire(view.geometry, keys[start:], view.take_released())]
                 if local is not None else [])
-    positions, prefix_refs = view.directory.prefix_refs(keys[start:])
+    positions, prefix_refs = [], []
+    if local is None or view.early_directory:
+        positions, prefix_refs = view.directory.prefix_refs(keys[start:])
     return _Asked(start, acquired, positions, prefix_refs, time.perf_counter())
 
 
@@ -138,20 +143,26 @@ def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None
     start, rest = asked.start, keys[asked.start:]
     replies = yield Wait(asked.acquired + asked.prefix_refs)
     answered_s = time.perf_counter() - asked.sent_s
-    epoch, lease_id, slots = _acquired(view, replies[: len(asked.acquired)])
-    located = located_prefix(view, rest, replies[len(asked.acquired):], asked.positions)
-    local_node = view.local.node_id if view.local is not None else None
-    view.note_disk(num_disk_pages(located[: len(slots)], local_node), answered_s)
-    sources = remote_sources(located, len(slots), local_node)
-    total = start + len(slots) + len(sources)
+    stamp, lease_id, places, num_disk = _acquired(view, replies[: len(asked.acquired)])
+    view.note_disk(num_disk, answered_s)
+    sources = []
+    if len(places) < len(rest):  # pages past this node's prefix: other nodes may hold them
+        located = yield from _located(view, rest, asked, replies[len(asked.acquired):])
+        local_node = view.local.node_id if view.local is not None else None
+        sources = remote_sources(located, len(places), local_node)
+    elif not asked.prefix_refs:  # this node held it all: the directory hears of it later
+        view.note_demand(rest)
+    if asked.acquired:  # the next get asks the directory along if this one needed it
+        view.early_directory = len(places) < len(rest)
+    total = start + len(places) + len(sources)
     if total == start:  # nothing past the hinted pages (and so no lease was taken)
         return start, out
     if out is None:
         out = view.empty(total * view.page_tokens)
     arrived = np.zeros(total, dtype=bool)
     arrived[:start] = True
-    yield from _copy_local(view, (epoch, lease_id, as_places(slots)), keys, out, arrived)
-    groups = group_positions(sources, start + len(slots))
+    yield from _copy_local(view, (stamp, lease_id, places), keys, out, arrived)
+    groups = group_positions(sources, start + len(places))
     remote_started_s = time.perf_counter()
     remote_before = view.counters["remote_pages"]
     yield from _read_remote(view, keys, groups, out, arrived)
@@ -161,14 +172,26 @@ def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None
     return (int(misses[0]) if misses.size else total), out
 
 
+def _located(view: CacheView, rest: list, asked: _Asked, answers: list) -> Steps[list]:
+    """The directory's locations of the longest prefix of `rest`: from the answers that came
+    with the acquire, else asked now (one more round trip: the acquire came back short)."""
+    positions = asked.positions
+    if not asked.prefix_refs:
+        positions, refs = view.directory.prefix_refs(rest)
+        answers = yield Wait(refs)
+    return located_prefix(view, rest, answers, positions)
+
+
 def _acquired(view: CacheView, replies: list) -> tuple:
+    """(stamp, lease_id, places as a slot table, pages read up from disk) of the acquire."""
     if not replies or failed(replies[0]):
         if replies:
             view.note_failures(replies)
             log.warning("this node's cache actor did not answer; local pages miss: %s",
                         replies[0])
-        return None, 0, []
-    return replies[0]
+        return None, 0, as_places([]), 0
+    stamp, lease_id, places, num_disk = replies[0]
+    return stamp, lease_id, as_places(places), num_disk
 
 
 def _copy_local(view: CacheView, acquired: tuple, keys: list, out: torch.Tensor,
@@ -254,16 +277,6 @@ def remote_sources(located: list, start: int, local_node: str | None) -> list[st
             break
         sources.append(others[0])
     return sources
-
-
-def num_disk_pages(located: list, local_node: str | None) -> int:
-    """Pages the directory places on this node's disk tier only: the node's acquire reads
-    them up before it answers."""
-    count = 0
-    for places in located:
-        tiers = [tier for node, tier in places if node == local_node]
-        count += bool(tiers) and min(tiers) == DISK
-    return count
 
 
 def group_positions(sources: list[str], start: int) -> dict[str, list[int]]:

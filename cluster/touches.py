@@ -1,5 +1,6 @@
-"""What a client's gets tell their node after the fact, in batches: pages read straight from
-shared memory, and the read leases they are done with.
+"""What a client's gets tell the service after the fact, in batches: their node, pages read
+straight from shared memory and the read leases they are done with (TouchBatch); the
+directory, the prefixes this node served whole without asking it (DemandBatch).
 
 An optimistic read makes no call; the node still needs to hear of it, for its eviction policy
 (an access) and its counters (a hit, a request served). The first read after a quiet spell is
@@ -10,6 +11,11 @@ A get that took a lease (the node's acquire pinned its pages) lets go of it with
 own: the lease rides on the client's next acquire (`take_released`), or on this batch's timer
 within TOUCH_EVERY_S. A release only ends pins, so a late one merely keeps pages from eviction
 a moment longer, and a lease never released (a dead client) still lapses at its deadline.
+
+A get whose node's acquire held the whole prefix asks the directory nothing (fetch.py), but the
+directory's demand tracker (cluster/core/demand.py: hot prefixes for burst detection,
+replication, migration) still counts the request: its keys are sent by a timer within
+TOUCH_EVERY_S, never on the get's path, as the match would have recorded them.
 """
 
 from __future__ import annotations
@@ -79,3 +85,35 @@ class TouchBatch:
             self._keys, self._reads, self._released = [], 0, []
             self._sent_at_s = time.monotonic()
         self.send(keys, reads, released)
+
+
+class DemandBatch:
+    """Gathers the key chains of requests served without a directory match and hands them to
+    `send(requests)` from a timer, at most one call per TOUCH_EVERY_S, fire and forget."""
+
+    def __init__(self, send: Callable[[list[list[PageKey]]], object]):
+        self.send = send
+        self._lock = threading.Lock()
+        self._requests: list[list[PageKey]] = []
+        self._timer: threading.Timer | None = None
+
+    def note(self, keys: list[PageKey]) -> None:
+        """One request that matched all of `keys`."""
+        if not keys:
+            return
+        with self._lock:
+            self._requests.append(keys)
+            if self._timer is None:
+                self._timer = threading.Timer(TOUCH_EVERY_S, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Send what has gathered, now."""
+        with self._lock:
+            if self._timer is not None and self._timer is not threading.current_thread():
+                self._timer.cancel()
+            self._timer = None
+            requests, self._requests = self._requests, []
+        if requests:
+            self.send(requests)

@@ -17,7 +17,7 @@ from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.tiers.slot_table import TIER, as_places
 from cluster.slabs import LocalSlabs
-from cluster.touches import TouchBatch
+from cluster.touches import DemandBatch, TouchBatch
 from policies.cost_routing import DISK, REMOTE, TIER_SOURCES
 
 MAX_TRANSFERS = 64  # recent timed reads kept for whoever measures rates (the engine drains)
@@ -46,6 +46,10 @@ class CacheView:
         "optimistic_pages": 0, "stale_hints": 0, "failed_calls": 0, "torn_reads": 0,
         "unmapped_pages": 0, "leased_pages": 0, "uncommitted_pages": 0})
     touches: TouchBatch | None = None  # set in __post_init__ when the slabs are mapped
+    demand: DemandBatch | None = None  # likewise: prefixes this node served whole
+    # Send the directory's match along with the acquire (fetch.py): the last asked get found
+    # its node's prefix short of the request, so this one may need other nodes' pages too.
+    early_directory: bool = False
     authority: Authority | None = None  # what remote reads prove (None: they miss)
     puts: object = None  # cluster/puts.py's LeasedPuts, made by the client on first use
     # Recent timed reads, (source, bytes, seconds), for the rate estimates of cost-based
@@ -56,6 +60,7 @@ class CacheView:
         if self.slabs is not None:
             self.touches = TouchBatch(lambda keys, reads, released: self.home.touch(
                 self.geometry, keys, reads, released))
+            self.demand = DemandBatch(self.directory.record_demand)
 
     @property
     def local(self) -> NodeHandle | None:
@@ -97,6 +102,12 @@ class CacheView:
         if self.touches is not None:
             self.touches.note(keys)
 
+    def note_demand(self, keys: list[PageKey]) -> None:
+        """A request this node served whole, without a directory match: the directory's
+        demand tracker hears of it in a batch (touches.DemandBatch)."""
+        if self.demand is not None:
+            self.demand.note(keys)
+
     def release_later(self, lease_id: int) -> None:
         """Done with a lease of this node's: it goes with the next call (touches.py)."""
         self.touches.release(lease_id)
@@ -107,6 +118,7 @@ class CacheView:
     def flush_touched(self) -> None:
         if self.touches is not None:
             self.touches.flush()
+            self.demand.flush()
 
     def endpoints(self, node_ids: list[str]) -> Steps[dict[str, Endpoint | None]]:
         """The data-plane endpoints of these nodes: cached, else asked of their actors."""

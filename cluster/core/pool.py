@@ -258,13 +258,16 @@ class Pool(DiskLoads, LeasedSlots):
         """
         self.last_access_s = time.monotonic()
         count = min(self.local_prefix(keys), self._num_slots(DEVICE) + self._num_slots(HOST))
-        for key in keys[:count]:
-            self.index[key].pins += 1
-        for _ in range(MAX_LOAD_ROUNDS):  # reading up frees disk; lifting up frees host
-            await self.load_from_disk(keys[:count])
-            await self.promote_many(keys[:count], own_pins=1)
-            if not any(self._on_disk_ready(k) for k in keys[:count]):
-                break
+        entries = [self.index[key] for key in keys[:count]]
+        for entry in entries:
+            entry.pins += 1
+        top_tier = self.top_tier
+        if any(entry.tier != top_tier for entry in entries):  # pages to read or lift up
+            for _ in range(MAX_LOAD_ROUNDS):  # reading up frees disk; lifting up frees host
+                await self.load_from_disk(keys[:count])
+                await self.promote_many(keys[:count], own_pins=1)
+                if not any(self._on_disk_ready(k) for k in keys[:count]):
+                    break
         located: list[tuple[int, int, int]] = []
         for position, key in enumerate(keys[:count]):
             place = self._pinned_place(key)

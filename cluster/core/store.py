@@ -65,6 +65,7 @@ class Lease:
     geometry: PageGeometry
     keys: list[PageKey]
     deadline_s: float
+    num_disk: int = 0  # a read lease's pages that were read up from disk for it
 
 
 def shm_bytes_per_node(limits: PoolLimits) -> int:
@@ -289,8 +290,10 @@ class NodeStore:
         pool = self.pool(geometry)
         tiers_before = [pool.index[k].tier for k in keys[: pool.local_prefix(keys)]]
         located = await pool.acquire(keys)
-        for tier in tiers_before[: len(located)]:  # where each hit was found, before promotion
-            self.counters[f"hits_{TIER_NAMES[tier]}"] += 1
+        hits = np.bincount(np.asarray(tiers_before[: len(located)], dtype=np.int64),
+                           minlength=len(TIER_NAMES))
+        for tier in np.flatnonzero(hits).tolist():  # where the hits were, before promotion
+            self.counters[f"hits_{TIER_NAMES[tier]}"] += int(hits[tier])
         self.counters["gets"] += 1
         self.counters["hits_pages"] += len(located)
         self.counters["misses_pages"] += len(keys) - len(located)
@@ -298,7 +301,8 @@ class NodeStore:
             return 0, []
         lease_id = next(self._lease_ids)
         deadline_s = time.monotonic() + self.config.pin_lease_s
-        self.leases[lease_id] = Lease(geometry, keys[: len(located)], deadline_s)
+        self.leases[lease_id] = Lease(geometry, keys[: len(located)], deadline_s,
+                                      int(hits[DISK]))
         return lease_id, located
 
     def release(self, lease_id: int) -> None:

@@ -88,7 +88,7 @@ def test_pinned_page_survives_pressure(service):
     fill(client, 2)  # 4 pages: host is full
     geometry = PageGeometry.of(TINY, 16)
     keys = client.keys(prompt(0))
-    epoch, lease_id, slots = ray.get(client.local.acquire(geometry, keys))
+    epoch, lease_id, slots, _ = ray.get(client.local.acquire(geometry, keys))
     assert run_sync(client.view.slabs.ensure(epoch), 10)
     assert len(slots) == 2
     fill_base = 50

@@ -14,6 +14,7 @@ from cluster.core.geometry import PageGeometry
 from cluster.core.keys import KEY_BYTES, shard_of
 from cluster.core.put_leases import LeaseReply, LeaseRequest
 from cluster.core.tiers.memory import SlabStamp
+from cluster.core.tiers.slot_table import as_places
 
 
 @dataclass
@@ -55,6 +56,7 @@ class FakeNode:
     fail: set = field(default_factory=set)
     calls: list = field(default_factory=list)
     put_tier: int = 1
+    on_disk: set = field(default_factory=set)  # keys an acquire reads up from disk first
 
     def stamp(self) -> SlabStamp:
         """The epoch and the layout version of the arenas, as the node actor's replies."""
@@ -67,6 +69,7 @@ class FakeNode:
         return FakeRef(value)
 
     def acquire(self, geometry: PageGeometry, keys: list, released: list = ()):
+        """(stamp, lease id, slot table, pages read up from disk: those in `on_disk`)."""
         self.released = getattr(self, "released", []) + list(released)
         located = []
         for key in keys:
@@ -74,7 +77,9 @@ class FakeNode:
                 break
             tier, slot = self.pages[key]
             located.append((tier, slot, self.arenas[tier].generation(slot)))
-        return self._call("acquire", (self.stamp(), 7 if located else 0, located))
+        num_disk = sum(key in self.on_disk for key in keys[: len(located)])
+        return self._call("acquire", (self.stamp(), 7 if located else 0, as_places(located),
+                                      num_disk))
 
     def release(self, lease_id: int):
         return self._call("release", None)
@@ -165,7 +170,12 @@ class FakeDirectory:
             inventory = index.node_inventory(node_id) + mine
             index.replace_node(node_id, 1, inventory, seq=len(inventory))
 
+    def record_demand(self, requests: list) -> list:
+        self.demand = getattr(self, "demand", []) + [list(keys) for keys in requests]
+        return []
+
     def prefix_refs(self, keys: list):
+        self.matches = getattr(self, "matches", 0) + 1
         positions = split_by_shard(keys, len(self.indexes))
         refs = []
         for shard, (index, shard_positions) in enumerate(zip(self.indexes, positions,

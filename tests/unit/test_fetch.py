@@ -8,11 +8,11 @@ import torch
 
 from cluster.client import KVClient
 from cluster.core.config import CacheConfig
-from cluster.core.geometry import DISK, HOST, PageGeometry
+from cluster.core.geometry import HOST, PageGeometry
 from cluster.core.keys import page_keys
 from cluster.core.spec import ModelSpec
 from cluster.core.tiers.memory import ArenaOptions, MappedArena
-from cluster.fetch import fetch_prefix, num_disk_pages, remote_sources
+from cluster.fetch import fetch_prefix, remote_sources
 from cluster.slabs import LocalSlabs
 from cluster.view import CacheView
 from tests.unit._fakes import FakeDirectory, FakeNode, FakePeers, FakeTransport, drive
@@ -96,6 +96,47 @@ def test_all_pages_local(world):
     assert world.local.released == [7, 7]  # or with the touches, the timer's or a flush's
 
 
+def test_a_prefix_this_node_holds_whole_costs_one_call_and_its_demand_is_told_later(world):
+    world.put_local(range(4))
+    world.get()  # maps the node's slabs (one more call, once)
+    world.view.slabs.forget(KEYS)
+    world.local.calls.clear()
+    num_pages, out = world.get()
+    assert num_pages == 4 and torch.equal(out, KV)
+    assert world.local.calls == ["acquire"]
+    assert getattr(world.directory, "matches", 0) == 0  # no match on the get's path
+    assert getattr(world.directory, "demand", []) == []  # gathered, sent by a timer
+    world.view.flush_touched()
+    assert world.directory.demand == [KEYS[:4]] * 2  # as the match would have counted them
+
+
+def test_a_short_acquire_asks_the_directory_after_it_and_the_next_get_asks_both(world):
+    world.put_local(range(2))
+    world.put_remote(range(4))
+    assert world.get()[0] == 4
+    assert world.directory.matches == 1 and world.view.early_directory
+    world.view.slabs.forget(KEYS)
+    world.local.calls.clear()
+    assert world.get()[0] == 4  # sent together now (the previous get needed the directory)
+    assert world.directory.matches == 2 and world.local.calls[0] == "acquire"
+    world.put_local(range(2, 4))  # now the node holds it all: back to the acquire alone
+    world.view.slabs.forget(KEYS)
+    world.get()
+    assert not world.view.early_directory
+    world.view.slabs.forget(KEYS)
+    world.get()
+    assert world.directory.matches == 3
+    world.view.flush_touched()
+    assert world.directory.demand == [KEYS[:4]]  # only the get that asked no match
+
+
+def test_a_short_acquire_on_a_single_node_finds_no_more_and_misses_past_it(world):
+    world.put_local(range(2))
+    num_pages, out = world.get()
+    assert num_pages == 2 and torch.equal(out, KV[:, :, :, : 2 * PAGE_TOKENS])
+    assert world.directory.matches == 1 and world.transport.reads == []
+
+
 def test_local_prefix_then_remote_pages_over_the_data_plane_then_pulled_here(world):
     world.put_local(range(2))
     world.put_remote(range(4))
@@ -123,14 +164,11 @@ def test_reads_are_timed_per_source_for_the_routers_rates(world):
 
 def test_an_acquire_that_read_pages_up_from_disk_times_the_disk_path(world):
     world.put_local(range(2))
-    # as the directory knew them: on this node's disk (the acquire promotes them)
-    world.directory.indexes[0].replace_node("local", 1, [(k, DISK) for k in KEYS[:2]], seq=9)
+    world.local.on_disk = set(KEYS[:1])  # the node read page 0 up from its disk tier
     world.view.slabs.forget(KEYS)
     world.get()
     (disk,) = [t for t in world.view.transfers if t[0] == "disk"]
-    assert disk[1] == 2 * G.page_bytes and disk[2] > 0
-    located = [(("local", DISK), ("b", HOST)), (("local", HOST), ("local", DISK)), (("b", 2),)]
-    assert num_disk_pages(located, "local") == 1
+    assert disk[1] == G.page_bytes and disk[2] > 0
 
 
 def test_a_page_of_a_tensor_lands_in_its_rows_and_others_are_staged(world):

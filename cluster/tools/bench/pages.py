@@ -12,8 +12,9 @@ reads a prefix of it. Per request size, every contender runs once a round in rot
                 host-tier slots of the request's pages into out's page slices, one block per
                 run of consecutive slots as the get copies them (fetch.copy_pairs): its bytes
     get         client.get(tokens, out=out) after the client dropped its notes of the pages:
-                the node's acquire and the directory match sent together, the copies, the
-                release: a replica's first get of a prefix (tiers' cold_get)
+                the node's acquire alone (the node holds the whole prefix, so the directory
+                is not asked on the path; the request's demand reaches it in a batch), the
+                copies, the release: a replica's first get of a prefix (tiers' cold_get)
     warm_get    the same get right after another: copies from the noted slots, no call
     noop        a no-op call to the node actor (ping), awaited as the client awaits its calls
     memcpy_put  copies.copy_pages from kv's page slices into one private buffer of pages, one
@@ -226,7 +227,7 @@ def memcpy_get_s(session: Session, num_tokens: int, reps: int) -> float:
     as the get copies them: one block per run of consecutive slots (fetch.copy_pairs)."""
     client = session.client
     keys = client.keys(session.tokens(0, num_tokens))
-    stamp, lease_id, slots = ray.get(client.local.acquire(client.geometry, keys))
+    stamp, lease_id, slots, _ = ray.get(client.local.acquire(client.geometry, keys))
     try:
         common.map_slabs(client, stamp)
         pairs, mapped = copy_pairs(client.view.slabs, as_places(slots), session.out, 0)
@@ -364,8 +365,9 @@ def notes(plan: Plan) -> list[str]:
         f"ratios at {RATIO_PAGE_TOKENS}-token pages (per_page_tokens: every size's figures), "
         "each the median of per-round values (spread); every contender runs once a round in "
         "rotating order (harness.interleave); a figure is the median of reps calls",
-        "get: the client's first get of a prefix (notes dropped: the node's acquire and the "
-        "directory match sent together, copies, release); warm_get: a get right after another "
+        "get: the client's first get of a prefix (notes dropped: the node's acquire, one call, "
+        "as the node holds the whole prefix; the directory hears of the request later, in a "
+        "batch; copies, release); warm_get: a get right after another "
         f"(copies from noted slots, no call); both copy with copies.copy_pages ({COPY_THREADS} "
         "threads for a batch >= 8 MiB), one block per run of consecutive slots, as the memcpy "
         "baselines do over the same bytes: memcpy_get from the same host-tier slots, in the "

@@ -10,7 +10,8 @@ QUICK_BATCH_BYTES) moves through every contender, each run once a round in rotat
     get          client.get(tokens, out=out) of batch 0 this client read a moment ago: copies
                  from the slots it noted, generations checked after, no call to the node
     cold_get     the same get after the client dropped its notes of batch 0: what its first
-                 get of a batch does (acquire + directory match sent together, copies, release)
+                 get of a batch does (the node's acquire, copies, release; the directory is
+                 asked only when the node's prefix is short, fetch.py)
     memcpy_put   copies.copy_pages from `kv`'s page slices into one private buffer of pages,
                  one block, as the put copies a run of consecutive reserved slots (limit)
     put          client.put(tokens, kv) of a fresh batch, back to back: into slots the
@@ -335,11 +336,11 @@ def get_phases_s(session: Session) -> dict[str, float]:
                 ray.get(client.directory.prefix_refs(keys)[1])
             return ray.get(acquired)
 
-        seconds, (_, lease, _) = common.timed(call)
+        seconds, (_, lease, _, _) = common.timed(call)
         ray.get(client.local.release(lease))
         return seconds
 
-    stamp, lease_id, slots = ray.get(client.local.acquire(client.geometry, keys))
+    stamp, lease_id, slots, _ = ray.get(client.local.acquire(client.geometry, keys))
     common.map_slabs(client, stamp)
     pairs, _ = copy_pairs(client.view.slabs, as_places(slots), out, 0)  # as the get's
     try:
@@ -484,8 +485,9 @@ NOTES = [
     "figure is the median of GET_REPS runs (puts: PUT_REPS) after one untimed (puts: none)",
     "get: a batch the client read a moment ago (copies from its noted slots, no call); "
     "cold_get: the same client after dropping its notes of the batch, i.e. its first get of "
-    "a batch (acquire + directory match sent together, copies, release); its slabs are mapped "
-    "already, as any running client's are: a new client's one-time mapping is not timed",
+    "a batch (the node's acquire alone, as the node holds the batch; copies, release); its "
+    "slabs are mapped already, as any running client's are: a new client's one-time mapping "
+    "is not timed",
     "redis: pipelined SET/GET (hiredis, loopback), as many connections as copy threads, each "
     "thread copying its values out; ray: another worker on this node ray.gets the driver's "
     "ray.put pages and copies them out with copies.copy_pages; both fill a touched KV tensor "
