@@ -58,7 +58,9 @@ class DiskLoads:
             for key, slot, out, meta in zip(keys, slots, outs, metas, strict=True):
                 self._place(key, slot, out, meta, copy=False)
             return
-        staging = [aligned_empty(self.geometry.slot_bytes) for _ in keys]
+        slot_bytes = self.geometry.slot_bytes  # a multiple of 4096: every row stays aligned
+        block = aligned_empty(len(keys) * slot_bytes)  # one mapping for the batch
+        staging = [block[i * slot_bytes : (i + 1) * slot_bytes] for i in range(len(keys))]
         reading = asyncio.ensure_future(self._read_pages(keys, staging))
         try:
             await self.make_room(HOST, len(keys))

@@ -70,6 +70,7 @@ from cluster.core.tiers.disk_format import (
     parse_header,
 )
 from cluster.core.tiers.disk_format import checksum as _checksum
+from cluster.core.tiers.disk_runs import DiskRuns
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +99,12 @@ def _open_file(path: str, flags: int) -> int:
     return open_private(path, flags)
 
 
-class DiskArena:
+class DiskArena(DiskRuns):
     """Fixed-size page slots in slab files under `dir_path`, addressed by slot id.
 
     Thread-safe: alloc/free and the counters take a lock, and batches may run concurrently
-    as long as no two of them touch the same slot.
+    as long as no two of them touch the same slot. A batch's adjacent slots go in runs, one
+    preadv / pwritev each (disk_runs.py).
     """
 
     def __init__(self, dir_path: str | os.PathLike, capacity_bytes: int,
@@ -134,6 +136,7 @@ class DiskArena:
         self._fds = self._open_slabs()
         self._small = AlignedBufferPool(2 * HEADER_BYTES, max_buffers=2 * num_threads)
         self._staging = AlignedBufferPool(self._span_bytes, max_buffers=2 * num_threads)
+        self.num_threads = num_threads
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="raykv-disk")
         self._closed = False
         self._freed: list[int] = []  # freed slots whose headers are not zeroed yet
@@ -332,8 +335,12 @@ class DiskArena:
             if slot in seen:
                 raise ValueError(f"slot {slot} appears twice in one write batch")
             seen.add(slot)
-        results = self._run(self._write_one, [(*item, namespace) for item, namespace
-                                              in zip(items, namespaces, strict=True)])
+        full = [(*item, namespace) for item, namespace in zip(items, namespaces, strict=True)]
+        runs = self._plan([slot for slot, *_ in items],
+                          [self._writes_whole_span(payload) for *_, payload in items])
+        results = [result for run in self._run(self._write_run, [([full[p] for p in run],)
+                                                                 for run in runs])
+                   for result in run]
         self._count(written_bytes=sum(written for _, written in results))
         if items:
             synced = self._sync({self._locate(slot)[0] for slot in seen})
@@ -415,7 +422,12 @@ class DiskArena:
             check_bytes("out", out)
             if not out.flags.writeable:
                 raise ValueError("out must be writeable")
-        results = self._run(self._read_one, list(zip(slots, outs, strict=True)))
+        runs = self._plan(slots, [self._reads_whole_span(out) for out in outs])
+        results: list = [None] * len(slots)
+        for run, run_results in zip(runs, self._run(self._read_run, [
+                ([slots[p] for p in run], [outs[p] for p in run]) for run in runs]), strict=True):
+            for position, result in zip(run, run_results, strict=True):
+                results[position] = result
         self._count(read_bytes=sum(read for _, read in results))
         return [meta for meta, _ in results]
 
@@ -441,16 +453,25 @@ class DiskArena:
             header, tail = buffer[:HEADER_BYTES], buffer[HEADER_BYTES : HEADER_BYTES + tail_bytes]
             iovecs = [iovec for iovec in (header, out[:head_bytes], tail) if iovec.nbytes]
             read_bytes = os.preadv(fd, iovecs, offset)
-            meta = self._parse_header(header) if read_bytes == HEADER_BYTES + span_bytes else None
-            if meta is None or meta.payload_bytes > out.nbytes:
-                self._count(checksum_failures=int(meta is None))  # a short out is no damage
-                return None, read_bytes
-            if meta.payload_bytes > head_bytes:
-                out[head_bytes : meta.payload_bytes] = tail[: meta.payload_bytes - head_bytes]
+            complete = read_bytes == HEADER_BYTES + span_bytes
+            return self._verify(header, out, tail, head_bytes, complete), read_bytes
+
+    def _verify(self, header: np.ndarray, out: np.ndarray, tail: np.ndarray, head_bytes: int,
+                complete: bool) -> DiskPageMeta | None:
+        """The page read as `header`, out[:head_bytes] and `tail` (its last partial block),
+        if its header parses and its payload fits `out` and matches its checksum (the tail
+        copied into `out` first); else None, counted as a checksum failure unless `out` was
+        merely too short."""
+        meta = self._parse_header(header) if complete else None
+        if meta is None or meta.payload_bytes > out.nbytes:
+            self._count(checksum_failures=int(meta is None))  # a short out is no damage
+            return None
+        if meta.payload_bytes > head_bytes:
+            out[head_bytes : meta.payload_bytes] = tail[: meta.payload_bytes - head_bytes]
         if _checksum(out[: meta.payload_bytes]) != meta.checksum:
             self._count(checksum_failures=1)
-            return None, read_bytes
-        return meta, read_bytes
+            return None
+        return meta
 
     def _read_copy(self, fd: int, offset: int, out: np.ndarray,
                    span_bytes: int) -> tuple[DiskPageMeta | None, int]:
