@@ -107,6 +107,8 @@ class DirectoryHandle:
     def record_demand(self, requests: list[list[PageKey]]) -> list:
         """Requests served without a match (each a chain of keys, all of them found): one
         call per shard that owns some of their keys, each request's keys there as one blob."""
+        if not ray.is_initialized():  # the client's demand timer fired after ray.shutdown()
+            return []                 # (see NodeHandle.touch: a call would auto-init Ray)
         positions = [split_by_shard(keys, len(self.shards)) for keys in requests]
         refs = []
         for shard_index, shard in enumerate(self.shards):
@@ -179,6 +181,9 @@ class NodeHandle:
         return self.actor.put_leased.remote(geometry, request)
 
     def end_put_lease(self, lease_id: int):
+        """None once this process has left Ray (the committer thread calls it: see touch)."""
+        if not ray.is_initialized():
+            return None
         return self.actor.end_put_lease.remote(lease_id)
 
     def acquire(self, geometry: PageGeometry, keys: list[PageKey], released: list[int] = ()):

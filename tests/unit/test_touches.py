@@ -73,3 +73,32 @@ def test_a_touch_after_this_process_left_ray_calls_nothing(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     assert NodeHandle(Actor(), "n").touch(None, ["k"], 1, [7]) == "ref"
     assert Method.calls == [(None, ["k"], 1, [7])]
+
+
+def test_a_demand_batch_or_a_lease_end_after_this_process_left_ray_calls_nothing(monkeypatch):
+    """The client's demand timer (a get served without a directory match reports it within
+    TOUCH_EVERY_S) and its committer thread may run after ray.shutdown(), as the touch timer
+    may: a call then would auto-start a local Ray beside the next (CI lost its driver so)."""
+    import ray
+
+    from actors.handles import DirectoryHandle, NodeHandle
+
+    calls: list = []
+
+    class Method:
+        def remote(self, *args):
+            calls.append(args)
+            return "ref"
+
+    class Actor:
+        record_demand = Method()
+        end_put_lease = Method()
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as after ray.shutdown()
+    assert DirectoryHandle([Actor()]).record_demand([[b"k" * 16]]) == []
+    assert NodeHandle(Actor(), "n").end_put_lease(3) is None
+    assert calls == []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert DirectoryHandle([Actor()]).record_demand([[b"k" * 16]]) == ["ref"]
+    assert NodeHandle(Actor(), "n").end_put_lease(3) == "ref"
+    assert len(calls) == 2
