@@ -29,18 +29,40 @@ from cluster.core.keys import PageKey
 TOUCH_EVERY_S = 0.5  # at most one report per interval
 
 
-class TouchBatch:
+class _TimedBatch:
+    """The send timer the batches share: started when something waits to be sent (under
+    the batch's lock), stopped by the flush that sends it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+    def _start_timer(self) -> None:
+        if self._timer is None:
+            self._timer = threading.Timer(TOUCH_EVERY_S, self.flush)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.cancel()
+        self._timer = None
+
+
+class TouchBatch(_TimedBatch):
     """Gathers (keys, reads, released lease ids) and hands them to
     `send(keys, num_reads, released)`, fire and forget."""
 
     def __init__(self, send: Callable[[list[PageKey], int, list[int]], object]):
+        super().__init__()
         self.send = send
-        self._lock = threading.Lock()
         self._keys: list[PageKey] = []
         self._reads = 0
         self._released: list[int] = []
         self._sent_at_s = -TOUCH_EVERY_S
-        self._timer: threading.Timer | None = None
 
     def note(self, keys: list[PageKey]) -> None:
         """One read of `keys`."""
@@ -67,18 +89,10 @@ class TouchBatch:
             released, self._released = self._released, []
         return released
 
-    def _start_timer(self) -> None:
-        if self._timer is None:
-            self._timer = threading.Timer(TOUCH_EVERY_S, self.flush)
-            self._timer.daemon = True
-            self._timer.start()
-
     def flush(self) -> None:
         """Send what has gathered, now."""
         with self._lock:
-            if self._timer is not None and self._timer is not threading.current_thread():
-                self._timer.cancel()
-            self._timer = None
+            self._stop_timer()
             if not self._keys and not self._released:
                 return
             keys, reads, released = list(dict.fromkeys(self._keys)), self._reads, self._released
@@ -87,15 +101,14 @@ class TouchBatch:
         self.send(keys, reads, released)
 
 
-class DemandBatch:
+class DemandBatch(_TimedBatch):
     """Gathers the key chains of requests served without a directory match and hands them to
     `send(requests)` from a timer, at most one call per TOUCH_EVERY_S, fire and forget."""
 
     def __init__(self, send: Callable[[list[list[PageKey]]], object]):
+        super().__init__()
         self.send = send
-        self._lock = threading.Lock()
         self._requests: list[list[PageKey]] = []
-        self._timer: threading.Timer | None = None
 
     def note(self, keys: list[PageKey]) -> None:
         """One request that matched all of `keys`."""
@@ -103,17 +116,12 @@ class DemandBatch:
             return
         with self._lock:
             self._requests.append(keys)
-            if self._timer is None:
-                self._timer = threading.Timer(TOUCH_EVERY_S, self.flush)
-                self._timer.daemon = True
-                self._timer.start()
+            self._start_timer()
 
     def flush(self) -> None:
         """Send what has gathered, now."""
         with self._lock:
-            if self._timer is not None and self._timer is not threading.current_thread():
-                self._timer.cancel()
-            self._timer = None
+            self._stop_timer()
             requests, self._requests = self._requests, []
         if requests:
             self.send(requests)
