@@ -101,7 +101,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                                            prompt_keys["page_tokens"])
         self.engine_events = engine_events
         self.counters = {"ranked": 0, "fallback": 0, "lookup_failures": 0, "cost_routed": 0,
-                         "recomputed": 0, "engine_hits": 0}
+                         "recomputed": 0, "engine_hits": 0, "predicted": 0}
         self.rates: RateEstimates = prior_rates()  # the latest pooled (for stats and tests)
         self.last_decision: Decision | None = None
         # Per replica: requests this router sent there that have not finished (Serve's
@@ -152,7 +152,9 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             _tell_hit(pending_request, len(located) * self._prompt_keys.page_tokens)
         # Pages a request routed moments ago is computing or storing: the directory has not
         # heard of them yet (the told hit above stays the directory's).
+        answered = len(located or [])
         located = self.routed.extend(located or [], _split_keys(keys_blob), time.monotonic())
+        self.counters["predicted"] += len(located) > answered
         engine_pages = self._engine_pages(candidate_replicas, keys_blob)
         scores = prefix_scores(located, {r.node_id for r in candidate_replicas})
         if not has_hits(scores) and not any(engine_pages.values()):

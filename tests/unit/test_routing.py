@@ -132,7 +132,8 @@ def test_the_replica_on_the_node_holding_the_prefix_ranks_first():
         ranks = await router.choose_replicas(replicas, pending(KEYS))
         assert ids(ranks) == [["r1"], ["r0", "r2"]]
         assert router.counters == {"ranked": 1, "fallback": 0, "lookup_failures": 0,
-                                   "cost_routed": 0, "recomputed": 0, "engine_hits": 0}
+                                   "cost_routed": 0, "recomputed": 0, "engine_hits": 0,
+                                   "predicted": 0}
 
     asyncio.run(main())
 
@@ -257,6 +258,7 @@ def test_a_repeated_prefix_follows_its_first_request_before_the_directory_hears(
             again = await router.choose_replicas(replicas, pending(KEYS[:5]))
             assert again[0][0].node_id == node
         assert router.counters["ranked"] == 5 and router.counters["fallback"] == 1
+        assert router.counters["predicted"] == 5
         clock[0] += 3.5  # past the TTL: nothing is predicted any more
         await router.choose_replicas(replicas, pending(KEYS))
         assert router.counters["fallback"] == 2
