@@ -363,6 +363,10 @@ class NodeCacheActor:
             calls.append(self._pull_from(node_id, (geometry, todo, namespace), done))
         pulled = await asyncio.gather(*calls)
         await self.pulls.wait(waits)
+        # Ready the host tier's next chunk now, off this pull's path, as a reserve does:
+        # otherwise the next pull (a replication, a prefetch, an adoption) faults a whole
+        # chunk in on its own path (tens of ms for 64 MiB).
+        self._grow_soon(geometry)
         return sum(pulled)
 
     async def _pull_from(self, node_id: str, request: tuple[PageGeometry, list[PageKey], str],

@@ -147,9 +147,19 @@ def test_replication_pulls_through_the_page_servers(nodes):
     c = node_id_of("node_c")
     assert ray.get(node(c).pull(GEOMETRY, {nodes["a"]: keys})) == 4
     assert stats(c)["pulled_pages"] >= 4
+    # The pull readies C's next host chunk off its path (a chunk's worth free, or the tier
+    # full), so the next pull does not fault one in on its own.
+    wait_until(lambda: host_room_ahead(stats(c)), 10, "C to ready a host chunk ahead")
     wait_until(lambda: all(any(n == c for n, _ in places) for places in
                            ray.get(nodes["rb"].located.remote(tokens))), 10,
                "the directory to list C as a holder")
+
+
+def host_room_ahead(node_stats: dict) -> bool:
+    host = node_stats["memory"]["tiers"]["host"]
+    free_bytes = host["held_bytes"] - node_stats["bytes"]["host"]
+    return free_bytes >= node_stats["memory"]["chunk_bytes"] or \
+        host["held_bytes"] + node_stats["memory"]["chunk_bytes"] > host["capacity_bytes"]
 
 
 def test_an_owner_that_stalls_then_dies_mid_read_is_a_miss_not_a_hang(nodes):
