@@ -162,6 +162,7 @@ class NodeCacheActor:
 
     async def _tick(self) -> None:
         self.store.expire()
+        self.store.beat()  # clients read the held-pages indexes while this keeps coming
         beat = time.monotonic() - self._last_beat_s >= self.config.heartbeat_s
         if await self.flush(heartbeat=beat) and beat:
             self._last_beat_s = time.monotonic()
