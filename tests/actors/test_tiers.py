@@ -115,3 +115,62 @@ def test_disk_pages_survive_node_actor_restart(service):
         num_tokens, got = client.get(prompt(index))
         assert num_tokens == 32 and torch.equal(got, kv_for(TINY, 32, index))
     assert client.lookup(prompt(5)) == 0  # it was in host memory
+
+
+# ---- the node's held-pages index: a get of another client's pages with no call ---------------
+
+
+def count_calls(client, names=("acquire", "descriptors", "reserve", "commit")) -> dict:
+    """Count the calls `client` makes on its node actor (its handle's methods, wrapped)."""
+    counts = dict.fromkeys(names, 0)
+    handle = client.view.local
+
+    def counted(name, method):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return method(*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(handle, name, counted(name, getattr(handle, name)))
+    return counts
+
+
+def test_a_fresh_client_gets_pages_another_put_with_no_call(service):
+    """A puts; B, connected afresh (no notes), gets them from the node's held-pages index:
+    no acquire, no call on the path, the bytes exact. Then the node demotes them to disk:
+    B's get must not copy the freed slots (their generations moved): it asks the node,
+    which reads them up, and the bytes are still exact."""
+    service(**SMALL)
+    writer, reader = connect(TINY), connect(TINY)
+    calls = count_calls(reader)
+    fill(writer, 2)  # 4 pages: the host tier is full
+    assert writer.puts.settle(writer.timeout_s)  # committed (a leased put commits after)
+    assert reader.view.slabs._held is not None, "the reader did not map the index at connect"
+    for index in range(2):
+        num_tokens, got = reader.get(prompt(index))
+        assert num_tokens == 32 and torch.equal(got, kv_for(TINY, 32, index))
+    assert calls == {"acquire": 0, "descriptors": 0, "reserve": 0, "commit": 0}
+    assert reader.counters["held_pages"] == 4 and reader.counters["local_pages"] == 4
+    # The reads reach the node (its eviction policy and counters) in a batch, off the path.
+    deadline_s = time.monotonic() + 5
+    while reader.stats()["node"].get("optimistic_hits_pages", 0) < 4:
+        assert time.monotonic() < deadline_s, reader.stats()["node"]
+        time.sleep(0.1)
+
+    fill_more = [9000 + i for i in range(64)]  # 4 more pages: prompt 0 and 1 go to disk
+    assert writer.put(fill_more, kv_for(TINY, 64, 77)) == 64
+    assert writer.puts.settle(writer.timeout_s)
+    assert tiers(writer) == {"device": 0, "host": 4, "disk": 4}
+    other = connect(TINY)  # no notes at all: only the index could mislead it
+    other_calls = count_calls(other)
+    for client, counted_calls in ((reader, calls), (other, other_calls)):
+        stale_before = client.counters["stale_hints"]
+        num_tokens, got = client.get(prompt(0))  # on disk now: read up through the acquire
+        assert num_tokens == 32 and torch.equal(got, kv_for(TINY, 32, 0))
+        assert counted_calls["acquire"] >= 1
+        assert client.counters["stale_hints"] >= stale_before  # a stale note, or none
+    num_tokens, got = other.get(fill_more)
+    assert num_tokens in (0, 16, 32, 48, 64)  # whatever is still held, and only its bytes
+    if num_tokens:
+        assert torch.equal(got, kv_for(TINY, 64, 77)[:, :, :, :num_tokens])
