@@ -22,7 +22,7 @@ dead node's slabs, and keeps them mapped, without asking.
 
 Pages this client did not note (another client put them) are looked up in the node's
 held-pages index, mapped read-only: the same kind of hint, copied and checked the same way,
-trusted while the node keeps stamping it (HINT_TTL_S). The slabs are mapped when the client
+trusted while the node keeps stamping it (HELD_MAX_AGE_S). The slabs are mapped when the client
 connects (map_now), so even a client's first get of a page held here makes no call.
 """
 
@@ -56,6 +56,9 @@ from cluster.core.tiers.slot_table import (
 log = logging.getLogger("raykv.client")
 MAX_HINTS = 1 << 16
 HINT_TTL_S = 1.0
+# The node stamps its held-pages index every event_flush_s (0.05 s): one not stamped for
+# this long is a dead or stuck node's, not read, well within HINT_TTL_S of its death.
+HELD_MAX_AGE_S = HINT_TTL_S / 2
 
 
 class LocalSlabs:
@@ -125,7 +128,7 @@ class LocalSlabs:
         path = next((d.held_path for d in descriptors if getattr(d, "held_path", None)), None)
         if path is not None:
             try:
-                self._held = HeldView(path, HINT_TTL_S)
+                self._held = HeldView(path, HELD_MAX_AGE_S)
             except (OSError, ValueError) as error:
                 log.warning("could not map the node's held-pages index: %s", error)
 
