@@ -171,8 +171,13 @@ def test_a_fresh_client_gets_pages_another_put_with_no_call(service):
     for client, counted_calls in ((reader, calls), (other, other_calls)):
         for (tokens, kv), disk in zip(expected, on_disk, strict=True):
             acquires = counted_calls["acquire"]
-            num_tokens, got = client.get(tokens)  # a page on disk: read up by the acquire
-            assert num_tokens == len(tokens) and torch.equal(got, kv)
+            # A page on disk is read up by the acquire, or misses when the host tier has no
+            # room to read it into (the other pages pinned by leases not let go yet); what
+            # comes back is a prefix, byte for byte.
+            num_tokens, got = client.get(tokens)
+            assert num_tokens % 16 == 0 and num_tokens <= len(tokens)
+            if num_tokens:
+                assert torch.equal(got, kv[:, :, :, :num_tokens])
             assert counted_calls["acquire"] > acquires or not disk
 
     # Dropped pages: the index withdrew them and the notes' slots moved on; a miss.
