@@ -122,6 +122,9 @@ class NodeCacheActor:
                     self.server.endpoint.transport, *self.server.endpoint.address)
         await self.flush()
         self.loops.every("events", self.config.event_flush_s, self._tick)
+        # Clients read the held-pages indexes while these stamps keep coming: a loop of its
+        # own, so that a slow directory flush does not make them stop trusting a live node.
+        self.loops.every("held", self.config.event_flush_s, self._beat)
 
     def _transfer_timeout_s(self) -> float:
         return self.config.call_timeout_s
@@ -159,6 +162,9 @@ class NodeCacheActor:
             raise RuntimeError("no raykv controller")
         return await asyncio.wait_for(controller.namespace_secret(name),
                                       self.config.call_timeout_s)
+
+    async def _beat(self) -> None:
+        self.store.beat()
 
     async def _tick(self) -> None:
         self.store.expire()

@@ -220,7 +220,9 @@ def connect(spec: ModelSpec, namespace: str = "default"):
     controller = _controller(config)
     secrets = ClientSecrets(_unwrap(controller.namespace_secret(namespace)),
                             _unwrap(controller.peer_key()))
-    return KVClient(spec, namespace, config, DirectoryHandle.lookup(config), home, secrets)
+    client = KVClient(spec, namespace, config, DirectoryHandle.lookup(config), home, secrets)
+    client.map_slabs()  # now, not on the first get: that one can then read with no call
+    return client
 
 
 def key_chain(spec: ModelSpec, namespace: str = "default",

@@ -63,6 +63,19 @@ class KVClient:
                               config.call_timeout_s, authority=secrets.authority(namespace))
         self.timeout_s = config.call_timeout_s
 
+    def map_slabs(self) -> bool:
+        """Map this node's slabs and its held-pages index now (one call), so that a first get
+        of pages held here needs none; False without local slabs or when the node did not
+        answer (the first reply's stamp maps them then)."""
+        slabs = self.view.slabs
+        if slabs is None:
+            return False
+        try:
+            return run_sync(slabs.map_now(), self.timeout_s)
+        except Exception as error:  # noqa: BLE001 - a later reply maps them instead
+            log.warning("could not map this node's slabs at connect: %s", error)
+            return False
+
     @property
     def puts(self) -> LeasedPuts | None:
         """The view's slot lease and committer (cluster/puts.py); None without mapped slabs."""

@@ -2,7 +2,10 @@
 with one round trip on its path when this node holds the prefix (as steps: calls.py).
 
     fetch_prefix
-      1. _copy_hinted   pages this client noted earlier (its gets and puts): no call at all
+      1. _copy_hinted   pages this client noted earlier (its gets and puts), then pages the
+                        node's held-pages index lists (put by anyone: tiers/held_index.py):
+                        no call at all (the node hears of the reads in a batch, and the
+                        directory of the request's demand: touches.py)
       2. _ask           the rest: this node's acquire(keys[h:]) (it carries the leases earlier
                         gets are done with), sent before step 1's copy; the directory's
                         prefix_runs(keys[h:]) too when there is no local node, or when this
@@ -48,14 +51,17 @@ log = logging.getLogger("raykv.client")
 
 def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps[tuple]:
     """(pages that arrived, out) for the longest cached prefix of `keys`; (0, None) on a miss."""
-    hints = view.slabs.hinted(keys) if view.local is not None else as_places([])
+    hints, noted = (view.slabs.located(keys) if view.local is not None
+                    else (as_places([]), 0))
     if out is None and len(hints) and len(hints) < len(keys):
         hints = hints[:0]  # out's size depends on the answers: no copy before them
     asked = _ask(view, keys, len(hints)) if len(hints) < len(keys) else None
     if out is None and len(hints):
         out = view.empty(len(keys) * view.page_tokens)
-    good = (yield from _copy_hinted(view, keys, hints, out)) if len(hints) else 0
+    good = ((yield from _copy_hinted(view, keys, hints, min(noted, len(hints)), out))
+            if len(hints) else 0)
     if asked is None and good == len(keys):
+        view.note_demand(keys)  # served whole here, with no call: the directory hears later
         return good, out
     if asked is None or good < len(hints):  # a hint went stale: ask from there on
         if asked is not None:
@@ -68,15 +74,19 @@ def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps
 # ---- 1. the pages noted earlier ---------------------------------------------------------------
 
 
-def _copy_hinted(view: CacheView, keys: list, hints: np.ndarray,
+def _copy_hinted(view: CacheView, keys: list, hints: np.ndarray, noted: int,
                  out: torch.Tensor) -> Steps[int]:
-    """Copy pages from their noted slots; returns how many leading ones stayed valid (a slot
-    whose chunk is no longer mapped here ends them)."""
+    """Copy pages from their hinted slots (the first `noted` this client's notes, the rest
+    the node's index); returns how many leading ones stayed valid (a slot whose chunk is no
+    longer mapped here ends them, and so does a changed generation)."""
     mapped = yield from _copy_places(view, hints, out, 0)
     good = view.slabs.num_unchanged(hints[:mapped])
     if good < len(hints):
         view.slabs.forget(keys[good : len(hints)])
         view.counters["stale_hints"] += 1
+    if good > noted:  # found in the node's index: noted now, read from the notes next time
+        view.slabs.remember(keys[noted:good], hints[noted:good])
+        view.counters["held_pages"] += good - noted
     view.note_touched(keys[:good])
     view.counters["local_pages"] += good
     view.counters["optimistic_pages"] += good

@@ -16,6 +16,14 @@ that page; a changed one makes the page a miss and the get asks the node as usua
 A hint is trusted for HINT_TTL_S after the node last confirmed it: a node actor that died
 frees nothing (generations stand still), and this bounds how long a client keeps reading a
 dead node's slabs, and keeps them mapped, without asking.
+
+    held: digest(key) -> (tier, slot, generation)  the node's own index of its mapped tiers
+                                                   (cluster/core/tiers/held_index.py)
+
+Pages this client did not note (another client put them) are looked up in the node's
+held-pages index, mapped read-only: the same kind of hint, copied and checked the same way,
+trusted while the node keeps stamping it (HELD_MAX_AGE_S). The slabs are mapped when the client
+connects (map_now), so even a client's first get of a page held here makes no call.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.kvcheck import page_rows, slab_order
 from cluster.core.tiers.fence import SlotFence
+from cluster.core.tiers.held_index import HeldView
 from cluster.core.tiers.memory import ArenaMapping, SlabStamp
 from cluster.core.tiers.slot_table import (
     PlaceHints,
@@ -47,6 +56,9 @@ from cluster.core.tiers.slot_table import (
 log = logging.getLogger("raykv.client")
 MAX_HINTS = 1 << 16
 HINT_TTL_S = 1.0
+# The node stamps its held-pages index every event_flush_s (0.05 s): one not stamped for
+# this long is a dead or stuck node's, not read, well within HINT_TTL_S of its death.
+HELD_MAX_AGE_S = HINT_TTL_S / 2
 
 
 class LocalSlabs:
@@ -59,6 +71,8 @@ class LocalSlabs:
         self._mappings: list[ArenaMapping] = []
         self._fences: list[SlotFence] = []  # per tier: this client's slot write locks
         self._hints = PlaceHints(MAX_HINTS)
+        self._held: HeldView | None = None  # the node's held-pages index for this geometry
+        self.use_held = True  # False: pages not noted here are asked for (benchmarks compare)
         self._lock = threading.Lock()
         self._prefaulting: Future | None = None
 
@@ -72,6 +86,14 @@ class LocalSlabs:
         mappings already reach it; False if that failed (the reply's slots then miss)."""
         if stamp.covered_by(self.epoch, self.layout_version):
             return True
+        if not (yield from self.map_now()):
+            return False
+        return stamp.covered_by(self.epoch, self.layout_version)
+
+    def map_now(self) -> Steps[bool]:
+        """Ask the node for its slabs' descriptors and map them (a client does it when it
+        connects, so that its first get of pages held here needs no call); False if that
+        failed."""
         (reply,) = yield Wait([self.node.descriptors(self.geometry)])
         if failed(reply):
             return False
@@ -82,7 +104,7 @@ class LocalSlabs:
             log.warning("could not map the node's slabs (a miss): %s", error)
             return False
         self.prefault()
-        return stamp.covered_by(self.epoch, self.layout_version)
+        return True
 
     def _remap(self, current: SlabStamp, descriptors: list) -> None:
         with self._lock:
@@ -92,10 +114,23 @@ class LocalSlabs:
                     fence.close()
                 self._fences = [SlotFence(d.generations_path) for d in descriptors]
                 self._hints.clear()  # slots of the old slabs
+                self._map_held(descriptors)
                 self.epoch = current.epoch
                 return
             for mapping, descriptor in zip(self._mappings, descriptors, strict=True):
                 mapping.update(descriptor)
+
+    def _map_held(self, descriptors: list) -> None:
+        """Map the node's held-pages index (a node without one: no such lookups)."""
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+        path = next((d.held_path for d in descriptors if getattr(d, "held_path", None)), None)
+        if path is not None:
+            try:
+                self._held = HeldView(path, HELD_MAX_AGE_S)
+            except (OSError, ValueError) as error:
+                log.warning("could not map the node's held-pages index: %s", error)
 
     def prefault(self) -> None:
         """Fault in, in a background thread, the chunks the node holds that this client has
@@ -172,11 +207,21 @@ class LocalSlabs:
 
     def hinted(self, keys: list[PageKey]) -> np.ndarray:
         """Places of the longest prefix of `keys` with a live hint (mapped slabs only), as
-        an int64 [N, 3] slot table."""
+        an int64 [N, 3] slot table: this client's notes, then the node's held-pages index."""
+        return self.located(keys)[0]
+
+    def located(self, keys: list[PageKey]) -> tuple[np.ndarray, int]:
+        """(places, noted): the places of the longest prefix of `keys` that this client
+        noted (the first `noted` of them) or the node's held-pages index holds (the rest)."""
         if self.epoch is None:
-            return as_places([])
+            return as_places([]), 0
         with self._lock:
-            return self._hints.prefix(keys, time.monotonic() - HINT_TTL_S)
+            noted = self._hints.prefix(keys, time.monotonic() - HINT_TTL_S)
+            held = self._held if self.use_held else None
+        if held is None or len(noted) == len(keys):
+            return noted, len(noted)
+        more = held.prefix(keys[len(noted):])
+        return (np.concatenate([noted, more]) if len(noted) else more), len(noted)
 
     def remember(self, keys: list[PageKey], places) -> None:
         """Note where the node said (or a put found) these pages are, as of now."""

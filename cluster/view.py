@@ -43,8 +43,8 @@ class CacheView:
     fetch_s: float = 0.0  # the last get's time fetching remote pages (0: none fetched)
     counters: dict[str, int] = field(default_factory=lambda: {
         "put_tokens": 0, "get_tokens": 0, "lookups": 0, "local_pages": 0, "remote_pages": 0,
-        "optimistic_pages": 0, "stale_hints": 0, "failed_calls": 0, "torn_reads": 0,
-        "unmapped_pages": 0, "leased_pages": 0, "uncommitted_pages": 0})
+        "optimistic_pages": 0, "held_pages": 0, "stale_hints": 0, "failed_calls": 0,
+        "torn_reads": 0, "unmapped_pages": 0, "leased_pages": 0, "uncommitted_pages": 0})
     touches: TouchBatch | None = None  # set in __post_init__ when the slabs are mapped
     demand: DemandBatch | None = None  # likewise: prefixes this node served whole
     # Send the directory's match along with the acquire (fetch.py): the last asked get found

@@ -38,6 +38,7 @@ from cluster.core.tiers.chunks import ChunkedSlots, Share
 from cluster.core.tiers.device_copy import tier_copies
 from cluster.core.tiers.disk import DiskArena
 from cluster.core.tiers.fence import SlotFence
+from cluster.core.tiers.held_index import HeldIndex
 from cluster.core.tiers.memory import ArenaOptions, MappedArena, readonly_tensor
 from policies.eviction import make_policy
 
@@ -70,7 +71,12 @@ class Pool(DiskLoads, LeasedSlots):
         # A tier may be absent (no VRAM, no disk): its policy then stays empty.
         self.policies = [make_policy(limits.eviction, max(1, self._num_slots(t)))
                          for t in range(3)]
-        self._on_event = on_event
+        self._sink = on_event
+        # What the mapped tiers hold, for the clients on this node: a get of pages put by
+        # another client reads them with no call (tiers/held_index.py). Every change of a
+        # page's place goes through _on_event, which keeps it current.
+        self.held_index = HeldIndex(limits.shm_prefix,
+                                    sum(arena.num_slots for arena in self.memory))
         self._loads = InflightClaims()
         self.top_tier = DEVICE if self.memory[DEVICE].num_slots else HOST
         # Two opens of each memory tier's generation file: the node's fence on reserved slots
@@ -84,6 +90,17 @@ class Pool(DiskLoads, LeasedSlots):
         # two of them (one client's lease top-up and its own put's reserve) never split the
         # room made between them and both come up short.
         self.room_lock = asyncio.Lock()
+
+    def _on_event(self, key: PageKey, tier: int | None) -> None:
+        """A page stored, moved or dropped: published to (or withdrawn from) the held-pages
+        index for this node's clients, then reported (the node tells the directory)."""
+        entry = self.index.get(key)
+        if tier is not None and tier != DISK and entry is not None and entry.tier == tier:
+            self.held_index.publish([key], [(tier, entry.slot,
+                                             self.memory[tier].generation(entry.slot))])
+        else:
+            self.held_index.withdraw([key])
+        self._sink(key, tier)
 
     def _num_slots(self, tier: int) -> int:
         if tier == DISK:
@@ -510,6 +527,7 @@ class Pool(DiskLoads, LeasedSlots):
         return {"device": counts[0], "host": counts[1], "disk": counts[2]}
 
     def close(self) -> None:
+        self.held_index.close()
         for fence in self.fences + self.own_writes:
             fence.close()
         for arena in self.memory:

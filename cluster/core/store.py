@@ -14,6 +14,7 @@ actor sequences those events to the directory (cluster/core/events.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -168,7 +169,15 @@ class NodeStore:
         return found
 
     def descriptors(self, geometry: PageGeometry) -> list[ArenaDescriptor]:
-        return [arena.descriptor() for arena in self.pool(geometry).memory]
+        """What a same-node client maps: each memory tier, with the pool's held-pages index."""
+        pool = self.pool(geometry)
+        return [dataclasses.replace(arena.descriptor(), held_path=pool.held_index.path)
+                for arena in pool.memory]
+
+    def beat(self) -> None:
+        """Stamp every pool's held-pages index: its readers trust it a while after this."""
+        for pool in self.pools.values():
+            pool.held_index.beat()
 
     def layout_version(self, geometry: PageGeometry) -> int:
         """Grows whenever a client must map the pool's arenas again (a device chunk granted

@@ -115,3 +115,79 @@ def test_disk_pages_survive_node_actor_restart(service):
         num_tokens, got = client.get(prompt(index))
         assert num_tokens == 32 and torch.equal(got, kv_for(TINY, 32, index))
     assert client.lookup(prompt(5)) == 0  # it was in host memory
+
+
+# ---- the node's held-pages index: a get of another client's pages with no call ---------------
+
+
+def count_calls(client, names=("acquire", "descriptors", "reserve", "commit")) -> dict:
+    """Count the calls `client` makes on its node actor (its handle's methods, wrapped)."""
+    counts = dict.fromkeys(names, 0)
+    handle = client.view.local
+
+    def counted(name, method):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return method(*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(handle, name, counted(name, getattr(handle, name)))
+    return counts
+
+
+def test_a_fresh_client_gets_pages_another_put_with_no_call(service):
+    """A puts; B, connected afresh (no notes), gets them from the node's held-pages index:
+    no acquire, no call on the path, the bytes exact. Then the node demotes them to disk:
+    B's get must not copy the freed slots (their generations moved): it asks the node,
+    which reads them up, and the bytes are still exact."""
+    service(**SMALL)
+    writer, reader = connect(TINY), connect(TINY)
+    calls = count_calls(reader)
+    fill(writer, 2)  # 4 pages: the host tier is full
+    assert writer.puts.settle(writer.timeout_s)  # committed (a leased put commits after)
+    assert reader.view.slabs._held is not None, "the reader did not map the index at connect"
+    for index in range(2):
+        num_tokens, got = reader.get(prompt(index))
+        assert num_tokens == 32 and torch.equal(got, kv_for(TINY, 32, index))
+    assert calls == {"acquire": 0, "descriptors": 0, "reserve": 0, "commit": 0}
+    assert reader.counters["held_pages"] == 4 and reader.counters["local_pages"] == 4
+    # The reads reach the node (its eviction policy and counters) in a batch, off the path.
+    deadline_s = time.monotonic() + 5
+    while reader.stats()["node"].get("optimistic_hits_pages", 0) < 4:
+        assert time.monotonic() < deadline_s, reader.stats()["node"]
+        time.sleep(0.1)
+
+    fill_more = [9000 + i for i in range(64)]  # 4 more pages: 4 of the 8 go to disk
+    assert writer.put(fill_more, kv_for(TINY, 64, 77)) == 64
+    assert writer.puts.settle(writer.timeout_s)
+    assert tiers(writer) == {"device": 0, "host": 4, "disk": 4}
+    other = connect(TINY)  # no notes at all: only the index could mislead it
+    other_calls = count_calls(other)
+    expected = [(prompt(0), kv_for(TINY, 32, 0)), (prompt(1), kv_for(TINY, 32, 1)),
+                (fill_more, kv_for(TINY, 64, 77))]
+    on_disk = [2 in _tier_of(writer, tokens) for tokens, _ in expected]
+    assert any(on_disk)
+    for client, counted_calls in ((reader, calls), (other, other_calls)):
+        for (tokens, kv), disk in zip(expected, on_disk, strict=True):
+            acquires = counted_calls["acquire"]
+            # A page on disk is read up by the acquire, or misses when the host tier has no
+            # room to read it into (the other pages pinned by leases not let go yet); what
+            # comes back is a prefix, byte for byte.
+            num_tokens, got = client.get(tokens)
+            assert num_tokens % 16 == 0 and num_tokens <= len(tokens)
+            if num_tokens:
+                assert torch.equal(got, kv[:, :, :, :num_tokens])
+            assert counted_calls["acquire"] > acquires or not disk
+
+    # Dropped pages: the index withdrew them and the notes' slots moved on; a miss.
+    geometry = PageGeometry.of(TINY, 16)
+    dropped, deadline_s = 0, time.monotonic() + 5
+    while dropped < 2:  # the gets' leases end with the clients' next batch (touches.py)
+        assert time.monotonic() < deadline_s, f"only {dropped} of prompt 0's pages dropped"
+        dropped += ray.get(writer.local.discard(geometry, writer.keys(prompt(0))))
+        time.sleep(0.1)
+    for client, counted_calls in ((reader, calls), (other, other_calls)):
+        acquires = counted_calls["acquire"]
+        assert client.get(prompt(0)) == (0, None)
+        assert counted_calls["acquire"] == acquires + 1

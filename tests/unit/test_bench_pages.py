@@ -62,7 +62,7 @@ def fake_page_size(rounds: dict[int, dict[str, list[float]]], not_taken=None) ->
 
 def rounds_of(get, memcpy, noop=1e-4) -> dict[str, list[float]]:
     return {"get": get, "memcpy_get": memcpy, "noop": [noop] * len(get),
-            "warm_get": memcpy, "put": get, "memcpy_put": memcpy}
+            "acquire_get": get, "warm_get": memcpy, "put": get, "memcpy_put": memcpy}
 
 
 def test_set_ratios_takes_each_ratio_from_its_size_as_a_median_of_rounds():
@@ -100,7 +100,7 @@ def test_memcpy_put_copies_kv_pages_into_the_private_buffers_with_copy_pages():
     kv = common.page_kv(spec, 16, 4)
     targets = torch.zeros((4, *spec.page_shape(16)), dtype=kv.dtype)
     plan = pages.Plan(spec, (16,), (64,), 3, GiB)
-    session = pages.Session(plan, 16, None, kv, common.touched_like(kv), targets)
+    session = pages.Session(plan, 16, None, None, kv, common.touched_like(kv), targets)
     assert pages.contenders(session, 64)["memcpy_put"](0) > 0
     for p in range(4):
         common.check_same(targets[p], kv[:, :, :, page_slices(p, 16)], f"page {p}")

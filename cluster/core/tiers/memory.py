@@ -55,6 +55,7 @@ class ArenaDescriptor:
     device_layout: DeviceLayout | None = None
     generations_path: str | None = None
     chunk_bytes: int = 0
+    held_path: str | None = None  # the pool's held-pages index (held_index.py), if any
 
     @property
     def layout_version(self) -> int:

@@ -11,10 +11,15 @@ reads a prefix of it. Per request size, every contender runs once a round in rot
     memcpy_get  copies.copy_pages (the routine and threads client.get copies with) from the
                 host-tier slots of the request's pages into out's page slices, one block per
                 run of consecutive slots as the get copies them (fetch.copy_pairs): its bytes
-    get         client.get(tokens, out=out) after the client dropped its notes of the pages:
-                the node's acquire alone (the node holds the whole prefix, so the directory
-                is not asked on the path; the request's demand reaches it in a batch), the
-                copies, the release: a replica's first get of a prefix (tiers' cold_get)
+    get         reader.get(tokens, out=out) by a second client (`reader`, connected apart:
+                it did not put the pages), its notes of them dropped before each: the node's
+                held-pages index (tiers/held_index.py) says where they are, the copies, the
+                generation check; no call (the node hears of the reads, and the directory of
+                the request's demand, in batches afterwards): a replica's first get of a
+                prefix another replica put
+    acquire_get the same get with the index left unread: the node's acquire (one call; the
+                node holds the whole prefix, so the directory is not asked on the path), the
+                copies, the release (what `get` was before the index; tiers' cold_get)
     warm_get    the same get right after another: copies from the noted slots, no call
     noop        a no-op call to the node actor (ping), awaited as the client awaits its calls
     memcpy_put  copies.copy_pages from kv's page slices into one private buffer of pages, one
@@ -61,7 +66,7 @@ QUICK_PAGE_TOKENS = (16,)
 REQUEST_TOKENS = (256, 1024, 4096, 16384, 32768)
 QUICK_REQUEST_TOKENS = (256, 4096, 32768)
 RATIO_PAGE_TOKENS = 16
-CONTENDERS = ("memcpy_get", "get", "warm_get", "noop", "memcpy_put", "put")
+CONTENDERS = ("memcpy_get", "get", "acquire_get", "warm_get", "noop", "memcpy_put", "put")
 ROUNDS = 5
 SMALL_REPS, LARGE_REPS, LARGE_TOKENS = 15, 5, 8192  # calls per figure: more for short calls
 # Bytes the largest request is held in at once: kv, out, put's page buffers, and in the host
@@ -85,6 +90,9 @@ RATIOS = {
     "get_32k_tokens_vs_memcpy": ("ratio", "memcpy_get", "get", 32768),
     "get_256_tokens_floor_vs_noop_call": ("floor", "noop", "memcpy_get", 256),
     "small_page_warm_overhead_us": ("overhead", "warm_get", "memcpy_get", 4096),
+    "small_page_acquire_overhead_us": ("overhead", "acquire_get", "memcpy_get", 4096),
+    "acquire_get_256_tokens_vs_noop_call": ("ratio", "acquire_get", "noop", 256),
+    "acquire_get_32k_tokens_vs_memcpy": ("ratio", "memcpy_get", "acquire_get", 32768),
     "warm_get_32k_tokens_vs_memcpy": ("ratio", "memcpy_get", "warm_get", 32768),
     "small_page_put_overhead_us": ("overhead", "put", "memcpy_put", 4096),
     "put_32k_tokens_vs_memcpy": ("ratio", "memcpy_put", "put", 32768),
@@ -172,6 +180,7 @@ class Session:
     plan: Plan
     page_tokens: int
     client: object
+    reader: object  # a second client: the cold gets' (it put nothing)
     kv: torch.Tensor
     out: torch.Tensor
     targets: torch.Tensor  # [pages, *page_shape]
@@ -181,8 +190,8 @@ class Session:
     def tokens(self, batch: int, num_tokens: int) -> np.ndarray:
         return batch_tokens(batch, num_tokens)
 
-    def get(self, num_tokens: int) -> None:
-        got, _ = self.client.get(self.tokens(0, num_tokens), out=self.out)
+    def get(self, num_tokens: int, client=None) -> None:
+        got, _ = (client or self.client).get(self.tokens(0, num_tokens), out=self.out)
         if got != num_tokens:
             raise RuntimeError(f"get returned {got} of {num_tokens} tokens")
 
@@ -209,7 +218,10 @@ def start_session(plan: Plan, page_tokens: int, disk_dir: str) -> Session:
     kv = common.page_kv(plan.spec, page_tokens, num_pages)
     targets = torch.empty((num_pages, *plan.spec.page_shape(page_tokens)), dtype=kv.dtype)
     targets.view(torch.uint8).fill_(0xA5)
-    session = Session(plan, page_tokens, client, kv, common.touched_like(kv), targets)
+    from cluster import connect
+
+    session = Session(plan, page_tokens, client, connect(plan.spec), kv,
+                      common.touched_like(kv), targets)
     if client.put(session.tokens(0, plan.max_tokens), kv) != plan.max_tokens:
         raise RuntimeError("batch 0 was not stored whole")
     session.get(plan.max_tokens)
@@ -241,29 +253,46 @@ def memcpy_get_s(session: Session, num_tokens: int, reps: int) -> float:
     return seconds
 
 
-def get_s(session: Session, num_tokens: int, reps: int, warm: bool) -> float:
-    """Gets of the request's tokens, each after the client dropped its notes of the pages:
-    cold, every page through the node's acquire; warm, right after such a get (untimed), from
-    the slots it noted (a note is trusted for slabs.HINT_TTL_S)."""
-    client, counters = session.client, session.client.counters
+GET_PATHS = {  # contender -> (whose get, reads the held index, (local, optimistic, held) pages)
+    "get": ("reader", True, (1, 1, 1)),
+    "acquire_get": ("reader", False, (1, 0, 0)),
+    "warm_get": ("client", True, (1, 1, 0)),
+}
+GET_UNTAKEN = {"get": "a cold get did not find every page in the node's held-pages index",
+               "acquire_get": "a cold get did not take every page through the node's acquire",
+               "warm_get": "a warm get asked the node: its notes went stale"}
+
+
+def get_s(session: Session, num_tokens: int, reps: int, path: str) -> float:
+    """Gets of the request's tokens, each after the getting client dropped its notes of the
+    pages (GET_PATHS): `get` and `acquire_get` by the reader, which put nothing, through the
+    node's held-pages index or its acquire; `warm_get` by the client that put them, right after
+    such a get (untimed), from the slots it noted (a note is trusted for slabs.HINT_TTL_S)."""
+    whose, use_held, expected = GET_PATHS[path]
+    client = getattr(session, whose)
+    counters, slabs = client.counters, client.view.slabs
     keys = client.keys(session.tokens(0, num_tokens))
     num_pages, taken = len(keys), []
+    names = ("local_pages", "optimistic_pages", "held_pages")
 
     def once() -> float:
-        client.view.slabs.forget(keys)
-        if warm:
-            session.get(num_tokens)
-        local, optimistic = counters["local_pages"], counters["optimistic_pages"]
-        seconds, _ = common.timed(lambda: session.get(num_tokens))
-        read = (counters["local_pages"] - local, counters["optimistic_pages"] - optimistic)
-        taken.append(read == ((num_pages, num_pages) if warm else (num_pages, 0)))
+        slabs.forget(keys)
+        if path == "warm_get":
+            session.get(num_tokens, client)
+        before = [counters[name] for name in names]
+        seconds, _ = common.timed(lambda: session.get(num_tokens, client))
+        read = tuple(counters[name] - b for name, b in zip(names, before, strict=True))
+        taken.append(read == tuple(num_pages * e for e in expected))
         return seconds
 
-    once()
-    seconds = statistics.median(once() for _ in range(reps))
-    session.expect("warm_get" if warm else "get", num_tokens, all(taken[1:]),
-                   "a warm get asked the node: its notes went stale" if warm else
-                   "a cold get did not take every page through the node's acquire")
+    slabs.use_held = use_held
+    try:
+        once()
+        seconds = statistics.median(once() for _ in range(reps))
+    finally:
+        slabs.use_held = True
+    session.expect(path, num_tokens, all(taken[1:]), GET_UNTAKEN[path])
+    common.check_same(session.out[:, :, :, :num_tokens], session.kv[:, :, :, :num_tokens], path)
     return seconds
 
 
@@ -300,8 +329,9 @@ def contenders(session: Session, num_tokens: int) -> dict[str, Callable[[int], f
                   page_rows(session.kv[:, :, :, :num_tokens], session.page_tokens))]
     noop = lambda: run_sync(_noop_steps(client.local), client.timeout_s)  # noqa: E731
     return {"memcpy_get": lambda _: memcpy_get_s(session, num_tokens, reps),
-            "get": lambda _: get_s(session, num_tokens, reps, warm=False),
-            "warm_get": lambda _: get_s(session, num_tokens, reps, warm=True),
+            "get": lambda _: get_s(session, num_tokens, reps, "get"),
+            "acquire_get": lambda _: get_s(session, num_tokens, reps, "acquire_get"),
+            "warm_get": lambda _: get_s(session, num_tokens, reps, "warm_get"),
             "noop": lambda _: common.warm_median_s(noop, reps),
             "memcpy_put": lambda _: common.warm_median_s(lambda: copy_pages(put_pairs), reps),
             "put": lambda _: put_s(session, num_tokens, reps)}
@@ -365,9 +395,11 @@ def notes(plan: Plan) -> list[str]:
         f"ratios at {RATIO_PAGE_TOKENS}-token pages (per_page_tokens: every size's figures), "
         "each the median of per-round values (spread); every contender runs once a round in "
         "rotating order (harness.interleave); a figure is the median of reps calls",
-        "get: the client's first get of a prefix (notes dropped: the node's acquire, one call, "
-        "as the node holds the whole prefix; the directory hears of the request later, in a "
-        "batch; copies, release); warm_get: a get right after another "
+        "get: a second client's first get of a prefix the first client put (its notes "
+        "dropped before each): the node's held-pages index, copies, generation check, no call "
+        "(the node and the directory hear of it later, in batches); acquire_get: the same "
+        "with the index unread (the node's acquire, one call; copies, release: get's path "
+        "before the index); warm_get: a get right after another "
         f"(copies from noted slots, no call); both copy with copies.copy_pages ({COPY_THREADS} "
         "threads for a batch >= 8 MiB), one block per run of consecutive slots, as the memcpy "
         "baselines do over the same bytes: memcpy_get from the same host-tier slots, in the "
