@@ -10,7 +10,11 @@ and scaled (vllm_serve_trace.py), sent open loop over HTTP with max_tokens 1 (tr
 the client's time is the TTFT). Each round keeps other conversations.
 
 Ray's KVAwareRouter is run as Ray documents it: direct streaming (LLMRouter tokenizes and
-scores, HAProxy forwards) with RAY_SERVE_ENABLE_HA_PROXY=1 in the cluster's environment. HAProxy
+scores, HAProxy forwards) with RAY_SERVE_ENABLE_HA_PROXY=1 and
+RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 (the body reaches the router; without it the
+router load-balances) in the cluster's environment. `--setups raykv-direct` adds raykv's app
+with direct streaming (raykv's router behind the same HAProxy, cluster/serving/vllm_direct.py);
+it is not in the default run, and the ratios are raykv's keyed-ingress set-up's. HAProxy
 and Serve's direct ingress bind every interface, so the benchmark runs in a network namespace of
 its own (`unshare -n`, loopback only); every set-up goes through the same HAProxy front.
 
