@@ -159,10 +159,10 @@ def build_vllm_app(args: VllmAppArgs, cache: CacheConfig | None = None):
                              "ingress_cls_config": keyed_ingress(args)})
 
 
-def build_direct_vllm_app(args, cache=None, route_replicas: int = 1,
-                          placement: dict | None = None):
+def build_direct_vllm_app(args, cache=None, placement: dict | None = None):
     """raykv's vLLM app (`VllmAppArgs`, its router must be raykv's) with direct streaming:
-    RaykvRouteIngress in front (route_replicas of it), LLMServer replicas
+    RaykvRouteIngress in front (Serve runs it on every proxy node:
+    RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE), LLMServer replicas
     (DirectLLMServer: engine events, rates, keys, the router's decision) as the ingress.
     raykv is started or adopted as by `build_vllm_app`. Serve must run HAProxy with the body
     forwarded to the router (cluster/serving/vllm_direct.py), else requests are
@@ -193,8 +193,8 @@ def build_direct_vllm_app(args, cache=None, route_replicas: int = 1,
     server = _build_direct_streaming_llm_deployment(
         config, deployment_cls=DirectLLMServer,
         bind_kwargs={"key_digests": access.key_digests, "namespace": args.namespace})
-    front = serve.deployment(RaykvRouteIngress, num_replicas=route_replicas,
-                             max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+    front = serve.deployment(RaykvRouteIngress, max_ongoing_requests=1000,
+                             ray_actor_options={"num_cpus": 0})
     return server._with_ingress_request_router(front.bind(server=server))
 
 
