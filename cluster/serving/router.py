@@ -73,6 +73,9 @@ from policies.routing import ReplicaLoad, has_hits, prefix_scores, rank_replicas
 log = logging.getLogger("raykv.router")
 KEY_BYTES = 16
 ENGINE_EVENTS = "raykv_engine_events"  # routing-stats key: where a replica's engine publishes
+# A pick-only caller's pick counts as in flight this long when nothing better is known (a
+# prefill of a few hundred tokens on a CPU engine).
+PICK_HOLD_S = 0.1
 
 
 class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -80,7 +83,8 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def initialize_state(self, max_imbalance: int = 1, lookup_timeout_s: float = 0.5,
                          directory=None, prompt_keys: dict | None = None,
-                         engine_events=None, routed_ttl_s: float = 3.0) -> None:
+                         engine_events=None, routed_ttl_s: float = 3.0,
+                         picks_expire: bool = False) -> None:
         """`max_imbalance`: queue-length lead past which a replica loses its rank (in the
         weighted-prefix ranking, before replicas publish their rates).
         `directory`: a DirectoryHandle (tests pass a fake); found lazily otherwise.
@@ -89,7 +93,10 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         `engine_events`: the engine tier's follower (watch, held_pages: tests pass a fake);
         made on first need (an EngineEvents over the prompt keys' chain) otherwise.
         `routed_ttl_s`: how long a prompt's pages count as held on the node it was sent to,
-        past the directory's answer (cluster/core/routed_prefixes.py)."""
+        past the directory's answer (cluster/core/routed_prefixes.py).
+        `picks_expire`: the caller only picks (Ray's direct streaming: Serve never says when
+        the request ends), so each pick counts as in flight at its replica for the time the
+        router estimated (`_hold_s`), then expires."""
         self.max_imbalance = max_imbalance
         self.lookup_timeout_s = lookup_timeout_s
         self._directory = directory
@@ -109,6 +116,8 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.in_flight: dict[str, int] = {}
         # Where this router sent each page key lately, until the directory hears of it.
         self.routed = RoutedPrefixes(routed_ttl_s)
+        self.picks_expire = picks_expire
+        self.chosen_ttft_s: float | None = None  # the last cost-routed pick's estimate
 
     def on_send_request(self, replica_id) -> None:
         super().on_send_request(replica_id)
@@ -138,15 +147,40 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
         keys_blob = await self._keys_of(pending_request)
-        ranks = await self._choose(candidate_replicas, pending_request, keys_blob)
+        ranks, chosen_ttft_s = await self._choose(candidate_replicas, pending_request, keys_blob)
         _force_cut(pending_request)
         if keys_blob and ranks and ranks[0]:
             self.routed.record(_split_keys(keys_blob), ranks[0][0].node_id, time.monotonic())
+        if self.picks_expire:
+            self._count_pick(ranks, chosen_ttft_s)
         return ranks
 
+    def _count_pick(self, ranks: list[list[RunningReplica]], ttft_s: float | None) -> None:
+        """Count the replica a pick-only caller takes (the first of the first non-empty rank,
+        as Serve's `_choose_replicas_with_backoff` hands them out) as in flight until
+        `_hold_s` has passed."""
+        chosen = next((rank[0] for rank in ranks if rank), None)
+        if chosen is None:
+            return
+        replica_id = chosen.replica_id
+        self.on_send_request(replica_id)
+        asyncio.get_running_loop().call_later(self._hold_s(chosen, ttft_s),
+                                              self.decrement_queue_len_cache, replica_id)
+
+    def _hold_s(self, replica: RunningReplica, ttft_s: float | None) -> float:
+        """How long a pick counts as in flight: the chosen replica's estimated TTFT when the
+        pick was cost-routed; else the replica's published compute seconds per request, else
+        the pooled mean of the replicas'; PICK_HOLD_S before any replica published."""
+        if ttft_s is not None:
+            return ttft_s
+        published = {r.replica_id.unique_id: _published(r) for r in self.curr_replicas.values()}
+        busy = _busy_s_per_request(published).get(replica.replica_id.unique_id)
+        return busy or PICK_HOLD_S
+
     async def _choose(self, candidate_replicas: list[RunningReplica],
-                      pending_request: PendingRequest | None,
-                      keys_blob: bytes) -> list[list[RunningReplica]]:
+                      pending_request: PendingRequest | None, keys_blob: bytes
+                      ) -> tuple[list[list[RunningReplica]], float | None]:
+        """The ranks, and the chosen replica's estimated TTFT when cost-routed (else None)."""
         located = await self._locate(keys_blob) if keys_blob else None
         if located is not None and self._prompt_keys is not None:
             _tell_hit(pending_request, len(located) * self._prompt_keys.page_tokens)
@@ -165,19 +199,19 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             # goes to is then the first (its pages are remembered as there).
             if ranks and len(ranks[0]) > 1:
                 ranks = [[r] for r in sorted(ranks[0], key=self._queued)] + ranks[1:]
-            return ranks
+            return ranks, None
         self.counters["engine_hits"] += any(engine_pages.values())
         ranks = self._by_cost(candidate_replicas, located, pending_request, engine_pages,
                               len(keys_blob) // KEY_BYTES)
         if ranks:
             self.counters["cost_routed"] += 1
-            return ranks
+            return ranks, self.chosen_ttft_s  # set by _by_cost, no await since
         loads = [ReplicaLoad(r.replica_id.unique_id, r.node_id, self._queued(r))
                  for r in candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         self.counters["ranked"] += 1
         return [[by_id[i] for i in rank]
-                for rank in rank_replicas(loads, scores, self.max_imbalance)]
+                for rank in rank_replicas(loads, scores, self.max_imbalance)], None
 
     def _by_cost(self, replicas: list[RunningReplica], located: list,
                  pending_request: PendingRequest | None, engine_pages: dict[str, int],
@@ -205,6 +239,8 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                       for r in replicas]
         decision = decide(prompt, candidates, self.rates)
         self.last_decision = decision
+        self.chosen_ttft_s = next((e.ttft_s for e in decision.estimates
+                                   if e.replica_id == decision.replica_id), None)
         self.counters["recomputed"] += decision.recompute
         _cut(pending_request, decision.fetch_pages * page_tokens if decision.recompute else None)
         by_id = {r.replica_id.unique_id: r for r in replicas}

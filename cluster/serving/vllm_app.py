@@ -44,6 +44,8 @@ RAYKV_ROUTER = "cluster.serving.router:RaykvRouter"
 # them: the router's engine tier (as Ray's KVAwareRouter has its own turned on).
 EVENTS_SERVER = "cluster.serving.vllm_events_server:RaykvLLMServer"
 ROUTING_STATS_PERIOD_S = 2.0
+# The direct-streaming app's server (build_direct_vllm_app).
+DIRECT_SERVER = "cluster.serving.vllm_direct_server:DirectLLMServer"
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,45 @@ def build_vllm_app(args: VllmAppArgs, cache: CacheConfig | None = None):
     address = _adopted_service([args], cache)
     return build_openai_app({"llm_configs": [llm_config(args, address)],
                              "ingress_cls_config": keyed_ingress(args)})
+
+
+def build_direct_vllm_app(args, cache=None, placement: dict | None = None):
+    """raykv's vLLM app (`VllmAppArgs`, its router must be raykv's) with direct streaming:
+    RaykvRouteIngress in front (Serve runs it on every proxy node:
+    RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE), LLMServer replicas
+    (DirectLLMServer: engine events, rates, keys, the router's decision) as the ingress.
+    raykv is started or adopted as by `build_vllm_app`. Serve must run HAProxy with the body
+    forwarded to the router (cluster/serving/vllm_direct.py), else requests are
+    load-balanced, unkeyed by prompt."""
+    from ray import serve
+    from ray.llm._internal.serve.core.ingress.builder import (
+        _build_direct_streaming_llm_deployment,
+    )
+
+    from cluster.serving.access import require_keys_for_bind
+    from cluster.serving.ingress import serve_bind_host
+    from cluster.serving.vllm_direct_server import DirectLLMServer, RaykvRouteIngress
+
+    if args.request_router_class != RAYKV_ROUTER:
+        raise ValueError(f"the direct app routes with raykv's router ({RAYKV_ROUTER}), got "
+                         f"{args.request_router_class!r}")
+    access = Access.of(check_api_keys(args.api_keys))
+    bind_host = serve_bind_host()
+    if bind_host is not None:
+        require_keys_for_bind(access, bind_host)
+    address = _adopted_service([args], cache)
+    config = llm_config(args, address)
+    config.server_cls = DIRECT_SERVER
+    if placement is not None:
+        config.placement_group_config = placement
+    router = config.deployment_config["request_router_config"]
+    router["request_router_kwargs"] = {**router["request_router_kwargs"], "picks_expire": True}
+    server = _build_direct_streaming_llm_deployment(
+        config, deployment_cls=DirectLLMServer,
+        bind_kwargs={"key_digests": access.key_digests, "namespace": args.namespace})
+    front = serve.deployment(RaykvRouteIngress, max_ongoing_requests=1000,
+                             ray_actor_options={"num_cpus": 0})
+    return server._with_ingress_request_router(front.bind(server=server))
 
 
 def build_pd_vllm_app(prefill: VllmAppArgs, decode: VllmAppArgs,

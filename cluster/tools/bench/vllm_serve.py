@@ -10,7 +10,11 @@ and scaled (vllm_serve_trace.py), sent open loop over HTTP with max_tokens 1 (tr
 the client's time is the TTFT). Each round keeps other conversations.
 
 Ray's KVAwareRouter is run as Ray documents it: direct streaming (LLMRouter tokenizes and
-scores, HAProxy forwards) with RAY_SERVE_ENABLE_HA_PROXY=1 in the cluster's environment. HAProxy
+scores, HAProxy forwards) with RAY_SERVE_ENABLE_HA_PROXY=1 and
+RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1 (the body reaches the router; without it the
+router load-balances) in the cluster's environment. `--setups raykv-direct` adds raykv's app
+with direct streaming (raykv's router behind the same HAProxy, cluster/serving/vllm_direct.py);
+it is not in the default run, and the ratios are raykv's keyed-ingress set-up's. HAProxy
 and Serve's direct ingress bind every interface, so the benchmark runs in a network namespace of
 its own (`unshare -n`, loopback only); every set-up goes through the same HAProxy front.
 
@@ -53,7 +57,7 @@ from cluster.core.trace_scale import Scale, ScaledRequest, check_distinct
 from cluster.tools.bench import common
 from cluster.tools.bench.harness import Report, interleave
 from cluster.tools.bench.vllm_serve_breakdown import TTFT_PARTS, columns, report_fields, split
-from cluster.tools.bench.vllm_serve_setups import SETUPS, EngineShape
+from cluster.tools.bench.vllm_serve_setups import EXTRA_SETUPS, SETUPS, EngineShape
 from cluster.tools.bench.vllm_serve_trace import (
     Thinning,
     conversations,
@@ -76,7 +80,11 @@ PART_RATIOS = {"main": ("ttft_p50_vs_kv_aware", "ttft_p99_vs_kv_aware",
                         "cached_tokens_vs_kv_aware", "ttft_p50_vs_prefix_router",
                         "max_replica_share"),
                "recompute": ("recompute_decisions_correct",)}
-CHILD_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "VLLM_HOST_IP": "127.0.0.1"}
+# HAProxy, and the body forwarded to the direct-streaming router (Ray's LLMRouter and raykv's
+# both route on the prompt; without it HAProxy sends them an empty body and they load-balance:
+# Ray's LLMRouter logs "Could not derive a routing key from the request body").
+CHILD_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+             "VLLM_HOST_IP": "127.0.0.1"}
 REQUEST_COUNTER = "ray_serve_deployment_request_counter"
 
 
@@ -107,10 +115,11 @@ def setups_for(quick: bool, chosen: tuple[str, ...] | None = None) -> tuple[str,
     three engines afresh, 2.5-4 minutes on 2 cores (a quick run of 3 x 3 took 40 minutes
     here; the full one, 12 apps and longer replays, about an hour)."""
     if chosen:
-        unknown = sorted(set(chosen) - set(SETUPS))
+        known = SETUPS + EXTRA_SETUPS
+        unknown = sorted(set(chosen) - set(known))
         if unknown:
-            raise ValueError(f"unknown set-ups {unknown}; known: {list(SETUPS)}")
-        return tuple(s for s in SETUPS if s in chosen)
+            raise ValueError(f"unknown set-ups {unknown}; known: {list(known)}")
+        return tuple(s for s in known if s in chosen)
     return tuple(s for s in SETUPS if not (quick and s == "pow2"))
 
 
@@ -145,6 +154,8 @@ def build(setup: str, plan: Plan, model_dir: str):
 
     if setup == "raykv":
         return setups.raykv_app(model_dir, MODEL, plan.engine, NUM_NODES)
+    if setup == "raykv-direct":
+        return setups.raykv_direct_app(model_dir, MODEL, plan.engine, NUM_NODES)
     config = setups.baseline_config(setup, model_dir, MODEL, plan.engine, NUM_NODES)
     if setup != "kv-aware":
         return build_openai_app({"llm_configs": [config]})
@@ -206,7 +217,7 @@ def run_setup(setup: str, plan: Plan, model_dir: str, requests: list[ScaledReque
     disk_dir = tempfile.mkdtemp(prefix=f"raykv-bench-vllm-serve-{setup}-", dir="/tmp")
     began_s = time.monotonic()
     try:
-        if setup == "raykv":
+        if setup.startswith("raykv"):
             start(cache_config(plan, disk_dir))
         serve.run(build(setup, plan, model_dir), name=setup, route_prefix="/",
                   blocking=False)
@@ -225,7 +236,7 @@ def run_setup(setup: str, plan: Plan, model_dir: str, requests: list[ScaledReque
                 "start_s": started_s, "error_samples": errors, "requests": columns(sent)}
     finally:
         serve.delete(setup)
-        if setup == "raykv":
+        if setup.startswith("raykv"):
             stop()
         shutil.rmtree(disk_dir, ignore_errors=True)
 

@@ -24,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SETUPS = ("raykv", "kv-aware", "prefix", "pow2")
+# Run only when named (`--setups`): raykv's app with Ray's direct streaming (vllm_direct.py),
+# raykv's router behind HAProxy as kv-aware's is.
+EXTRA_SETUPS = ("raykv-direct",)
 KV_AWARE_ROUTER = "ray.serve.llm.request_router:KVAwareRouter"
 PORTED_SERVER = "cluster.tools.bench.vllm_serve_server:PortedLLMServer"
 ENGINE_SLOT = "engine_slot"  # one per simulated node: one replica per node
@@ -115,6 +118,21 @@ def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas
     config.placement_group_config = {"bundles": [bundle]} if bundle \
         else placement(1)["placement_group_config"]
     return build_openai_app({"llm_configs": [config], "ingress_cls_config": keyed_ingress(args)})
+
+
+def raykv_direct_app(model_source: str, model_id: str, shape: EngineShape, num_replicas: int):
+    """raykv's set-up with direct streaming (`build_direct_vllm_app`): the same engines,
+    connector and router as `raykv_app`, HAProxy sending each request straight to the replica
+    raykv's router picked."""
+    from cluster.api import running_config
+    from cluster.serving.vllm_app import VllmAppArgs, build_direct_vllm_app, router_settings
+
+    page_tokens = running_config().page_tokens
+    router, router_kwargs = router_settings("raykv", model_source, model_id, "default",
+                                            "float32", page_tokens)
+    args = VllmAppArgs(model_source, model_id, "default", num_replicas, router, router_kwargs,
+                       shape.engine_kwargs())
+    return build_direct_vllm_app(args, placement=placement(1)["placement_group_config"])
 
 
 def direct_streaming_app(config):
