@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.common import PendingRequest
@@ -51,6 +52,7 @@ from ray.serve.request_router import (
 
 from actors.handles import DirectoryHandle, merge_shard_prefixes
 from cluster.api import running_config
+from cluster.core.routed_prefixes import RoutedPrefixes
 from cluster.core.spec import ModelSpec
 from cluster.serving.prompt_keys import PromptKeys
 from cluster.serving.vllm_plan import forced_fetch_limit, with_fetch_limit, with_routed_hit
@@ -78,14 +80,16 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def initialize_state(self, max_imbalance: int = 1, lookup_timeout_s: float = 0.5,
                          directory=None, prompt_keys: dict | None = None,
-                         engine_events=None) -> None:
+                         engine_events=None, routed_ttl_s: float = 3.0) -> None:
         """`max_imbalance`: queue-length lead past which a replica loses its rank (in the
         weighted-prefix ranking, before replicas publish their rates).
         `directory`: a DirectoryHandle (tests pass a fake); found lazily otherwise.
         `prompt_keys`: for requests that carry text, not page keys (Ray Serve LLM's), how to
         key them: {"tokenizer_dir", "spec": ModelSpec fields, "namespace", "page_tokens"}.
         `engine_events`: the engine tier's follower (watch, held_pages: tests pass a fake);
-        made on first need (an EngineEvents over the prompt keys' chain) otherwise."""
+        made on first need (an EngineEvents over the prompt keys' chain) otherwise.
+        `routed_ttl_s`: how long a prompt's pages count as held on the node it was sent to,
+        past the directory's answer (cluster/core/routed_prefixes.py)."""
         self.max_imbalance = max_imbalance
         self.lookup_timeout_s = lookup_timeout_s
         self._directory = directory
@@ -97,12 +101,14 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                                            prompt_keys["page_tokens"])
         self.engine_events = engine_events
         self.counters = {"ranked": 0, "fallback": 0, "lookup_failures": 0, "cost_routed": 0,
-                         "recomputed": 0, "engine_hits": 0}
+                         "recomputed": 0, "engine_hits": 0, "predicted": 0}
         self.rates: RateEstimates = prior_rates()  # the latest pooled (for stats and tests)
         self.last_decision: Decision | None = None
         # Per replica: requests this router sent there that have not finished (Serve's
         # send and done hooks below); Serve's own cache stays empty unless strict.
         self.in_flight: dict[str, int] = {}
+        # Where this router sent each page key lately, until the directory hears of it.
+        self.routed = RoutedPrefixes(routed_ttl_s)
 
     def on_send_request(self, replica_id) -> None:
         super().on_send_request(replica_id)
@@ -131,23 +137,35 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
-        ranks = await self._choose(candidate_replicas, pending_request)
+        keys_blob = await self._keys_of(pending_request)
+        ranks = await self._choose(candidate_replicas, pending_request, keys_blob)
         _force_cut(pending_request)
+        if keys_blob and ranks and ranks[0]:
+            self.routed.record(_split_keys(keys_blob), ranks[0][0].node_id, time.monotonic())
         return ranks
 
     async def _choose(self, candidate_replicas: list[RunningReplica],
-                      pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
-        keys_blob = await self._keys_of(pending_request)
+                      pending_request: PendingRequest | None,
+                      keys_blob: bytes) -> list[list[RunningReplica]]:
         located = await self._locate(keys_blob) if keys_blob else None
         if located is not None and self._prompt_keys is not None:
             _tell_hit(pending_request, len(located) * self._prompt_keys.page_tokens)
-        located = located or []
+        # Pages a request routed moments ago is computing or storing: the directory has not
+        # heard of them yet (the told hit above stays the directory's).
+        answered = len(located or [])
+        located = self.routed.extend(located or [], _split_keys(keys_blob), time.monotonic())
+        self.counters["predicted"] += len(located) > answered
         engine_pages = self._engine_pages(candidate_replicas, keys_blob)
         scores = prefix_scores(located, {r.node_id for r in candidate_replicas})
         if not has_hits(scores) and not any(engine_pages.values()):
             self.counters["fallback"] += 1
-            return await PowerOfTwoChoicesRequestRouter.choose_replicas(
+            ranks = await PowerOfTwoChoicesRequestRouter.choose_replicas(
                 self, candidate_replicas=candidate_replicas, pending_request=pending_request)
+            # The two choices, the less loaded first, one rank each: the replica the request
+            # goes to is then the first (its pages are remembered as there).
+            if ranks and len(ranks[0]) > 1:
+                ranks = [[r] for r in sorted(ranks[0], key=self._queued)] + ranks[1:]
+            return ranks
         self.counters["engine_hits"] += any(engine_pages.values())
         ranks = self._by_cost(candidate_replicas, located, pending_request, engine_pages,
                               len(keys_blob) // KEY_BYTES)
@@ -209,7 +227,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if not advertised or not keys_blob or self._follower() is None:
             return {}
         self.engine_events.watch(advertised)
-        keys = [keys_blob[i : i + KEY_BYTES] for i in range(0, len(keys_blob), KEY_BYTES)]
+        keys = _split_keys(keys_blob)
         return self.engine_events.held_pages(keys, [r.replica_id.unique_id for r in replicas])
 
     def _follower(self):
@@ -232,7 +250,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     async def _locate(self, keys_blob: bytes) -> list | None:
         """Where each page of the prompt's longest cached prefix is; None when the
         directory did not answer in time."""
-        keys = [keys_blob[i : i + KEY_BYTES] for i in range(0, len(keys_blob), KEY_BYTES)]
+        keys = _split_keys(keys_blob)
         try:
             directory = await self._directory_handle()
             positions, refs = directory.prefix_refs(keys)
@@ -248,6 +266,10 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             config = await asyncio.to_thread(running_config)
             self._directory = await asyncio.to_thread(DirectoryHandle.lookup, config)
         return self._directory
+
+
+def _split_keys(keys_blob: bytes) -> list[bytes]:
+    return [keys_blob[i : i + KEY_BYTES] for i in range(0, len(keys_blob), KEY_BYTES)]
 
 
 def _page_keys(pending_request: PendingRequest | None) -> bytes:

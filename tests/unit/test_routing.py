@@ -132,7 +132,8 @@ def test_the_replica_on_the_node_holding_the_prefix_ranks_first():
         ranks = await router.choose_replicas(replicas, pending(KEYS))
         assert ids(ranks) == [["r1"], ["r0", "r2"]]
         assert router.counters == {"ranked": 1, "fallback": 0, "lookup_failures": 0,
-                                   "cost_routed": 0, "recomputed": 0, "engine_hits": 0}
+                                   "cost_routed": 0, "recomputed": 0, "engine_hits": 0,
+                                   "predicted": 0}
 
     asyncio.run(main())
 
@@ -157,8 +158,9 @@ def test_without_hits_it_falls_back_to_power_of_two(case):
         router, replicas = make_router(directory)
         request = pending([] if case == "no keys" else KEYS)
         ranks = await router.choose_replicas(replicas, request)
-        assert len(ranks) == 1 and 1 <= len(ranks[0]) <= 2  # two random choices
-        assert set(ids(ranks)[0]) <= {"r0", "r1", "r2"}
+        # two random choices, the less loaded first, one rank each
+        assert 1 <= len(ranks) <= 2 and all(len(rank) == 1 for rank in ranks)
+        assert {i for rank in ids(ranks) for i in rank} <= {"r0", "r1", "r2"}
         assert router.counters["fallback"] == 1
         assert router.counters["lookup_failures"] == (case == "directory down")
         assert directory.calls == (0 if case == "no keys" else 1)
@@ -234,5 +236,44 @@ def test_by_cost_a_long_queue_outweighs_the_prefix():
         router._replica_queue_len_cache.update(replicas[1].replica_id, 3)  # ~3 s of wait
         ranks = await router.choose_replicas(replicas, pending_tokens(KEYS, 100))
         assert ids(ranks)[-1] == ["r1"]
+
+    asyncio.run(main())
+
+
+def test_a_repeated_prefix_follows_its_first_request_before_the_directory_hears(monkeypatch):
+    """The first request's pages are not in the directory yet (its engine is computing
+    them): the second request with the same prefix goes to the same node all the same, and
+    once the memory has expired it is routed as if new."""
+    clock = [100.0]
+    monkeypatch.setattr("cluster.serving.router.time.monotonic", lambda: clock[0])
+
+    async def main():
+        directory = AsyncFakeDirectory()
+        router, replicas = make_router(directory)
+        router.routed.ttl_s = 3.0
+        first = await router.choose_replicas(replicas, pending(KEYS))
+        node = first[0][0].node_id
+        assert router.counters["fallback"] == 1
+        for _ in range(5):
+            again = await router.choose_replicas(replicas, pending(KEYS[:5]))
+            assert again[0][0].node_id == node
+        assert router.counters["ranked"] == 5 and router.counters["fallback"] == 1
+        assert router.counters["predicted"] == 5
+        clock[0] += 3.5  # past the TTL: nothing is predicted any more
+        await router.choose_replicas(replicas, pending(KEYS))
+        assert router.counters["fallback"] == 2
+
+    asyncio.run(main())
+
+
+def test_the_directory_s_answer_comes_before_the_routed_memory():
+    async def main():
+        directory = AsyncFakeDirectory()
+        router, replicas = make_router(directory)
+        router.routed.record(KEYS, "node-a", 0.0)  # routed long ago... but not expired
+        router.routed.ttl_s = 1e9
+        directory.place("node-c", KEYS, DEVICE)  # the directory knows where they are now
+        ranks = await router.choose_replicas(replicas, pending(KEYS))
+        assert ids(ranks)[0] == ["r2"]
 
     asyncio.run(main())
