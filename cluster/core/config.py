@@ -52,7 +52,8 @@ class CacheConfig(BaseModel):
                                    "that dies between reserve and commit loses its slots after it")
     put_lease_bytes: int = Field(256 * MiB, ge=0, description="free slots a client leases "
                                  "ahead of its puts (twice its largest put, a put more each time"
-                                 " puts ran it dry, at most a quarter of the top tier), so that a put makes no call: it copies in "
+                                 " puts ran it dry, at most a quarter of the top tier), so that"
+                                 " a put makes no call: it copies in "
                                  "and commits in the background, and other clients see it once "
                                  "the commit lands (0: every put reserves and commits through "
                                  "the node). A lease takes only free room: the node takes "
