@@ -68,6 +68,9 @@ async def run_async(steps: Steps[T], timeout_s: float) -> T:
 def _wait_sync(refs: list, timeout_s: float) -> list:
     if not refs:
         return []
+    if not ray.is_initialized():  # ray.wait would start a local Ray (a background thread's
+        # call that outlived the process's ray.shutdown(): each is a failed call instead)
+        return [RuntimeError("this process left Ray") for _ in refs]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     ready = set(ready)
     results = []

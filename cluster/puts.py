@@ -5,8 +5,9 @@
     fenced copy into them,                      node.put_leased(commit the writes, lease more)
       their locks kept
     wrote(keys, slots), wake  ------------->    unlock the written slots; map and pre-fault the
-    return                                      new ones; note the committed pages (hints);
-                                                wake readers
+    return                                      new ones (at a lower CPU priority: the puts'
+                                                copies go first); note the committed pages
+                                                (hints); wake readers
 
 Writes made while a call is in flight go in the next one: a burst of puts costs one call per
 round trip, none on the puts' path. A put that finds too few leased slots (the first one, or
@@ -218,8 +219,7 @@ class LeasedPuts:
         if not len(places):
             return places
         if self._wait(slabs.ensure(stamp), self.view.call_timeout_s):
-            mapped = sum(run.count for run, _ in slabs.runs(places))
-            if mapped == len(places):
+            if slabs.fault_in(places) == len(places):
                 return places
         self.view.home.end_put_lease(answer.lease_id)
         self.tier = HOST

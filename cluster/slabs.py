@@ -38,6 +38,7 @@ import torch
 
 from actors.handles import NodeHandle
 from cluster.calls import Steps, Wait, failed
+from cluster.core.background import background_executor
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.kvcheck import page_rows, slab_order
@@ -131,6 +132,14 @@ class LocalSlabs:
                 self._held = HeldView(path, HELD_MAX_AGE_S)
             except (OSError, ValueError) as error:
                 log.warning("could not map the node's held-pages index: %s", error)
+
+    def fault_in(self, places: np.ndarray) -> int:
+        """Fault in the chunks of `places` (a slot table) that this client has not touched
+        yet, in the background thread (at a lower CPU priority, after any pre-fault queued
+        there: the copies of puts under way go first), and wait; how many of the leading
+        places are mapped here (see runs)."""
+        job = _prefault_thread().submit(lambda: sum(run.count for run, _ in self.runs(places)))
+        return job.result()
 
     def prefault(self) -> None:
         """Fault in, in a background thread, the chunks the node holds that this client has
@@ -249,6 +258,6 @@ _prefaulter_lock = threading.Lock()
 def _prefault_thread() -> ThreadPoolExecutor:
     global _prefaulter
     with _prefaulter_lock:
-        if _prefaulter is None:
-            _prefaulter = ThreadPoolExecutor(1, thread_name_prefix="raykv-prefault")
+        if _prefaulter is None:  # at a lower CPU priority: it yields to the copies
+            _prefaulter = background_executor("raykv-prefault")
         return _prefaulter

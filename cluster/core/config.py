@@ -51,8 +51,9 @@ class CacheConfig(BaseModel):
     reserve_lease_s: float = Field(30.0, gt=0, description="a put's reservation life: a client "
                                    "that dies between reserve and commit loses its slots after it")
     put_lease_bytes: int = Field(256 * MiB, ge=0, description="free slots a client leases "
-                                 "ahead of its puts (up to twice its largest put, and a quarter"
-                                 " of the top tier), so that a put makes no call: it copies in "
+                                 "ahead of its puts (twice its largest put, a put more each time"
+                                 " puts ran it dry, at most a quarter of the top tier), so that"
+                                 " a put makes no call: it copies in "
                                  "and commits in the background, and other clients see it once "
                                  "the commit lands (0: every put reserves and commits through "
                                  "the node). A lease takes only free room: the node takes "

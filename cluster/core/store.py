@@ -20,13 +20,16 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
+from cluster.core.background import background_executor
 from cluster.core.elastic import ElasticMemory
 from cluster.core.faults import DiskFaults
 from cluster.core.geometry import DEVICE, DISK, HOST, TIER_NAMES, PageGeometry
@@ -40,6 +43,8 @@ from cluster.core.tiers.memory import ArenaDescriptor, remove_stale_shm
 from policies.quota import Quota
 
 POOL_FILE = "pool.json"
+_ready_executor: ThreadPoolExecutor | None = None
+_ready_lock = threading.Lock()
 log = logging.getLogger("raykv.store")
 T = TypeVar("T")
 
@@ -204,12 +209,12 @@ class NodeStore:
     async def grow_ahead(self, geometry: PageGeometry) -> int:
         """Ready memory chunks, ahead of need, for each tier of the geometry's pool that is
         short of free slots (fewer than a chunk's worth, or than the latest lease top-up
-        asked for), from free
-        budget only: their memory is faulted in off the event loop, so the next put into
-        fresh slots, and the next lease top-up, find them ready. A pool that puts thus holds
-        up to a chunk (or a top-up's worth) more than its pages, which other pools can
-        reclaim (it is empty) and which an idle pool gives back. Returns how many chunks
-        were readied."""
+        asked for), from free budget only: their memory is faulted in off the event loop, in
+        a thread of lower CPU priority (cluster/core/background.py: it yields to the copies
+        of the puts under way), so the next put into fresh slots, and the next lease top-up,
+        find them ready. A pool that puts thus holds up to a chunk (or a top-up's worth) more
+        than its pages, which other pools can reclaim (it is empty) and which an idle pool
+        gives back. Returns how many chunks were readied."""
         grown = 0
         pool = self.pools.get(geometry)
         if pool is not None:
@@ -219,7 +224,8 @@ class NodeStore:
                 ahead = self.put_leases.wanted(geometry, tier)
                 while (chunk := arena.slots.take_ahead(ahead)) is not None:
                     try:
-                        await asyncio.to_thread(arena.ready_chunk, chunk)
+                        await asyncio.get_running_loop().run_in_executor(
+                            _ready_thread(), arena.ready_chunk, chunk)
                     except BaseException:
                         arena.slots.drop_ahead(chunk)
                         raise
@@ -486,3 +492,12 @@ def _read_pool_file(path: str) -> PageGeometry | None:
         return PageGeometry(tuple(data["shape"]), data["dtype"])
     except (OSError, ValueError, KeyError):
         return None
+
+
+def _ready_thread() -> ThreadPoolExecutor:
+    """The thread that readies memory chunks ahead of need (one per process)."""
+    global _ready_executor
+    with _ready_lock:
+        if _ready_executor is None:
+            _ready_executor = background_executor("raykv-ready")
+        return _ready_executor

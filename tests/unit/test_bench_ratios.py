@@ -14,9 +14,10 @@ def test_tiers_plans_whole_token_pages_and_a_host_tier_for_every_put():
     assert tiers.plan_for(4, True, "/tmp").rounds >= 3 and plan.disk_rounds >= 3
     config = tiers._service_config(plan)
     # batch 0, the warm-up, rounds x timed puts, the puts taken apart (reserved and leased),
-    # one spare, and the two batches the client's slot lease holds ahead
+    # one spare, and the batches the client's slot lease may hold ahead (put_lease_bytes)
+    assert config.put_lease_bytes == 4 * plan.batch_bytes
     assert config.host_bytes // plan.batch_bytes == (2 + (plan.rounds + 2) * tiers.PUT_REPS
-                                                     + 1 + 2)
+                                                     + 1 + 4)
     assert config.device_bytes == 0 and config.eviction == "lru"
     disk_slots = config.disk_bytes // (tiers.DISK_HEADER_BYTES + plan.page_bytes)
     # what the fill pushes down (one more than the e2e gets read), every e2e put's batch

@@ -27,6 +27,23 @@ def test_an_empty_pool_takes_nothing_and_asks_for_twice_the_put_within_the_cap()
     assert pool.want() == 8  # capped at max_pages
 
 
+def test_puts_that_outrun_the_top_ups_grow_the_lease_by_a_put_each_time_within_the_cap():
+    pool = pool_with([(1, s, 0) for s in range(4)], min_pages=2, max_pages=12)
+    assert pool.take(2, NOW_S).tolist() == [[1, 0, 0], [1, 1, 0]]
+    assert pool.take(2, NOW_S).tolist() == [[1, 2, 0], [1, 3, 0]]
+    assert pool.want() == 4  # twice the put: no shortage yet
+    assert pool.take(2, NOW_S) is None  # a third put before the top-up: the lease ran dry
+    assert pool.want() == 6  # a burst of three puts fits next time
+    assert pool.take(2, NOW_S) is None
+    assert pool.want() == 8
+    for _ in range(3):
+        pool.take(2, NOW_S)
+    assert pool.want() == 12  # capped at max_pages
+    late = LeasePool(2, 12, margin_s=1.0)
+    assert late.take(2, NOW_S) is None  # no lease yet: not a burst, twice the put only
+    assert late.want() == 4
+
+
 def test_take_hands_out_slots_in_slot_order_and_keeps_the_rest():
     pool = pool_with([(1, 12, 0), (1, 10, 3), (1, 11, 3), (0, 4, 1)])
     taken = pool.take(3, NOW_S + 1)
@@ -116,10 +133,10 @@ def test_a_renewal_alone_asks_for_no_more_slots_until_a_put_finds_too_few():
     assert pool.want() == 3 and pool.top_up() == 0  # idle: the node may have taken them back
     assert not pool.needs_call(NOW_S + 1)
     assert pool.take(2, NOW_S + 1) is None  # a put that finds too few
-    assert pool.needs_call(NOW_S + 1) and pool.top_up() == 3
+    assert pool.needs_call(NOW_S + 1) and pool.top_up() == 5  # twice the put, and one more
     pool.granted(5, [(1, 1, 0)], NOW_S + 1, LEASE_S)  # fewer than asked: still short
-    assert pool.short and pool.top_up() == 2
-    pool.granted(5, [(1, 2, 0), (1, 3, 0)], NOW_S + 2, LEASE_S)
+    assert pool.short and pool.top_up() == 4
+    pool.granted(5, [(1, s, 0) for s in range(2, 6)], NOW_S + 2, LEASE_S)
     assert not pool.short and pool.top_up() == 0
     pool.wrote([b"a"], pool.take(1, NOW_S + 2))
     assert pool.top_up() == 1  # a commit tops up as it goes

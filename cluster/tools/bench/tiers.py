@@ -70,7 +70,6 @@ DISK_ROUNDS = 3  # each round runs fio three times for FIO_RUNTIME_S
 GET_REPS = 9  # per contender and round (after one untimed)
 PUT_REPS = 3  # per round, and as many taken apart: each needs fresh slots in the host tier
 E2E_REPS = 2  # e2e puts and e2e gets per disk round
-LEASE_BATCHES = 2  # a client leases twice its largest put ahead (cluster/core/lease_pool.py)
 TOKEN_STRIDE = 1 << 24  # batch b's tokens start at b * TOKEN_STRIDE
 OBJECT_STORE_BYTES = 768 * MiB
 DISK_HEADER_BYTES = 4096
@@ -132,9 +131,14 @@ def plan_for(page_mib: int, quick: bool, disk_dir: str) -> SizePlan:
 
 def host_batches(plan: SizePlan) -> int:
     """Batch 0, a warm-up put, the timed puts, the puts taken apart (reserved and leased),
-    one spare, and the two
-    batches of free slots the client's lease holds ahead of its puts (cluster/puts.py)."""
-    return 3 + (plan.rounds + 2) * PUT_REPS + LEASE_BATCHES
+    one spare, and the free slots the client's lease may hold ahead of its puts: up to
+    PUT_LEASE_BYTES (twice its largest put, more after bursts that ran it dry:
+    cluster/core/lease_pool.py)."""
+    return 3 + (plan.rounds + 2) * PUT_REPS + lease_batches(plan)
+
+
+def lease_batches(plan: SizePlan) -> int:
+    return -(-PUT_LEASE_BYTES // plan.batch_bytes)
 
 
 # Leased puts (CacheConfig.put_lease_bytes, on by default at this size), stated here so the
