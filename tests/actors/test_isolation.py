@@ -91,7 +91,9 @@ def test_quotas_hold_under_concurrent_pressure(service):
 
 FILE_NAMES = re.compile(r"^(node-\d+(\.lock)?|\d+(x\d+)+-[a-z0-9]+|slab-\d{5}\.bin|"
                         r"manifest\.json|pool\.json|key-secret)$")
-SHM_NAMES = re.compile(r"^raykv-[0-9a-f]{8}-\d+-(device|host)-[0-9a-f]{12}(-gen)?$")
+# The node's memory tiers, their slot generations, and its held-pages index (a random id).
+SHM_NAMES = re.compile(r"^raykv-[0-9a-f]{8}-\d+-"
+                       r"((device|host)-[0-9a-f]{12}(-gen)?|held-[0-9a-f]{12})$")
 
 
 def test_no_file_name_comes_from_user_input(service, disk_root):
@@ -109,6 +111,9 @@ def test_no_file_name_comes_from_user_input(service, disk_root):
     prefix = slot_shm_prefix(disk_root)  # this service's segments (other runs have theirs)
     ours = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     assert ours and [n for n in ours if not SHM_NAMES.match(n)] == []
+    assert any("-held-" in n for n in ours)
+    for name in ours:  # shared memory is the node's and its same-user clients' only
+        assert os.stat(os.path.join("/dev/shm", name)).st_mode & 0o077 == 0, name
     for path in (os.path.join(root, n) for root, dirs, files in os.walk(disk_root)
                  for n in files):
         assert os.stat(path).st_mode & 0o077 == 0, path  # nothing readable by others
