@@ -126,7 +126,7 @@ class LocalSlabs:
         if self._held is not None:
             self._held.close()
             self._held = None
-        path = next((d.held_path for d in descriptors if getattr(d, "held_path", None)), None)
+        path = next((d.held_path for d in descriptors if d.held_path), None)
         if path is not None:
             try:
                 self._held = HeldView(path, HELD_MAX_AGE_S)

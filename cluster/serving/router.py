@@ -117,7 +117,6 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # Where this router sent each page key lately, until the directory hears of it.
         self.routed = RoutedPrefixes(routed_ttl_s)
         self.picks_expire = picks_expire
-        self.chosen_ttft_s: float | None = None  # the last cost-routed pick's estimate
 
     def on_send_request(self, replica_id) -> None:
         super().on_send_request(replica_id)
@@ -205,7 +204,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                               len(keys_blob) // KEY_BYTES)
         if ranks:
             self.counters["cost_routed"] += 1
-            return ranks, self.chosen_ttft_s  # set by _by_cost, no await since
+            return ranks, self.last_decision.chosen.ttft_s  # set by _by_cost, no await since
         loads = [ReplicaLoad(r.replica_id.unique_id, r.node_id, self._queued(r))
                  for r in candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -239,8 +238,6 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                       for r in replicas]
         decision = decide(prompt, candidates, self.rates)
         self.last_decision = decision
-        self.chosen_ttft_s = next((e.ttft_s for e in decision.estimates
-                                   if e.replica_id == decision.replica_id), None)
         self.counters["recomputed"] += decision.recompute
         _cut(pending_request, decision.fetch_pages * page_tokens if decision.recompute else None)
         by_id = {r.replica_id.unique_id: r for r in replicas}

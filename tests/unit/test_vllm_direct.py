@@ -177,7 +177,7 @@ def test_a_pick_only_caller_s_pick_counts_as_in_flight_until_its_estimate_passes
         follower.store("r2", 4 * ENGINE_PAGE)
         assert ids(await router.choose_replicas(replicas, request()))[0] == ["r2"]
         assert router.in_flight["r2"] == 1
-        hold_s = router.chosen_ttft_s
+        hold_s = router.last_decision.chosen.ttft_s  # the pick's estimated TTFT
         assert hold_s is not None and hold_s > 0
         # Busy: the next request with the same prefix goes elsewhere.
         assert ids(await router.choose_replicas(replicas, request()))[0] != ["r2"]

@@ -21,8 +21,8 @@ the slot's generation (a slot's generation moves whenever it is freed, before it
   overwrites one (round robin): that page merely misses here and is asked for.
 - Stale entries. The generation in the entry is the slot's when the page was published; a
   page freed or moved since fails the reader's check (a miss, asked for as before).
-- A dead node. The node's tick stamps `alive_ns` (CLOCK_MONOTONIC, the same in every process
-  of the host); readers ignore an index not stamped within `max_age_s`, as they stop
+- A dead node. The node stamps `alive_ns` in a loop of its own (CLOCK_MONOTONIC, the same in
+  every process of the host); readers ignore an index not stamped within `max_age_s`, as they stop
   trusting their own notes after HINT_TTL_S.
 
 Tenants. Entries hold a digest of the page key, blake2b(key, person="raykv-held-v1"), never
