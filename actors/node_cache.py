@@ -125,6 +125,8 @@ class NodeCacheActor:
         # Clients read the held-pages indexes while these stamps keep coming: a loop of its
         # own, so that a slow directory flush does not make them stop trusting a live node.
         self.loops.every("held", self.config.event_flush_s, self._beat)
+        if self.config.demote_ahead:  # host room kept free between requests
+            self.loops.every("demote-ahead", self.config.event_flush_s, self.store.demote_ahead)
 
     def _transfer_timeout_s(self) -> float:
         return self.config.call_timeout_s

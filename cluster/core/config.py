@@ -69,6 +69,11 @@ class CacheConfig(BaseModel):
     max_pinned_fraction: float = Field(0.5, gt=0, le=1, description="the share of each "
                                        "node's memory (device + host) that operators' pins "
                                        "(raykv pin) may hold; a pin past it is refused whole")
+    demote_ahead: bool = Field(True, description="between requests, demote the host tier's "
+                               "coldest pages to disk so that the largest recent batch that "
+                               "found it full (a read-up from disk, a put) lands in free slots, "
+                               "not behind demotion writes; learned from the batches, at most a "
+                               "quarter of the tier (cluster/core/demote_ahead.py)")
     event_flush_s: float = Field(0.05, gt=0)
     heartbeat_s: float = Field(1.0, gt=0)
     node_timeout_s: float = Field(4.0, gt=0)

@@ -26,6 +26,7 @@ import torch
 
 from cluster.core import quant
 from cluster.core.claims import InflightClaims
+from cluster.core.demote_ahead import DemoteAhead, RecentPeak
 from cluster.core.disk_loads import DiskLoads
 from cluster.core.elastic import Elastic, guarded_victims, within_namespace_max
 from cluster.core.geometry import DEVICE, DISK, HOST, PageGeometry
@@ -46,7 +47,7 @@ EventSink = Callable[[PageKey, int | None], None]
 MAX_LOAD_ROUNDS = 3
 
 
-class Pool(DiskLoads, LeasedSlots):
+class Pool(DiskLoads, LeasedSlots, DemoteAhead):
     """Pages of one geometry on one node."""
 
     def __init__(self, geometry: PageGeometry, limits: PoolLimits, disk: DiskArena | None,
@@ -90,6 +91,10 @@ class Pool(DiskLoads, LeasedSlots):
         # two of them (one client's lease top-up and its own put's reserve) never split the
         # room made between them and both come up short.
         self.room_lock = asyncio.Lock()
+        # Batches that leaned on the host tier's free room, and the pages demoted ahead of
+        # them between requests (demote_ahead.py).
+        self.host_peak = RecentPeak()
+        self.demoted_ahead = 0
 
     def _on_event(self, key: PageKey, tier: int | None) -> None:
         """A page stored, moved or dropped: published to (or withdrawn from) the held-pages
@@ -336,6 +341,8 @@ class Pool(DiskLoads, LeasedSlots):
         quotas allow. True when all of it is free."""
         if tier == DISK:  # slots freed since the last flush come back once their headers are zeroed
             await self.flush_disk_frees()
+        elif tier == HOST:
+            self.note_host_batch(num_pages)
         shortfall = num_pages - self._free_slots(tier)
         if shortfall > 0 and tier != DISK:  # leased, unwritten slots: room that moves nothing
             self.revoke_leased(tier, shortfall)

@@ -446,6 +446,9 @@ class NodeStore:
                 "leased_slots": self.put_leases.num_leased(),
                 **self.put_leases.counters,
                 "quarantined_slots": sum(len(p.quarantined) for p in self.pools.values()),
+                "host_headroom_pages": sum(p.headroom_pages() for p in self.pools.values()),
+                "host_headroom_short_pages": sum(p.headroom_short() for p in self.pools.values()),
+                "demoted_ahead_pages": sum(p.demoted_ahead for p in self.pools.values()),
                 "disk_bytes_read": sum(d.bytes_read for d in disks),
                 "disk_bytes_written": sum(d.bytes_written for d in disks),
                 "disk_checksum_failures": sum(d.checksum_failures for d in disks),
@@ -457,6 +460,11 @@ class NodeStore:
         """Quotas at run time: by pool (a page geometry's name) and by namespace."""
         self.elastic.set_quotas(models, namespaces)
         self.model_names = dict(model_names or {})
+
+    async def demote_ahead(self) -> int:
+        """Every pool keeps its learned host headroom free (cluster/core/demote_ahead.py);
+        returns the pages demoted."""
+        return sum([await pool.demote_ahead() for pool in list(self.pools.values())])
 
     async def shrink_idle(self, idle_s: float) -> int:
         """Pools unused for `idle_s` give their memory chunks back; returns how many. First,

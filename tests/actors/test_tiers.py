@@ -15,7 +15,9 @@ from tests.kv import kv_for
 
 TINY = ModelSpec.preset("tiny-llama")
 PAGE_BYTES = 8192  # tiny-llama, 16 tokens, float32
-SMALL = dict(device_bytes=0, host_bytes=4 * PAGE_BYTES, disk_bytes=64 * (PAGE_BYTES + 4096))
+# Exact tier counts: no demotion ahead of need (test_demote_ahead below has it on).
+SMALL = dict(device_bytes=0, host_bytes=4 * PAGE_BYTES, disk_bytes=64 * (PAGE_BYTES + 4096),
+             demote_ahead=False)
 
 
 
@@ -191,3 +193,31 @@ def test_a_fresh_client_gets_pages_another_put_with_no_call(service):
         acquires = counted_calls["acquire"]
         assert client.get(prompt(0)) == (0, None)
         assert counted_calls["acquire"] == acquires + 1
+
+
+# ---- demotion ahead of need (cluster/core/demote_ahead.py) ---------------------------------
+
+
+def test_the_node_demotes_ahead_so_a_read_up_lands_in_free_room(service):
+    """Batches that found the host tier full teach the node its headroom; its loop then demotes
+    the coldest pages between requests, so a later read-up from disk lands in free slots:
+    the node's disk writes do not move during that get, and the bytes are exact."""
+    service(**{**SMALL, "host_bytes": 16 * PAGE_BYTES, "demote_ahead": True})
+    client = connect(TINY)
+    fill(client, 12)  # 24 pages through a 16-page host tier: the later puts leaned on it
+    assert client.puts.settle(client.timeout_s)
+    deadline_s = time.monotonic() + 10
+    node = client.stats()["node"]
+    while node["host_headroom_short_pages"] or not node["demoted_ahead_pages"]:
+        assert time.monotonic() < deadline_s, f"no demotion ahead within 10 s: {node}"
+        time.sleep(0.05)
+        node = client.stats()["node"]
+    assert node["host_headroom_pages"] == 2, node  # batches of 2 pages (a quarter caps at 4)
+    assert node["pages"]["host"] <= 16 - 2, node
+    written = node["disk_bytes_written"]
+    num_tokens, got = client.get(prompt(0))  # on disk since the first demotions
+    assert num_tokens == 32 and torch.equal(got, kv_for(TINY, 32, 0))
+    after = client.stats()["node"]
+    assert after["disk_bytes_read"] > node["disk_bytes_read"], (node, after)
+    assert after["disk_bytes_written"] == written or after["demoted_ahead_pages"] > \
+        node["demoted_ahead_pages"], ("the read-up waited on demotion writes", node, after)

@@ -8,8 +8,10 @@ cached, on the tiny model on CPU, four cases paired per repetition:
 
 Each repetition (a harness.interleave round) first, untimed, caches the disk case's prefix,
 puts enough other prompts to push it from the host tier to disk, then caches the host case's
-prefix; then it runs the four cases once each, in an order rotating per repetition. Every case
-of every repetition has a prompt of its own, so that no case finds another's pages. Each case
+prefix, and lets the node's loop demote ahead of need as it does between a replica's requests
+(at most 1 s: the host tier's learned headroom free, cluster/core/demote_ahead.py); then it
+runs the four cases once each, in an order rotating per repetition. Every case of every
+repetition has a prompt of its own, so that no case finds another's pages. Each case
 is the engine's own path (Engine.generate, one new token), timed to its first token. The host
 case must use all the cached tokens with no disk read, the disk case all of them with the
 node's disk-read counter rising by at least their bytes; otherwise its ratio is null. Ratios
@@ -138,7 +140,8 @@ class Bench:
 
     def prepare(self, rep: int) -> None:
         """The disk case's prefix cached, then pushed to disk by fillers; then the host case's
-        prefix cached (the newest pages, so LRU keeps it on host through the round)."""
+        prefix cached (the newest pages, so LRU keeps it on host through the round); then a
+        pause, at most 1 s, for the node's demotion ahead of need."""
         texts = case_texts(rep)
         self.cache(texts["disk"])
         cached_pages = CACHED_TOKENS // PAGE_TOKENS
@@ -146,6 +149,17 @@ class Bench:
                                         cached_pages)):
             self.cache(prompt_text(100_000 + rep * 10 + filler, PROMPT_TOKENS))
         self.cache(texts["host"])
+        self.settle()
+
+    def settle(self, timeout_s: float = 1.0) -> None:
+        """Untimed: let the node's loop demote ahead between requests, as it does between a
+        replica's requests (cluster/core/demote_ahead.py), until the host tier's learned
+        headroom is free; at most `timeout_s`."""
+        deadline_s = time.monotonic() + timeout_s
+        while time.monotonic() < deadline_s:
+            if not self.client.stats()["node"].get("host_headroom_short_pages", 0):
+                return
+            time.sleep(0.01)
 
     def ideal_s(self, text: str) -> float:
         from cluster.serving import tokenizer

@@ -1,0 +1,101 @@
+"""Demotion ahead of need (cluster/core/demote_ahead.py): the host headroom is learned from
+batches that found the tier full, kept free between requests, and a read-up from disk that
+fits it writes nothing on its own path. Pure asyncio pools, no Ray."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cluster.core.demote_ahead import MAX_FRACTION, WINDOW_S, RecentPeak
+from cluster.core.store import NodeStore
+from tests.unit._pages import key, page
+from tests.unit._pool_harness import (
+    assert_slots_consistent,
+    put,
+    put_each,
+    read,
+    run,
+    store_put,
+    store_put_each,
+    tiers,
+)
+
+
+def test_recent_peak_keeps_the_largest_batch_while_batches_like_it_come():
+    peak = RecentPeak(window_s=10.0)
+    assert peak.value(0.0) == 0
+    peak.note(4, 0.0)
+    peak.note(1, 5.0)  # smaller than half: does not keep the peak alive
+    assert peak.value(9.0) == 4 and peak.value(10.5) == 0
+    peak.note(3, 9.0)  # at least half the peak: it stays in mind
+    assert peak.value(18.0) == 4
+    assert peak.value(19.5) == 0
+    peak.note(2, 30.0)  # the old peak expired: a new, smaller one
+    assert peak.value(30.0) == 2
+    peak.note(6, 31.0)
+    assert peak.value(31.0) == 6
+
+
+def test_a_tier_that_is_not_full_keeps_nothing_free(harness):
+    pool = harness.make(device_pages=0, host_pages=8, disk_pages=16)
+    run(put_each(pool, range(8)))  # each put fit in free room
+    assert pool.headroom_pages() == 0
+    assert run(pool.demote_ahead()) == 0
+    assert tiers(pool)["host"] == list(range(8))
+
+
+def test_a_read_up_that_fits_the_headroom_writes_nothing_on_its_path(harness):
+    pool = harness.make(device_pages=0, host_pages=8, disk_pages=16, eviction="lru")
+    run(put_each(pool, range(8)))
+    run(put(pool, [8, 9, 10, 11]))  # a batch of 4 into a full host: it leaned, and waited
+    assert tiers(pool)["disk"] == [0, 1, 2, 3]
+    cap = int(8 * MAX_FRACTION)
+    assert pool.headroom_pages() == cap  # the peak (4), capped at a quarter of the tier
+    assert run(pool.demote_ahead()) == cap  # between requests: the coldest host pages
+    assert tiers(pool)["disk"] == [0, 1, 2, 3, 4, 5]
+    assert pool.demoted_ahead == cap and run(pool.demote_ahead()) == 0
+    written = pool.disk.bytes_written
+    run(pool.load_from_disk([key(0), key(1)]))  # fits the free room
+    assert pool.disk.bytes_written == written  # no demotion write on the read's path
+    assert tiers(pool)["host"] == [0, 1, 6, 7, 8, 9, 10, 11]
+    for i in range(12):
+        got = run(read(pool, [i]))
+        assert got[0].view(torch.uint8).equal(page(i).view(torch.uint8)), f"page {i}"
+    assert_slots_consistent(pool)
+
+
+def test_the_headroom_is_forgotten_when_such_batches_stop(harness):
+    pool = harness.make(device_pages=0, host_pages=8, disk_pages=16)
+    run(put_each(pool, range(8)))
+    run(put(pool, [8]))
+    assert pool.headroom_pages() == 1
+    assert pool.headroom_pages(time.monotonic() + WINDOW_S + 1) == 0
+
+
+def test_without_a_disk_tier_nothing_is_demoted_ahead(harness):
+    pool = harness.make(device_pages=0, host_pages=4, disk_pages=0)
+    run(put_each(pool, range(6)))  # the last two leaned; their victims were dropped
+    assert pool.headroom_pages() == 0 and run(pool.demote_ahead()) == 0
+
+
+def test_a_pinned_page_is_never_demoted_ahead(harness):
+    pool = harness.make(device_pages=0, host_pages=8, disk_pages=16, eviction="lru")
+    run(put_each(pool, range(10)))  # pages 0, 1 to disk; the peak is 1
+    pool.index[key(2)].pins += 1  # a reader holds the coldest host page
+    assert run(pool.demote_ahead()) == 1
+    assert tiers(pool)["disk"] == [0, 1, 3]
+    pool.index[key(2)].pins -= 1
+
+
+def test_the_store_reports_the_headroom_and_the_pages_demoted_ahead(stores):
+    store: NodeStore = stores.make(device_pages=0, host_pages=8, disk_pages=16)
+    run(store_put_each(store, range(8)))
+    run(store_put(store, [8, 9]))
+    assert store.stats()["host_headroom_pages"] == 2
+    assert store.stats()["host_headroom_short_pages"] == 2
+    assert run(store.demote_ahead()) == 2
+    stats = store.stats()
+    assert stats["demoted_ahead_pages"] == 2 and stats["pages"]["host"] == 6
+    assert stats["host_headroom_short_pages"] == 0
