@@ -149,12 +149,15 @@ PUT_LEASE_BYTES = 256 * MiB
 def _service_config(plan: SizePlan) -> CacheConfig:
     """device_bytes=0: the host tier is the top tier, of host_batches(plan). The disk tier holds
     what fill_host pushes down (num_e2e_gets + 1 batches, and a spare) and every e2e put's
-    demotion (an e2e get moves as much up as down)."""
+    demotion (an e2e get moves as much up as down). Demotion ahead of need is off: each e2e put
+    must pay its own demotion write and each e2e get its read beside the demotion it causes, the
+    disk paths this benchmark sets against fio (ttft measures what the headroom saves)."""
     disk_pages = (2 * plan.num_e2e_gets + 3) * plan.num_pages
     return CacheConfig(page_tokens=plan.page_tokens, device_bytes=0,
                        host_bytes=host_batches(plan) * plan.batch_bytes,  # 4096-aligned pages
                        disk_bytes=disk_pages * (DISK_HEADER_BYTES + plan.page_bytes),
                        eviction="lru", disk_codec="none", put_lease_bytes=PUT_LEASE_BYTES,
+                       demote_ahead=False,
                        disk_dir=os.path.join(plan.disk_dir, f"service-{plan.page_bytes // MiB}"))
 
 
