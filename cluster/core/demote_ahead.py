@@ -10,7 +10,9 @@ page reclaim answers the same problem with watermarks kept by kswapd; here the w
 learned, not set by hand. Each batch bound for the host tier that would not fit in its free
 room beyond what is kept (one that leans on the headroom) is remembered for WINDOW_S; the
 node's loop (actors/node_cache.py) then demotes, between requests, the coldest pages until
-the largest such recent batch fits in free slots, at most MAX_FRACTION of the tier. A tier
+the largest such recent batch fits in free slots, at most MAX_FRACTION of the tier. Slots
+leased to clients' puts and not yet written count as room: a batch takes them back before it
+demotes anything (put_leases.py), so the lease and the headroom share one reserve of room. A tier
 that never sees such batches (one that is not full, or has no disk below it) keeps nothing
 free, so the capacity this costs is only what the workload's own batches need.
 """
@@ -60,25 +62,29 @@ class DemoteAhead:
         cap = int(self._num_slots(HOST) * MAX_FRACTION)
         return min(cap, self.host_peak.value(now_s))
 
+    def room_without_writes(self) -> int:
+        """Host slots a batch can take with no page demoted: the free ones and those leased
+        to clients' puts and not yet written (taken back first: put_leases.py)."""
+        return self._free_slots(HOST) + self.num_leased(HOST)
+
     def headroom_short(self) -> int:
         """Pages still to demote before the headroom is free (0 when it is)."""
-        return max(0, self.headroom_pages() - self._free_slots(HOST))
+        return max(0, self.headroom_pages() - self.room_without_writes())
 
     def note_host_batch(self, num_pages: int) -> None:
         """A batch of `num_pages` is about to land in host: remembered when it leans on the
         headroom (it would not fit in the free room beyond what is kept)."""
         kept = self.headroom_pages()
-        if num_pages > self._free_slots(HOST) - kept:
+        if num_pages > self.room_without_writes() - kept:
             self.host_peak.note(num_pages, time.monotonic())
 
     async def demote_ahead(self) -> int:
         """Demote the host tier's coldest unpinned pages to disk until the headroom is free
         (the node's loop, between requests); returns how many were demoted."""
-        target = self.headroom_pages()
-        if target <= self._free_slots(HOST):
+        if not self.headroom_short():
             return 0
         async with self.room_lock:  # a put's own room is not split with this pass
-            shortfall = target - self._free_slots(HOST)
+            shortfall = self.headroom_short()
             victims = guarded_victims(self, HOST, shortfall, "") if shortfall > 0 else []
             if victims:
                 await self.demote(victims, HOST)

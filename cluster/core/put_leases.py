@@ -67,8 +67,9 @@ class SlotLease:
 class LeasedSlots:
     """Pool methods for leased puts (a mixin of Pool: cluster/core/pool.py)."""
 
-    # PutLeases.revoke, set by the node (NodeStore) on each of its pools
+    # PutLeases.revoke and PutLeases.count, set by the node (NodeStore) on each of its pools
     lease_revoker: Callable[[LeasedSlots, int, int], int] | None = None
+    lease_counter: Callable[[LeasedSlots, int], int] | None = None
 
     def lease_free(self, tier: int | None, count: int,
                          namespace: str = "") -> list[tuple[int, int]]:
@@ -93,6 +94,11 @@ class LeasedSlots:
         is made before any page is demoted. Set by the node's PutLeases (none on a pool of
         its own); returns how many."""
         return 0 if self.lease_revoker is None else self.lease_revoker(self, tier, count)
+
+    def num_leased(self, tier: int) -> int:
+        """Slots of `tier` leased to clients and not yet committed: room revoke_leased can
+        make without moving a page (a slot being written is kept, so this is an upper bound)."""
+        return 0 if self.lease_counter is None else self.lease_counter(self, tier)
 
     def commit_leased(self, keys: list[PageKey], slots: list[tuple[int, int]],
                       namespace: str = "") -> list[bool]:
@@ -184,6 +190,7 @@ class PutLeases:
     def attach(self, pool: LeasedSlots) -> None:
         """Let `pool` take its unused leased slots back when it needs room."""
         pool.lease_revoker = self.revoke
+        pool.lease_counter = self.count
 
     async def commit(self, pool, lease_id: int, keys: list[PageKey],
                      slots: list[tuple[int, int, int]]) -> list[bool]:
@@ -232,6 +239,11 @@ class PutLeases:
                         kept.append((key, slot))
                 self.counters["leased_over_namespace_max"] += len(over)
         return kept
+
+    def count(self, pool, tier: int) -> int:
+        """Slots of `pool`'s `tier` held by leases now."""
+        return sum(1 for lease in self.leases.values() if lease.geometry == pool.geometry
+                   for (t, _) in lease.slots if t == tier)
 
     def revoke(self, pool, tier: int, count: int) -> int:
         """Take up to `count` unused leased slots of `pool`'s `tier` back: fenced and freed,

@@ -99,3 +99,16 @@ def test_the_store_reports_the_headroom_and_the_pages_demoted_ahead(stores):
     stats = store.stats()
     assert stats["demoted_ahead_pages"] == 2 and stats["pages"]["host"] == 6
     assert stats["host_headroom_short_pages"] == 0
+
+
+def test_slots_leased_to_puts_count_as_room(harness):
+    """A batch takes unused leased slots back before it demotes anything, so the headroom
+    counts them: the lease and the headroom share one reserve of room, not two."""
+    pool = harness.make(device_pages=0, host_pages=8, disk_pages=16, eviction="lru")
+    run(put_each(pool, range(8)))
+    run(put(pool, [8, 9]))  # leaned: the headroom is 2
+    pool.lease_counter = lambda _pool, _tier: 2  # two unwritten leased slots
+    assert pool.headroom_pages() == 2 and pool.headroom_short() == 0
+    assert run(pool.demote_ahead()) == 0
+    pool.lease_counter = lambda _pool, _tier: 1
+    assert run(pool.demote_ahead()) == 1
