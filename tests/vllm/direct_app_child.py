@@ -11,25 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import tempfile
 import time
 import traceback
 import urllib.error
 import urllib.request
 
-MODEL_ID = "small-llama"
+from tests.vllm.serve_setup import MODEL_ID, cache_config, raykv_app_args, start_local_serve
+
 KEY = "tenant-key-for-the-direct-test"
 OTHER_KEY = "another-namespaces-key"
 PREFIX_BYTES = 700  # byte tokens: 5 full blocks of 128 and a partial one
 START_TIMEOUT_S = 420
 SAVE_TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def raw(url: str, body: dict | None, key: str | None) -> tuple[int, dict]:
@@ -68,25 +62,15 @@ def run(out: dict) -> None:
     import ray
     from ray import serve
 
-    from cluster import CacheConfig, stop
+    from cluster import stop
+    from cluster.api import add_namespace, ensure_running
     from cluster.serving.model_dir import save_model_dir
-    from cluster.serving.vllm_app import VllmAppArgs, build_direct_vllm_app, router_settings
+    from cluster.serving.vllm_app import build_direct_vllm_app
 
     model_dir = save_model_dir(tempfile.mkdtemp(prefix="raykv-direct-") + "/" + MODEL_ID)
-    ray.init(address="local", num_cpus=4, resources={"kv_node": 1}, include_dashboard=False,
-             logging_level="WARNING")
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    router, router_kwargs = router_settings("raykv", model_dir, MODEL_ID, "default", "float32",
-                                            page_tokens=128)
-    # vLLM's own prefix cache off: every cached token reported came from raykv.
-    args = VllmAppArgs(model_source=model_dir, model_id=MODEL_ID, request_router_class=router,
-                       request_router_kwargs=router_kwargs,
-                       engine_kwargs={"enable_prefix_caching": False},
-                       api_keys={KEY: "default", OTHER_KEY: "other"})
-    cache = CacheConfig(page_tokens=128, host_bytes=256 << 20, device_bytes=0, disk_bytes=0)
-    from cluster.api import add_namespace, ensure_running
-
+    port = start_local_serve()
+    args = raykv_app_args(model_dir, api_keys={KEY: "default", OTHER_KEY: "other"})
+    cache = cache_config()
     ensure_running(cache)
     add_namespace("other")  # the other key's namespace: known to raykv, not this app's
     serve.run(build_direct_vllm_app(args, cache), blocking=False, name="direct",

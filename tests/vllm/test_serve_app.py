@@ -4,7 +4,6 @@ same long prefix is served from raykv's pages, and the response says so."""
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 
 import pytest
@@ -15,39 +14,26 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from cluster import CacheConfig, ModelSpec, connect, stop  # noqa: E402
-from cluster.serving.vllm_app import VllmAppArgs, build_vllm_app, router_settings  # noqa: E402
+from cluster import ModelSpec, connect, stop  # noqa: E402
+from cluster.serving.vllm_app import VllmAppArgs, build_vllm_app  # noqa: E402
+from tests.vllm.serve_setup import (  # noqa: E402
+    MODEL_ID,
+    cache_config,
+    raykv_app_args,
+    start_local_serve,
+)
 from tests.waiting import wait_until  # noqa: E402
 
-MODEL_ID = "small-llama"
 PREFIX_BYTES = 700  # byte tokens: 5 full blocks of 128, and a partial one
 START_TIMEOUT_S = 300
 SAVE_TIMEOUT_S = 30
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url(model_dir):
-    ray.init(address="local", num_cpus=4, resources={"kv_node": 1}, include_dashboard=False,
-             logging_level="WARNING")
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    # vLLM's own prefix cache off: every cached token the response reports came from raykv.
-    # raykv's KV-aware router, keying the text prompts as the connector keys vLLM's pages.
-    router, router_kwargs = router_settings("raykv", model_dir, MODEL_ID, "default", "float32",
-                                            page_tokens=128)
-    args = VllmAppArgs(model_source=model_dir, model_id=MODEL_ID, request_router_class=router,
-                       request_router_kwargs=router_kwargs,
-                       engine_kwargs={"enable_prefix_caching": False})
-    app = build_vllm_app(args,
-                         CacheConfig(page_tokens=128, host_bytes=256 << 20, device_bytes=0,
-                                     disk_bytes=0))
-    serve.run(app, blocking=False, name="vllm")
+    port = start_local_serve()
+    serve.run(build_vllm_app(raykv_app_args(model_dir), cache_config()), blocking=False,
+              name="vllm")
     url = f"http://127.0.0.1:{port}"
     _wait_ready(url)
     yield url
