@@ -4,16 +4,10 @@ a free loopback port, and the app's arguments with raykv's router."""
 
 from __future__ import annotations
 
-import socket
+from cluster.tools.redis_server import free_port
 
 MODEL_ID = "small-llama"
 PAGE_TOKENS = 128
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_local_serve() -> int:

@@ -4,13 +4,13 @@ a new engine, and a loss the replay cannot fill dropping what it cannot trust.""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
 from cluster.core.keys import KeyChain
 from cluster.core.spec import ModelSpec
+from cluster.tools.redis_server import free_port
 
 pytest.importorskip("vllm")
 pytest.importorskip("zmq")
@@ -62,12 +62,6 @@ class _Dropping:
 def source(endpoint: str, replay_endpoint: str, epoch: str) -> dict:
     """What a replica's routing stats advertise (RaykvLLMServer)."""
     return {"endpoint": endpoint, "replay_endpoint": replay_endpoint, "epoch": epoch}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def blocks(first: int, count: int) -> BlockStored:

@@ -57,6 +57,7 @@ from cluster.tools.bench.vllm_workload import (
     warmup_prompt,
     workload,
 )
+from cluster.tools.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 # Run with -m from the repository root: run as a script, its own folder would come first on
@@ -112,12 +113,6 @@ class Engine:
             self.process.kill()
             self.process.wait()
         self._log.close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_port(port: int, process: subprocess.Popen, timeout_s: float) -> None:
