@@ -69,13 +69,17 @@ class DemoteAhead:
 
     def headroom_short(self) -> int:
         """Pages still to demote before the headroom is free (0 when it is)."""
-        return max(0, self.headroom_pages() - self.room_without_writes())
+        target = self.headroom_pages()
+        if target <= self._free_slots(HOST):  # the leases need not be counted
+            return 0
+        return max(0, target - self.room_without_writes())
 
     def note_host_batch(self, num_pages: int) -> None:
         """A batch of `num_pages` is about to land in host: remembered when it leans on the
-        headroom (it would not fit in the free room beyond what is kept)."""
-        kept = self.headroom_pages()
-        if num_pages > self.room_without_writes() - kept:
+        headroom (it would not fit in the room without writes beyond what is kept). On every
+        reserve's path: the leased slots are counted only when the free ones fall short."""
+        spare = self._free_slots(HOST) - self.headroom_pages()
+        if num_pages > spare and num_pages > spare + self.num_leased(HOST):
             self.host_peak.note(num_pages, time.monotonic())
 
     async def demote_ahead(self) -> int:
