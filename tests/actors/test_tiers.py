@@ -224,3 +224,6 @@ def test_the_node_demotes_ahead_so_a_read_up_lands_in_free_room(service):
     assert after["disk_bytes_read"] > node["disk_bytes_read"], (node, after)
     assert after["disk_bytes_written"] == written or after["demoted_ahead_pages"] > \
         node["demoted_ahead_pages"], ("the read-up waited on demotion writes", node, after)
+    # Every host page demoted meanwhile was the loop's, after the read-up: none on its path.
+    assert after["evictions"]["host"] - node["evictions"]["host"] == \
+        after["demoted_ahead_pages"] - node["demoted_ahead_pages"], (node, after)
