@@ -20,6 +20,7 @@ from cluster.tools.bench.vllm_serve_trace import (
     conversations,
     distinct_blocks,
     prefix_reuse,
+    reusable_blocks,
     round_requests,
     round_trace,
     truncated,
@@ -66,6 +67,7 @@ def test_the_scaled_round_keeps_prefixes_and_its_clock_runs_faster():
     # 5 distinct prefixes
     assert distinct_blocks(scaled) == 5
     assert prefix_reuse(scaled) == 6 / 11
+    assert reusable_blocks(scaled) == (6, 11)
 
 
 def test_the_kv_aware_ports_move_to_free_ones_net_of_ray_s_rank_offset():
@@ -172,3 +174,18 @@ def test_the_compat_finder_answers_only_a_moved_module_name(monkeypatch):
     finally:
         sys.meta_path.remove(finder)
         sys.modules.pop("raykv_moved_json_for_test", None)
+
+
+def test_the_bound_pairs_what_a_cache_that_never_evicts_serves_with_kv_aware_s_cache():
+    rounds = {"raykv": [_round()] * 3, "kv-aware": [_round(cached=100)] * 3,
+              "prefix": [_round()] * 3, "pow2": [_round()] * 3}
+    report = Report("vllm-serve", "ms", {}, vllm_serve.GOALS)
+    vllm_serve.fill_ratios(report, rounds, vllm_serve.QUICK_PLAN, [2000] * 3,
+                           reusable_tokens=[120, 125, 130])
+    assert report.ratios["cached_tokens_bound_vs_kv_aware"] == 1.25
+    assert "cached_tokens_bound_vs_kv_aware" not in report["goals"]  # a bound, not a goal
+    failing = {**rounds, "kv-aware": [_round(errors=10)] * 3}
+    report = Report("vllm-serve", "ms", {}, vllm_serve.GOALS)
+    vllm_serve.fill_ratios(report, failing, vllm_serve.QUICK_PLAN, [2000] * 3,
+                           reusable_tokens=[120, 125, 130])
+    assert report.ratios["cached_tokens_bound_vs_kv_aware"] is None

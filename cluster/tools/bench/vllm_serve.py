@@ -21,6 +21,9 @@ its own (`unshare -n`, loopback only); every set-up goes through the same HAProx
 Ratios (Report.paired: the median of per-round ratios):
     ttft_p50_vs_kv_aware, ttft_p99_vs_kv_aware   raykv's client TTFT / kv-aware's
     cached_tokens_vs_kv_aware                    usage.prompt_tokens_details.cached_tokens summed
+    cached_tokens_bound_vs_kv_aware              (no goal) the tokens one cache that never evicts
+                                                 would serve over kv-aware's cached tokens: the
+                                                 most any set-up could reach on the workload
     ttft_p50_vs_prefix_router                    raykv / PrefixCacheAffinityRouter
     max_replica_share                            raykv's busiest replica's share (Serve's request
                                                  counter by replica)
@@ -63,6 +66,7 @@ from cluster.tools.bench.vllm_serve_trace import (
     conversations,
     distinct_blocks,
     prefix_reuse,
+    reusable_blocks,
     round_trace,
 )
 from cluster.tools.redis_server import free_port
@@ -278,9 +282,14 @@ def goals_for(parts: tuple[str, ...]) -> dict:
 
 def fill_ratios(report: Report, rounds: dict[str, list[dict]], plan: Plan,
                 working_set_blocks: list[int], recompute: dict | None = None,
-                parts: tuple[str, ...] = PARTS) -> None:
+                parts: tuple[str, ...] = PARTS,
+                reusable_tokens: list[int] | None = None) -> None:
+    """`reusable_tokens`: per round, the tokens a cache that never evicts would serve
+    (vllm_serve_trace.reusable_blocks): the bound beside cached_tokens_vs_kv_aware."""
     if "main" in parts:
         fill_main(report, rounds, plan, working_set_blocks)
+        if reusable_tokens is not None:
+            fill_bound(report, rounds, plan, working_set_blocks, reusable_tokens)
     if "recompute" in parts:
         fill_recompute(report, recompute)
 
@@ -303,6 +312,17 @@ def fill_main(report: Report, rounds: dict[str, list[dict]], plan: Plan,
     if report.require("max_replica_share", None not in busiest,
                       "Serve's request counter named no raykv replica in some round"):
         report.ratio("max_replica_share", statistics.median(busiest), busiest)
+
+
+def fill_bound(report: Report, rounds: dict[str, list[dict]], plan: Plan,
+               working_set_blocks: list[int], reusable_tokens: list[int]) -> None:
+    """cached_tokens_bound_vs_kv_aware (no goal): the most any cache could serve in a round
+    over what kv-aware's served, paired per round. Below cached_tokens_vs_kv_aware's goal, no
+    set-up can meet that goal on this workload."""
+    why = exercised(rounds, ("kv-aware",), plan, working_set_blocks)
+    if report.require("cached_tokens_bound_vs_kv_aware", not why, why):
+        report.paired("cached_tokens_bound_vs_kv_aware", [float(n) for n in reusable_tokens],
+                      figures(rounds, "kv-aware", "cached_tokens"))
 
 
 def fill_recompute(report: Report, recompute: dict | None) -> None:
@@ -392,7 +412,9 @@ def run_here(json_path: str | None, quick: bool, trace_path: str | None = None,
     config = {"model": MODEL, "nodes": NUM_NODES, "plan": asdict(plan), "quick": quick,
               "setups": list(setups), "parts": list(parts),
               "working_set_blocks": working_set,
-              "prefix_reuse_bound": [prefix_reuse(t) for t in traces]}
+              "prefix_reuse_bound": [prefix_reuse(t) for t in traces],
+              "reusable_tokens_bound": [reusable_blocks(t)[0] * plan.engine.block_tokens
+                                        for t in traces]}
     report = Report("vllm-serve", "ms", config, goals_for(parts),
                     notes(plan, traces) if "main" in parts else [RECOMPUTE_NOTE])
 
@@ -433,7 +455,8 @@ def run_here(json_path: str | None, quick: bool, trace_path: str | None = None,
     for key, value in report_fields(report["requests"]).items():
         report[key] = value
     report["recompute"] = recompute
-    fill_ratios(report, rounds, plan, working_set, recompute, parts)
+    fill_ratios(report, rounds, plan, working_set, recompute, parts,
+                config["reusable_tokens_bound"])
     return report.finish(json_path)
 
 

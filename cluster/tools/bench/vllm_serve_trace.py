@@ -75,9 +75,9 @@ def round_trace(groups: Sequence[Sequence[BlockRequest]], thinning: Thinning, of
     return scale_trace(round_requests(groups, thinning, offset), scaled)
 
 
-def prefix_reuse(requests: Sequence[ScaledRequest]) -> float:
-    """The share of full blocks whose whole prefix an earlier request sent: the hit ratio of
-    one cache that never evicts (an upper bound for every set-up)."""
+def reusable_blocks(requests: Sequence[ScaledRequest]) -> tuple[int, int]:
+    """(full blocks whose whole prefix an earlier request sent, full blocks sent): what one
+    cache that never evicts would serve, the most any set-up's caches can."""
     seen: set[tuple[int, ...]] = set()
     total = hits = 0
     for request in requests:
@@ -87,6 +87,13 @@ def prefix_reuse(requests: Sequence[ScaledRequest]) -> float:
             hits += key in seen
             seen.add(key)
         total += len(blocks)
+    return hits, total
+
+
+def prefix_reuse(requests: Sequence[ScaledRequest]) -> float:
+    """The share of full blocks whose whole prefix an earlier request sent: the hit ratio of
+    one cache that never evicts (an upper bound for every set-up)."""
+    hits, total = reusable_blocks(requests)
     return hits / total if total else 0.0
 
 
