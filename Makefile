@@ -11,10 +11,6 @@ STAMP := $(VENV)/.raykv-installed
 # On a GPU machine: make TORCH_SPEC='torch' ...
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# `make test`'s main tiers run in this many pytest-xdist workers, a test file per worker at a time
-# (module fixtures stay whole): each file starts its own Ray, Redis and disk dirs, and much of a
-# Ray test's time is waiting, so two workers on two cores took 891 s against 1,326 s in one.
-TEST_WORKERS ?= 2
 # Every cluster these targets start lives on this machine, so it listens on loopback only. With
 # this set (Ray's switch for one-machine clusters, its default on macOS and Windows), Ray gives
 # each node 127.0.0.1, and Ray's servers, raykv's page servers and vLLM's event publishers
@@ -106,8 +102,8 @@ demo: system-deps $(STAMP)
 	$(VENV)/bin/raykv demo
 
 test: system-deps $(STAMP) lint
-	$(PY) -m cluster.tools.redis_server -- $(PY) -m pytest -q -p no:cacheprovider \
-	  -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) --ignore=tests/vllm tests
+	$(PY) -m cluster.tools.redis_server -- $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) \
+	  --ignore=tests/vllm tests
 	$(MAKE) test-vllm
 
 # On a GPU machine that has python3 with torch (CUDA), cupy and numpy, and may have nothing
