@@ -36,6 +36,7 @@ import blake3
 from cluster.serving import protocol
 
 NAMESPACE_KEY = "raykv_namespace"  # in the ASGI scope's state: who the key belongs to
+ADMIN_PASSED_KEY = "raykv_admin"  # in the ASGI scope's state: the admin gate let it through
 DEFAULT_NAMESPACE = "default"  # the one namespace served without keys
 ENV_VAR = "RAYKV_API_KEYS"
 ADMIN_ENV_VAR = "RAYKV_ADMIN_KEY"
@@ -190,11 +191,14 @@ class AccessMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
-        if scope.get("path", "").startswith(ADMIN_PREFIX):
+        # latin-1, as HTTP/1.1 allows any octet in a field value: a stray byte is no 500.
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", [])}
+        if route_path(scope).startswith(ADMIN_PREFIX):
             refusal = admin_refusal(self.access, headers.get("authorization"))
             if refusal is not None:
                 return await _reply(send, *refusal)
+            scope.setdefault("state", {})[ADMIN_PASSED_KEY] = True
         elif self.access.keyed:
             namespace = self.access.namespace_of(headers.get("authorization"))
             if namespace is None:
@@ -220,6 +224,22 @@ class AccessMiddleware:
                 return await _too_large(send, limit)
         await self.app(scope, _replay([{"type": "http.request", "body": body,
                                          "more_body": False}], receive), send)
+
+
+def route_path(scope) -> str:
+    """The path the app routes on. Serve mounts an app under its route_prefix by moving the
+    prefix into root_path and keeping it in path (as ASGI says); Starlette routes on path less
+    root_path. A gate on the raw path would miss `/prefix/v1/raykv/admin/pin`."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):]
+    return path
+
+
+def admin_passed(scope) -> bool:
+    """Whether the admin gate let this request through: the admin handlers ask it too, so an
+    admin route that the gate's path test missed still refuses."""
+    return scope.get("state", {}).get(ADMIN_PASSED_KEY) is True
 
 
 def admin_refusal(access: Access, authorization: str | None) -> tuple | None:

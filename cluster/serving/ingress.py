@@ -240,28 +240,31 @@ class Ingress:
         return self.gate.stats()
 
     @app.post("/v1/raykv/admin/pin")
-    async def admin_pin(self, body: admin.PinBody) -> dict:
+    async def admin_pin(self, body: admin.PinBody, request: Request) -> dict:
         """Pin a prompt's stored pages for ttl_s on every node holding them."""
-        prefix = await self._admin_prefix(body)
+        prefix = await self._admin_prefix(body, request)
         pages = await self._operate(self.operator.pin(prefix, body.ttl_s))
         return {"pinned_pages": pages, "prompt_pages": len(prefix.keys),
                 "namespace": body.namespace, "ttl_s": body.ttl_s}
 
     @app.post("/v1/raykv/admin/unpin")
-    async def admin_unpin(self, body: admin.PromptBody) -> dict:
-        prefix = await self._admin_prefix(body)
+    async def admin_unpin(self, body: admin.PromptBody, request: Request) -> dict:
+        prefix = await self._admin_prefix(body, request)
         pages = await self._operate(self.operator.unpin(prefix))
         return {"unpinned_pages": pages, "namespace": body.namespace}
 
     @app.post("/v1/raykv/admin/warm")
-    async def admin_warm(self, body: admin.WarmBody) -> dict:
+    async def admin_warm(self, body: admin.WarmBody, request: Request) -> dict:
         """Copy a prompt's stored pages onto a node ahead of its traffic."""
-        prefix = await self._admin_prefix(body)
+        prefix = await self._admin_prefix(body, request)
         pages = await self._operate(self.operator.warm(prefix, body.node))
         return {"node_pages": pages, "prompt_pages": len(prefix.keys),
                 "namespace": body.namespace, "node": body.node}
 
-    async def _admin_prefix(self, body: admin.PromptBody) -> Prefix:
+    async def _admin_prefix(self, body: admin.PromptBody, request: Request) -> Prefix:
+        if not access.admin_passed(request.scope):  # the gate's own check, on the route
+            raise ApiError(403, "This key may not use the admin endpoints.", "permission_error",
+                           "admin_only")
         if self.operator is None:
             raise ApiError(409, "this app runs without raykv (local_cache): nothing to pin or "
                            "warm", "invalid_request_error", "no_service")

@@ -63,6 +63,52 @@ def test_without_an_admin_key_the_admin_endpoints_are_off(client):
             assert answer.status_code == 404, (rules, key)
 
 
+@pytest.mark.parametrize("rules, key, status", [
+    (Access.of({TENANT: "default"}, admin_key=ADMIN), TENANT, 403),
+    (Access.of({TENANT: "default"}, admin_key=ADMIN), None, 401),
+    (Access.of({TENANT: "default"}, admin_key=ADMIN), ADMIN, 200),
+    (Access.of({TENANT: "default"}), TENANT, 404),
+    (Access(), None, 404),
+])
+def test_the_admin_gate_holds_under_a_route_prefix(rules, key, status):
+    """Serve mounts an app under its route_prefix: path keeps the prefix, root_path names it,
+    and the app routes on the rest. The gate must see `/v1/raykv/admin/...` there too."""
+    app = Starlette(routes=[Route("/v1/raykv/admin/pin", _admitted, methods=["POST"])])
+    app.add_middleware(AccessMiddleware)
+    before, access.CURRENT[0] = access.CURRENT[0], rules
+    try:
+        reply = post(TestClient(app, root_path="/secure"), "/secure/v1/raykv/admin/pin", key)
+        assert reply.status_code == status, reply.text
+        if status == 200:
+            assert reply.json() == {"admin": True}
+    finally:
+        access.CURRENT[0] = before
+
+
+async def _admitted(request):
+    return JSONResponse({"admin": access.admin_passed(request.scope)})
+
+
+def test_route_path_drops_only_a_whole_root_path():
+    assert access.route_path({"path": "/secure/v1/x", "root_path": "/secure"}) == "/v1/x"
+    assert access.route_path({"path": "/v1/x", "root_path": ""}) == "/v1/x"
+    assert access.route_path({"path": "/secured/v1/x", "root_path": "/secure"}) == \
+        "/secured/v1/x"
+    assert access.route_path({"path": "/v1/x"}) == "/v1/x"
+    # A tenant's request never carries the gate's mark.
+    assert not access.admin_passed({"state": {}}) and not access.admin_passed({})
+
+
+def test_a_header_byte_outside_ascii_is_no_server_error(client):
+    client.use(Access.of({TENANT: "default"}, admin_key=ADMIN))
+    reply = client.post("/v1/completions", json={},
+                        headers={"Authorization": f"Bearer {TENANT}",
+                                 "x-note": "caf\xe9".encode("latin-1")})
+    assert reply.status_code == 200
+    reply = client.post("/v1/completions", json={}, headers={"Authorization": b"Bearer \xff"})
+    assert reply.status_code == 401
+
+
 def test_keyless_tenants_with_an_admin_key_still_need_it(client):
     client.use(Access.of({}, admin_key=ADMIN))
     assert post(client, "/v1/raykv/admin/pin").status_code == 401
