@@ -138,6 +138,24 @@ def test_a_tampered_request_is_refused(served):
     assert server.counters["refused_requests"] == 2
 
 
+@pytest.mark.parametrize("shape, dtype", [((1, 2, 1, 4, 8), b"bogus"),
+                                          ((2**32 - 1,) * 5, b"float16"),
+                                          ((0, 2, 1, 4, 8), b"float16")])
+def test_a_malformed_geometry_ends_the_connection_as_a_counted_failure(served, capsys,
+                                                                       shape, dtype):
+    """From a peer that holds the peer key (no tenant's MAC needed to get this far)."""
+    _, server = served
+    with socket.create_connection(server.endpoint.address) as sock:
+        client_handshake(sock, PEER)
+        head = wire.REQUEST.pack(wire.MAGIC, wire.OP_READ, *shape, dtype, 1, 1, 8)
+        sock.sendall(head + bytes(32) + b"tenant-a" + KEYS[0])
+        assert recv_all(sock, 2.0) == b""  # closed, nothing sent
+    wait_until(lambda: server.counters["failed_requests"] == 1, 5, "the failure to count")
+    assert "Traceback" not in capsys.readouterr().err
+    authority = Authority.of_namespace(PEER, "tenant-a", SECRETS["tenant-a"])
+    assert read(server.endpoint, authority)[0] == 4  # and it serves on
+
+
 @pytest.fixture
 def loop():
     loop = asyncio.new_event_loop()
@@ -198,6 +216,32 @@ def test_idle_connections_of_one_peer_neither_lock_others_out_nor_stay(served, m
         # The attacker's admitted connections are closed once their handshake time is up.
         wait_until(lambda: server.num_connections == 0, 5, "idle connections to be closed")
         assert all(recv_all(sock, 0.5) == b"" for sock in hogs[:20])
+    finally:
+        for sock in hogs:
+            sock.close()
+
+
+def test_silent_connections_from_many_addresses_do_not_lock_out_another(served):
+    """More addresses than MAX_PENDING / MAX_PENDING_PER_PEER, each holding its share of
+    silent connections: a newcomer sheds the oldest of the busiest address and gets in."""
+    _, server = served
+    attackers = server_module.MAX_PENDING // server_module.MAX_PENDING_PER_PEER + 1
+    hogs = []
+    try:
+        for address in range(2, 2 + attackers):
+            for _ in range(server_module.MAX_PENDING_PER_PEER):
+                sock = socket.socket()
+                sock.bind((f"127.0.0.{address}", 0))
+                sock.connect(server.endpoint.address)
+                hogs.append(sock)
+        wait_until(lambda: server.counters["accepted"] + server.counters["refused_connections"]
+                   >= len(hogs), 10, "the server to see every connection")
+        assert server._num_pending() <= server_module.MAX_PENDING
+        assert server.counters["shed_handshakes"] >= server_module.MAX_PENDING_PER_PEER
+        authority = Authority.of_namespace(PEER, "tenant-a", SECRETS["tenant-a"])
+        assert read(server.endpoint, authority)[0] == 4
+        # The shed connections were hung up, not left half-served.
+        assert sum(recv_all(sock, 0.2) == b"" for sock in hogs[:8]) == 8
     finally:
         for sock in hogs:
             sock.close()

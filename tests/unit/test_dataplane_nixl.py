@@ -143,10 +143,40 @@ def test_a_plain_tcp_server_refuses_a_push_and_the_read_is_a_miss(nixl):
         server.close()
 
 
-def push_frame(pool: ConnectionPool, sock, authority: Authority, offer) -> bytes:
+def push_frame(pool: ConnectionPool, sock, authority: Authority, offer,
+               sent_offer=None) -> bytes:
+    """A PUSH MACed over `offer`; `sent_offer` (default: the same) is what goes on the wire."""
     request = wire.ReadRequest(G, KEYS[:4], op=wire.OP_PUSH)
-    return wire.encode_request(request, authority, pool.session(sock)) \
-        + nixl_transport.encode_offer(offer)
+    signed = nixl_transport.encode_offer(offer)
+    sent = signed if sent_offer is None else nixl_transport.encode_offer(sent_offer)
+    return wire.encode_request(request, authority, pool.session(sock), trailer=signed) + sent
+
+
+def test_a_push_whose_offer_was_changed_on_the_way_writes_nothing(nixl):
+    """Someone on the path swaps the offer after a tenant's MACed PUSH (another buffer, or
+    another agent): the tag covers the offer, so the owner refuses and writes nowhere."""
+    import dataclasses
+
+    source = DictSource(6)
+    server = nixl.serve(source, listen(), 2.0)
+    staging = nixl.reader.staging.take(4 * G.page_bytes)
+    staging.tensor.zero_()
+    pool = ConnectionPool()
+    try:
+        sock = pool.take(server.endpoint, PEER, 2.0)
+        elsewhere = dataclasses.replace(staging.offer, address=staging.offer.address + 4096)
+        sock.sendall(push_frame(pool, sock, AUTH, staging.offer, sent_offer=elsewhere))
+        status, num_pages, _ = wire.REPLY.unpack(wire.recv_exact(sock, wire.REPLY.size))
+        assert (status, num_pages) == (wire.STATUS_REFUSED, 0)
+        assert server.counters["refused_requests"] == 1 and source.open_pins == 0
+        # The same request with its own offer is served.
+        out = torch.zeros(4, 2, 2, 16 * 4, 32, dtype=torch.bfloat16)
+        assert read_nixl(pool, nixl.reader, kv_reads(server.endpoint, out, 4), 2.0) == [4]
+        assert exact(out, source, 4)
+    finally:
+        nixl.reader.staging.give(staging)
+        pool.close()
+        server.close()
 
 
 def test_a_push_without_the_credential_or_with_another_namespaces_mac_writes_nothing(nixl):

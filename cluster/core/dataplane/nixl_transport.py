@@ -96,7 +96,9 @@ class NixlPageServer(PageServer):
         offer = read_offer(sock)  # read even when refused: the stream stays in step
         self.counters["requests"] += 1
         page_bytes = request.geometry.page_bytes
-        if not self.guard.permits(request.claim):  # nothing is pinned, nothing is written
+        claim = dataclasses.replace(request.claim,  # the tag covers the offer too
+                                    signed=request.claim.signed + encode_offer(offer))
+        if not self.guard.permits(claim):  # nothing is pinned, nothing is written
             self.counters["refused_requests"] += 1
             sock.sendall(wire.REPLY.pack(wire.STATUS_REFUSED, 0, page_bytes))
             return
@@ -272,8 +274,9 @@ def _request(pool: ConnectionPool, sock: socket.socket, read: PageRead, start: i
     per_round = staging.offer.length_bytes // read.geometry.page_bytes
     request = wire.ReadRequest(read.geometry, read.keys[start : start + per_round],
                                op=wire.OP_PUSH)
-    frame = wire.encode_request(request, read.authority, pool.session(sock))
-    sock.sendall(frame + encode_offer(staging.offer))
+    offer = encode_offer(staging.offer)
+    frame = wire.encode_request(request, read.authority, pool.session(sock), trailer=offer)
+    sock.sendall(frame + offer)
 
 
 def _await_reply(sock: socket.socket, agent: NixlAgent, deadline_s: float) -> None:

@@ -2,8 +2,12 @@
 the first free port of [first_port, first_port + PORT_SPAN) (a NetworkPolicy names them).
 
     accept thread (socketserver)  ->  one thread per connection, for the connection's life:
-        admit: within MAX_CONNECTIONS, MAX_PER_PEER per source address, and MAX_PENDING (and
-               MAX_PENDING_PER_PEER) not yet authenticated, so no one peer fills the server
+        admit: within MAX_CONNECTIONS, MAX_PER_PEER per source address and
+               MAX_PENDING_PER_PEER not yet authenticated per address; when MAX_PENDING are
+               waiting on their handshake, the oldest of the address holding the most is shed
+               (closed) for the newcomer, so a few addresses that connect and say nothing
+               cannot lock out everyone else, and a reader's own handshake (one round trip)
+               outlives the flood unless MAX_PENDING connections arrive within it
         handshake: the reader proves the peer key within HANDSHAKE_S, else it is closed
         wait for a request (an idle connection wakes every IDLE_TICK_S to see if we stop;
                one idle for IDLE_TIMEOUT_S is closed)
@@ -90,10 +94,11 @@ class PageServer:
         self.timeout_s = timeout_s
         self.counters = {"accepted": 0, "requests": 0, "served_pages": 0, "served_bytes": 0,
                          "torn_pages": 0, "failed_requests": 0, "refused_connections": 0,
-                         "failed_handshakes": 0, "refused_requests": 0, "idle_closed": 0}
+                         "failed_handshakes": 0, "refused_requests": 0, "idle_closed": 0,
+                         "shed_handshakes": 0}
         self._conns: set[socket.socket] = set()
         self._per_peer: Counter[str] = Counter()
-        self._pending: Counter[str] = Counter()
+        self._pending: dict[str, list[socket.socket]] = {}  # per address, oldest first
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._server = _bind(listen)
@@ -130,22 +135,43 @@ class PageServer:
         with self._lock:
             if (self._closing.is_set() or len(self._conns) >= MAX_CONNECTIONS
                     or self._per_peer[peer] >= MAX_PER_PEER
-                    or sum(self._pending.values()) >= MAX_PENDING
-                    or self._pending[peer] >= MAX_PENDING_PER_PEER):
+                    or len(self._pending.get(peer, ())) >= MAX_PENDING_PER_PEER):
                 self.counters["refused_connections"] += 1
                 return False
+            shed = self._shed_one() if self._num_pending() >= MAX_PENDING else None
             self._conns.add(sock)
             self._per_peer[peer] += 1
-            self._pending[peer] += 1
+            self._pending.setdefault(peer, []).append(sock)
             self.counters["accepted"] += 1
+        if shed is not None:
+            _hang_up(shed)  # its thread's handshake fails and it releases its place
         return True
 
-    def _release(self, sock: socket.socket, peer: str, pending: bool) -> None:
+    def _num_pending(self) -> int:
+        return sum(len(socks) for socks in self._pending.values())
+
+    def _shed_one(self) -> socket.socket:
+        """The oldest pending connection of the address holding the most, taken off the
+        pending lists (under the lock); the caller hangs it up."""
+        peer = max(self._pending, key=lambda p: len(self._pending[p]))
+        victim = self._pending[peer].pop(0)
+        if not self._pending[peer]:
+            del self._pending[peer]
+        self.counters["shed_handshakes"] += 1
+        return victim
+
+    def _release(self, sock: socket.socket, peer: str) -> None:
         with self._lock:
             self._conns.discard(sock)
             _decrement(self._per_peer, peer)
-            if pending:
-                _decrement(self._pending, peer)
+            self._unlist_pending(sock, peer)
+
+    def _unlist_pending(self, sock: socket.socket, peer: str) -> None:
+        socks = self._pending.get(peer)
+        if socks is not None and sock in socks:
+            socks.remove(sock)
+            if not socks:
+                del self._pending[peer]
 
     def _serve_connection(self, sock: socket.socket, peer: str) -> None:
         if not self._admit(sock, peer):
@@ -153,7 +179,8 @@ class PageServer:
         pending = True
         try:
             session = self._handshake(sock)
-            self._release_pending(peer)
+            with self._lock:
+                self._unlist_pending(sock, peer)
             pending = False
             if session is None:
                 return
@@ -167,11 +194,7 @@ class PageServer:
             self.counters["failed_requests" if not pending else "failed_handshakes"] += 1
             log.debug("data plane connection ended: %s", error)
         finally:
-            self._release(sock, peer, pending)
-
-    def _release_pending(self, peer: str) -> None:
-        with self._lock:
-            _decrement(self._pending, peer)
+            self._release(sock, peer)
 
     def _handshake(self, sock: socket.socket) -> bytes | None:
         """The session of a reader that proved the peer key within HANDSHAKE_S; None (and a
@@ -230,6 +253,13 @@ def _host_bytes(page: torch.Tensor) -> memoryview:
     """A page's bytes for the socket: a view of a host slot, or a staged copy of a VRAM one."""
     host = page.cpu() if page.is_cuda else page  # .cpu() waits for the copy (synchronous)
     return memoryview(host.numpy())
+
+
+def _hang_up(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already gone
 
 
 def _decrement(counts: Counter, peer: str) -> None:

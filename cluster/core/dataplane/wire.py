@@ -7,7 +7,7 @@
     verdict   num_good u32 (the leading pages whose slots kept their generation)
 
 The tag is the request's MAC (auth.py): over the connection's session, the head (the tag
-left out), the namespace and the keys.
+left out), the namespace, the keys and, for a PUSH, the NIXL offer that follows the frame.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ STATUS_OK, STATUS_REFUSED = 0, 1
 ACK = b"A"
 MAX_KEYS = 1 << 16
 MAX_NAMESPACE_BYTES = 255
+MAX_PAGE_BYTES = 1 << 40  # no page is a terabyte: a larger one is a malformed request
 
 REQUEST = struct.Struct("<4sB5I16sIBB")
 REPLY = struct.Struct("<BIQ")
@@ -53,8 +54,11 @@ class ReadRequest:
     op: int = OP_READ
 
 
-def encode_request(request: ReadRequest, authority: Authority, session: bytes) -> bytes:
-    """The request frame, MACed for this connection's session under the authority's key."""
+def encode_request(request: ReadRequest, authority: Authority, session: bytes,
+                   trailer: bytes = b"") -> bytes:
+    """The request frame, MACed for this connection's session under the authority's key.
+    `trailer`, bytes the caller sends right after the frame (a PUSH's NIXL offer), is MACed
+    with it, so no one on the way can change where the pages go."""
     dtype = request.geometry.dtype.encode()
     assert len(dtype) <= 16, f"dtype name too long: {request.geometry.dtype}"
     namespace = authority.namespace.encode()
@@ -63,7 +67,7 @@ def encode_request(request: ReadRequest, authority: Authority, session: bytes) -
     head = REQUEST.pack(MAGIC, request.op, *request.geometry.shape, dtype, len(request.keys),
                         authority.kind, len(namespace))
     keys = b"".join(request.keys)
-    tag = authority.tag(session, head + namespace + keys)
+    tag = authority.tag(session, head + namespace + keys + trailer)
     return head + tag + namespace + keys
 
 
@@ -86,6 +90,9 @@ def read_request(sock: socket.socket, session: bytes) -> ReadRequest | None:
     blob = recv_exact(sock, num_keys * KEY_BYTES)
     try:
         geometry = PageGeometry(shape, dtype.decode())
+        geometry.validate()  # a known dtype, positive dims
+        if geometry.page_bytes > MAX_PAGE_BYTES:  # the reply's u64, and any sane page
+            raise ValueError(f"pages of {geometry.page_bytes} bytes")
         claim = Claim(kind, namespace.decode(), tag, session, head + namespace + blob)
     except (UnicodeDecodeError, ValueError, TypeError) as error:
         raise PeerGone(f"not a raykv request: {error}") from None
