@@ -40,9 +40,10 @@ What differs from `build_vllm_app` (the keyed-ingress app, which stays the defau
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
-from cluster.serving.access import Access, require_keys_for_bind
+from cluster.serving.access import Access, is_loopback, require_keys_for_bind
 from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, HIT_KEY
 
 # Serve's router-owned header prefix (ray.serve._private.constants.
@@ -55,6 +56,8 @@ ROUTE_HEADERS = {HIT_HEADER: HIT_KEY, CUT_HEADER: FETCH_LIMIT_KEY}
 OPEN_PATHS = ("/-/healthz", "/-/routes", "/health")
 # The request bodies that reach the engine's connector (OpenAI completions and chat).
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+# What /internal/route reads of a body (HAProxy forwards at most its own buffer of it).
+MAX_ROUTE_BODY_BYTES = 1 << 20
 
 
 def route_headers(kv_transfer_params: Any) -> dict[str, str]:
@@ -139,6 +142,10 @@ class DirectMiddleware:
                 return await self.app(scope, _replay([message], receive), send)
             body += message.get("body", b"")
             more = message.get("more_body", False)
+            if len(body) > self.access.max_request_bytes:
+                return await _reply(send, 413, "The request body is over the limit of "
+                                    f"{self.access.max_request_bytes} bytes.",
+                                    "invalid_request_error", "request_too_large")
         merged = with_routed_params(body, params)
         if merged is not None:
             body = merged
@@ -147,6 +154,29 @@ class DirectMiddleware:
             ] + [(b"content-length", str(len(body)).encode())]}
         await self.app(scope, _replay([{"type": "http.request", "body": body,
                                          "more_body": False}], receive), send)
+
+
+def route_caller_allowed(client_host: str | None, node_hosts: Collection[str]) -> bool:
+    """Whether /internal/route answers this caller: HAProxy runs on the Ray nodes, so only a
+    Ray node's address (or loopback). The route needs no key (HAProxy sends the router none
+    of the client's headers), and its answer tells how much of a prompt is cached, in the
+    app's namespace, and where each replica listens: no one else may ask."""
+    if not client_host:
+        return False
+    return is_loopback(client_host) or client_host in node_hosts
+
+
+async def capped_body(request, limit_bytes: int) -> bytes | None:
+    """The request's body, or None once it is over limit_bytes (declared or read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit_bytes:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit_bytes:
+            return None
+    return bytes(body)
 
 
 def _replay(messages: list, then):

@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from types import SimpleNamespace
 
 from fastapi import FastAPI, HTTPException, Request
@@ -20,8 +22,11 @@ from ray.serve.handle import DeploymentHandle
 
 from cluster.serving.access import Access
 from cluster.serving.vllm_direct import (
+    MAX_ROUTE_BODY_BYTES,
     DirectMiddleware,
+    capped_body,
     check_keys_for_replica,
+    route_caller_allowed,
     route_headers,
 )
 from cluster.serving.vllm_events_server import RaykvLLMServer
@@ -30,6 +35,7 @@ log = logging.getLogger("raykv.vllm")
 # Ray's contract (ray.serve._private.constants.RAY_SERVE_INGRESS_REQUEST_ROUTER_OPT_HEADERS_FIELD)
 HEADERS_FIELD = "request_headers"
 ROUTING_FIELDS = ("messages", "prompt")  # a body raykv's router can key (as LLMRouter's)
+NODE_HOSTS_REFRESH_S = 1.0  # an unknown caller re-reads the Ray nodes at most this often
 
 route_app = FastAPI()
 
@@ -55,10 +61,18 @@ class RaykvRouteIngress:
     def __init__(self, server: DeploymentHandle):
         self._handle = server
         self._handle._init()
+        self._node_hosts: frozenset[str] = frozenset()
+        self._node_hosts_at_s = float("-inf")
 
     @route_app.post("/internal/route")
     async def route(self, request: Request):
-        payload = routing_copy(await request.body())
+        if not await self._from_ray_node(request.client.host if request.client else None):
+            raise HTTPException(status_code=403, detail="only HAProxy on a Ray node routes")
+        body = await capped_body(request, MAX_ROUTE_BODY_BYTES)
+        if body is None:
+            raise HTTPException(status_code=413, detail="the body is over "
+                                f"{MAX_ROUTE_BODY_BYTES} bytes")
+        payload = routing_copy(body)
         args = (payload,) if payload is not None else ()
         try:
             async with self._handle.choose_replica(*args, _reserve=False) as selection:
@@ -78,6 +92,20 @@ class RaykvRouteIngress:
         if headers:
             response[HEADERS_FIELD] = headers
         return response
+
+    async def _from_ray_node(self, host: str | None) -> bool:
+        """Whether `host` is a Ray node's address (route_caller_allowed), reading the nodes
+        again for an unknown one at most every NODE_HOSTS_REFRESH_S."""
+        if route_caller_allowed(host, self._node_hosts):
+            return True
+        if time.monotonic() - self._node_hosts_at_s < NODE_HOSTS_REFRESH_S:
+            return False
+        import ray
+
+        nodes = await asyncio.to_thread(ray.nodes)
+        self._node_hosts = frozenset(n["NodeManagerAddress"] for n in nodes if n["Alive"])
+        self._node_hosts_at_s = time.monotonic()
+        return route_caller_allowed(host, self._node_hosts)
 
     @route_app.get("/health")
     async def health(self):

@@ -17,7 +17,9 @@ from cluster.serving.vllm_direct import (
     HIT_HEADER,
     ROUTER_HEADER_PREFIX,
     DirectMiddleware,
+    capped_body,
     refusal,
+    route_caller_allowed,
     route_headers,
     routed_params,
     with_routed_params,
@@ -148,6 +150,65 @@ def test_a_keyed_request_reaches_the_engine_with_the_router_s_decision_in_its_bo
         plain = {"authorization": "Bearer tenant-key"}
         status, seen = await _call("/v1/completions", plain, body)
         assert (status, seen["body"]) == (200, body[:5])  # streamed on, not buffered
+
+    asyncio.run(main())
+
+
+def test_a_routed_body_over_the_limit_is_refused_not_buffered():
+    async def main():
+        small = Access(ACCESS.key_digests, max_request_bytes=64)
+        body = json.dumps({"prompt": "p" * 200}).encode()
+        headers = {"authorization": "Bearer tenant-key", HIT_HEADER: "64"}
+        chunks = [body[i:i + 16] for i in range(0, len(body), 16)]
+        sent, reached = [], []
+
+        async def receive():
+            chunk = chunks.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+        async def send(message):
+            sent.append(message)
+
+        async def app(scope, receive, send):
+            reached.append(scope)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
+        await DirectMiddleware(app, access=small, namespace="default")(scope, receive, send)
+        assert sent[0]["status"] == 413 and not reached
+        assert len(chunks) > 5  # it stopped reading once past the limit
+
+    asyncio.run(main())
+
+
+def test_only_ray_nodes_may_ask_for_a_route():
+    nodes = {"10.0.0.5", "10.0.0.6"}
+    assert route_caller_allowed("10.0.0.5", nodes)
+    assert route_caller_allowed("127.0.0.1", nodes) and route_caller_allowed("::1", nodes)
+    assert not route_caller_allowed("10.0.0.7", nodes)
+    assert not route_caller_allowed("203.0.113.9", nodes)
+    assert not route_caller_allowed(None, nodes) and not route_caller_allowed("", nodes)
+
+
+def test_the_route_reads_at_most_its_limit_of_a_body():
+    from starlette.requests import Request
+
+    def request(body: bytes, declared: int | None = None) -> Request:
+        chunks = [body[i:i + 10] for i in range(0, len(body), 10)] or [b""]
+
+        async def receive():
+            chunk = chunks.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+
+        headers = [] if declared is None else [(b"content-length", str(declared).encode())]
+        return Request({"type": "http", "method": "POST", "path": "/internal/route",
+                        "headers": headers}, receive)
+
+    async def main():
+        assert await capped_body(request(b"x" * 50), 64) == b"x" * 50
+        assert await capped_body(request(b"x" * 100), 64) is None
+        assert await capped_body(request(b"x" * 10, declared=10_000), 64) is None
+        assert await capped_body(request(b""), 64) == b""
 
     asyncio.run(main())
 
