@@ -5,8 +5,9 @@
   file the head generates once (0600);
 - every Serve config of raykv's app that binds beyond loopback (or serves tenants) has API
   keys wired, and the app refuses that config without them;
-- a NetworkPolicy admits raykv's page-server ports from raykv's Ray pods only, and changes
-  nothing else; its ports are the code's (CacheConfig.page_port)."""
+- a NetworkPolicy admits raykv's page-server ports, and the ports the OS picks (vLLM's KV-event
+  sockets among them), from raykv's Ray pods only, and leaves Ray's fixed ports as they were;
+  its page ports are the code's (CacheConfig.page_port)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ RAYKV_APP = "cluster.serving.app:build_app"
 SECRETS_FILE = "/home/ubuntu/raykv/.secrets/raykv.env"  # ray up's, generated on the head
 PAGE_PORT = 7460  # CacheConfig.page_port's default (issue 17); node actors on a host: +0..+15
 PAGE_PORTS_PER_HOST = 16
+EPHEMERAL_FIRST = 30000  # the policy's range for ports the OS picks (Linux's: 32768-60999)
 SECRET_NAMES = re.compile(r"PASSWORD|SECRET|KEYS?$|TOKEN")
 HEX_LITERAL = re.compile(r"(?<![0-9a-fA-F])[0-9a-fA-F]{24,}(?![0-9a-fA-F])")
 
@@ -344,20 +346,45 @@ def test_the_page_ports_are_admitted_from_ray_pods_only():
     assert not _covers(page_rules[0], PAGE_PORT + PAGE_PORTS_PER_HOST)
 
 
-def test_the_policy_leaves_every_other_port_open_as_before():
-    """Serve's 8000, Ray's ports, the dashboard (KubeRay's operator), metrics: from anywhere."""
+def test_the_fixed_ports_stay_open_as_before():
+    """Serve's 8000, Ray's fixed ports, the dashboard (KubeRay's operator), metrics: from
+    anywhere; so are UDP and the ports below the OS's range."""
     open_rules = [rule for rule in _policy()["spec"]["ingress"] if not rule.get("from")]
     page_ports = range(PAGE_PORT, PAGE_PORT + PAGE_PORTS_PER_HOST)
-    for port in (1, 6379, 8000, 8076, 8080, 8265, 10001, 52365, PAGE_PORT - 1,
-                 PAGE_PORT + PAGE_PORTS_PER_HOST, 65535):
+    for port in (1, 6379, 8000, 8076, 8080, 8265, 10001, 10002, 19999, 44217, 44227, 52365,
+                 PAGE_PORT - 1, PAGE_PORT + PAGE_PORTS_PER_HOST, EPHEMERAL_FIRST - 1):
         assert any(_covers(rule, port) for rule in open_rules), port
+    for port in (1, 8000, 40000, 65535):
         assert any(_covers(rule, port, "UDP") for rule in open_rules), port
     assert not any(_covers(rule, port) for rule in open_rules for port in page_ports)
 
 
+def test_the_os_assigned_ports_are_admitted_from_ray_pods_only():
+    """vLLM's KV-event sockets (no authentication; their events carry prompts' token ids)
+    bind ports the OS picks, as do Serve's direct-ingress ports and Ray's internal ones: from
+    raykv's Ray pods only, but for Ray's metrics and dashboard-agent ports."""
+    # (tests/vllm/test_engine_events.py: raykv's replicas ask vLLM for `tcp://*:0`.)
+    policy = _policy()["spec"]
+    ray_pods = [labels for _, labels in _ray_pod_labels()]
+    public = {44217, 44227, 52365}
+    for port in (EPHEMERAL_FIRST, 30500, 32768, 40000, 44216, 44218, 52364, 52366, 60999,
+                 65535):
+        rules = [rule for rule in policy["ingress"] if _covers(rule, port)]
+        assert rules, port
+        for rule in rules:
+            assert rule.get("from"), f"port {port} is admitted from anywhere"
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}, peer
+                assert all(_selects(peer["podSelector"], labels) for labels in ray_pods)
+                assert _selects(peer["podSelector"], policy["podSelector"]["matchLabels"])
+    for port in public:
+        assert any(_covers(rule, port) and not rule.get("from") for rule in policy["ingress"])
+
+
 def test_the_page_ports_are_the_codes():
     policy = _policy()["spec"]
-    (page_rule,) = [rule for rule in policy["ingress"] if rule.get("from")]
+    (page_rule,) = [rule for rule in policy["ingress"]
+                    if rule.get("from") and _covers(rule, PAGE_PORT)]
     (entry,) = page_rule["ports"]
     assert (entry["port"], entry["endPort"]) == (PAGE_PORT, PAGE_PORT + PAGE_PORTS_PER_HOST - 1)
     exposed = re.search(r"^EXPOSE .*\b(\d+)-(\d+)\b", (MANIFESTS / "Dockerfile").read_text(),
