@@ -1,6 +1,7 @@
 # raykv: the two README commands. Each bootstraps what it needs on a fresh machine.
 #   make demo   - a local multi-node Ray, the service, a real tiny Llama workload, a table + PNG
-#   make test   - lint + the unit, actor and cluster test tiers (with a private redis-server)
+#   make test   - lint + the unit, actor, cluster and manifest tiers (with a private
+#                 redis-server), and the vLLM tier alongside them
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -101,10 +102,20 @@ lint: $(STAMP)
 demo: system-deps $(STAMP)
 	$(VENV)/bin/raykv demo
 
-test: system-deps $(STAMP) lint
-	$(PY) -m cluster.tools.redis_server -- $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) \
-	  --ignore=tests/vllm tests
-	$(MAKE) test-vllm
+# The vLLM tier runs alongside the others (its own venv, Ray clusters, ports): each waits on
+# its clusters' start-ups much of the time, so together they take the 2 cores better than one
+# after the other. Its output is shown when both are done (also in out/test-vllm.log).
+test: system-deps $(STAMP) $(VLLM_STAMP) lint
+	@mkdir -p out
+	@$(VLLM_PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests/vllm \
+	  > out/test-vllm.log 2>&1 & vllm=$$!; \
+	echo "tests/vllm: running alongside (pid $$vllm), output in out/test-vllm.log"; \
+	$(PY) -m cluster.tools.redis_server -- $(PY) -m pytest -q -p no:cacheprovider \
+	  $(PYTEST_ARGS) --ignore=tests/vllm tests; main=$$?; \
+	wait $$vllm; vllm_status=$$?; \
+	echo "==== tests/vllm (ran alongside) ===="; cat out/test-vllm.log; \
+	echo "main tiers: exit $$main; tests/vllm: exit $$vllm_status"; \
+	test $$main = 0 && test $$vllm_status = 0
 
 # On a GPU machine that has python3 with torch (CUDA), cupy and numpy, and may have nothing
 # else (no Ray, no pydantic, nothing to install): VRAM chunks over CUDA IPC, remaps, stream
