@@ -102,13 +102,13 @@ lint: $(STAMP)
 demo: system-deps $(STAMP)
 	$(VENV)/bin/raykv demo
 
-# The vLLM tier runs alongside the others (its own venv, Ray clusters, ports): each waits on
-# its clusters' start-ups much of the time, so together they take the 2 cores better than one
-# after the other. Its output is shown when both are done (also in out/test-vllm.log).
-test: system-deps $(STAMP) $(VLLM_STAMP) lint
+# The vLLM tier (its venv's bootstrap, then its tests) runs alongside the others (its own
+# venv, Ray clusters, ports): each waits on downloads and its clusters' start-ups much of the
+# time, so together they take the 2 cores better than one after the other. Its output is
+# shown when both are done (also in out/test-vllm.log).
+test: system-deps $(STAMP) lint
 	@mkdir -p out
-	@$(VLLM_PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests/vllm \
-	  > out/test-vllm.log 2>&1 & vllm=$$!; \
+	@$(MAKE) --no-print-directory test-vllm > out/test-vllm.log 2>&1 & vllm=$$!; \
 	echo "tests/vllm: running alongside (pid $$vllm), output in out/test-vllm.log"; \
 	$(PY) -m cluster.tools.redis_server -- $(PY) -m pytest -q -p no:cacheprovider \
 	  $(PYTEST_ARGS) --ignore=tests/vllm tests; main=$$?; \
