@@ -190,8 +190,9 @@ async def _sse(events: AsyncIterator[dict], done: Callable[[], object]) -> Async
         async for event in events:
             yield f"data: {json.dumps(event)}\n\n"
     except Exception as error:  # the stream is open: report in-band, as OpenAI does
-        log.exception("generation failed mid-stream")
-        yield f"data: {json.dumps(protocol.error_body(str(error), 'server_error'))}\n\n"
+        log.exception("generation failed mid-stream")  # the detail here, as _unexpected
+        message = f"internal error mid-stream: {type(error).__name__}"
+        yield f"data: {json.dumps(protocol.error_body(message, 'server_error'))}\n\n"
     finally:
         done()
     yield "data: [DONE]\n\n"

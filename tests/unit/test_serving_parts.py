@@ -90,3 +90,28 @@ def test_requests_validate_like_openai():
 def test_usage_reports_cached_tokens():
     assert usage(10, 3, 8) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
                                "prompt_tokens_details": {"cached_tokens": 8}}
+
+
+def test_a_mid_stream_failure_reaches_the_client_without_its_detail():
+    """The stream is open, so the error goes in-band (as OpenAI does); its text, which may
+    name Ray actors and internal ids, stays in the server's log."""
+    import asyncio
+    import json
+
+    from cluster.serving.ingress import _sse
+
+    async def events():
+        yield {"n": 1}
+        raise RuntimeError("actor 5f0c1e9a of node 10.0.0.7 died")
+
+    released = []
+
+    async def main():
+        return [line async for line in _sse(events(), lambda: released.append(True))]
+
+    lines = asyncio.run(main())
+    assert lines[0] == 'data: {"n": 1}\n\n' and lines[-1] == "data: [DONE]\n\n"
+    error = json.loads(lines[1].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+    assert "10.0.0.7" not in lines[1] and "5f0c1e9a" not in lines[1]
+    assert released == [True]
