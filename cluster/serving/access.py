@@ -210,7 +210,7 @@ class AccessMiddleware:
         declared = headers.get("content-length", "")
         if declared.isdigit():
             if int(declared) > limit:
-                return await _too_large(send, limit)
+                return await reply_too_large(send, limit)
             return await self.app(scope, receive, send)
         # No (or an odd) length: take the body in first, at most `limit` bytes, then replay it.
         body, more = b"", True
@@ -221,7 +221,7 @@ class AccessMiddleware:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > limit:
-                return await _too_large(send, limit)
+                return await reply_too_large(send, limit)
         await self.app(scope, _replay([{"type": "http.request", "body": body,
                                          "more_body": False}], receive), send)
 
@@ -266,7 +266,8 @@ def _replay(messages: list, then=None):
     return receive
 
 
-async def _too_large(send, limit: int) -> None:
+async def reply_too_large(send, limit: int) -> None:
+    """The 413 for a body over `limit` bytes (also a direct-streaming replica's)."""
     await _reply(send, 413, f"The request body is over the limit of {limit} bytes.",
                  "invalid_request_error", "request_too_large")
 

@@ -43,7 +43,7 @@ import json
 from collections.abc import Collection
 from typing import Any
 
-from cluster.serving.access import Access, is_loopback, require_keys_for_bind
+from cluster.serving.access import Access, is_loopback, reply_too_large, require_keys_for_bind
 from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, HIT_KEY
 
 # Serve's router-owned header prefix (ray.serve._private.constants.
@@ -143,9 +143,7 @@ class DirectMiddleware:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.access.max_request_bytes:
-                return await _reply(send, 413, "The request body is over the limit of "
-                                    f"{self.access.max_request_bytes} bytes.",
-                                    "invalid_request_error", "request_too_large")
+                return await reply_too_large(send, self.access.max_request_bytes)
         merged = with_routed_params(body, params)
         if merged is not None:
             body = merged
