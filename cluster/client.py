@@ -124,6 +124,16 @@ class KVClient:
         is its page k-1 (a chunked save puts only what it adds)."""
         return self._with_chain(self.chain.continued(key))
 
+    def bounded(self, timeout_s: float) -> KVClient:
+        """This client with each Ray call waiting at most `timeout_s` (a late call is a miss,
+        as with the configured timeout): for a caller with a deadline of its own, such as a
+        vLLM engine's load made inside its step."""
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        view = copy.copy(self)  # shares the connections, slabs and counters
+        view.timeout_s = float(timeout_s)
+        return view
+
     def _with_chain(self, chain: KeyChain) -> KVClient:
         if chain is self.chain:
             return self

@@ -175,15 +175,30 @@ class EngineMeter:
             if source in self.rates.paths:
                 self.rates = observe_transfer(self.rates, source, int(num_bytes), seconds)
 
-    def step_done(self, now_s: float) -> None:
-        """The oldest scheduled step's output is back: time it."""
+    def step_done(self, now_s: float) -> float | None:
+        """The oldest scheduled step's output is back: time it. Its seconds when it ran
+        tokens (None: no step pending, or an empty one)."""
         done = self.clock.done(now_s)
         if done is None:
-            return
+            return None
         step, seconds = done
-        self._busy_s += seconds if step.num_tokens else 0.0
         if step.prefills:
             self.prefill.add(step.num_tokens, seconds)
+        if not step.num_tokens:
+            return None
+        self._busy_s += seconds
+        return seconds
+
+    def load_s(self, num_tokens: int) -> float | None:
+        """What a load of `num_tokens` (whole pages) should take this engine, at the slowest
+        source its loads have measured (None before any load was measured): the loads'
+        measured costs include each load's fixed part, shared by bytes, so a small load's
+        estimate is not too low."""
+        measured = [path for path in self.rates.paths.values() if path.num_samples]
+        if not measured or num_tokens <= 0:
+            return None if not measured else 0.0
+        num_bytes = -(-num_tokens // self.page_tokens) * self.page_bytes
+        return max(path.seconds(num_bytes) for path in measured)
 
     def finished(self) -> None:
         """A request finished: the busy time since the last one is its share."""

@@ -9,10 +9,13 @@
 
 Scheduler side (vLLM's engine-core process): one raykv lookup per request, through `prefetch`,
 which also starts pulling pages held by other nodes toward this node. The lookup runs in a
-background thread: vLLM's scheduler never waits on raykv; it hears None ("ask again") while
-the lookup is out, then the hit, cut to whole vLLM blocks. A hit is loaded asynchronously:
-vLLM holds the request in WAITING_FOR_REMOTE_KVS until the worker reports the load finished
-(get_finished), and schedules other requests meanwhile. A request that raykv's router placed
+background thread; vLLM hears None ("ask again") while it is out, then the hit, cut to whole
+vLLM blocks. A hit is loaded asynchronously: vLLM holds the request in WAITING_FOR_REMOTE_KVS
+until the worker reports the load finished (get_finished), and schedules other requests
+meanwhile. Both cost the request whole engine steps, so the scheduler waits for a lookup, and
+has a load made in the step (vLLM's synchronous load), when its measured cost fits what the
+step can afford: the step's measured time over its requests (cluster/serving/step_budget.py,
+`raykv.load_mode`). A request that raykv's router placed
 carries the hit the router's own directory lookup found (kv_transfer_params, vllm_plan.HIT_KEY):
 that is its answer at the first ask, with no lookup. An "ask again" costs a request a whole
 engine step: vLLM asks again only after the step it runs meanwhile, and under load the wait
@@ -65,6 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from cluster.serving.engine_rates import EngineMeter, RatesFile, Step
+from cluster.serving.step_budget import StepBudget
 from cluster.serving.vllm_io import KVMover
 from cluster.serving.vllm_keys import is_plain, request_salt
 from cluster.serving.vllm_layout import (
@@ -169,6 +173,9 @@ class RaykvConnector(KVConnectorBase_V1):
         self._meter: EngineMeter | None = None  # scheduler side, once the page size is known
         self._rates: RatesFile | None = None  # scheduler side, with the meter
         self.num_routed_answers = 0  # requests answered by the router's hit, no lookup
+        self._budget = StepBudget(settings.load_mode)  # what a step may wait on raykv
+        self._sync_loads: dict[str, float] = {}  # id -> deadline of its load in the step
+        self.num_sync_loads = 0
         self.why_off = unsupported_groups(kv_cache_config)
         try:
             spec = None if self.why_off else spec_of(vllm_config, settings.model_name)
@@ -192,7 +199,8 @@ class RaykvConnector(KVConnectorBase_V1):
             return 0, False
         request_id, planner = request.request_id, self._planner
         if planner is not None and request_id in planner.hits:  # asked again: no new lookup
-            return _loaded_async(planner.rematched(request_id, num_computed_tokens))
+            return self._load_mode(request_id,
+                                   planner.rematched(request_id, num_computed_tokens))
         prompt = list(request.prompt_token_ids or [])
         num_loadable = loadable_tokens(self._block_size, len(prompt))
         params = getattr(request, "kv_transfer_params", None)
@@ -205,7 +213,7 @@ class RaykvConnector(KVConnectorBase_V1):
         answer = self._routed_answer(request, params, num_loadable)
         if answer is None:
             answer = self._lookups.poll(request_id, prompt[:num_loadable],
-                                        lambda: request_salt(request))
+                                        lambda: request_salt(request), self._budget)
         if answer is None:
             return None, False  # in flight: vLLM asks again next step
         limit = fetch_limit(params)
@@ -220,9 +228,11 @@ class RaykvConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
+        sync_timeout_s = self._sync_loads.pop(request.request_id, None)
         if self._planner is not None and num_external_tokens > 0:
             self._planner.allocated(request.request_id, list(request.prompt_token_ids or []),
-                                    blocks.get_block_ids()[0], num_external_tokens)
+                                    blocks.get_block_ids()[0], num_external_tokens,
+                                    sync_timeout_s)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._planner is None:
@@ -279,6 +289,7 @@ class RaykvConnector(KVConnectorBase_V1):
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
         self._waits.forget(request.request_id)
+        self._sync_loads.pop(request.request_id, None)
         # Saves copy the blocks out in their step, and vLLM keeps a loading request's blocks
         # until the worker reports the load: free them now. A decode needs no blocks held
         # either: it loads the pages from raykv.
@@ -328,8 +339,24 @@ class RaykvConnector(KVConnectorBase_V1):
             return 0, False
         if answer.salt is not None:
             planner.keyed(request_id, answer.salt)
-        return _loaded_async(planner.matched(request_id, num_computed_tokens,
-                                             answer.num_tokens))
+        return self._load_mode(request_id, planner.matched(request_id, num_computed_tokens,
+                                                           answer.num_tokens))
+
+    def _load_mode(self, request_id: str, num_tokens: int) -> tuple[int, bool]:
+        """get_num_new_matched_tokens' answer for a hit of `num_tokens` to load: in the step
+        (False: vLLM's synchronous load) when its estimate fits the step's budget, else in
+        the background (True)."""
+        self._sync_loads.pop(request_id, None)
+        if num_tokens <= 0:
+            return 0, False
+        estimate_s = self._meter.load_s(num_tokens) if self._meter is not None else None
+        if not self._budget.may_wait(estimate_s):
+            return num_tokens, True
+        self._budget.spend(estimate_s or 0.0)
+        self._sync_loads[request_id] = self._budget.sync_deadline_s(
+            self._link.call_timeout_s())
+        self.num_sync_loads += 1
+        return num_tokens, False
 
     def _planner_for(self, page_tokens: int | None) -> StepPlanner | None:
         """The planner, made once the service's page size is known and fits vLLM's blocks."""
@@ -349,7 +376,8 @@ class RaykvConnector(KVConnectorBase_V1):
 
     def _scheduled(self, scheduler_output: SchedulerOutput) -> None:
         """Start the step's clock: its tokens, and whether it prefills (a new request, or a
-        request given more than one token)."""
+        request given more than one token); and the next schedule's budget."""
+        self._budget.step_started(len(scheduler_output.num_scheduled_tokens))
         if self._meter is None:
             return
         num_tokens = scheduler_output.total_num_scheduled_tokens
@@ -360,7 +388,9 @@ class RaykvConnector(KVConnectorBase_V1):
     def _step_done(self) -> None:
         if self._meter is None:
             return
-        self._meter.step_done(_now_s())
+        seconds = self._meter.step_done(_now_s())
+        if seconds is not None:
+            self._budget.step_timed(seconds)
         if self._rates is not None:
             self._rates.changed()
 
@@ -408,14 +438,23 @@ class RaykvConnector(KVConnectorBase_V1):
             return
         mover = self._worker_mover()
         for spec in metadata.loads:
+            in_step = spec.sync_timeout_s is not None
             if mover is None:  # no raykv here: a miss of every block, reported at once
-                self._unloaded.append((spec.request_id, blocks_of(
-                    (spec.start, len(spec.token_ids)), spec.block_ids, self._block_size)))
+                failed = blocks_of((spec.start, len(spec.token_ids)), spec.block_ids,
+                                   self._block_size)
+                if in_step:
+                    self._failed_blocks |= failed
+                else:
+                    self._unloaded.append((spec.request_id, failed))
+            elif in_step:  # before the forward reads the blocks; vLLM recomputes the misses
+                self._failed_blocks |= mover.load_now(spec)
             else:
                 mover.start_load(spec)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish before vLLM schedules their request (get_finished)
+        # A load in the step finished in start_load_kv; the others finish before vLLM
+        # schedules their request (get_finished).
+        return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
@@ -468,11 +507,6 @@ class RaykvConnector(KVConnectorBase_V1):
 def _now_s() -> float:
     """The steps' clock."""
     return time.monotonic()
-
-
-def _loaded_async(num_tokens: int) -> tuple[int, bool]:
-    """get_num_new_matched_tokens' answer: a hit is loaded asynchronously."""
-    return num_tokens, num_tokens > 0
 
 
 def probe_layout(layer: torch.Tensor) -> Interior | None:

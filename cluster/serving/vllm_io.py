@@ -3,7 +3,12 @@ out of them (no vLLM import; a client is anything with raykv's get/put/keys/salt
 
 Loads run in one loader thread, off the engine's step: vLLM holds each loading request in
 WAITING_FOR_REMOTE_KVS and schedules others meanwhile. A finished load is reported with the
-blocks it did not fill (finished()): vLLM recomputes those. A load fetches the pages from the
+blocks it did not fill (finished()): vLLM recomputes those. A load the scheduler side judged
+cheaper than the step it would cost the request (step_budget.py) is made in the step instead
+(load_now, before the forward), each raykv call within its deadline, and its unfilled blocks
+go to vLLM as load errors of that step. The two kinds stage pages in buffers of their own; a
+sync load while a background one runs may mix their rate samples' split by source (the
+client's record of reads is one), never their pages. A load fetches the pages from the
 one holding its first token on (KVClient.continued), not the prefix vLLM already holds.
 Each load's time and its client's timed reads become rate samples per source tier
 (engine_rates.load_samples), which the connector hands vLLM's stats path once a step
@@ -71,7 +76,7 @@ class KVMover:
     stats: MoverStats = field(default_factory=MoverStats)
 
     def __post_init__(self) -> None:
-        self._buffer: torch.Tensor | None = None  # the loader thread's staging
+        self._buffers: dict[bool, torch.Tensor] = {}  # staging: the loader's, the step's
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="raykv-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="raykv-save")
         self._pending = 0
@@ -93,19 +98,38 @@ class KVMover:
             done, self._finished = self._finished, []
         return done
 
+    def load_now(self, spec: LoadSpec) -> set[int]:
+        """A load made in the step (spec.sync_timeout_s): load() in this thread, each raykv
+        call bounded by the deadline; the block ids left unfilled."""
+        try:
+            return self.load(spec)
+        except Exception:  # the step goes on: a crash is a miss of all of it
+            log.exception("raykv load of %s failed", spec.request_id)
+            return self._missed(spec)
+
     def load(self, spec: LoadSpec) -> set[int]:
         """Fill tokens [spec.start, end) of the request's blocks now; the block ids left
         unfilled."""
         start_s, end = time.perf_counter(), len(spec.token_ids)
         block_size = block_tokens(self.layers)
         first, kv = self._first_page(spec.start), None
+        in_step = spec.sync_timeout_s is not None
         reads = self._reads()
         reads.clear()  # what this load reads, nothing older
         try:  # the pages from the one holding token `start` on
             client = self._client_from(spec.salt, spec.token_ids, first)
-            num_tokens, kv = client.get(spec.token_ids[first:], out=self._out(end - first))
-        except Exception:  # a miss, whatever the reason: vLLM recomputes
-            log.exception("raykv get failed; recomputing %d tokens", end - spec.start)
+            if in_step:
+                client = _bounded(client, spec.sync_timeout_s)
+            num_tokens, kv = client.get(spec.token_ids[first:],
+                                        out=self._out(end - first, in_step))
+        except Exception as error:  # a miss, whatever the reason: vLLM recomputes
+            if in_step:  # a late reply must not land in the next load's staging
+                self._buffers.pop(True, None)
+                log.warning("raykv load of %s in the step missed its %.3f s deadline (%s); "
+                            "recomputing %d tokens", spec.request_id, spec.sync_timeout_s,
+                            type(error).__name__, end - spec.start)
+            else:
+                log.exception("raykv get failed; recomputing %d tokens", end - spec.start)
             num_tokens = 0
         filled = first + num_tokens // block_size * block_size
         if kv is not None and filled > spec.start:
@@ -143,10 +167,15 @@ class KVMover:
             failed = self.load(spec)
         except Exception:  # vLLM must hear of every load: a crash is a miss of all of it
             log.exception("raykv load of %s failed", spec.request_id)
-            failed = blocks_of((spec.start, len(spec.token_ids)), spec.block_ids,
-                               block_tokens(self.layers))
+            failed = self._missed(spec)
         with self._lock:
             self._finished.append((spec.request_id, failed))
+
+    def _missed(self, spec: LoadSpec) -> set[int]:
+        """A load that crashed: all of it is a miss, counted; its block ids."""
+        self.stats.failed_tokens += len(spec.token_ids) - spec.start
+        return blocks_of((spec.start, len(spec.token_ids)), spec.block_ids,
+                         block_tokens(self.layers))
 
     # ---- saves ---------------------------------------------------------------------------
 
@@ -202,8 +231,17 @@ class KVMover:
         return torch.empty(self.spec.page_shape(num_tokens), dtype=self.spec.torch_dtype(),
                            pin_memory=self._pinned)
 
-    def _out(self, num_tokens: int) -> torch.Tensor:
-        """The loader's reused staging with room for num_tokens (grown, never shrunk)."""
-        if self._buffer is None or self._buffer.shape[3] < num_tokens:
-            self._buffer = self._staging(num_tokens)
-        return self._buffer[:, :, :, :num_tokens]
+    def _out(self, num_tokens: int, in_step: bool = False) -> torch.Tensor:
+        """The loader's (or the step's) reused staging with room for num_tokens (grown,
+        never shrunk)."""
+        buffer = self._buffers.get(in_step)
+        if buffer is None or buffer.shape[3] < num_tokens:
+            buffer = self._buffers[in_step] = self._staging(num_tokens)
+        return buffer[:, :, :, :num_tokens]
+
+
+def _bounded(client, timeout_s: float):
+    """`client` with each call bounded by `timeout_s` (KVClient.bounded); a client without
+    one (a test's fake) as it is."""
+    bounded = getattr(client, "bounded", None)
+    return bounded(timeout_s) if bounded is not None else client

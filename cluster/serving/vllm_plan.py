@@ -98,13 +98,16 @@ def _with_tokens(kv_transfer_params: Any, key: str, num_tokens: int | None) -> d
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
     """Load tokens [start, len(token_ids)) of the request from raykv into its blocks
-    (block_ids: the request's blocks from its first token on), keyed under `salt`."""
+    (block_ids: the request's blocks from its first token on), keyed under `salt`. A load
+    with `sync_timeout_s` is made in the step, before the forward, within that many seconds
+    (vLLM's synchronous load: step_budget.py); one without it runs in the background."""
 
     request_id: str
     token_ids: list[int]
     block_ids: list[int]
     start: int
     salt: bytes = b""
+    sync_timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,13 +206,15 @@ class StepPlanner:
         return self.matched(request_id, num_local_tokens, end)
 
     def allocated(self, request_id: str, prompt: list[int], block_ids: list[int],
-                  num_external_tokens: int) -> None:
-        """vLLM gave the request blocks for its raykv hit: load it in the next step."""
+                  num_external_tokens: int, sync_timeout_s: float | None = None) -> None:
+        """vLLM gave the request blocks for its raykv hit: load it in the next step (in the
+        step itself, within `sync_timeout_s`, when given)."""
         if num_external_tokens <= 0 or request_id not in self.salts:
             return
         local, _ = self.hits.get(request_id, (0, 0))
         end = local + num_external_tokens
-        load = LoadSpec(request_id, prompt[:end], list(block_ids), local, self.salts[request_id])
+        load = LoadSpec(request_id, prompt[:end], list(block_ids), local, self.salts[request_id],
+                        sync_timeout_s)
         self.loads.append(load)
         self.loading[request_id] = load
 

@@ -10,10 +10,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from cluster.core.spec import DTYPE_BYTES, ModelSpec, canonical_dtype
+from cluster.serving.step_budget import LOAD_MODES, StepBudget
+from policies.cost_routing import ewma
 
 log = logging.getLogger("raykv.vllm")
 RETRY_CONNECT_S = 30.0
@@ -43,6 +45,9 @@ class RaykvSettings:
     raykv.rates_file   where the scheduler side writes the rates it measures (its loads per
                        source tier, its prefill rate: engine_rates.py) for its Serve replica
                        to publish to raykv's router; None: not written. RaykvLLMServer sets it
+    raykv.load_mode    "auto": a lookup or load that the engine's measured step can afford is
+                       waited for in the step, the others run off it; "async": never wait;
+                       "sync": always wait (cluster/serving/step_budget.py); "auto"
     """
 
     namespace: str = "default"
@@ -50,24 +55,29 @@ class RaykvSettings:
     model_name: str | None = None
     pd_wait_s: float = 2.0
     rates_file: str | None = None
+    load_mode: str = "auto"
 
     @staticmethod
     def from_extra(extra: dict | None) -> RaykvSettings:
         extra = extra or {}
         known = {"raykv.namespace", "raykv.ray_address", "raykv.model_name", "raykv.pd_wait_s",
-                 "raykv.rates_file"}
+                 "raykv.rates_file", "raykv.load_mode"}
         unknown = sorted(k for k in extra if k.startswith("raykv.") and k not in known)
         if unknown:
             raise ValueError(f"unknown raykv settings {unknown}; known: {sorted(known)}")
         pd_wait_s = float(extra.get("raykv.pd_wait_s", 2.0))
         if not pd_wait_s >= 0:
             raise ValueError(f"raykv.pd_wait_s must be >= 0, got {pd_wait_s}")
+        load_mode = str(extra.get("raykv.load_mode", "auto"))
+        if load_mode not in LOAD_MODES:
+            raise ValueError(f"raykv.load_mode must be one of {list(LOAD_MODES)}, "
+                             f"got {load_mode!r}")
         return RaykvSettings(
             namespace=str(extra.get("raykv.namespace", "default")),
             ray_address=str(extra.get("raykv.ray_address")
                             or os.environ.get("RAY_ADDRESS") or "auto"),
             model_name=extra.get("raykv.model_name"), pd_wait_s=pd_wait_s,
-            rates_file=extra.get("raykv.rates_file") or None)
+            rates_file=extra.get("raykv.rates_file") or None, load_mode=load_mode)
 
 
 def spec_of(vllm_config, model_name: str | None) -> ModelSpec:
@@ -204,9 +214,10 @@ MISS = Answer(None, 0, None)
 
 
 class Lookups:
-    """The scheduler's raykv lookups, in one background thread: vLLM's scheduler never waits
-    on raykv. poll() starts a request's lookup and answers None while it is in flight (vLLM
-    asks again next step); a lookup still out past the call timeout is a miss."""
+    """The scheduler's raykv lookups, in one background thread. poll() starts a request's
+    lookup and waits for it only as long as the step's budget allows (step_budget.py; no
+    budget: never); it answers None while the lookup is in flight (vLLM asks again next
+    step). A lookup still out past the call timeout is a miss."""
 
     def __init__(self, link: ServiceLink):
         self._link = link
@@ -214,11 +225,16 @@ class Lookups:
         self._pending: dict[str, tuple[Future, float]] = {}
         self._due_s: dict[str, float] = {}  # id -> when its retried lookup may start
         self.num_in_flight_answers = 0  # polls answered None: how often a request waited
+        self.num_waited_answers = 0  # lookups answered in the step that asked, by waiting
+        self.lookup_s: float | None = None  # EWMA of the lookups' own seconds
+        self._num_timed = 0
 
     def poll(self, request_id: str, tokens: list[int],
-             salt_of: Callable[[], bytes | None]) -> Answer | None:
+             salt_of: Callable[[], bytes | None],
+             budget: StepBudget | None = None) -> Answer | None:
         """The request's answer once its lookup is back; None while it is in flight.
-        `salt_of()` (run in the lookup thread) names what sets the request's KV apart."""
+        `salt_of()` (run in the lookup thread) names what sets the request's KV apart. With
+        a `budget`, a lookup whose measured time fits it is waited for, and the wait charged."""
         due_s = self._due_s.get(request_id)
         if due_s is not None:
             if time.monotonic() < due_s:
@@ -231,6 +247,8 @@ class Lookups:
             self._pending[request_id] = (future, time.monotonic() + self._link.call_timeout_s())
             pending = self._pending[request_id]
         future, deadline_s = pending
+        if not future.done() and budget is not None and budget.may_wait(self.lookup_s):
+            self._wait(future, budget, deadline_s)
         if not future.done():
             if time.monotonic() < deadline_s:
                 self.num_in_flight_answers += 1
@@ -260,10 +278,23 @@ class Lookups:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def _wait(self, future: Future, budget: StepBudget, deadline_s: float) -> None:
+        started_s = time.monotonic()
+        limit_s = min(budget.wait_limit_s(self._link.call_timeout_s()), deadline_s - started_s)
+        wait([future], timeout=max(0.0, limit_s))
+        budget.spend(time.monotonic() - started_s)
+        if future.done():
+            self.num_waited_answers += 1
+
     def _lookup(self, tokens: list[int], salt_of: Callable[[], bytes | None]) -> Answer:
+        started_s = time.monotonic()
         salt = salt_of()
         client = self._link.client()
         if salt is None or client is None:
             return Answer(salt, 0, None if client is None else client.page_tokens)
         num_tokens = self._link.prefetch(client.salted(salt), tokens) if tokens else 0
+        # Only this thread writes it; the scheduler reads a float, whole.
+        self.lookup_s = ewma(self.lookup_s or 0.0, time.monotonic() - started_s,
+                             self._num_timed)
+        self._num_timed += 1
         return Answer(salt, num_tokens, client.page_tokens)

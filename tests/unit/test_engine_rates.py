@@ -128,6 +128,22 @@ def test_the_meter_publishes_what_raykv_s_engines_publish():
     assert rates.paths[DISK].bytes_per_s == pytest.approx(2048 / 0.02)
 
 
+def test_a_load_is_estimated_at_the_slowest_source_measured_and_steps_report_their_time():
+    meter = EngineMeter(PAGE, 2048)
+    assert meter.load_s(4 * PAGE) is None  # nothing measured: no estimate
+    meter.loaded([(HOST, 4 * 2048, 0.002)])
+    assert meter.load_s(4 * PAGE) == pytest.approx(0.002)
+    assert meter.load_s(PAGE + 1) == pytest.approx(0.001)  # whole pages
+    assert meter.load_s(0) == 0.0
+    meter.loaded([(DISK, 2 * 2048, 0.004)])
+    assert meter.load_s(4 * PAGE) == pytest.approx(0.008)  # disk's 2 ms a page
+    meter.clock.scheduled(Step(0, False, 0.0))
+    assert meter.step_done(0.001) is None  # an empty step is not timed
+    meter.clock.scheduled(Step(3, False, 1.0))
+    assert meter.step_done(1.02) == pytest.approx(0.02)
+    assert meter.step_done(2.0) is None  # none pending
+
+
 def test_busy_seconds_per_request_share_the_steps_between_finishes():
     meter = EngineMeter(PAGE, 2048)
     for index in range(4):  # two requests batched: 4 steps of 10 ms, both finish at the end

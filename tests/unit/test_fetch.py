@@ -409,3 +409,14 @@ def test_pages_in_scattered_slots_of_both_tiers_land_in_their_rows(world, monkey
         out = torch.zeros_like(KV)
         assert drive(fetch_prefix(world.view, KEYS, out))[0] == 4 and torch.equal(out, KV)
     assert world.view.counters["optimistic_pages"] == 4
+
+
+def test_a_bounded_client_shares_the_view_and_bounds_only_its_own_calls(world):
+    client = client_of(world)
+    bounded = client.bounded(0.04)
+    assert bounded.timeout_s == 0.04 and client.timeout_s == client.config.call_timeout_s
+    assert bounded.view is client.view and bounded.chain is client.chain
+    assert bounded.salted(b"t").timeout_s == 0.04  # a salted view keeps the bound
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="timeout_s"):
+            client.bounded(bad)

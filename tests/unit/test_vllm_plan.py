@@ -297,6 +297,41 @@ def test_a_failing_client_is_a_miss_of_every_block(error):
     mover.close()
 
 
+def test_a_load_in_the_step_fills_the_blocks_before_returning_in_the_callers_thread():
+    client, source = ChainClient(), filled_caches()
+    client.put(list(range(16)), kv_of(source, [1, 2, 3, 4], 16))
+    bounds = []
+
+    class Bounded(ChainClient):
+        def bounded(self, timeout_s):
+            bounds.append(timeout_s)
+            return self
+
+    bounded = Bounded()
+    bounded.pages = client.pages
+    mover = KVMover(bounded, caches(), LAYOUT, SPEC)
+    spec = LoadSpec("r", list(range(16)), [7, 8, 9, 10], 0, sync_timeout_s=0.04)
+    assert mover.load_now(spec) == set()
+    assert bounds == [0.04]  # each raykv call within the step's deadline
+    assert torch.equal(kv_of(mover.layers, [7, 8, 9, 10], 16), kv_of(source, [1, 2, 3, 4], 16))
+    assert mover.finished() == []  # vLLM hears of it through the step's load errors only
+    assert mover.stats.loaded_tokens == 16
+    mover.close()
+
+
+def test_a_load_in_the_step_past_its_deadline_is_a_miss_and_drops_its_staging():
+    class Late(ChainClient):
+        def get(self, tokens, out=None):
+            raise TimeoutError("past the deadline")
+
+    mover = KVMover(Late(), caches(), LAYOUT, SPEC)
+    mover._out(8, in_step=True)
+    spec = LoadSpec("r", list(range(16)), [7, 8, 9, 10], 4, sync_timeout_s=0.01)
+    assert mover.load_now(spec) == {8, 9, 10}  # tokens 4..15: vLLM recomputes them
+    assert True not in mover._buffers  # a late reply cannot land in the next load's staging
+    mover.close()
+
+
 def test_saves_copy_the_blocks_and_put_in_the_background():
     client, layers = ChainClient(), filled_caches()
     mover = KVMover(client, layers, LAYOUT, SPEC)

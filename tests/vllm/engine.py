@@ -78,6 +78,29 @@ class Engine:
             value = getattr(value, attribute, None)
         return value
 
+    def set_scheduler_connector(self, path: str, value) -> None:
+        """Set a dotted attribute of the scheduler's connector (e.g. "_budget.mode")."""
+        target = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+        *owners, name = path.split(".")
+        for attribute in owners:
+            target = getattr(target, attribute)
+        setattr(target, name, value)
+
+    def fail_loads(self, count: int) -> None:
+        """The worker's next `count` raykv loads fail (raise), as a fault would."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        mover = get_kv_transfer_group()._mover
+        load, left = mover.load, [count]
+
+        def failing(spec):
+            if left[0] > 0:
+                left[0] -= 1
+                raise ConnectionError("injected fault")
+            return load(spec)
+
+        mover.load = failing
+
     def count_preemptions(self) -> None:
         """From now on, count the scheduler's preemptions in num_preemptions."""
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler

@@ -1,6 +1,8 @@
 """RaykvConnector's scheduler side with vLLM's classes but no engine and no Ray: a slow lookup
-answers None (vLLM asks again) and then the hit, loaded asynchronously; configurations raykv
-cannot key turn it off with one log line and never stop the engine."""
+answers None (vLLM asks again) and then the hit, loaded asynchronously; once the engine has
+timed its steps, a lookup and a load that fit a step's budget are waited for and made in the
+step; configurations raykv cannot key turn it off with one log line and never stop the
+engine."""
 
 from __future__ import annotations
 
@@ -245,3 +247,81 @@ def test_the_scheduler_side_times_steps_takes_the_workers_loads_and_writes_its_r
     assert rates["paths"]["disk"] == [pytest.approx((4 << 20) / 0.2), 0.0, 1]
     assert rates["page_tokens"] == PAGE and rates["busy_s_per_request"] > 0
     connector.shutdown()
+
+
+def timed_scheduler(client, monkeypatch, step_s, mode="auto"):
+    """A scheduler side that answered one lookup (timed), measured one host load of 3 pages
+    at 1 ms, and timed one step of `step_s`; its next schedule's budget is one request's."""
+    from cluster.serving import vllm_connector
+    from cluster.serving.vllm_stats import RaykvLoadStats
+
+    now = [0.0]
+    monkeypatch.setattr(vllm_connector, "_now_s", lambda: now[0])
+    config = vllm_config()
+    config.kv_transfer_config.kv_connector_extra_config["raykv.load_mode"] = mode
+    connector = scheduler(config)
+    client.gate.set()
+    ask_until_answered(connector, request("first"))
+    connector.build_connector_meta(step_output({"first": 4}, True))
+    now[0] = step_s
+    connector.update_connector_output(SimpleNamespace(
+        finished_recving=None, invalid_block_ids=None,
+        kv_connector_stats=RaykvLoadStats({"loads": [
+            ["host", 3 * connector._link.spec.page_bytes(PAGE), 0.001]]})))
+    connector.get_kv_connector_stats()  # the step is done: timed
+    connector.build_connector_meta(step_output({"first": 1}, False))  # the next one, 1 request
+    return connector
+
+
+def test_a_timed_step_waits_for_a_fast_lookup_and_has_the_hit_loaded_in_the_step(
+        client, monkeypatch):
+    connector = timed_scheduler(client, monkeypatch, step_s=0.5)
+    req = request("b")
+    assert connector.get_num_new_matched_tokens(req, 0) == (96, False)  # no "ask again"
+    assert connector._lookups.num_waited_answers == 1 and connector.num_sync_loads == 1
+    connector.update_state_after_alloc(req, SimpleNamespace(
+        get_block_ids=lambda: (list(range(10, 17)),)), 96)
+    (load,) = connector.build_connector_meta(step_output({"b": 4}, True)).loads
+    assert load.request_id == "b" and load.sync_timeout_s == pytest.approx(0.5)
+    connector.shutdown()
+
+
+def test_a_lookup_that_overruns_the_budget_answers_none_within_it(client, monkeypatch):
+    connector = timed_scheduler(client, monkeypatch, step_s=0.05)
+    client.gate.clear()  # raykv is slow now
+    start_s = time.monotonic()
+    assert connector.get_num_new_matched_tokens(request("slow"), 0) == (None, False)
+    assert 0.03 < time.monotonic() - start_s < 0.5  # waited the budget, not the lookup
+    # The budget is spent: the next request's lookup is not waited for in this step.
+    start_s = time.monotonic()
+    assert connector.get_num_new_matched_tokens(request("next"), 0) == (None, False)
+    assert time.monotonic() - start_s < 0.02
+    client.gate.set()
+    connector.shutdown()
+
+
+def test_a_load_estimated_past_the_budget_runs_in_the_background(client, monkeypatch):
+    connector = timed_scheduler(client, monkeypatch, step_s=0.5)
+    connector._budget.remaining_s = 0.0005  # less than the 1 ms the host load measured
+    connector._lookups.lookup_s = 0.0
+    assert connector.get_num_new_matched_tokens(request("b"), 0) == (96, True)
+    assert connector.num_sync_loads == 0
+    connector.shutdown()
+
+
+@pytest.mark.parametrize("mode, answer", [("async", (None, False)), ("sync", (96, False))])
+def test_the_load_mode_setting_overrides_the_budget(client, monkeypatch, mode, answer):
+    connector = timed_scheduler(client, monkeypatch, step_s=0.5, mode=mode)
+    client.gate.clear()
+    if mode == "sync":
+        threading.Timer(0.1, client.gate.set).start()  # sync waits past any budget
+    assert connector.get_num_new_matched_tokens(request("b"), 0) == answer
+    client.gate.set()
+    connector.shutdown()
+
+
+def test_an_unknown_load_mode_is_refused(client):
+    config = vllm_config()
+    config.kv_transfer_config.kv_connector_extra_config["raykv.load_mode"] = "eager"
+    with pytest.raises(ValueError, match="load_mode"):
+        scheduler(config)

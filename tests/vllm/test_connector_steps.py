@@ -166,12 +166,48 @@ def engine_rates(engine) -> dict:
 
 
 def test_lookups_answer_none_while_in_flight(engine):
-    """Every new request's lookup runs off the scheduler's thread: vLLM heard None ("ask
-    again") at least once per request while it was out, and went on stepping."""
-    asked = ray.get(engine.scheduler_connector.remote("_lookups.num_in_flight_answers"))
-    generate(engine, prompt_tokens(300, seed=12))
-    after = ray.get(engine.scheduler_connector.remote("_lookups.num_in_flight_answers"))
+    """With raykv.load_mode "async", every new request's lookup runs off the scheduler's
+    thread: vLLM heard None ("ask again") at least once per request while it was out, and
+    went on stepping."""
+    ray.get(engine.set_scheduler_connector.remote("_budget.mode", "async"))
+    try:
+        asked = ray.get(engine.scheduler_connector.remote("_lookups.num_in_flight_answers"))
+        generate(engine, prompt_tokens(300, seed=12))
+        after = ray.get(engine.scheduler_connector.remote("_lookups.num_in_flight_answers"))
+    finally:
+        ray.get(engine.set_scheduler_connector.remote("_budget.mode", "auto"))
     assert asked is not None and after > asked
+
+
+def test_a_load_made_in_the_step_gives_the_tokens_computed_and_a_failed_one_recomputes(
+        engine):
+    """raykv.load_mode "sync": the lookup is waited for and the hit loaded in the step
+    (vLLM's synchronous load), with the same greedy tokens as the prefill that computed it.
+    A load in the step that fails is a miss: vLLM recomputes those blocks, same tokens."""
+    prompt = prompt_tokens(700, seed=24)
+    full = 700 // BLOCK_TOKENS * BLOCK_TOKENS
+    ids, _ = generate(engine, prompt)
+    saved(engine, prompt, full)
+    ray.get(engine.set_scheduler_connector.remote("_budget.mode", "sync"))
+    try:
+        sync_before = ray.get(engine.scheduler_connector.remote("num_sync_loads"))
+        none_before = ray.get(engine.scheduler_connector.remote(
+            "_lookups.num_in_flight_answers"))
+        loaded_before = settled_stats(engine).get("loaded_tokens", 0)
+        again, cached = generate(engine, prompt)
+        assert cached == full and again == ids
+        assert ray.get(engine.scheduler_connector.remote("num_sync_loads")) == sync_before + 1
+        assert ray.get(engine.scheduler_connector.remote(
+            "_lookups.num_in_flight_answers")) == none_before  # never "ask again"
+        assert settled_stats(engine)["loaded_tokens"] == loaded_before + full
+        ray.get(engine.fail_loads.remote(1))
+        failed_before = settled_stats(engine).get("failed_tokens", 0)
+        recomputed, _ = generate(engine, prompt)
+        assert recomputed == ids
+        assert ray.get(engine.scheduler_connector.remote("num_sync_loads")) == sync_before + 2
+    finally:
+        ray.get(engine.set_scheduler_connector.remote("_budget.mode", "auto"))
+    assert settled_stats(engine)["failed_tokens"] == failed_before + full
 
 
 def test_two_lora_adapters_on_one_prompt_never_share_pages(engine, adapters):

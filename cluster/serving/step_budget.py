@@ -1,0 +1,82 @@
+"""How long a vLLM engine's step may wait on raykv (no vLLM import).
+
+Asynchronous, raykv costs a request whole engine steps: vLLM asks again about a request
+whose lookup is out only after the step it runs meanwhile, and it schedules a request whose
+load runs in the background only in the step after the worker reports the load done. Under
+load a step is tens of milliseconds on a CPU engine, and a lookup or a load of a few pages
+from this node's host tier is a few. Waiting inside the step instead costs every request in
+the step the wait.
+
+So each step may spend on raykv at most what one of its requests' places in it is worth to
+the batch: the measured step time divided by the requests the step carries (`StepBudget`).
+The scheduler side waits for a lookup whose measured time fits what is left, and makes a load
+whose estimate fits in the step (vLLM's synchronous load: the worker fills the blocks before
+the forward reads them), bounded by one step's time (`sync_deadline_s`): a load past it is a
+miss, recomputed, never a stall. Nothing is waited for before the engine has timed a step and
+raykv a lookup or a load: the first ones run asynchronously, and measure.
+
+LOAD_MODES are the connector's `raykv.load_mode`: "auto" (the budget decides), "async"
+(never wait: every lookup and load is off the step) and "sync" (always wait, each lookup and
+load bounded by the client's call timeout, as LMCache's connector does by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.cost_routing import ewma
+
+LOAD_MODES = ("auto", "async", "sync")
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """The wait a step may spend on raykv (module doc). `step_timed` feeds it each step's
+    seconds; `step_started` refills it as the scheduler hands a step out."""
+
+    mode: str = "auto"
+    step_s: float = 0.0  # EWMA of the timed steps' seconds
+    num_steps: int = 0
+    num_requests: int = 1  # in the last step handed out
+    remaining_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in LOAD_MODES:
+            raise ValueError(f"raykv.load_mode must be one of {LOAD_MODES}, got {self.mode!r}")
+
+    def step_timed(self, seconds: float) -> None:
+        """A step with tokens took `seconds`."""
+        if seconds > 0:
+            self.step_s = ewma(self.step_s, seconds, self.num_steps)
+            self.num_steps += 1
+
+    def step_started(self, num_requests: int) -> None:
+        """A step of `num_requests` was handed out: the next schedule's budget, its share."""
+        self.num_requests = max(1, num_requests)
+        self.remaining_s = self.per_step_s()
+
+    def per_step_s(self) -> float:
+        """A step's whole budget: its time over its requests (0 before a step is timed)."""
+        return self.step_s / self.num_requests if self.num_steps else 0.0
+
+    def may_wait(self, estimate_s: float | None) -> bool:
+        """Whether a wait estimated at `estimate_s` (None: never measured) fits what is left
+        of this step's budget ("sync": always; "async": never)."""
+        if self.mode != "auto":
+            return self.mode == "sync"
+        return self.num_steps > 0 and estimate_s is not None \
+            and 0.0 <= estimate_s <= self.remaining_s
+
+    def spend(self, seconds: float) -> None:
+        """Charge a wait to this step's budget."""
+        self.remaining_s = max(0.0, self.remaining_s - max(0.0, seconds))
+
+    def wait_limit_s(self, call_timeout_s: float) -> float:
+        """How long a lookup judged to fit may be waited for: what is left of the budget
+        ("sync": the call timeout)."""
+        return call_timeout_s if self.mode == "sync" else self.remaining_s
+
+    def sync_deadline_s(self, call_timeout_s: float) -> float:
+        """The bound on a load made in the step: one step's measured time ("sync": the call
+        timeout). A load still out past it is a miss: vLLM recomputes its blocks."""
+        return call_timeout_s if self.mode == "sync" else max(self.step_s, 1e-3)

@@ -1,0 +1,64 @@
+"""What a vLLM engine's step may wait on raykv (cluster/serving/step_budget.py): nothing before
+a step is timed, then the step's measured time over its requests, spent by lookups waited for
+and loads made in the step; "async" never waits and "sync" always does."""
+
+import pytest
+
+from cluster.serving.step_budget import StepBudget
+
+
+def timed(step_s=0.040, num_requests=4, mode="auto"):
+    budget = StepBudget(mode)
+    budget.step_timed(step_s)
+    budget.step_started(num_requests)
+    return budget
+
+
+def test_nothing_is_waited_for_before_a_step_is_timed():
+    budget = StepBudget()
+    budget.step_started(1)
+    assert budget.per_step_s() == 0.0
+    assert not budget.may_wait(0.0) and not budget.may_wait(None)
+
+
+def test_a_step_affords_its_time_over_its_requests():
+    budget = timed(0.040, 4)
+    assert budget.per_step_s() == pytest.approx(0.010)
+    assert budget.may_wait(0.010) and not budget.may_wait(0.011)
+    assert not budget.may_wait(None)  # never measured: run it off the step, and measure
+
+
+def test_waits_spend_the_steps_budget_until_the_next_step():
+    budget = timed(0.040, 4)
+    budget.spend(0.006)
+    assert budget.may_wait(0.004) and not budget.may_wait(0.005)
+    budget.spend(0.010)
+    assert budget.remaining_s == 0.0 and not budget.may_wait(0.0001)
+    budget.step_started(2)  # the next step: 40 ms over 2 requests
+    assert budget.may_wait(0.020)
+
+
+def test_an_idle_engine_affords_a_whole_step_and_the_step_time_is_an_ewma():
+    budget = timed(0.040, 0)  # a step of no request counts as one
+    assert budget.per_step_s() == pytest.approx(0.040)
+    budget.step_timed(0.0)  # untimed: ignored
+    budget.step_timed(0.140)
+    assert budget.step_s == pytest.approx(0.8 * 0.040 + 0.2 * 0.140)
+
+
+def test_a_load_in_the_step_is_bounded_by_one_step_or_the_call_timeout_in_sync_mode():
+    assert timed(0.040).sync_deadline_s(5.0) == pytest.approx(0.040)
+    assert timed(0.040, mode="sync").sync_deadline_s(5.0) == 5.0
+    assert timed(0.040).wait_limit_s(5.0) == pytest.approx(0.010)
+    assert timed(0.040, mode="sync").wait_limit_s(5.0) == 5.0
+
+
+@pytest.mark.parametrize("mode, waits", [("async", False), ("sync", True)])
+def test_the_fixed_modes_ignore_the_budget(mode, waits):
+    never_timed = StepBudget(mode)
+    assert never_timed.may_wait(None) is waits and never_timed.may_wait(10.0) is waits
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="load_mode"):
+        StepBudget("eager")
