@@ -158,6 +158,8 @@ def build(setup: str, plan: Plan, model_dir: str):
 
     if setup == "raykv":
         return setups.raykv_app(model_dir, MODEL, plan.engine, NUM_NODES)
+    if setup == "raykv-async":
+        return setups.raykv_app(model_dir, MODEL, plan.engine, NUM_NODES, load_mode="async")
     if setup == "raykv-direct":
         return setups.raykv_direct_app(model_dir, MODEL, plan.engine, NUM_NODES)
     config = setups.baseline_config(setup, model_dir, MODEL, plan.engine, NUM_NODES)

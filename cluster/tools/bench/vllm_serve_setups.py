@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 SETUPS = ("raykv", "kv-aware", "prefix", "pow2")
 # Run only when named (`--setups`): raykv's app with Ray's direct streaming (vllm_direct.py),
-# raykv's router behind HAProxy as kv-aware's is.
-EXTRA_SETUPS = ("raykv-direct",)
+# raykv's router behind HAProxy as kv-aware's is; raykv's app with its connector's
+# `raykv.load_mode` "async" (every lookup and load off the engine's step, as before
+# step_budget.py), to measure what waiting in the step gives.
+EXTRA_SETUPS = ("raykv-direct", "raykv-async")
 KV_AWARE_ROUTER = "ray.serve.llm.request_router:KVAwareRouter"
 PORTED_SERVER = "cluster.tools.bench.vllm_serve_server:PortedLLMServer"
 ENGINE_SLOT = "engine_slot"  # one per simulated node: one replica per node
@@ -99,10 +101,11 @@ def baseline_config(setup: str, model_source: str, model_id: str, shape: EngineS
 
 
 def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas: int,
-              bundle: dict | None = None):
+              bundle: dict | None = None, load_mode: str | None = None):
     """raykv's set-up: `build_vllm_app`'s app (RaykvConnector, raykv's router over the running
     service, the keyed ingress), its engines placed one per node like the baselines' (or by
-    `bundle`, each engine's placement-group bundle)."""
+    `bundle`, each engine's placement-group bundle); `load_mode`: the connector's
+    `raykv.load_mode` (None: its default)."""
     import ray
     from ray.serve.llm import build_openai_app
 
@@ -117,6 +120,9 @@ def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas
     config = llm_config(args, ray.get_runtime_context().gcs_address)
     config.placement_group_config = {"bundles": [bundle]} if bundle \
         else placement(1)["placement_group_config"]
+    if load_mode is not None:
+        config.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"][
+            "raykv.load_mode"] = load_mode
     return build_openai_app({"llm_configs": [config], "ingress_cls_config": keyed_ingress(args)})
 
 
