@@ -91,6 +91,8 @@ class DemoteAhead:
             shortfall = self.headroom_short()
             victims = guarded_victims(self, HOST, shortfall, "") if shortfall > 0 else []
             if victims:
-                await self.demote(victims, HOST)
+                # Counted with the evictions (demote counts those on entry, before its first
+                # await), so that no stats read while the writes run sees one without the other.
                 self.demoted_ahead += len(victims)
+                await self.demote(victims, HOST)
         return len(victims)

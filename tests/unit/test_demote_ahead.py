@@ -9,6 +9,7 @@ import time
 import torch
 
 from cluster.core.demote_ahead import MAX_FRACTION, WINDOW_S, RecentPeak
+from cluster.core.geometry import HOST
 from cluster.core.store import NodeStore
 from tests.unit._pages import key, page
 from tests.unit._pool_harness import (
@@ -64,6 +65,24 @@ def test_a_read_up_that_fits_the_headroom_writes_nothing_on_its_path(harness):
         got = run(read(pool, [i]))
         assert got[0].view(torch.uint8).equal(page(i).view(torch.uint8)), f"page {i}"
     assert_slots_consistent(pool)
+
+
+def test_the_counters_move_together_while_the_demotion_writes_run(harness):
+    """Stats read while demotion ahead writes to disk see its pages both as host evictions
+    and as demoted ahead (a cluster test compares the two across a read-up)."""
+    pool = harness.make(device_pages=0, host_pages=8, disk_pages=16, eviction="lru")
+    run(put_each(pool, range(8)))
+    run(put(pool, [8, 9, 10, 11]))
+    evicted, seen = pool.evictions[HOST], []
+    move_down = pool._move_down
+
+    async def watched(keys, below):
+        seen.append((pool.evictions[HOST] - evicted, pool.demoted_ahead))
+        return await move_down(keys, below)
+
+    pool._move_down = watched
+    assert run(pool.demote_ahead()) == 2
+    assert seen == [(2, 2)]
 
 
 def test_the_headroom_is_forgotten_when_such_batches_stop(harness):
