@@ -102,20 +102,30 @@ lint: $(STAMP)
 demo: system-deps $(STAMP)
 	$(VENV)/bin/raykv demo
 
-# The vLLM tier (its venv's bootstrap, then its tests) runs alongside the others (its own
-# venv, Ray clusters, ports): each waits on downloads and its clusters' start-ups much of the
-# time, so together they take the 2 cores better than one after the other. Its output is
-# shown when both are done (also in out/test-vllm.log).
+# Two jobs side by side on the 2 cores, since each waits on downloads and its clusters'
+# start-ups much of the time: (1) the lint and the main tiers (unit, actors, cluster,
+# manifests); (2) in the background, the vLLM tier (its venv's bootstrap, then its tests),
+# then the main tiers' modules named in ALONGSIDE, which balance the two. Each job starts its
+# own Ray clusters and Redis on free ports. The background job's output is shown when both
+# are done (also in out/test-alongside.log); `make test` fails if either does.
+ALONGSIDE ?= tests/cluster/test_serving.py tests/cluster/test_soak.py \
+	tests/cluster/test_admission.py
+REDIS_PYTEST := $(PY) -m cluster.tools.redis_server -- $(PY) -m pytest -q -p no:cacheprovider \
+	$(PYTEST_ARGS)
 test: system-deps $(STAMP) lint
 	@mkdir -p out
-	@$(MAKE) --no-print-directory test-vllm > out/test-vllm.log 2>&1 & vllm=$$!; \
-	echo "tests/vllm: running alongside (pid $$vllm), output in out/test-vllm.log"; \
-	$(PY) -m cluster.tools.redis_server -- $(PY) -m pytest -q -p no:cacheprovider \
-	  $(PYTEST_ARGS) --ignore=tests/vllm tests; main=$$?; \
-	wait $$vllm; vllm_status=$$?; \
-	echo "==== tests/vllm (ran alongside) ===="; cat out/test-vllm.log; \
-	echo "main tiers: exit $$main; tests/vllm: exit $$vllm_status"; \
-	test $$main = 0 && test $$vllm_status = 0
+	@( $(MAKE) --no-print-directory test-vllm; vllm=$$?; \
+	  $(REDIS_PYTEST) $(ALONGSIDE); alongside=$$?; \
+	  echo "tests/vllm: exit $$vllm; $(ALONGSIDE): exit $$alongside"; \
+	  test $$vllm = 0 && test $$alongside = 0 ) > out/test-alongside.log 2>&1 & bg=$$!; \
+	echo "running alongside (pid $$bg): tests/vllm, then $(ALONGSIDE);" \
+	  "output in out/test-alongside.log"; \
+	$(REDIS_PYTEST) --ignore=tests/vllm $(addprefix --ignore=,$(ALONGSIDE)) tests; main=$$?; \
+	wait $$bg; bg_status=$$?; \
+	echo "==== ran alongside: tests/vllm, then $(ALONGSIDE) ===="; \
+	cat out/test-alongside.log; \
+	echo "main tiers: exit $$main; alongside: exit $$bg_status"; \
+	test $$main = 0 && test $$bg_status = 0
 
 # On a GPU machine that has python3 with torch (CUDA), cupy and numpy, and may have nothing
 # else (no Ray, no pydantic, nothing to install): VRAM chunks over CUDA IPC, remaps, stream
