@@ -188,5 +188,8 @@ def test_a_client_killed_at_a_random_point_of_its_puts_leaves_no_wrong_page(clie
     wait_until(lambda: node_stats(client)["leases"] == 0, 5,
                "the leases of the gets to be let go (with the client's next call, or its "
                "touches' timer)")
-    put_all(client, indexes[-3:])  # nothing stays blocked
-    assert check_gets(client, indexes[-3:])["full"] == 3
+    for index in indexes[-3:]:  # nothing stays blocked: each put stores, and reads back whole
+        # (read right after its own put: the next put may demote its pages, and a full disk
+        # drop some, as eviction does)
+        put_all(client, [index])
+        assert check_gets(client, [index])["full"] == 1, f"prompt {index}"
