@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from policies.cost_routing import (
     DISK,
     HOST,
+    PRIOR_PATHS,
+    PathRate,
     RateEstimates,
     ewma,
     observe_transfer,
@@ -167,6 +169,8 @@ class EngineMeter:
         self.clock = StepClock()
         self.busy_s_per_request = 0.0
         self.num_finished = 0
+        # Loads made in the step (step_budget.py); before any, this node's host copy prior.
+        self.in_step = PathRate(PRIOR_PATHS[HOST][0])
         self._busy_s = 0.0  # step seconds since the last request finished
 
     def loaded(self, samples: Iterable[tuple[str, int, float]]) -> None:
@@ -189,16 +193,27 @@ class EngineMeter:
         self._busy_s += seconds
         return seconds
 
-    def load_s(self, num_tokens: int) -> float | None:
-        """What a load of `num_tokens` (whole pages) should take this engine, at the slowest
-        source its loads have measured (None before any load was measured): the loads'
-        measured costs include each load's fixed part, shared by bytes, so a small load's
-        estimate is not too low."""
-        measured = [path for path in self.rates.paths.values() if path.num_samples]
-        if not measured or num_tokens <= 0:
-            return None if not measured else 0.0
+    def loaded_in_step(self, samples: Iterable[tuple[int, float]]) -> None:
+        """The (bytes, seconds) of the worker's loads made in the step."""
+        for num_bytes, seconds in samples:
+            if num_bytes > 0 and seconds > 0:
+                path = self.in_step
+                per_byte_s = ewma(1.0 / path.bytes_per_s, seconds / num_bytes,
+                                  path.num_samples)
+                self.in_step = PathRate(1.0 / per_byte_s, 0.0, path.num_samples + 1)
+
+    def load_s(self, num_tokens: int) -> float:
+        """What a load of `num_tokens` (whole pages) made in the step should take: at the rate
+        the loads made in the step measured (EWMA, each load's fixed part shared by its
+        bytes), before any at this node's host copy prior. Background loads are no guide:
+        their time includes waiting for the engine's own busy thread (one Python process, one
+        GIL), and a load of 19 pages that took 215 to 390 ms in the loader thread took 6 to 9
+        ms in the step (docs/benchmarks.md, vllm: loads in the step). A load past its
+        estimate is cut at one step's time (step_budget.sync_deadline_s) and measured."""
+        if num_tokens <= 0:
+            return 0.0
         num_bytes = -(-num_tokens // self.page_tokens) * self.page_bytes
-        return max(path.seconds(num_bytes) for path in measured)
+        return self.in_step.seconds(num_bytes)
 
     def finished(self) -> None:
         """A request finished: the busy time since the last one is its share."""

@@ -107,7 +107,7 @@ from cluster.serving.vllm_service import (
     UnsupportedConfig,
     spec_of,
 )
-from cluster.serving.vllm_stats import RaykvLoadStats
+from cluster.serving.vllm_stats import IN_STEP, LOADS, RaykvLoadStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -258,6 +258,7 @@ class RaykvConnector(KVConnectorBase_V1):
         stats = getattr(connector_output, "kv_connector_stats", None)
         if self._meter is not None and isinstance(stats, RaykvLoadStats):
             self._meter.loaded(stats.samples)
+            self._meter.loaded_in_step(stats.in_step)
 
     def get_kv_connector_stats(self) -> RaykvLoadStats | None:
         """Worker: the loads' rate samples since the last step (None: no load). Scheduler
@@ -266,8 +267,11 @@ class RaykvConnector(KVConnectorBase_V1):
         if self.role == KVConnectorRole.SCHEDULER:
             self._step_done()
             return None
-        samples = self._mover.take_samples() if self._mover is not None else []
-        return RaykvLoadStats({"loads": [list(s) for s in samples]}) if samples else None
+        samples, in_step = self._mover.take_samples() if self._mover is not None else ([], [])
+        if not samples and not in_step:
+            return None
+        return RaykvLoadStats({LOADS: [list(s) for s in samples],
+                               IN_STEP: [list(s) for s in in_step]})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

@@ -83,6 +83,7 @@ class KVMover:
         self._lock = threading.Lock()
         self._finished: list[tuple[str, set[int]]] = []
         self._samples: list[tuple[str, int, float]] = []  # loads' rate samples, not taken yet
+        self._in_step: list[tuple[int, float]] = []  # loads made in the step: bytes, seconds
         self._pinned = torch.cuda.is_available() and bool(getattr(self.layers[0], "is_cuda",
                                                                    False))
 
@@ -113,7 +114,7 @@ class KVMover:
         start_s, end = time.perf_counter(), len(spec.token_ids)
         block_size = block_tokens(self.layers)
         first, kv = self._first_page(spec.start), None
-        in_step = spec.sync_timeout_s is not None
+        in_step, cut_tokens = spec.sync_timeout_s is not None, 0
         reads = self._reads()
         reads.clear()  # what this load reads, nothing older
         try:  # the pages from the one holding token `start` on
@@ -125,12 +126,14 @@ class KVMover:
         except Exception as error:  # a miss, whatever the reason: vLLM recomputes
             if in_step:  # a late reply must not land in the next load's staging
                 self._buffers.pop(True, None)
-                log.warning("raykv load of %s in the step missed its %.3f s deadline (%s); "
+                log.warning("raykv load of %s in the step (deadline %.3f s) failed: %s; "
                             "recomputing %d tokens", spec.request_id, spec.sync_timeout_s,
                             type(error).__name__, end - spec.start)
             else:
                 log.exception("raykv get failed; recomputing %d tokens", end - spec.start)
-            num_tokens = 0
+            # In the step, a load cut at its deadline still measured a rate: its bytes took
+            # at least that long (the next estimate must not repeat the miss).
+            num_tokens, cut_tokens = 0, end - first
         filled = first + num_tokens // block_size * block_size
         if kv is not None and filled > spec.start:
             kv_to_blocks(kv, self.layers, self.layout, spec.block_ids[first // block_size:],
@@ -145,16 +148,20 @@ class KVMover:
         reads.clear()
         with self._lock:
             self._samples.extend(samples)
+            if in_step and (num_tokens or cut_tokens):
+                self._in_step.append((self.spec.page_bytes(num_tokens or cut_tokens), load_s))
         if failed:
             log.warning("raykv held %d of %d tokens of %s; recomputing the rest", filled, end,
                         spec.request_id)
         return failed
 
-    def take_samples(self) -> list[tuple[str, int, float]]:
-        """The loads' rate samples since the last call (engine_rates.load_samples)."""
+    def take_samples(self) -> tuple[list[tuple[str, int, float]], list[tuple[int, float]]]:
+        """The loads' rate samples since the last call (engine_rates.load_samples), and the
+        (bytes, seconds) of those made in the step."""
         with self._lock:
             samples, self._samples = self._samples, []
-        return samples
+            in_step, self._in_step = self._in_step, []
+        return samples, in_step
 
     def _reads(self):
         """The client's record of its timed reads (cluster/view.py); a client without one

@@ -3,7 +3,8 @@
 vLLM carries a connector's KVConnectorStats from each worker, with the step's output, to the
 scheduler's connector (`update_connector_output`) and on to its stat loggers, which log
 `reduce()` with the engine's throughput. The samples are engine_rates.load_samples':
-(source, bytes, seconds) per source a load read from.
+(source, bytes, seconds) per source a load read from; and, apart, (bytes, seconds) of each
+load made in the step (step_budget.py), the scheduler side's estimate for the next ones.
 """
 
 from __future__ import annotations
@@ -13,25 +14,34 @@ from dataclasses import dataclass
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 LOADS = "loads"
+IN_STEP = "in_step"
 
 
 @dataclass
 class RaykvLoadStats(KVConnectorStats):
-    """{"loads": [[source, bytes, seconds], ...]}: plain lists, so it crosses processes."""
+    """{"loads": [[source, bytes, seconds], ...], "in_step": [[bytes, seconds], ...]}: plain
+    lists, so it crosses processes."""
 
     def __post_init__(self) -> None:
         self.data.setdefault(LOADS, [])
+        self.data.setdefault(IN_STEP, [])
 
     @property
     def samples(self) -> list[tuple[str, int, float]]:
         return [(str(s), int(b), float(t)) for s, b, t in self.data[LOADS]]
 
+    @property
+    def in_step(self) -> list[tuple[int, float]]:
+        """The loads made in the step: (bytes, seconds) each."""
+        return [(int(b), float(t)) for b, t in self.data[IN_STEP]]
+
     def reset(self) -> None:
-        self.data = {LOADS: []}
+        self.data = {LOADS: [], IN_STEP: []}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if isinstance(other, RaykvLoadStats):
             self.data[LOADS].extend(other.data[LOADS])
+            self.data[IN_STEP].extend(other.data[IN_STEP])
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -46,7 +56,9 @@ class RaykvLoadStats(KVConnectorStats):
         for source, (count, num_bytes, seconds) in sorted(totals.items()):
             out[f"raykv {source} loads"] = int(count)
             out[f"raykv {source} MB/s"] = round(num_bytes / seconds / 1e6, 1) if seconds else 0.0
+        if self.data[IN_STEP]:
+            out["raykv loads in the step"] = len(self.data[IN_STEP])
         return out
 
     def is_empty(self) -> bool:
-        return not self.data[LOADS]
+        return not self.data[LOADS] and not self.data[IN_STEP]

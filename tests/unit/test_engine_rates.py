@@ -24,7 +24,7 @@ from cluster.serving.engine_rates import (
     remove_published,
     write_published,
 )
-from policies.cost_routing import DISK, HOST, REMOTE, pooled, prior_rates
+from policies.cost_routing import DISK, HOST, PRIOR_PATHS, REMOTE, pooled, prior_rates
 from tests.unit.test_engine_routing import KEYS, PAGE, PROMPT, Follower, make_router
 from tests.unit.test_routing import AsyncFakeDirectory, pending_tokens
 
@@ -128,15 +128,19 @@ def test_the_meter_publishes_what_raykv_s_engines_publish():
     assert rates.paths[DISK].bytes_per_s == pytest.approx(2048 / 0.02)
 
 
-def test_a_load_is_estimated_at_the_slowest_source_measured_and_steps_report_their_time():
+def test_a_load_in_the_step_is_estimated_from_those_made_in_the_step_and_steps_report_time():
     meter = EngineMeter(PAGE, 2048)
-    assert meter.load_s(4 * PAGE) is None  # nothing measured: no estimate
-    meter.loaded([(HOST, 4 * 2048, 0.002)])
+    host_bytes_per_s = PRIOR_PATHS[HOST][0]
+    assert meter.load_s(4 * PAGE) == pytest.approx(4 * 2048 / host_bytes_per_s)  # the prior
+    meter.loaded([(HOST, 4 * 2048, 0.2)])  # a background load, slowed by the engine's thread
+    assert meter.load_s(4 * PAGE) == pytest.approx(4 * 2048 / host_bytes_per_s)  # no guide
+    meter.loaded_in_step([(4 * 2048, 0.002)])
     assert meter.load_s(4 * PAGE) == pytest.approx(0.002)
     assert meter.load_s(PAGE + 1) == pytest.approx(0.001)  # whole pages
     assert meter.load_s(0) == 0.0
-    meter.loaded([(DISK, 2 * 2048, 0.004)])
-    assert meter.load_s(4 * PAGE) == pytest.approx(0.008)  # disk's 2 ms a page
+    meter.loaded_in_step([(2 * 2048, 0.004), (0, 1.0)])  # 2 ms a page now; nothing from 0 bytes
+    assert meter.load_s(PAGE) == pytest.approx(0.8 * 0.0005 + 0.2 * 0.002)
+    assert meter.in_step.num_samples == 2
     meter.clock.scheduled(Step(0, False, 0.0))
     assert meter.step_done(0.001) is None  # an empty step is not timed
     meter.clock.scheduled(Step(3, False, 1.0))

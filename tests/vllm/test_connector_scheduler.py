@@ -250,8 +250,9 @@ def test_the_scheduler_side_times_steps_takes_the_workers_loads_and_writes_its_r
 
 
 def timed_scheduler(client, monkeypatch, step_s, mode="auto"):
-    """A scheduler side that answered one lookup (timed), measured one host load of 3 pages
-    at 1 ms, and timed one step of `step_s`; its next schedule's budget is one request's."""
+    """A scheduler side that answered one lookup (timed), measured one load of 3 pages made
+    in the step at 1 ms, and timed one step of `step_s`; its next schedule's budget is one
+    request's."""
     from cluster.serving import vllm_connector
     from cluster.serving.vllm_stats import RaykvLoadStats
 
@@ -266,8 +267,8 @@ def timed_scheduler(client, monkeypatch, step_s, mode="auto"):
     now[0] = step_s
     connector.update_connector_output(SimpleNamespace(
         finished_recving=None, invalid_block_ids=None,
-        kv_connector_stats=RaykvLoadStats({"loads": [
-            ["host", 3 * connector._link.spec.page_bytes(PAGE), 0.001]]})))
+        kv_connector_stats=RaykvLoadStats({"in_step": [
+            [3 * connector._link.spec.page_bytes(PAGE), 0.001]]})))
     connector.get_kv_connector_stats()  # the step is done: timed
     connector.build_connector_meta(step_output({"first": 1}, False))  # the next one, 1 request
     return connector
@@ -302,7 +303,7 @@ def test_a_lookup_that_overruns_the_budget_answers_none_within_it(client, monkey
 
 def test_a_load_estimated_past_the_budget_runs_in_the_background(client, monkeypatch):
     connector = timed_scheduler(client, monkeypatch, step_s=0.5)
-    connector._budget.remaining_s = 0.0005  # less than the 1 ms the host load measured
+    connector._budget.remaining_s = 0.0005  # less than the 1 ms the last such load took
     connector._lookups.lookup_s = 0.0
     assert connector.get_num_new_matched_tokens(request("b"), 0) == (96, True)
     assert connector.num_sync_loads == 0
