@@ -193,6 +193,12 @@ class EngineMeter:
         self._busy_s += seconds
         return seconds
 
+    def recompute_s(self, num_tokens: int) -> float:
+        """What prefilling `num_tokens` adds to a step, at the fitted prefill rate (0 before
+        any prefill was timed)."""
+        per_token_s = self.prefill.per_token_s()
+        return 0.0 if per_token_s is None else max(0, num_tokens) * per_token_s
+
     def loaded_in_step(self, samples: Iterable[tuple[int, float]]) -> None:
         """The (bytes, seconds) of the worker's loads made in the step."""
         for num_bytes, seconds in samples:

@@ -4,16 +4,19 @@ Asynchronous, raykv costs a request whole engine steps: vLLM asks again about a 
 whose lookup is out only after the step it runs meanwhile, and it schedules a request whose
 load runs in the background only in the step after the worker reports the load done. Under
 load a step is tens of milliseconds on a CPU engine, and a lookup or a load of a few pages
-from this node's host tier is a few. Waiting inside the step instead costs every request in
-the step the wait.
+from this node's host tier is a few. And the background threads share one Python process
+(one GIL) with the engine's busy loop, which slows them: a load of 19 pages took 215 to 390
+ms in the loader thread and 6 to 9 ms in the step (docs/benchmarks.md, vllm). Waiting inside
+the step instead costs every request in the step the wait.
 
 So each step may spend on raykv at most what one of its requests' places in it is worth to
 the batch: the measured step time divided by the requests the step carries (`StepBudget`).
 The scheduler side waits for a lookup whose measured time fits what is left, and makes a load
 whose estimate fits in the step (vLLM's synchronous load: the worker fills the blocks before
-the forward reads them), bounded by one step's time (`sync_deadline_s`): a load past it is a
-miss, recomputed, never a stall. Nothing is waited for before the engine has timed a step and
-raykv a lookup or a load: the first ones run asynchronously, and measure.
+the forward reads them), bounded by what recomputing its tokens would take, and at least one
+step (`sync_deadline_s`): a load past it is a miss, recomputed, never a stall. Nothing is
+waited for before the engine has timed a step; a lookup is waited for once one was timed,
+and a load is estimated from the loads made in the step (before any, the host copy prior).
 
 LOAD_MODES are the connector's `raykv.load_mode`: "auto" (the budget decides), "async"
 (never wait: every lookup and load is off the step) and "sync" (always wait, each lookup and
@@ -76,7 +79,12 @@ class StepBudget:
         ("sync": the call timeout)."""
         return call_timeout_s if self.mode == "sync" else self.remaining_s
 
-    def sync_deadline_s(self, call_timeout_s: float) -> float:
-        """The bound on a load made in the step: one step's measured time ("sync": the call
-        timeout). A load still out past it is a miss: vLLM recomputes its blocks."""
-        return call_timeout_s if self.mode == "sync" else max(self.step_s, 1e-3)
+    def sync_deadline_s(self, call_timeout_s: float, recompute_s: float = 0.0) -> float:
+        """The bound on a load made in the step ("sync": the call timeout): what recomputing
+        its tokens would take (`recompute_s`, at the engine's measured prefill rate), and at
+        least one step's measured time. A load still out past it is a miss that vLLM
+        recomputes: past that point waiting costs more than recomputing, and a stalled raykv
+        holds the step no longer."""
+        if self.mode == "sync":
+            return call_timeout_s
+        return max(self.step_s, recompute_s, 1e-3)

@@ -357,8 +357,9 @@ class RaykvConnector(KVConnectorBase_V1):
         if not self._budget.may_wait(estimate_s):
             return num_tokens, True
         self._budget.spend(estimate_s or 0.0)
+        recompute_s = self._meter.recompute_s(num_tokens) if self._meter is not None else 0.0
         self._sync_loads[request_id] = self._budget.sync_deadline_s(
-            self._link.call_timeout_s())
+            self._link.call_timeout_s(), recompute_s)
         self.num_sync_loads += 1
         return num_tokens, False
 

@@ -141,6 +141,10 @@ def test_a_load_in_the_step_is_estimated_from_those_made_in_the_step_and_steps_r
     meter.loaded_in_step([(2 * 2048, 0.004), (0, 1.0)])  # 2 ms a page now; nothing from 0 bytes
     assert meter.load_s(PAGE) == pytest.approx(0.8 * 0.0005 + 0.2 * 0.002)
     assert meter.in_step.num_samples == 2
+    assert meter.recompute_s(100) == 0.0  # no prefill timed yet
+    meter.clock.scheduled(Step(100, True, 3.0))
+    meter.step_done(3.05)
+    assert meter.recompute_s(100) == pytest.approx(0.05)
     meter.clock.scheduled(Step(0, False, 0.0))
     assert meter.step_done(0.001) is None  # an empty step is not timed
     meter.clock.scheduled(Step(3, False, 1.0))

@@ -46,9 +46,11 @@ def test_an_idle_engine_affords_a_whole_step_and_the_step_time_is_an_ewma():
     assert budget.step_s == pytest.approx(0.8 * 0.040 + 0.2 * 0.140)
 
 
-def test_a_load_in_the_step_is_bounded_by_one_step_or_the_call_timeout_in_sync_mode():
-    assert timed(0.040).sync_deadline_s(5.0) == pytest.approx(0.040)
-    assert timed(0.040, mode="sync").sync_deadline_s(5.0) == 5.0
+def test_a_load_in_the_step_is_bounded_by_its_recompute_or_one_step_or_the_call_timeout():
+    assert timed(0.040).sync_deadline_s(5.0) == pytest.approx(0.040)  # no prefill timed yet
+    assert timed(0.040).sync_deadline_s(5.0, recompute_s=0.9) == pytest.approx(0.9)
+    assert timed(0.040).sync_deadline_s(5.0, recompute_s=0.01) == pytest.approx(0.040)
+    assert timed(0.040, mode="sync").sync_deadline_s(5.0, recompute_s=0.9) == 5.0
     assert timed(0.040).wait_limit_s(5.0) == pytest.approx(0.010)
     assert timed(0.040, mode="sync").wait_limit_s(5.0) == 5.0
 
