@@ -56,6 +56,16 @@ class PathRate:
             return 0.0
         return self.latency_s + num_bytes / self.bytes_per_s
 
+    def observed(self, num_bytes: int, seconds: float) -> PathRate:
+        """This path after a transfer of `num_bytes` that took `seconds` (the latency prior
+        taken off; the EWMA is of seconds per byte). Nothing learnt from an empty or untimed
+        transfer."""
+        moving_s = seconds - self.latency_s
+        if num_bytes <= 0 or moving_s <= 0:
+            return self
+        per_byte_s = ewma(1.0 / self.bytes_per_s, moving_s / num_bytes, self.num_samples)
+        return replace(self, bytes_per_s=1.0 / per_byte_s, num_samples=self.num_samples + 1)
+
 
 @dataclass(frozen=True, slots=True)
 class RateEstimates:
@@ -107,14 +117,12 @@ def _harmonic_mean(rates: Sequence[float]) -> float:
 
 def observe_transfer(rates: RateEstimates, source: str, num_bytes: int,
                      seconds: float) -> RateEstimates:
-    """Rates after a transfer of `num_bytes` from `source` that took `seconds` (its latency
-    prior taken off). Nothing learnt from an empty or untimed transfer."""
+    """Rates after a transfer of `num_bytes` from `source` that took `seconds`
+    (PathRate.observed)."""
     path = rates.paths[source]
-    moving_s = seconds - path.latency_s
-    if num_bytes <= 0 or moving_s <= 0:
+    updated = path.observed(num_bytes, seconds)
+    if updated is path:
         return rates
-    per_byte_s = ewma(1.0 / path.bytes_per_s, moving_s / num_bytes, path.num_samples)
-    updated = replace(path, bytes_per_s=1.0 / per_byte_s, num_samples=path.num_samples + 1)
     return replace(rates, paths={**rates.paths, source: updated})
 
 

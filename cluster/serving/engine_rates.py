@@ -202,11 +202,7 @@ class EngineMeter:
     def loaded_in_step(self, samples: Iterable[tuple[int, float]]) -> None:
         """The (bytes, seconds) of the worker's loads made in the step."""
         for num_bytes, seconds in samples:
-            if num_bytes > 0 and seconds > 0:
-                path = self.in_step
-                per_byte_s = ewma(1.0 / path.bytes_per_s, seconds / num_bytes,
-                                  path.num_samples)
-                self.in_step = PathRate(1.0 / per_byte_s, 0.0, path.num_samples + 1)
+            self.in_step = self.in_step.observed(num_bytes, seconds)
 
     def load_s(self, num_tokens: int) -> float:
         """What a load of `num_tokens` (whole pages) made in the step should take: at the rate
@@ -215,7 +211,8 @@ class EngineMeter:
         their time includes waiting for the engine's own busy thread (one Python process, one
         GIL), and a load of 19 pages that took 215 to 390 ms in the loader thread took 6 to 9
         ms in the step (docs/benchmarks.md, vllm: loads in the step). A load past its
-        estimate is cut at one step's time (step_budget.sync_deadline_s) and measured."""
+        estimate is cut at its deadline (step_budget.sync_deadline_s: its recompute time, at
+        least one step), and measured all the same."""
         if num_tokens <= 0:
             return 0.0
         num_bytes = -(-num_tokens // self.page_tokens) * self.page_bytes

@@ -32,6 +32,13 @@ from policies.cost_routing import ewma
 LOAD_MODES = ("auto", "async", "sync")
 
 
+def checked_load_mode(mode: str) -> str:
+    """`mode` if it is one of LOAD_MODES; ValueError naming them otherwise."""
+    if mode not in LOAD_MODES:
+        raise ValueError(f"raykv.load_mode must be one of {list(LOAD_MODES)}, got {mode!r}")
+    return mode
+
+
 @dataclass(slots=True)
 class StepBudget:
     """The wait a step may spend on raykv (module doc). `step_timed` feeds it each step's
@@ -44,8 +51,7 @@ class StepBudget:
     remaining_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.mode not in LOAD_MODES:
-            raise ValueError(f"raykv.load_mode must be one of {LOAD_MODES}, got {self.mode!r}")
+        checked_load_mode(self.mode)
 
     def step_timed(self, seconds: float) -> None:
         """A step with tokens took `seconds`."""

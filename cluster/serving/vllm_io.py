@@ -1,5 +1,6 @@
 """The worker side's data path: raykv pages into a request's blocks, and its new full pages
-out of them (no vLLM import; a client is anything with raykv's get/put/keys/salted/continued).
+out of them (no vLLM import; a client is anything with raykv's get, put, keys, salted,
+continued and bounded).
 
 Loads run in one loader thread, off the engine's step: vLLM holds each loading request in
 WAITING_FOR_REMOTE_KVS and schedules others meanwhile. A finished load is reported with the
@@ -120,7 +121,7 @@ class KVMover:
         try:  # the pages from the one holding token `start` on
             client = self._client_from(spec.salt, spec.token_ids, first)
             if in_step:
-                client = _bounded(client, spec.sync_timeout_s)
+                client = client.bounded(spec.sync_timeout_s)
             num_tokens, kv = client.get(spec.token_ids[first:],
                                         out=self._out(end - first, in_step))
         except Exception as error:  # a miss, whatever the reason: vLLM recomputes
@@ -245,10 +246,3 @@ class KVMover:
         if buffer is None or buffer.shape[3] < num_tokens:
             buffer = self._buffers[in_step] = self._staging(num_tokens)
         return buffer[:, :, :, :num_tokens]
-
-
-def _bounded(client, timeout_s: float):
-    """`client` with each call bounded by `timeout_s` (KVClient.bounded); a client without
-    one (a test's fake) as it is."""
-    bounded = getattr(client, "bounded", None)
-    return bounded(timeout_s) if bounded is not None else client

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from cluster.core.spec import DTYPE_BYTES, ModelSpec, canonical_dtype
-from cluster.serving.step_budget import LOAD_MODES, StepBudget
+from cluster.serving.step_budget import StepBudget, checked_load_mode
 from policies.cost_routing import ewma
 
 log = logging.getLogger("raykv.vllm")
@@ -68,10 +68,7 @@ class RaykvSettings:
         pd_wait_s = float(extra.get("raykv.pd_wait_s", 2.0))
         if not pd_wait_s >= 0:
             raise ValueError(f"raykv.pd_wait_s must be >= 0, got {pd_wait_s}")
-        load_mode = str(extra.get("raykv.load_mode", "auto"))
-        if load_mode not in LOAD_MODES:
-            raise ValueError(f"raykv.load_mode must be one of {list(LOAD_MODES)}, "
-                             f"got {load_mode!r}")
+        load_mode = checked_load_mode(str(extra.get("raykv.load_mode", "auto")))
         return RaykvSettings(
             namespace=str(extra.get("raykv.namespace", "default")),
             ray_address=str(extra.get("raykv.ray_address")
