@@ -265,6 +265,10 @@ class NodeHandle:
     def flush(self):
         return self.actor.flush.remote()
 
+    def publish(self):
+        """A ref to whether the directory acknowledged every change made there before it."""
+        return self.actor.publish.remote()
+
     def shutdown(self):
         """Release the node's memory (its disk slabs stay for the next start)."""
         return self.actor.shutdown.remote()

@@ -296,6 +296,15 @@ class NodeCacheActor:
         await self.ready()
         return self.store.end_put_lease(lease_id)
 
+    async def publish(self) -> bool:
+        """Tell the directory now of every change made here so far (a flush, after the one
+        under way): True once every shard has acknowledged them, so that any client's
+        lookup finds the pages committed before this call (KVClient.flush)."""
+        await self.ready()
+        marks = self.stream.marks()
+        await self.flush()
+        return self.stream.delivered(marks)
+
     def _flush_soon(self) -> None:
         if self._pending_flush is None or self._pending_flush.done():
             self._pending_flush = asyncio.ensure_future(self.flush())

@@ -175,6 +175,21 @@ class KVClient:
     async def aprefetch(self, tokens: object) -> int:
         return await run_async(self._prefetch(tokens), self.timeout_s)
 
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Make this client's puts so far visible to every client: True once they are
+        committed at their node and the directory has heard of them; False when a wait ran
+        past `timeout_s` (each wait; the call timeout by default), or the directory did not
+        answer (they become visible later, or are a miss). A put returns once its pages are
+        in slots leased ahead; the commit, and the node's directory flush after it, follow in
+        the background, within milliseconds on an idle process. A caller whose pages another
+        engine is about to ask for (a finished prefill, a P/D hand-off) flushes first."""
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return run_sync(self._flushed(wait_s), wait_s)
+
+    async def aflush(self, timeout_s: float | None = None) -> bool:
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return await run_async(self._flushed(wait_s), wait_s)
+
     def stats(self) -> dict:
         """Client counters, this node's tiers, and the directory's size."""
         return run_sync(self._stats(), self.timeout_s)
@@ -302,11 +317,23 @@ class KVClient:
         puts.wrote(keys, places)
         return len(keys) * self.page_tokens
 
-    def _settled(self) -> Steps[None]:
-        """Wait for this client's own leased writes to be committed (read-your-writes)."""
+    def _settled(self, timeout_s: float | None = None) -> Steps[bool]:
+        """Wait for this client's own leased writes to be committed (read-your-writes), at
+        most `timeout_s` (None: the call timeout); whether they all were answered for."""
         puts = self.puts
-        if puts is not None and puts.enabled and puts.unsettled():  # no lock with leasing off
-            yield Work(lambda: puts.settle(self.timeout_s))
+        if puts is None or not puts.enabled or not puts.unsettled():  # no lock with leasing off
+            return True
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return (yield Work(lambda: puts.settle(wait_s)))
+
+    def _flushed(self, timeout_s: float) -> Steps[bool]:
+        settled = yield from self._settled(timeout_s)
+        # The node tells the directory of its commits in a flush of its own, in the
+        # background: publish makes one now and answers once the shards acknowledged it.
+        (reply,) = yield Wait([self.view.home.publish()])
+        if failed(reply):
+            self.view.note_failures([reply])
+        return settled and reply is True
 
     def _reserve_mapped(self, keys: list[PageKey], tier: int | None = None) -> Steps:
         """reserve (one call), and map what it names: (reservation_id, slots, ours as

@@ -118,6 +118,18 @@ class EventStream:
             shard.pending[key] = tier
             shard.hold(key, tier)
 
+    def marks(self) -> list[int]:
+        """Per shard, the batch that will carry every change recorded so far (the next one
+        when some are not batched yet); `delivered(marks)` tells when all have been
+        acknowledged."""
+        return [shard.seq + bool(shard.pending) for shard in self.shards]
+
+    def delivered(self, marks: list[int]) -> bool:
+        """Whether every shard acknowledged its batches up to `marks` (from `marks()`): the
+        directory then holds every change recorded before them."""
+        return all(not shard.needs_resync and shard.acked_upto >= mark
+                   for shard, mark in zip(self.shards, marks, strict=True))
+
     def resync_needed(self) -> list[int]:
         return [i for i, shard in enumerate(self.shards) if shard.needs_resync]
 

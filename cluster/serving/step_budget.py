@@ -21,10 +21,24 @@ and a load is estimated from the loads made in the step (before any, the host co
 LOAD_MODES are the connector's `raykv.load_mode`: "auto" (the budget decides), "async"
 (never wait: every lookup and load is off the step) and "sync" (always wait, each lookup and
 load bounded by the client's call timeout, as LMCache's connector does by default).
+
+Saves (`raykv.save_mode`, the same three words; `StepBudget.save_waits`). A save's put runs
+in the worker's saver thread and its commit in the client's committer thread, and the same
+busy loop slows both: its commit's round trip took 10 to 560 ms while the writing engine
+decoded, against 10 ms idle, and the writing engine could finish its request, and another
+engine ask for the prompt, before the pages were in the directory (a miss, recomputed). So a
+save also flushes (KVClient.flush: committed, and the directory told), and a step waits for it:
+"auto", the step after the one that saved waits (in start_load_kv, before its outputs), at
+most what recomputing the saved tokens would take (the reader's loss when it misses them) and
+at least one step, so the request's first token is not delayed and its pages are in the
+directory before its next one;
+"sync", the saving step itself waits, at most the call timeout (before its first token);
+"async", no step waits, and a save is visible when its commit lands.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from policies.cost_routing import ewma
@@ -32,11 +46,17 @@ from policies.cost_routing import ewma
 LOAD_MODES = ("auto", "async", "sync")
 
 
-def checked_load_mode(mode: str) -> str:
-    """`mode` if it is one of LOAD_MODES; ValueError naming them otherwise."""
+def checked_load_mode(mode: str, setting: str = "raykv.load_mode") -> str:
+    """`mode` if it is one of LOAD_MODES; ValueError naming `setting` and them otherwise."""
     if mode not in LOAD_MODES:
-        raise ValueError(f"raykv.load_mode must be one of {list(LOAD_MODES)}, got {mode!r}")
+        raise ValueError(f"{setting} must be one of {list(LOAD_MODES)}, got {mode!r}")
     return mode
+
+
+def settle_bound_s(step_s: float, recompute_s: float) -> float:
+    """How long a step waits on raykv at most, outside "sync": what recomputing the tokens
+    concerned would take, and at least one step's measured time (and 1 ms)."""
+    return max(step_s, recompute_s, 1e-3)
 
 
 @dataclass(slots=True)
@@ -49,9 +69,12 @@ class StepBudget:
     num_steps: int = 0
     num_requests: int = 1  # in the last step handed out
     remaining_s: float = 0.0
+    save_mode: str = "auto"
+    saving_tokens: int = 0  # handed to the worker's saves in the last step built
 
     def __post_init__(self) -> None:
         checked_load_mode(self.mode)
+        checked_load_mode(self.save_mode, "raykv.save_mode")
 
     def step_timed(self, seconds: float) -> None:
         """A step with tokens took `seconds`."""
@@ -93,4 +116,17 @@ class StepBudget:
         holds the step no longer."""
         if self.mode == "sync":
             return call_timeout_s
-        return max(self.step_s, recompute_s, 1e-3)
+        return settle_bound_s(self.step_s, recompute_s)
+
+    def save_waits(self, saving_tokens: int, call_timeout_s: float,
+                   recompute_s: Callable[[int], float]) -> tuple[float | None, float | None]:
+        """For a step whose saves hand `saving_tokens` to the worker: (how long the worker
+        waits in it for the saves of the step before, how long for its own), None for no
+        wait (module doc: "auto", "sync", "async"). `recompute_s(n)` is what computing n
+        tokens takes this engine."""
+        last, self.saving_tokens = self.saving_tokens, saving_tokens
+        if self.save_mode == "sync":
+            return None, call_timeout_s if saving_tokens else None
+        if self.save_mode == "async" or not last:
+            return None, None
+        return settle_bound_s(self.step_s, recompute_s(last)), None

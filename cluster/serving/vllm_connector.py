@@ -24,7 +24,9 @@ docs/benchmarks.md, vllm-serve).
 
 Worker side: the hit goes into the request's paged blocks from a loader thread
 (cluster/serving/vllm_io.py), and each step's new full prompt pages, and only those, are saved
-in the background.
+in the background. A save is also flushed into raykv's directory, and by default the step after
+it waits for that (`raykv.save_mode`, step_budget.py), so that another engine finds a prompt's
+pages once its request is out.
 
 Rates for raykv's router (cluster/serving/engine_rates.py): the worker times each load per
 source tier and hands the samples to the scheduler side on vLLM's own stats path
@@ -129,6 +131,11 @@ class RaykvMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # How long the worker waits for saves (StepBudget.save_waits; None: not at all): for those
+    # handed over in steps before (in start_load_kv), and for the step's own (wait_for_save).
+    # Both run before the step's outputs.
+    settle_before_s: float | None = None
+    settle_after_s: float | None = None
 
 
 def unsupported_groups(kv_cache_config: Any) -> str | None:
@@ -173,7 +180,8 @@ class RaykvConnector(KVConnectorBase_V1):
         self._meter: EngineMeter | None = None  # scheduler side, once the page size is known
         self._rates: RatesFile | None = None  # scheduler side, with the meter
         self.num_routed_answers = 0  # requests answered by the router's hit, no lookup
-        self._budget = StepBudget(settings.load_mode)  # what a step may wait on raykv
+        # What a step may wait on raykv
+        self._budget = StepBudget(settings.load_mode, save_mode=settings.save_mode)
         self._sync_loads: dict[str, float] = {}  # id -> deadline of its load in the step
         self.num_sync_loads = 0
         self.why_off = unsupported_groups(kv_cache_config)
@@ -249,7 +257,11 @@ class RaykvConnector(KVConnectorBase_V1):
                    for i, (req_id, blocks) in enumerate(zip(cached.req_ids,
                                                             cached.new_block_ids, strict=True))]
         loads, saves = self._planner.step(new, running)
-        return RaykvMetadata(loads, saves)
+        meter = self._meter
+        before_s, after_s = self._budget.save_waits(
+            sum(len(spec.token_ids) - spec.start for spec in saves), self._link.call_timeout_s(),
+            meter.recompute_s if meter is not None else lambda _: 0.0)
+        return RaykvMetadata(loads, saves, before_s, after_s)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._planner is not None:
@@ -439,9 +451,11 @@ class RaykvConnector(KVConnectorBase_V1):
         if not self.has_connector_metadata():
             return
         metadata = self._get_connector_metadata()
-        if not isinstance(metadata, RaykvMetadata) or not metadata.loads:
+        if not isinstance(metadata, RaykvMetadata):
             return
         mover = self._worker_mover()
+        if mover is not None and metadata.settle_before_s is not None:
+            mover.settle_saves(metadata.settle_before_s)  # the last step's, to the directory
         for spec in metadata.loads:
             in_step = spec.sync_timeout_s is not None
             if mover is None:  # no raykv here: a miss of every block, reported at once
@@ -475,6 +489,8 @@ class RaykvConnector(KVConnectorBase_V1):
         if mover is not None:  # no raykv: nothing saved, a future miss
             for spec in metadata.saves:
                 mover.save(spec)
+            if metadata.settle_after_s is not None:
+                mover.settle_saves(metadata.settle_after_s)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                 set[str] | None]:
@@ -505,7 +521,8 @@ class RaykvConnector(KVConnectorBase_V1):
         if self._mover is None and self._layers and self._link is not None:
             client = self._link.ready()
             if client is not None:
-                self._mover = KVMover(client, self._layers, self._layout, self._link.spec)
+                self._mover = KVMover(client, self._layers, self._layout, self._link.spec,
+                                      flush_saves=self._link.settings.save_mode != "async")
         return self._mover
 
 

@@ -1,5 +1,5 @@
 """The worker side's data path: raykv pages into a request's blocks, and its new full pages
-out of them (no vLLM import; a client is anything with raykv's get, put, keys, salted,
+out of them (no vLLM import; a client is anything with raykv's get, put, flush, keys, salted,
 continued and bounded).
 
 Loads run in one loader thread, off the engine's step: vLLM holds each loading request in
@@ -17,10 +17,13 @@ Each load's time and its client's timed reads become rate samples per source tie
 
 Saves copy the new pages out of the blocks while the step's blocks are still the request's
 (the copy is a few memcpys), then put them from one background thread, off the engine's
-critical path. A save puts only its new pages (continuing the key chain after the pages saved
-before), so chunked prefill copies each page once. A save that finds MAX_PENDING_SAVES already
-queued is dropped: a dropped save is only a future miss. A prefill's save for a remote decode
-(SaveSpec.keep, P/D) is never dropped: its decode waits for those pages.
+critical path; with `flush_saves` the thread then flushes them (KVClient.flush: committed, and
+the directory told), and settle_saves waits, within a bound, for the saves handed over so far
+(the connector calls it where raykv.save_mode says: step_budget.py). A save puts only its new
+pages (continuing the key chain after the pages saved before), so chunked prefill copies each
+page once. A save that finds MAX_PENDING_SAVES already queued is dropped: a dropped save is
+only a future miss. A prefill's save for a remote decode (SaveSpec.keep, P/D) is never
+dropped: its decode waits for those pages.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +66,10 @@ class MoverStats:
     gather_s: float = 0.0
     put_s: float = 0.0
     num_puts: int = 0
+    unflushed_saves: int = 0  # put, but their flush ran past its timeout or failed
+    num_settles: int = 0  # steps that waited for saves
+    settle_s: float = 0.0  # what those waits took
+    late_saves: int = 0  # saves still out when a step's wait for them ended
 
 
 @dataclass
@@ -75,12 +82,14 @@ class KVMover:
     layout: object
     spec: ModelSpec
     stats: MoverStats = field(default_factory=MoverStats)
+    flush_saves: bool = True  # each save's put is flushed after it (module doc)
 
     def __post_init__(self) -> None:
         self._buffers: dict[bool, torch.Tensor] = {}  # staging: the loader's, the step's
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="raykv-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="raykv-save")
         self._pending = 0
+        self._unsettled: list[Future] = []  # saves handed over since the last settle_saves
         self._lock = threading.Lock()
         self._finished: list[tuple[str, set[int]]] = []
         self._samples: list[tuple[str, int, float]] = []  # loads' rate samples, not taken yet
@@ -199,7 +208,23 @@ class KVMover:
         kv = blocks_to_kv(self.layers, self.layout, spec.block_ids, num_tokens, out)
         self.stats.gather_s += time.perf_counter() - start_s
         self.stats.gathered_tokens += num_tokens
-        self._saver.submit(self._put, spec, kv)
+        future = self._saver.submit(self._put, spec, kv)
+        with self._lock:
+            self._unsettled.append(future)
+
+    def settle_saves(self, timeout_s: float) -> bool:
+        """Wait, at most `timeout_s`, for the saves handed over so far to be put (and flushed,
+        with flush_saves); whether all were. Those still out go on in the background."""
+        with self._lock:
+            futures, self._unsettled = self._unsettled, []
+        if not futures:
+            return True
+        start_s = time.perf_counter()
+        _, not_done = wait(futures, timeout=max(0.0, timeout_s))
+        self.stats.settle_s += time.perf_counter() - start_s
+        self.stats.num_settles += 1
+        self.stats.late_saves += len(not_done)
+        return not not_done
 
     def close(self) -> None:
         """Finish the queued loads and saves (each call is bounded by the client's timeout)."""
@@ -213,6 +238,8 @@ class KVMover:
             self.stats.saved_tokens += client.put(spec.token_ids[spec.start:], kv)
             self.stats.put_s += time.perf_counter() - start_s
             self.stats.num_puts += 1
+            if self.flush_saves and not client.flush():
+                self.stats.unflushed_saves += 1
         except Exception:  # a lost save is a future miss, never the engine's problem
             log.exception("raykv put failed")
         finally:

@@ -48,6 +48,10 @@ class RaykvSettings:
     raykv.load_mode    "auto": a lookup or load that the engine's measured step can afford is
                        waited for in the step, the others run off it; "async": never wait;
                        "sync": always wait (cluster/serving/step_budget.py); "auto"
+    raykv.save_mode    "auto": a save is flushed (committed, the directory told), and the
+                       step after it waits for that, bounded by its tokens' recompute time;
+                       "sync": the saving step waits; "async": never wait (step_budget.py);
+                       "auto"
     """
 
     namespace: str = "default"
@@ -56,12 +60,13 @@ class RaykvSettings:
     pd_wait_s: float = 2.0
     rates_file: str | None = None
     load_mode: str = "auto"
+    save_mode: str = "auto"
 
     @staticmethod
     def from_extra(extra: dict | None) -> RaykvSettings:
         extra = extra or {}
         known = {"raykv.namespace", "raykv.ray_address", "raykv.model_name", "raykv.pd_wait_s",
-                 "raykv.rates_file", "raykv.load_mode"}
+                 "raykv.rates_file", "raykv.load_mode", "raykv.save_mode"}
         unknown = sorted(k for k in extra if k.startswith("raykv.") and k not in known)
         if unknown:
             raise ValueError(f"unknown raykv settings {unknown}; known: {sorted(known)}")
@@ -69,12 +74,15 @@ class RaykvSettings:
         if not pd_wait_s >= 0:
             raise ValueError(f"raykv.pd_wait_s must be >= 0, got {pd_wait_s}")
         load_mode = checked_load_mode(str(extra.get("raykv.load_mode", "auto")))
+        save_mode = checked_load_mode(str(extra.get("raykv.save_mode", "auto")),
+                                      "raykv.save_mode")
         return RaykvSettings(
             namespace=str(extra.get("raykv.namespace", "default")),
             ray_address=str(extra.get("raykv.ray_address")
                             or os.environ.get("RAY_ADDRESS") or "auto"),
             model_name=extra.get("raykv.model_name"), pd_wait_s=pd_wait_s,
-            rates_file=extra.get("raykv.rates_file") or None, load_mode=load_mode)
+            rates_file=extra.get("raykv.rates_file") or None, load_mode=load_mode,
+            save_mode=save_mode)
 
 
 def spec_of(vllm_config, model_name: str | None) -> ModelSpec:

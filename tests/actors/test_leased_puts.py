@@ -107,3 +107,23 @@ def test_a_lapsed_lease_is_a_miss_never_wrong_bytes(service):
     for other_tokens, other_kv in others:
         num_tokens, got = client.get(other_tokens)
         assert num_tokens == 32 and torch.equal(got, other_kv), "a page changed"
+
+
+def test_flush_makes_leased_puts_visible_to_another_client_with_no_wait(service):
+    """What the vLLM connector's saves rely on: once flush answers True, the directory holds
+    the pages, so another client's lookup right after finds them (no polling)."""
+    service(put_lease_bytes=LEASE_BYTES)
+    writer, reader = connect(TINY), connect(TINY)
+    assert writer.flush()  # nothing put yet: nothing to wait for
+    assert writer.put(list(range(32)), kv_for(TINY, 32, 1)) == 32
+    for round_index in range(4):
+        leased(writer, NUM_PAGES)  # the put below makes no call
+        tokens = list(range(9000 + 100 * round_index, 9032 + 100 * round_index))
+        kv = kv_for(TINY, 32, 10 + round_index)
+        assert writer.put(tokens, kv) == 32
+        assert writer.flush()
+        assert not writer.puts.unsettled()
+        assert reader.lookup(tokens) == 32, f"round {round_index}"
+        num_tokens, got = reader.get(tokens)
+        assert num_tokens == 32 and torch.equal(got, kv)
+    assert writer.counters["leased_pages"] >= 4 * NUM_PAGES

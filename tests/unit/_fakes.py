@@ -150,6 +150,9 @@ class FakeNode:
             places.append((self.put_tier, slot, self.arenas[self.put_tier].generation(slot)))
         return self._call("put_leased", (self.stamp(), LeaseReply(committed, 5, places, 30.0)))
 
+    def publish(self):
+        return self._call("publish", True)
+
     def end_put_lease(self, lease_id: int):
         return self._call("end_put_lease", 0)
 

@@ -88,6 +88,30 @@ def test_a_failed_send_is_resent_with_the_same_seq_until_acknowledged():
     assert link.stream.counters["resent"] == 2
 
 
+def test_delivered_holds_once_every_change_before_the_marks_is_acknowledged():
+    """What a client's flush (the node's publish) waits for: the changes recorded before the
+    marks, not those recorded after them; none while a send failed or a resync is due."""
+    link = Link(num_shards=2)
+    link.change(1, 0)
+    marks = link.stream.marks()
+    assert not link.stream.delivered(marks)  # the first flush (the inventory) is due
+    link.flush()
+    assert link.stream.delivered(marks)
+    link.change(2, 0)
+    link.change(3, 0)
+    marks = link.stream.marks()
+    assert not link.stream.delivered(marks)
+    link.down = True
+    link.flush()
+    assert not link.stream.delivered(marks)  # sent, not acknowledged
+    link.down = False
+    link.flush(heartbeat=True)
+    assert link.stream.delivered(marks)
+    link.change(4, 0)  # after the marks: not waited for
+    assert link.stream.delivered(marks)
+    assert not link.stream.delivered(link.stream.marks())
+
+
 def test_a_lost_acknowledgement_is_harmless():
     link = Link()
     link.flush()

@@ -64,3 +64,24 @@ def test_the_fixed_modes_ignore_the_budget(mode, waits):
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="load_mode"):
         StepBudget("eager")
+
+
+def test_auto_saves_are_waited_for_in_the_next_step_bounded_by_their_recompute():
+    budget = timed(0.040, 1)
+    recompute_s = {2048: 0.5, 0: 0.0}.__getitem__
+    assert budget.save_waits(2048, 5.0, recompute_s) == (None, None)  # its own step: no wait
+    assert budget.save_waits(0, 5.0, recompute_s) == (0.5, None)  # the next: its recompute
+    assert budget.save_waits(0, 5.0, recompute_s) == (None, None)  # nothing saved since
+    budget.save_waits(128, 5.0, lambda n: 0.001)
+    assert budget.save_waits(0, 5.0, lambda n: 0.001) == (pytest.approx(0.040), None)  # a step
+
+
+def test_sync_saves_wait_in_their_own_step_and_async_ones_never():
+    sync = StepBudget(save_mode="sync")
+    assert sync.save_waits(128, 5.0, lambda n: 1.0) == (None, 5.0)
+    assert sync.save_waits(0, 5.0, lambda n: 1.0) == (None, None)
+    never = StepBudget(save_mode="async")
+    never.save_waits(128, 5.0, lambda n: 1.0)
+    assert never.save_waits(0, 5.0, lambda n: 1.0) == (None, None)
+    with pytest.raises(ValueError, match="raykv.save_mode"):
+        StepBudget(save_mode="eager")

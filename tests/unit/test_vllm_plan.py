@@ -160,6 +160,8 @@ class ChainClient:
         self.pages: dict[bytes, torch.Tensor] = {}
         self.put_tokens: list[int] = []
         self.gate: threading.Event | None = None  # a get waits on it when set
+        self.flushes: list = []
+        self.flush_ok = True
 
     def keys(self, tokens):
         return self.chain.keys(tokens)
@@ -172,6 +174,10 @@ class ChainClient:
 
     def bounded(self, timeout_s):
         return self  # no calls to bound
+
+    def flush(self, timeout_s=None):
+        self.flushes.append(timeout_s)  # views share the list (copy.copy)
+        return self.flush_ok
 
     def put(self, tokens, kv):
         assert kv.shape[3] == len(tokens)
@@ -352,3 +358,43 @@ def test_saves_copy_the_blocks_and_put_in_the_background():
     mover.close()
     num_tokens, kv = client.get(list(range(8)), out=torch.zeros(L, 2, H, 8, D))
     assert num_tokens == 8 and torch.equal(kv, expected)
+
+
+def test_a_save_is_flushed_and_a_step_waits_for_it_within_its_bound():
+    gate = threading.Event()
+
+    class GatedPuts(ChainClient):
+        def put(self, tokens, kv):
+            gate.wait(10)
+            return super().put(tokens, kv)
+
+    client = GatedPuts()
+    mover = KVMover(client, filled_caches(), LAYOUT, SPEC)
+    assert mover.settle_saves(0.0)  # nothing handed over: nothing to wait for
+    mover.save(SaveSpec("r", list(range(8)), [5, 0]))
+    start_s = time.monotonic()
+    assert not mover.settle_saves(0.05)  # the put is held: the step goes on
+    assert time.monotonic() - start_s < 1.0
+    assert mover.stats.late_saves == 1 and mover.stats.num_settles == 1
+    gate.set()
+    mover.save(SaveSpec("s", list(range(100, 108)), [1, 2]))
+    assert mover.settle_saves(5.0)  # the late one is no longer waited for; this one is done
+    assert client.get(list(range(100, 108)), out=torch.zeros(SPEC.page_shape(8)))[0] == 8
+    mover.close()
+    assert mover.stats.num_puts == 2 and mover.stats.late_saves == 1
+    assert len(client.flushes) == 2 and mover.stats.unflushed_saves == 0
+
+
+def test_a_failed_flush_is_counted_and_async_saves_are_not_flushed():
+    client = ChainClient()
+    client.flush_ok = False
+    mover = KVMover(client, filled_caches(), LAYOUT, SPEC)
+    mover.save(SaveSpec("r", list(range(8)), [5, 0]))
+    assert mover.settle_saves(5.0)  # put, though not flushed: it is done all the same
+    assert mover.stats.unflushed_saves == 1
+    mover.close()
+    quiet = ChainClient()
+    mover = KVMover(quiet, filled_caches(), LAYOUT, SPEC, flush_saves=False)
+    mover.save(SaveSpec("r", list(range(8)), [5, 0]))
+    mover.close()
+    assert quiet.flushes == [] and quiet.put_tokens == [8]

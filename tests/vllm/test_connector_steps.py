@@ -122,6 +122,22 @@ def test_chunked_prefill_saves_each_page_once_and_a_rerun_loads_them(engine):
     assert cached == full and rerun == ids
 
 
+def test_a_finished_request_s_pages_are_in_the_directory_when_its_output_is_out(engine):
+    """raykv.save_mode "auto": each save is flushed, and the step after it waits for that, so
+    another engine that asks for the prompt right after the response finds every page. Its
+    commit alone, from the busy engine's background threads, took up to 0.7 s."""
+    reader = connect(SMALL_LLAMA)
+    for seed in (21, 22, 23):
+        prompt = prompt_tokens(900, seed=seed)  # 7 full pages, over 4 prefill steps
+        before = ray.get(engine.worker_stats.remote())
+        generate(engine, prompt)
+        assert reader.lookup(prompt) == 900 // BLOCK_TOKENS * BLOCK_TOKENS, f"seed {seed}"
+        after = ray.get(engine.worker_stats.remote())
+        assert after["num_settles"] > before.get("num_settles", 0)
+        assert after["late_saves"] == before.get("late_saves", 0)
+        assert after["unflushed_saves"] == 0
+
+
 def test_the_connector_measures_its_loads_per_tier_and_the_engine_s_prefill(engine):
     """The worker's loads reach the scheduler side on vLLM's stats path (RaykvLoadStats), and
     the scheduler side times the steps: what the replica publishes for raykv's router."""
