@@ -34,8 +34,10 @@ def _runs(lmcache_loaded=256, raykv_ids=(1,) * 16):
     answers = {"none": [_answer(t, 0) for t in (1.0, 1.0, 1.0, 2.0)],
                "lmcache": [_answer(t, lmcache_loaded) for t in (0.5, 0.4, 0.2, 1.0)],
                "raykv": [_answer(t, 512, raykv_ids) for t in (0.4, 0.4, 0.1, 0.8)]}
-    reads = {mode: [{**_answer(0.1, cached), "written_ids": [1] * 16, "loadable": 2048}
-                    for cached in ((0, 0, 0) if mode == "none" else (2048, 2048, 1024))]
+    reads = {mode: [{**_answer(0.1, cached), "written_ids": [1] * 16, "loadable": 2048,
+                     "writer": index % 2, "writer_seconds": 0.3}
+                    for index, cached in enumerate((0, 0, 0) if mode == "none"
+                                                   else (2048, 2048, 1024))]
              for mode in answers}
     return answers, reads
 
@@ -61,3 +63,13 @@ def test_ratios_fail_without_lmcache_hits_and_same_output_counts_differences():
     assert report.ratios["same_output"] == 6 / 10  # 4 workload requests of 10 outputs differ
     result = harness.finish(report.result, None)
     assert not result["met"]["ttft_vs_lmcache"] and not result["met"]["same_output"]
+
+
+def test_each_back_to_back_read_is_recorded_with_its_writer_and_what_it_got():
+    _, reads = _runs()
+    rows = vllm.read_rows(reads)
+    assert len(rows) == 3 and set(rows[0]) == {"none", "lmcache", "raykv"}
+    assert [row["raykv"]["cached"] for row in rows] == [2048, 2048, 1024]
+    assert [row["raykv"]["writer"] for row in rows] == [0, 1, 0]
+    assert rows[2]["raykv"] == {"writer": 0, "cached": 1024, "loadable": 2048, "ttft_s": 0.1,
+                                "writer_seconds": 0.3}

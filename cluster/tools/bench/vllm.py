@@ -202,7 +202,8 @@ def back_to_back(engines: dict[str, list[Engine]], prompts: list[list[int]]
             written = writer.ask(prompt)
             answer = reader.ask(prompt)
             reads[mode].append({**answer, "written_ids": written["ids"],
-                                "loadable": loadable_tokens(len(prompt))})
+                                "loadable": loadable_tokens(len(prompt)),
+                                "writer": index % 2, "writer_seconds": written["seconds"]})
             return answer["ttft_s"]
         return one
 
@@ -333,6 +334,14 @@ def request_rows(answers: dict[str, list[dict]]) -> list[dict]:
             for i in range(len(answers["none"]))]
 
 
+def read_rows(reads: dict[str, list[dict]]) -> list[dict]:
+    """Per back-to-back read, per mode: which engine wrote, what the reader got from the
+    cache and its TTFT (a miss is told apart from a slow load here)."""
+    keys = ("writer", "cached", "loadable", "ttft_s", "writer_seconds")
+    return [{mode: {key: reads[mode][i][key] for key in keys} for mode in reads}
+            for i in range(len(reads["none"]))]
+
+
 def layout_cost(num_tokens: int = 2048, reps: int = 20) -> dict:
     """kv_to_blocks / blocks_to_kv of small-llama's KV (vLLM's CPU "vec" layout: K stored
     [D, B]) against np.copyto of the same bytes."""
@@ -407,6 +416,7 @@ def run(json_path: str | None, quick: bool, **_extra) -> dict:
     answers, reads = run_modes(model_dir, plan, work_dir, report["phase_s"])
     report["modes"] = {mode: summarize(answers[mode], reads[mode]) for mode in MODES}
     report["requests"] = request_rows(answers)
+    report["back_to_back_reads"] = read_rows(reads)
     report["layout"] = layout_cost()
     fill_ratios(report, answers, reads)
     return report.finish(json_path)
