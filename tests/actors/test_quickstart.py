@@ -23,7 +23,8 @@ def readme_snippet() -> str:
 
 def test_the_snippet_is_the_public_api():
     snippet = readme_snippet()
-    for call in ("start(", "connect(", ".put(", ".lookup(", ".get(", ".prefetch(", ".stats("):
+    for call in ("start(", "connect(", ".put(", ".lookup(", ".get(", ".prefetch(", ".flush(",
+                 ".stats("):
         assert call in snippet
 
 
