@@ -27,7 +27,7 @@ from cluster.serving.vllm_plan import (
 )
 from cluster.serving.vllm_service import Answer, Lookups, RaykvSettings
 from tests.unit.test_vllm_keys import FakeLink, poll_until_answered
-from tests.unit.test_vllm_plan import LAYOUT, SPEC, ChainClient, filled_caches
+from tests.unit.test_vllm_plan import LAYOUT, SPEC, GatedPuts, filled_caches
 
 PRODUCER = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None}
@@ -150,13 +150,7 @@ def test_a_prefill_saves_the_whole_prompt_even_what_vllm_s_cache_held():
 
 def test_a_prefill_s_saves_are_never_dropped_when_the_saver_is_busy():
     gate = threading.Event()
-
-    class SlowPuts(ChainClient):
-        def put(self, tokens, kv):
-            gate.wait(10)
-            return super().put(tokens, kv)
-
-    client = SlowPuts()
+    client = GatedPuts(gate)
     mover = KVMover(client, filled_caches(40), LAYOUT, SPEC)
     for index in range(MAX_PENDING_SAVES + 2):
         tokens = [index] * 8

@@ -204,6 +204,18 @@ class ChainClient:
         return view
 
 
+class GatedPuts(ChainClient):
+    """A ChainClient whose puts wait for `gate` (a busy or slow saver)."""
+
+    def __init__(self, gate: threading.Event):
+        super().__init__()
+        self.put_gate = gate
+
+    def put(self, tokens, kv):
+        self.put_gate.wait(10)
+        return super().put(tokens, kv)
+
+
 def caches(num_blocks=12):
     return [torch.zeros(num_blocks, H, B, 2 * D) for _ in range(L)]
 
@@ -362,13 +374,7 @@ def test_saves_copy_the_blocks_and_put_in_the_background():
 
 def test_a_save_is_flushed_and_a_step_waits_for_it_within_its_bound():
     gate = threading.Event()
-
-    class GatedPuts(ChainClient):
-        def put(self, tokens, kv):
-            gate.wait(10)
-            return super().put(tokens, kv)
-
-    client = GatedPuts()
+    client = GatedPuts(gate)
     mover = KVMover(client, filled_caches(), LAYOUT, SPEC)
     assert mover.settle_saves(0.0)  # nothing handed over: nothing to wait for
     mover.save(SaveSpec("r", list(range(8)), [5, 0]))
