@@ -82,6 +82,15 @@ class DirectoryHandle:
         return DirectoryHandle(shards)
 
     @staticmethod
+    def kill_found(config: CacheConfig) -> None:
+        """Kill each directory shard that is still there; a missing one (killed, or gone with
+        its node) is skipped, so that a stop still ends the rest."""
+        for shard in range(config.num_directory_shards):
+            actor = _get_actor(DIRECTORY_NAME.format(shard=shard), config)
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+
+    @staticmethod
     def first_shard_config(ray_namespace: str):
         """A ref to the running service's config JSON, or None when none runs."""
         try:

@@ -341,7 +341,7 @@ def _stop(ray_namespace: str, release, forget=None) -> None:
         except (ray.exceptions.RayError, TimeoutError):
             pass  # a dead node's slabs went with it; a restarted actor cleans up stale ones
         handle.kill()
-    DirectoryHandle.lookup(config).kill()
+    DirectoryHandle.kill_found(config)
 
 
 def status() -> dict:

@@ -20,8 +20,12 @@ def ray_local():
              object_store_memory=200 * 1024 * 1024, logging_level="WARNING",
              _system_config={"metrics_report_interval_ms": 1000})
     yield
-    stop()
-    ray.shutdown()
+    try:
+        stop()
+    finally:
+        # Even when stop() raises: a Ray left up here fails every later module's ray.init
+        # ("called ray.init twice"), hiding the one error behind a dozen (CI on bdf0779).
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

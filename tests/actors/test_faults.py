@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from actors.handles import NodeHandle
+from actors.handles import DIRECTORY_NAME, NodeHandle
 from cluster import ModelSpec, connect, start, stop
 from cluster.api import running_config
 from cluster.calls import Wait, run_async, run_sync
@@ -93,6 +93,24 @@ def _slow(seconds: float) -> str:
 
 def _wait_once(ref):
     return (yield Wait([ref]))[0]
+
+
+def _named_actors(config: CacheConfig) -> set[str]:
+    return {actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+            if actor["namespace"] == config.ray_namespace}
+
+
+def test_stop_ends_the_rest_of_a_service_whose_directory_shard_is_gone(service):
+    service(num_directory_shards=2)
+    config = running_config()
+    ray.kill(ray.get_actor(DIRECTORY_NAME.format(shard=1), namespace=config.ray_namespace),
+             no_restart=True)
+    wait_until(lambda: DIRECTORY_NAME.format(shard=1) not in _named_actors(config), 30,
+               "the killed shard to be gone")
+    assert DIRECTORY_NAME.format(shard=0) in _named_actors(config)
+    stop()  # raised ValueError here before: the missing shard's lookup
+    wait_until(lambda: not _named_actors(config), 30, "every actor of the service to end")
+    service()  # a fresh service for the tests after this one
 
 
 def test_a_call_that_does_not_answer_times_out_as_a_value(ray_local):

@@ -38,8 +38,10 @@ def ray_loopback():
              object_store_memory=200 * 1024 * 1024, logging_level="WARNING",
              _node_ip_address=LOOPBACK)
     yield
-    stop()
-    ray.shutdown()
+    try:
+        stop()
+    finally:
+        ray.shutdown()  # even when stop() raises: see tests/actors/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -31,9 +31,12 @@ def ray_cluster():
     ray.init(address=cluster.address, logging_level="WARNING")
     cluster.wait_for_nodes()
     yield cluster, workers
-    stop()
-    ray.shutdown()
-    cluster.shutdown()
+    try:
+        stop()
+    finally:
+        # Even when stop() raises: a Ray left up fails every later module's start-up.
+        ray.shutdown()
+        cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
