@@ -100,6 +100,7 @@ from cluster.serving.vllm_plan import (
     page_misfit,
     routed_hit,
     tokens_wanted,
+    wanted_tokens,
 )
 from cluster.serving.vllm_service import (
     Answer,
@@ -207,29 +208,32 @@ class RaykvConnector(KVConnectorBase_V1):
             return 0, False
         request_id, planner = request.request_id, self._planner
         if planner is not None and request_id in planner.hits:  # asked again: no new lookup
-            return self._load_mode(request_id,
-                                   planner.rematched(request_id, num_computed_tokens))
+            return self._load_mode(request_id, planner.rematched(
+                request_id, num_computed_tokens, len(request.prompt_token_ids or ())))
         prompt = list(request.prompt_token_ids or [])
         num_loadable = loadable_tokens(self._block_size, len(prompt))
+        num_wanted = wanted_tokens(self._block_size, len(prompt))
         params = getattr(request, "kv_transfer_params", None)
         # A prefill for a remote decode (P/D) is looked up, keyed and saved even when vLLM's
         # own cache holds it: its decode loads it from raykv.
         producing = is_producer(params)
         if planner is not None and num_computed_tokens >= num_loadable and not producing:
-            planner.matched(request_id, num_computed_tokens, num_computed_tokens)
-            return 0, False  # vLLM holds all raykv could give: no lookup
-        answer = self._routed_answer(request, params, num_loadable)
+            # vLLM holds all its own cache can: no lookup (raykv could add at most the last
+            # block less one token, not worth an engine step's wait)
+            planner.matched(request_id, num_computed_tokens, num_computed_tokens, len(prompt))
+            return 0, False
+        answer = self._routed_answer(request, params, num_wanted)
         if answer is None:
-            answer = self._lookups.poll(request_id, prompt[:num_loadable],
+            answer = self._lookups.poll(request_id, prompt[:num_wanted],
                                         lambda: request_salt(request), self._budget)
         if answer is None:
             return None, False  # in flight: vLLM asks again next step
         limit = fetch_limit(params)
-        if self._awaits_handoff(request_id, answer, params, num_loadable):
+        if self._awaits_handoff(request_id, answer, params, num_wanted):
             return None, False  # its prefill's pages are not all in raykv yet: ask again
         if limit is not None and limit < answer.num_tokens:  # raykv's router chose to recompute
             answer = Answer(answer.salt, limit, answer.page_tokens)
-        matched = self._answered(request_id, num_computed_tokens, answer)
+        matched = self._answered(request_id, num_computed_tokens, answer, len(prompt))
         if producing and self._planner is not None:
             self._planner.producers.add(request_id)
         return matched
@@ -312,7 +316,7 @@ class RaykvConnector(KVConnectorBase_V1):
         return False, handoff
 
     def _routed_answer(self, request: Request, params: Any,
-                       num_loadable: int) -> Answer | None:
+                       num_wanted: int) -> Answer | None:
         """The router's hit as this request's answer (None: ask raykv): raykv's router
         looked the prompt up to place it, so asking again would only cost the request an
         engine step. Only for a plain request (the router keys the prompt's text alone) that
@@ -322,10 +326,10 @@ class RaykvConnector(KVConnectorBase_V1):
                 or not is_plain(request):
             return None
         self.num_routed_answers += 1
-        return Answer(b"", min(hit, num_loadable), self._planner.page_tokens)
+        return Answer(b"", min(hit, num_wanted), self._planner.page_tokens)
 
     def _awaits_handoff(self, request_id: str, answer: Answer, params: Any,
-                        num_loadable: int) -> bool:
+                        num_wanted: int) -> bool:
         """P/D decode: whether raykv does not hold its prefill's pages yet, and the request
         is still within `pd_wait_s`; then its lookup is issued again shortly."""
         handoff = handoff_of(params)
@@ -337,7 +341,7 @@ class RaykvConnector(KVConnectorBase_V1):
                 self._told_mismatch = True
                 log.error("raykv P/D: %s; decodes do not wait for their prefill's pages", why)
             return False
-        wanted = tokens_wanted(handoff, num_loadable, fetch_limit(params))
+        wanted = tokens_wanted(handoff, num_wanted, fetch_limit(params))
         if not self._waits.should_wait(request_id, answer.num_tokens, wanted,
                                        time.monotonic()):
             if answer.num_tokens < wanted:
@@ -348,15 +352,15 @@ class RaykvConnector(KVConnectorBase_V1):
         self._lookups.retry(request_id, HANDOFF_RETRY_S)
         return True
 
-    def _answered(self, request_id: str, num_computed_tokens: int,
-                  answer: Answer) -> tuple[int, bool]:
+    def _answered(self, request_id: str, num_computed_tokens: int, answer: Answer,
+                  prompt_len: int) -> tuple[int, bool]:
         planner = self._planner_for(answer.page_tokens)
         if planner is None:
             return 0, False
         if answer.salt is not None:
             planner.keyed(request_id, answer.salt)
         return self._load_mode(request_id, planner.matched(request_id, num_computed_tokens,
-                                                           answer.num_tokens))
+                                                           answer.num_tokens, prompt_len))
 
     def _load_mode(self, request_id: str, num_tokens: int) -> tuple[int, bool]:
         """get_num_new_matched_tokens' answer for a hit of `num_tokens` to load: in the step

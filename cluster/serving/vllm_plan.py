@@ -155,9 +155,23 @@ class _Tracked:
 
 
 def loadable_tokens(block_size: int, prompt_len: int) -> int:
-    """The longest prefix worth asking raykv for: whole blocks, leaving at least one prompt
-    token for vLLM to compute (it needs the last position's logits)."""
+    """The whole blocks before the prompt's last token: the most vLLM's own prefix cache can
+    give a prompt (it computes the last token's block itself, for the last position's
+    logits). An engine that holds this much asks raykv nothing."""
     return max(prompt_len - 1, 0) // block_size * block_size
+
+
+def wanted_tokens(block_size: int, prompt_len: int) -> int:
+    """The prefix the connector asks raykv for: every whole block of the prompt. When raykv
+    holds them all, vLLM is handed all but the prompt's last token (handed_tokens), as
+    LMCache does, and computes that one token, not its whole last block."""
+    return prompt_len // block_size * block_size
+
+
+def handed_tokens(hit_end: int, prompt_len: int) -> int:
+    """The prompt tokens vLLM takes as computed from a hit of `hit_end` tokens: at most all
+    but the last, whose logits vLLM needs."""
+    return min(hit_end, max(prompt_len - 1, 0))
 
 
 def page_misfit(block_size: int, page_tokens: int) -> str | None:
@@ -183,27 +197,29 @@ class StepPlanner:
     tracked: dict[str, _Tracked] = field(default_factory=dict)
     producers: set[str] = field(default_factory=set)  # prefills for a remote decode (P/D)
 
-    def loadable_tokens(self, prompt_len: int) -> int:
-        return loadable_tokens(self.block_size, prompt_len)
+    def wanted_tokens(self, prompt_len: int) -> int:
+        return wanted_tokens(self.block_size, prompt_len)
 
     def keyed(self, request_id: str, salt: bytes) -> None:
         """The request's pages are keyed under `salt` (b"": the model's own chain)."""
         self.salts[request_id] = salt
 
-    def matched(self, request_id: str, num_local_tokens: int, num_cached_tokens: int) -> int:
-        """Record raykv's hit for the request; the tokens to load beyond vLLM's own."""
-        end = num_cached_tokens // self.block_size * self.block_size
+    def matched(self, request_id: str, num_local_tokens: int, num_cached_tokens: int,
+                prompt_len: int) -> int:
+        """Record raykv's hit for the request (whole blocks); the tokens vLLM takes from it
+        beyond its own (at most all but the prompt's last token)."""
+        end = min(num_cached_tokens, prompt_len) // self.block_size * self.block_size
         self.hits[request_id] = (num_local_tokens, end)
-        return max(end - num_local_tokens, 0)
+        return max(handed_tokens(end, prompt_len) - num_local_tokens, 0)
 
-    def rematched(self, request_id: str, num_local_tokens: int) -> int:
+    def rematched(self, request_id: str, num_local_tokens: int, prompt_len: int) -> int:
         """matched() for a request asked about again (preempted, or not placed yet): its hit,
         or the pages it saved itself since, whichever reach further."""
         end = self.hits[request_id][1]
         tracked = self.tracked.get(request_id)
         if tracked is not None:
-            end = max(end, min(tracked.saved_tokens, self.loadable_tokens(len(tracked.prompt))))
-        return self.matched(request_id, num_local_tokens, end)
+            end = max(end, min(tracked.saved_tokens, self.wanted_tokens(prompt_len)))
+        return self.matched(request_id, num_local_tokens, end, prompt_len)
 
     def allocated(self, request_id: str, prompt: list[int], block_ids: list[int],
                   num_external_tokens: int, sync_timeout_s: float | None = None) -> None:
@@ -212,7 +228,10 @@ class StepPlanner:
         if num_external_tokens <= 0 or request_id not in self.salts:
             return
         local, _ = self.hits.get(request_id, (0, 0))
-        end = local + num_external_tokens
+        # Whole blocks: a hit of the whole prompt is handed over less its last token, and its
+        # last block is loaded whole (vLLM then writes that token's KV over the same values).
+        end = min(-(-(local + num_external_tokens) // self.block_size) * self.block_size,
+                  len(prompt))
         load = LoadSpec(request_id, prompt[:end], list(block_ids), local, self.salts[request_id],
                         sync_timeout_s)
         self.loads.append(load)
@@ -257,8 +276,11 @@ class StepPlanner:
         if salt is None:
             return None
         _, hit_end = self.hits.get(request.request_id, (0, 0))
-        # A load that fell short left vLLM's count below the hit: the rest is saved again.
-        held = min(hit_end, request.num_computed_tokens)
+        # A load that fell short left vLLM's count below the hit: the rest is saved again. A
+        # hit of the whole prompt left vLLM's count one short of it (handed_tokens): raykv
+        # holds that last page already.
+        whole_prompt = 0 < hit_end == len(request.prompt)
+        held = min(hit_end, request.num_computed_tokens + int(whole_prompt))
         tracked = _Tracked(request.prompt, list(request.block_ids), held, salt)
         self.tracked[request.request_id] = tracked
         return self._save(request.request_id, tracked,
@@ -299,7 +321,7 @@ class StepPlanner:
 #                its whole prompt is looked up, keyed and saved, even what vLLM's own cache
 #                held; request_finished hands back {"raykv_pd": {"tokens": E, ...}}
 #   decode  (D): those params (plus the router's cut): raykv is asked again, without blocking
-#                vLLM's scheduler, until it holds min(E, loadable, cut) tokens or `pd_wait_s`
+#                vLLM's scheduler, until it holds min(E, wanted, cut) tokens or `pd_wait_s`
 #                passes (a put is committed before the directory hears of it, at the node's
 #                next event flush); then D loads what is there and recomputes the rest.
 #
@@ -361,10 +383,10 @@ def decode_params(prefill_params: Any, request_params: Any) -> dict | None:
     return with_fetch_limit(prefill_params, fetch_limit(request_params))
 
 
-def tokens_wanted(handoff: Handoff, num_loadable: int, limit: int | None) -> int:
-    """The prompt tokens a decode waits to see in raykv: the prefill's, at most what it may
-    load (whole blocks, one token left to compute) and the router's cut."""
-    wanted = min(handoff.num_tokens, num_loadable)
+def tokens_wanted(handoff: Handoff, num_wanted: int, limit: int | None) -> int:
+    """The prompt tokens a decode waits to see in raykv: the prefill's, at most the prompt's
+    whole blocks (wanted_tokens) and the router's cut."""
+    wanted = min(handoff.num_tokens, num_wanted)
     return wanted if limit is None else min(wanted, limit)
 
 

@@ -71,9 +71,9 @@ def test_the_decode_request_carries_the_handoff_and_the_router_s_cut():
 
 def test_a_decode_wants_the_prefill_s_tokens_within_what_it_may_load():
     handoff = Handoff(896, "m", "n")
-    assert tokens_wanted(handoff, num_loadable=896, limit=None) == 896
-    assert tokens_wanted(handoff, num_loadable=768, limit=None) == 768
-    assert tokens_wanted(handoff, num_loadable=896, limit=256) == 256
+    assert tokens_wanted(handoff, num_wanted=896, limit=None) == 896
+    assert tokens_wanted(handoff, num_wanted=768, limit=None) == 768
+    assert tokens_wanted(handoff, num_wanted=896, limit=256) == 256
 
 
 def test_a_decode_waits_for_the_pages_at_most_wait_s_after_its_first_short_answer():
@@ -135,7 +135,7 @@ def test_a_prefill_saves_the_whole_prompt_even_what_vllm_s_cache_held():
     plan.keyed("p", b"")
     plan.producers.add("p")
     # vLLM's own cache held 16 tokens (no lookup needed for itself); raykv held none
-    assert plan.matched("p", num_local_tokens=16, num_cached_tokens=0) == 0
+    assert plan.matched("p", num_local_tokens=16, num_cached_tokens=0, prompt_len=21) == 0
     _, saves = plan.step([NewRequest("p", prompt, [1, 2, 3, 4, 5, 6], 16, 5)], [])
     assert saves == [SaveSpec("p", prompt[:16], [1, 2, 3, 4], 0, b"", keep=True)]
     assert plan.saved_tokens("p") == 16
@@ -143,7 +143,7 @@ def test_a_prefill_saves_the_whole_prompt_even_what_vllm_s_cache_held():
     assert plan.saved_tokens("p") == 0 and plan.producers == set()
     # Not a producer: the same prompt's save may be dropped when the saver is busy.
     plan.keyed("q", b"")
-    plan.matched("q", 0, 0)
+    plan.matched("q", 0, 0, 21)
     _, saves = plan.step([NewRequest("q", prompt, [1, 2, 3, 4, 5, 6], 0, 21)], [])
     assert [save.keep for save in saves] == [False]
 

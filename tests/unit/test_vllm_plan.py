@@ -18,6 +18,7 @@ from cluster.serving.vllm_plan import (
     RunningRequest,
     SaveSpec,
     StepPlanner,
+    loadable_tokens,
     page_misfit,
 )
 
@@ -34,9 +35,37 @@ def planner(block_size=B, page_tokens=B):
 
 def test_hits_are_whole_blocks_and_leave_one_token_to_compute():
     plan = planner()
-    assert plan.loadable_tokens(9) == 8 and plan.loadable_tokens(8) == 4
-    assert plan.matched("r", num_local_tokens=4, num_cached_tokens=10) == 4  # 8 - 4 local
-    assert plan.matched("s", num_local_tokens=8, num_cached_tokens=4) == 0
+    assert loadable_tokens(B, 9) == 8 and loadable_tokens(B, 8) == 4  # vLLM's own cache's
+    assert plan.wanted_tokens(9) == 8 and plan.wanted_tokens(8) == 8  # asked of raykv
+    assert plan.matched("r", num_local_tokens=4, num_cached_tokens=10, prompt_len=13) == 4
+    assert plan.matched("s", num_local_tokens=8, num_cached_tokens=4, prompt_len=13) == 0
+    # The whole prompt in raykv: vLLM is handed all but its last token, not all but its
+    # last block (LMCache's rule); the prompt's hit stays its whole blocks.
+    assert plan.matched("t", num_local_tokens=4, num_cached_tokens=8, prompt_len=8) == 3
+    assert plan.hits["t"] == (4, 8)
+    assert plan.matched("u", num_local_tokens=0, num_cached_tokens=12, prompt_len=8) == 7
+
+
+def test_a_whole_prompt_hit_loads_its_last_block_whole_and_saves_nothing_again():
+    plan = planner(page_tokens=P)
+    prompt = list(range(16))
+    plan.keyed("r", b"salt")
+    assert plan.matched("r", 0, 16, len(prompt)) == 15
+    plan.allocated("r", prompt, [7, 8, 9, 10], 15)
+    loads, saves = plan.step([], [])
+    assert loads == [LoadSpec("r", prompt, [7, 8, 9, 10], 0, b"salt")] and saves == []
+    # vLLM computes the last token: the step saves nothing, raykv holds every page
+    loads, saves = plan.step([NewRequest("r", prompt, [7, 8, 9, 10], 15, 1)], [])
+    assert loads == [] and saves == [] and plan.saved_tokens("r") == 16
+    # a last block that failed to load is saved again once computed
+    plan.finished("r")
+    plan.keyed("s", b"salt")
+    plan.matched("s", 0, 16, len(prompt))
+    plan.allocated("s", prompt, [1, 2, 3, 4], 15)
+    plan.step([], [])
+    plan.reported({"s"}, {4})
+    _, saves = plan.step([NewRequest("s", prompt, [1, 2, 3, 4], 12, 4)], [])
+    assert saves == [SaveSpec("s", prompt, [3, 4], 8, b"salt")]
 
 
 def test_a_page_must_be_whole_blocks():
@@ -48,7 +77,7 @@ def test_a_hit_is_loaded_into_its_allocated_blocks_and_not_saved_again():
     plan = planner()
     prompt = list(range(13))
     plan.keyed("r", b"salt")
-    plan.matched("r", 4, 12)
+    plan.matched("r", 4, 12, 13)
     plan.allocated("r", prompt, [7, 8, 9, 10], 8)
     loads, saves = plan.step([], [])  # the request waits for its load: not scheduled
     assert loads == [LoadSpec("r", prompt[:12], [7, 8, 9, 10], 4, b"salt")] and saves == []
@@ -59,7 +88,7 @@ def test_a_hit_is_loaded_into_its_allocated_blocks_and_not_saved_again():
 def test_an_unkeyed_request_is_neither_loaded_nor_saved():
     plan = planner()
     prompt = list(range(13))
-    plan.matched("r", 0, 12)
+    plan.matched("r", 0, 12, 13)
     plan.allocated("r", prompt, [1, 2, 3, 4], 12)
     assert plan.step([NewRequest("r", prompt, [1, 2, 3, 4], 0, 13)], []) == ([], [])
 
@@ -68,7 +97,7 @@ def test_chunked_prefill_saves_only_the_new_pages_of_each_step():
     plan = planner(page_tokens=P)
     prompt = list(range(27))
     plan.keyed("r", b"")
-    plan.matched("r", 0, 0)
+    plan.matched("r", 0, 0, 13)
     _, saves = plan.step([NewRequest("r", prompt, [3, 5, 6], 0, 10)], [])
     assert saves == [SaveSpec("r", prompt[:8], [3, 5], 0, b"")]
     _, saves = plan.step([], [RunningRequest("r", [9, 2], False, 10, 10)])  # tokens 10..19
@@ -94,13 +123,13 @@ def test_a_preempted_request_loads_again_into_its_new_blocks():
     plan = planner()
     prompt = list(range(13))
     plan.keyed("r", b"")
-    plan.matched("r", 0, 12)
+    plan.matched("r", 0, 12, 13)
     plan.allocated("r", prompt, [1, 2, 3, 4], 12)
     loads, _ = plan.step([], [])
     assert loads == [LoadSpec("r", prompt[:12], [1, 2, 3, 4], 0, b"")]
     plan.step([NewRequest("r", prompt, [1, 2, 3, 4], 12, 1)], [])
     # preempted, its blocks freed; asked again with vLLM's cache holding the first block
-    assert plan.matched("r", 4, plan.hits["r"][1]) == 8
+    assert plan.matched("r", 4, plan.hits["r"][1], 13) == 8
     plan.allocated("r", prompt, [1, 6, 7, 8], 8)
     loads, saves = plan.step([], [])
     assert loads == [LoadSpec("r", prompt[:12], [1, 6, 7, 8], 4, b"")] and saves == []
@@ -112,35 +141,35 @@ def test_a_preempted_request_is_offered_the_pages_it_saved_itself():
     plan = planner()
     prompt = list(range(13))
     plan.keyed("r", b"")
-    assert plan.matched("r", 0, 0) == 0  # raykv held nothing when it came
+    assert plan.matched("r", 0, 0, 13) == 0  # raykv held nothing when it came
     _, saves = plan.step([NewRequest("r", prompt, [1, 2, 3, 4], 0, 13)], [])
     assert saves == [SaveSpec("r", prompt[:12], [1, 2, 3], 0, b"")]
-    assert plan.rematched("r", 0) == 12  # preempted, asked again: its own pages load
+    assert plan.rematched("r", 0, 13) == 12  # preempted, asked again: its own pages load
 
 
 def test_a_load_that_failed_is_not_offered_again():
     plan = planner()
     prompt = list(range(13))
     plan.keyed("r", b"")
-    plan.matched("r", 0, 12)
+    plan.matched("r", 0, 12, 13)
     plan.allocated("r", prompt, [1, 2, 3, 4], 12)
     plan.step([], [])
     plan.reported(set(), {9})  # another request's block: nothing changes
-    assert plan.rematched("r", 0) == 12
+    assert plan.rematched("r", 0, 13) == 12
     plan.reported({"r"}, {2, 3})  # tokens 4..11 never came
-    assert plan.rematched("r", 0) == 4 and not plan.loading
-    plan.matched("s", 0, 12)
+    assert plan.rematched("r", 0, 13) == 4 and not plan.loading
+    plan.matched("s", 0, 12, 13)
     plan.keyed("s", b"")
     plan.allocated("s", prompt, [5, 6, 7, 8], 12)
     plan.reported({"s"}, {5, 6, 7})  # nothing came: vLLM asks again and is told 0
-    assert plan.rematched("s", 0) == 0
+    assert plan.rematched("s", 0, 13) == 0
 
 
 def test_a_load_that_fell_short_saves_the_pages_it_did_not_fill():
     plan = planner()
     prompt = list(range(13))
     plan.keyed("r", b"")
-    plan.matched("r", 0, 12)
+    plan.matched("r", 0, 12, 13)
     plan.allocated("r", prompt, [1, 2, 3, 4], 12)
     plan.step([], [])
     # vLLM cut the request's count to the first failed block (token 4) and computes the rest

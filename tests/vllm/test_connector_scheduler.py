@@ -115,6 +115,30 @@ def test_a_slow_lookup_answers_none_then_the_hit_loaded_asynchronously(client):
     connector.shutdown()
 
 
+def test_a_prompt_raykv_holds_whole_is_handed_over_less_its_last_token(client):
+    """A 96-token prompt (3 whole pages) raykv holds whole: vLLM is handed 95 tokens and
+    computes the last one (LMCache's rule), not the last 16-token block; the lookup asked
+    for all 96, and the load fills the last block whole."""
+    client.gate.set()
+    connector = scheduler()
+    req = request(num_tokens=96, cache_salt="tenant")
+    assert ask_until_answered(connector, req) == (95, True)
+    connector.update_state_after_alloc(req, SimpleNamespace(
+        get_block_ids=lambda: (list(range(20, 26)),)), 95)
+    output = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                             total_num_scheduled_tokens=0,
+                             scheduled_cached_reqs=SimpleNamespace(
+                                 req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                 num_computed_tokens=[]))
+    metadata = connector.build_connector_meta(output)
+    assert metadata.loads == [LoadSpec("r", list(range(96)), list(range(20, 26)), 0,
+                                       client.salts[0])]
+    # vLLM's own cache holding all it can (80 of 96: all but the last block) asks nothing
+    held = request("held", num_tokens=96)
+    assert connector.get_num_new_matched_tokens(held, 80) == (0, False)
+    connector.shutdown()
+
+
 def test_the_routers_cut_loads_no_more_and_leaves_the_rest_to_recompute(client):
     """raykv's router found the tail of the hit slower to fetch than to recompute: it sent
     its cut in kv_transfer_params, and the connector offers vLLM only the head."""

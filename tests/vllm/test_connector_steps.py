@@ -122,6 +122,21 @@ def test_chunked_prefill_saves_each_page_once_and_a_rerun_loads_them(engine):
     assert cached == full and rerun == ids
 
 
+def test_a_prompt_raykv_holds_whole_is_loaded_but_for_its_last_token(engine):
+    """A prompt of whole pages that raykv holds: vLLM takes all but its last token from raykv
+    and computes that one (not its whole last 128-token block), and decodes the same
+    tokens."""
+    prompt = prompt_tokens(7 * BLOCK_TOKENS, seed=31)
+    ids, cached = generate(engine, prompt)
+    assert cached == 0
+    saved(engine, prompt, len(prompt))
+    before = settled_stats(engine)
+    rerun, cached = generate(engine, prompt)
+    assert cached == len(prompt) - 1 and rerun == ids
+    after = settled_stats(engine)
+    assert after["saved_tokens"] == before["saved_tokens"]  # its last page is not put again
+
+
 def test_a_finished_request_s_pages_are_in_the_directory_when_its_output_is_out(engine):
     """raykv.save_mode "auto": each save is flushed, and the step after it waits for that, so
     another engine that asks for the prompt right after the response finds every page. Its
@@ -230,7 +245,7 @@ def test_a_load_made_in_the_step_gives_the_tokens_computed_and_a_failed_one_reco
 
 def test_two_lora_adapters_on_one_prompt_never_share_pages(engine, adapters):
     prompt = prompt_tokens(640, seed=13)
-    full = 640 // BLOCK_TOKENS * BLOCK_TOKENS - BLOCK_TOKENS  # 512: one token left to compute
+    full = 640 - 1  # 5 whole pages, held whole: all but the last token, which vLLM computes
     ids_a, cached_a = generate(engine, prompt, lora=adapters["lora-a"])
     assert cached_a == 0
     time.sleep(0.5)  # lora-a's saves are keyed apart (a plain lookup cannot see them): wait
@@ -260,7 +275,7 @@ def test_cache_salts_keep_tenants_apart(engine):
     assert cached == 0
     settled_stats(engine)
     again, cached = generate(engine, prompt, cache_salt="tenant-1")
-    assert cached == 512 and again == ids
+    assert cached == 640 - 1 and again == ids  # its 5 pages, held whole
 
 
 def test_a_preempted_request_reloads_its_pages_and_decodes_the_same_tokens(engine):

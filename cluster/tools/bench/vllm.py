@@ -28,9 +28,10 @@ the workload (cluster/tools/bench/vllm_workload.py) is whole pages. Phases:
 Each request decodes MAX_TOKENS greedy tokens; its TTFT is timed inside the engine process.
 Ratios: ttft_vs_lmcache, the median of per-request TTFT ratios raykv / LMCache (with their
 spread); ttft_p99_vs_lmcache, raykv's p99 TTFT over LMCache's, over the same paired requests;
-cross_engine_hit_ratio, of the back-to-back reads, the tokens raykv loaded over the whole pages
-it could (all but the last token); same_output, the share of requests whose MAX_TOKENS greedy
-tokens with raykv equal those without a connector. The TTFT ratios fail (null) unless both
+cross_engine_hit_ratio, of the back-to-back reads, the tokens raykv loaded over what a cache
+of whole pages could hand over (the prompt's whole pages, all but its last token);
+same_output, the share of requests whose MAX_TOKENS greedy tokens with raykv equal those
+without a connector. The TTFT ratios fail (null) unless both
 caches handed KV across engines in the workload. Also: what moving KV between raykv's layout
 and vLLM's blocks costs next to a memcpy of the same bytes.
 """
@@ -396,7 +397,7 @@ def notes_of(plan: dict) -> list[str]:
         "the p99 of raykv's TTFTs over the p99 of LMCache's, same requests",
         f"cross_engine_hit_ratio: {len(plan['back_to_back'])} back-to-back reads of fresh "
         f"{plan['prompt_tokens']}-token prompts (one engine computes, the other asks right "
-        "after): tokens loaded over whole pages loadable",
+        "after): tokens loaded over the prompt's whole pages less its last token",
         f"LMCache: {LMCACHE_L1_GB} GiB L1, chunk {PAGE_TOKENS}, LRU, as many workers as raykv's "
         "copy threads (lmcache_command)"]
 

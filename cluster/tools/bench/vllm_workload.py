@@ -69,9 +69,10 @@ def back_to_back_prompts(num_prompts: int, num_tokens: int) -> list[list[int]]:
 
 
 def loadable_tokens(num_prompt_tokens: int, page_tokens: int = PAGE_TOKENS) -> int:
-    """The whole pages an engine can load for a prompt: at most len - 1 tokens, since the
-    last token is always computed."""
-    return (num_prompt_tokens - 1) // page_tokens * page_tokens
+    """What a cache of whole pages can hand an engine for a prompt: its whole pages, at most
+    len - 1 tokens, since the engine computes the last token (a prompt of whole pages, held
+    whole, is handed over less that one token, as LMCache and raykv both do)."""
+    return min(num_prompt_tokens // page_tokens * page_tokens, max(num_prompt_tokens - 1, 0))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -84,9 +85,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclass
 class HitAccount:
-    """Per request: the prefix (whole pages, at most len - 1) that the other engine computed
-    and this engine never did: what a shared cache can hand over. A prompt's trailing partial
-    page is never stored."""
+    """Per request: the prefix (whole pages, at most len - 1 tokens) that the other engine
+    computed and this engine never did: what a shared cache can hand over. A prompt's
+    trailing partial page is never stored."""
 
     block_tokens: int = PAGE_TOKENS
 
