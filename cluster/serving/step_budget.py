@@ -31,15 +31,16 @@ save also flushes (KVClient.flush: committed, and the directory told), and a ste
 "auto", the step after the one that saved waits (in start_load_kv, before its outputs), at
 most what recomputing the saved tokens would take (the reader's loss when it misses them) and
 at least one step, so the request's first token is not delayed and its pages are in the
-directory before its next one;
+directory before its next one; only for requests still running (one that finished as it
+saved, as a max_tokens 1 prefill does, has its output out: waiting cannot help it);
 "sync", the saving step itself waits, at most the call timeout (before its first token);
 "async", no step waits, and a save is visible when its commit lands.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Container
+from dataclasses import dataclass, field
 
 from policies.cost_routing import ewma
 
@@ -70,7 +71,8 @@ class StepBudget:
     num_requests: int = 1  # in the last step handed out
     remaining_s: float = 0.0
     save_mode: str = "auto"
-    saving_tokens: int = 0  # handed to the worker's saves in the last step built
+    # request id -> the tokens its saves handed the worker in the last step built
+    last_saves: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         checked_load_mode(self.mode)
@@ -118,15 +120,22 @@ class StepBudget:
             return call_timeout_s
         return settle_bound_s(self.step_s, recompute_s)
 
-    def save_waits(self, saving_tokens: int, call_timeout_s: float,
-                   recompute_s: Callable[[int], float]) -> tuple[float | None, float | None]:
-        """For a step whose saves hand `saving_tokens` to the worker: (how long the worker
-        waits in it for the saves of the step before, how long for its own), None for no
-        wait (module doc: "auto", "sync", "async"). `recompute_s(n)` is what computing n
-        tokens takes this engine."""
-        last, self.saving_tokens = self.saving_tokens, saving_tokens
+    def save_waits(self, saving: dict[str, int], running: Container[str],
+                   call_timeout_s: float, recompute_s: Callable[[int], float]
+                   ) -> tuple[float | None, float | None]:
+        """For a step whose saves hand the worker `saving` (request id -> tokens): (how long
+        the worker waits in it for the saves of the step before, how long for its own), None
+        for no wait (module doc: "auto", "sync", "async"). `running`: the requests not
+        finished yet; `recompute_s(n)`: what computing n tokens takes this engine.
+
+        "auto" waits only for the saves of requests still running. One that finished in the
+        step that saved it (a prefill with max_tokens 1, a stop token) has its output out
+        already: a wait could not put its pages in the directory before that, and would only
+        hold up the other requests of the step."""
+        last, self.last_saves = self.last_saves, dict(saving)
         if self.save_mode == "sync":
-            return None, call_timeout_s if saving_tokens else None
-        if self.save_mode == "async" or not last:
+            return None, call_timeout_s if any(saving.values()) else None
+        waited = sum(tokens for request_id, tokens in last.items() if request_id in running)
+        if self.save_mode == "async" or not waited:
             return None, None
-        return settle_bound_s(self.step_s, recompute_s(last)), None
+        return settle_bound_s(self.step_s, recompute_s(waited)), None

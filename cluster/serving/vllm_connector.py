@@ -261,9 +261,13 @@ class RaykvConnector(KVConnectorBase_V1):
                    for i, (req_id, blocks) in enumerate(zip(cached.req_ids,
                                                             cached.new_block_ids, strict=True))]
         loads, saves = self._planner.step(new, running)
+        saving: dict[str, int] = {}
+        for spec in saves:
+            saving[spec.request_id] = saving.get(spec.request_id, 0) + len(spec.token_ids) \
+                - spec.start
         meter = self._meter
         before_s, after_s = self._budget.save_waits(
-            sum(len(spec.token_ids) - spec.start for spec in saves), self._link.call_timeout_s(),
+            saving, self._planner.tracked, self._link.call_timeout_s(),
             meter.recompute_s if meter is not None else lambda _: 0.0)
         return RaykvMetadata(loads, saves, before_s, after_s)
 

@@ -68,20 +68,27 @@ def test_an_unknown_mode_is_refused():
 
 def test_auto_saves_are_waited_for_in_the_next_step_bounded_by_their_recompute():
     budget = timed(0.040, 1)
-    recompute_s = {2048: 0.5, 0: 0.0}.__getitem__
-    assert budget.save_waits(2048, 5.0, recompute_s) == (None, None)  # its own step: no wait
-    assert budget.save_waits(0, 5.0, recompute_s) == (0.5, None)  # the next: its recompute
-    assert budget.save_waits(0, 5.0, recompute_s) == (None, None)  # nothing saved since
-    budget.save_waits(128, 5.0, lambda n: 0.001)
-    assert budget.save_waits(0, 5.0, lambda n: 0.001) == (pytest.approx(0.040), None)  # a step
+    recompute_s = {2048: 0.5, 1024: 0.25}.__getitem__
+    running = {"r", "s"}
+    assert budget.save_waits({"r": 2048}, running, 5.0, recompute_s) == (None, None)  # its own
+    assert budget.save_waits({}, running, 5.0, recompute_s) == (0.5, None)  # the next: recompute
+    assert budget.save_waits({}, running, 5.0, recompute_s) == (None, None)  # none saved since
+    budget.save_waits({"r": 128}, running, 5.0, lambda n: 0.001)
+    assert budget.save_waits({}, running, 5.0, lambda n: 0.001) == (pytest.approx(0.040), None)
+    # Only the saves of requests still running: "f" finished in the step that saved it (its
+    # output is out), so its tokens are not waited for, and alone they wait for nothing.
+    budget.save_waits({"f": 1024, "s": 1024}, running, 5.0, recompute_s)
+    assert budget.save_waits({}, running, 5.0, recompute_s) == (0.25, None)
+    budget.save_waits({"f": 1024}, running, 5.0, recompute_s)
+    assert budget.save_waits({}, running, 5.0, recompute_s) == (None, None)
 
 
 def test_sync_saves_wait_in_their_own_step_and_async_ones_never():
     sync = StepBudget(save_mode="sync")
-    assert sync.save_waits(128, 5.0, lambda n: 1.0) == (None, 5.0)
-    assert sync.save_waits(0, 5.0, lambda n: 1.0) == (None, None)
+    assert sync.save_waits({"r": 128}, {"r"}, 5.0, lambda n: 1.0) == (None, 5.0)
+    assert sync.save_waits({}, {"r"}, 5.0, lambda n: 1.0) == (None, None)
     never = StepBudget(save_mode="async")
-    never.save_waits(128, 5.0, lambda n: 1.0)
-    assert never.save_waits(0, 5.0, lambda n: 1.0) == (None, None)
+    never.save_waits({"r": 128}, {"r"}, 5.0, lambda n: 1.0)
+    assert never.save_waits({}, {"r"}, 5.0, lambda n: 1.0) == (None, None)
     with pytest.raises(ValueError, match="raykv.save_mode"):
         StepBudget(save_mode="eager")
