@@ -150,10 +150,6 @@ class DirectoryHandle:
     def flush_redis(self) -> list:
         return [shard.flush_redis.remote() for shard in self.shards]
 
-    def kill(self) -> None:
-        for shard in self.shards:
-            ray.kill(shard, no_restart=True)
-
 
 class NodeHandle:
     """One node-cache actor."""

@@ -91,6 +91,7 @@ from cluster.serving.vllm_plan import (
     RunningRequest,
     SaveSpec,
     StepPlanner,
+    asked_tokens,
     fetch_limit,
     handoff_mismatch,
     handoff_of,
@@ -100,7 +101,6 @@ from cluster.serving.vllm_plan import (
     page_misfit,
     routed_hit,
     tokens_wanted,
-    wanted_tokens,
 )
 from cluster.serving.vllm_service import (
     Answer,
@@ -212,7 +212,7 @@ class RaykvConnector(KVConnectorBase_V1):
                 request_id, num_computed_tokens, len(request.prompt_token_ids or ())))
         prompt = list(request.prompt_token_ids or [])
         num_loadable = loadable_tokens(self._block_size, len(prompt))
-        num_wanted = wanted_tokens(self._block_size, len(prompt))
+        num_asked = asked_tokens(self._block_size, len(prompt))
         params = getattr(request, "kv_transfer_params", None)
         # A prefill for a remote decode (P/D) is looked up, keyed and saved even when vLLM's
         # own cache holds it: its decode loads it from raykv.
@@ -222,14 +222,14 @@ class RaykvConnector(KVConnectorBase_V1):
             # block less one token, not worth an engine step's wait)
             planner.matched(request_id, num_computed_tokens, num_computed_tokens, len(prompt))
             return 0, False
-        answer = self._routed_answer(request, params, num_wanted)
+        answer = self._routed_answer(request, params, num_asked)
         if answer is None:
-            answer = self._lookups.poll(request_id, prompt[:num_wanted],
+            answer = self._lookups.poll(request_id, prompt[:num_asked],
                                         lambda: request_salt(request), self._budget)
         if answer is None:
             return None, False  # in flight: vLLM asks again next step
         limit = fetch_limit(params)
-        if self._awaits_handoff(request_id, answer, params, num_wanted):
+        if self._awaits_handoff(request_id, answer, params, num_asked):
             return None, False  # its prefill's pages are not all in raykv yet: ask again
         if limit is not None and limit < answer.num_tokens:  # raykv's router chose to recompute
             answer = Answer(answer.salt, limit, answer.page_tokens)
@@ -261,13 +261,10 @@ class RaykvConnector(KVConnectorBase_V1):
                    for i, (req_id, blocks) in enumerate(zip(cached.req_ids,
                                                             cached.new_block_ids, strict=True))]
         loads, saves = self._planner.step(new, running)
-        saving: dict[str, int] = {}
-        for spec in saves:
-            saving[spec.request_id] = saving.get(spec.request_id, 0) + len(spec.token_ids) \
-                - spec.start
         meter = self._meter
         before_s, after_s = self._budget.save_waits(
-            saving, self._planner.tracked, self._link.call_timeout_s(),
+            {spec.request_id: len(spec.token_ids) - spec.start for spec in saves},  # one each
+            self._planner.tracked, self._link.call_timeout_s(),
             meter.recompute_s if meter is not None else lambda _: 0.0)
         return RaykvMetadata(loads, saves, before_s, after_s)
 
@@ -320,7 +317,7 @@ class RaykvConnector(KVConnectorBase_V1):
         return False, handoff
 
     def _routed_answer(self, request: Request, params: Any,
-                       num_wanted: int) -> Answer | None:
+                       num_asked: int) -> Answer | None:
         """The router's hit as this request's answer (None: ask raykv): raykv's router
         looked the prompt up to place it, so asking again would only cost the request an
         engine step. Only for a plain request (the router keys the prompt's text alone) that
@@ -330,10 +327,10 @@ class RaykvConnector(KVConnectorBase_V1):
                 or not is_plain(request):
             return None
         self.num_routed_answers += 1
-        return Answer(b"", min(hit, num_wanted), self._planner.page_tokens)
+        return Answer(b"", min(hit, num_asked), self._planner.page_tokens)
 
     def _awaits_handoff(self, request_id: str, answer: Answer, params: Any,
-                        num_wanted: int) -> bool:
+                        num_asked: int) -> bool:
         """P/D decode: whether raykv does not hold its prefill's pages yet, and the request
         is still within `pd_wait_s`; then its lookup is issued again shortly."""
         handoff = handoff_of(params)
@@ -345,7 +342,7 @@ class RaykvConnector(KVConnectorBase_V1):
                 self._told_mismatch = True
                 log.error("raykv P/D: %s; decodes do not wait for their prefill's pages", why)
             return False
-        wanted = tokens_wanted(handoff, num_wanted, fetch_limit(params))
+        wanted = tokens_wanted(handoff, num_asked, fetch_limit(params))
         if not self._waits.should_wait(request_id, answer.num_tokens, wanted,
                                        time.monotonic()):
             if answer.num_tokens < wanted:

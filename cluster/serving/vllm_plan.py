@@ -161,7 +161,7 @@ def loadable_tokens(block_size: int, prompt_len: int) -> int:
     return max(prompt_len - 1, 0) // block_size * block_size
 
 
-def wanted_tokens(block_size: int, prompt_len: int) -> int:
+def asked_tokens(block_size: int, prompt_len: int) -> int:
     """The prefix the connector asks raykv for: every whole block of the prompt. When raykv
     holds them all, vLLM is handed all but the prompt's last token (handed_tokens), as
     LMCache does, and computes that one token, not its whole last block."""
@@ -197,8 +197,8 @@ class StepPlanner:
     tracked: dict[str, _Tracked] = field(default_factory=dict)
     producers: set[str] = field(default_factory=set)  # prefills for a remote decode (P/D)
 
-    def wanted_tokens(self, prompt_len: int) -> int:
-        return wanted_tokens(self.block_size, prompt_len)
+    def asked_tokens(self, prompt_len: int) -> int:
+        return asked_tokens(self.block_size, prompt_len)
 
     def keyed(self, request_id: str, salt: bytes) -> None:
         """The request's pages are keyed under `salt` (b"": the model's own chain)."""
@@ -218,7 +218,7 @@ class StepPlanner:
         end = self.hits[request_id][1]
         tracked = self.tracked.get(request_id)
         if tracked is not None:
-            end = max(end, min(tracked.saved_tokens, self.wanted_tokens(prompt_len)))
+            end = max(end, min(tracked.saved_tokens, self.asked_tokens(prompt_len)))
         return self.matched(request_id, num_local_tokens, end, prompt_len)
 
     def allocated(self, request_id: str, prompt: list[int], block_ids: list[int],
@@ -383,10 +383,10 @@ def decode_params(prefill_params: Any, request_params: Any) -> dict | None:
     return with_fetch_limit(prefill_params, fetch_limit(request_params))
 
 
-def tokens_wanted(handoff: Handoff, num_wanted: int, limit: int | None) -> int:
+def tokens_wanted(handoff: Handoff, num_asked: int, limit: int | None) -> int:
     """The prompt tokens a decode waits to see in raykv: the prefill's, at most the prompt's
-    whole blocks (wanted_tokens) and the router's cut."""
-    wanted = min(handoff.num_tokens, num_wanted)
+    whole blocks (asked_tokens) and the router's cut."""
+    wanted = min(handoff.num_tokens, num_asked)
     return wanted if limit is None else min(wanted, limit)
 
 

@@ -71,9 +71,9 @@ def test_the_decode_request_carries_the_handoff_and_the_router_s_cut():
 
 def test_a_decode_wants_the_prefill_s_tokens_within_what_it_may_load():
     handoff = Handoff(896, "m", "n")
-    assert tokens_wanted(handoff, num_wanted=896, limit=None) == 896
-    assert tokens_wanted(handoff, num_wanted=768, limit=None) == 768
-    assert tokens_wanted(handoff, num_wanted=896, limit=256) == 256
+    assert tokens_wanted(handoff, num_asked=896, limit=None) == 896
+    assert tokens_wanted(handoff, num_asked=768, limit=None) == 768
+    assert tokens_wanted(handoff, num_asked=896, limit=256) == 256
 
 
 def test_a_decode_waits_for_the_pages_at_most_wait_s_after_its_first_short_answer():

@@ -36,7 +36,7 @@ def planner(block_size=B, page_tokens=B):
 def test_hits_are_whole_blocks_and_leave_one_token_to_compute():
     plan = planner()
     assert loadable_tokens(B, 9) == 8 and loadable_tokens(B, 8) == 4  # vLLM's own cache's
-    assert plan.wanted_tokens(9) == 8 and plan.wanted_tokens(8) == 8  # asked of raykv
+    assert plan.asked_tokens(9) == 8 and plan.asked_tokens(8) == 8  # asked of raykv
     assert plan.matched("r", num_local_tokens=4, num_cached_tokens=10, prompt_len=13) == 4
     assert plan.matched("s", num_local_tokens=8, num_cached_tokens=4, prompt_len=13) == 0
     # The whole prompt in raykv: vLLM is handed all but its last token, not all but its

@@ -90,6 +90,17 @@ def ask_until_answered(connector, req, timeout_s=5.0):
     return answer
 
 
+def allocated_then_built(connector, req, block_ids: list[int], num_external_tokens: int):
+    """vLLM gives `req` its blocks for `num_external_tokens` from raykv, then builds the
+    metadata of a step that schedules nothing: the loads the connector hands its workers."""
+    connector.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (block_ids,)),
+                                       num_external_tokens)
+    return connector.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                              resumed_req_ids=set(), num_computed_tokens=[])))
+
+
 def test_a_slow_lookup_answers_none_then_the_hit_loaded_asynchronously(client):
     connector = scheduler()
     req = request(cache_salt="tenant")
@@ -101,14 +112,7 @@ def test_a_slow_lookup_answers_none_then_the_hit_loaded_asynchronously(client):
     assert ask_until_answered(connector, req) == (96, True)  # 3 pages; token 99 is computed
     assert len(client.salts) == 1 and client.salts[0] != b""  # one lookup, salted
     assert connector.get_num_new_matched_tokens(req, 32) == (64, True)  # asked again: no call
-    connector.update_state_after_alloc(req, SimpleNamespace(
-        get_block_ids=lambda: (list(range(10, 17)),)), 64)
-    output = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
-                             total_num_scheduled_tokens=0,
-                             scheduled_cached_reqs=SimpleNamespace(
-                                 req_ids=[], new_block_ids=[], resumed_req_ids=set(),
-                                 num_computed_tokens=[]))
-    metadata = connector.build_connector_meta(output)
+    metadata = allocated_then_built(connector, req, list(range(10, 17)), 64)
     assert isinstance(metadata, RaykvMetadata)
     assert metadata.loads == [LoadSpec("r", list(range(96)), list(range(10, 17)), 32,
                                        client.salts[0])]
@@ -123,14 +127,7 @@ def test_a_prompt_raykv_holds_whole_is_handed_over_less_its_last_token(client):
     connector = scheduler()
     req = request(num_tokens=96, cache_salt="tenant")
     assert ask_until_answered(connector, req) == (95, True)
-    connector.update_state_after_alloc(req, SimpleNamespace(
-        get_block_ids=lambda: (list(range(20, 26)),)), 95)
-    output = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
-                             total_num_scheduled_tokens=0,
-                             scheduled_cached_reqs=SimpleNamespace(
-                                 req_ids=[], new_block_ids=[], resumed_req_ids=set(),
-                                 num_computed_tokens=[]))
-    metadata = connector.build_connector_meta(output)
+    metadata = allocated_then_built(connector, req, list(range(20, 26)), 95)
     assert metadata.loads == [LoadSpec("r", list(range(96)), list(range(20, 26)), 0,
                                        client.salts[0])]
     # vLLM's own cache holding all it can (80 of 96: all but the last block) asks nothing
@@ -175,14 +172,7 @@ def test_the_routers_hit_is_the_answer_at_the_first_ask_without_a_lookup(client)
     client.gate.set()
     assert ask_until_answered(connector, request("odd", kv_transfer_params={
         HIT_KEY: "64"})) == (96, True)
-    connector.update_state_after_alloc(routed, SimpleNamespace(
-        get_block_ids=lambda: (list(range(10, 17)),)), 64)
-    output = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
-                             total_num_scheduled_tokens=0,
-                             scheduled_cached_reqs=SimpleNamespace(
-                                 req_ids=[], new_block_ids=[], resumed_req_ids=set(),
-                                 num_computed_tokens=[]))
-    assert connector.build_connector_meta(output).loads == [
+    assert allocated_then_built(connector, routed, list(range(10, 17)), 64).loads == [
         LoadSpec("routed", list(range(64)), list(range(10, 17)), 0, b"")]
     connector.shutdown()
 
