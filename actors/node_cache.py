@@ -125,8 +125,7 @@ class NodeCacheActor:
         # Clients read the held-pages indexes while these stamps keep coming: a loop of its
         # own, so that a slow directory flush does not make them stop trusting a live node.
         self.loops.every("held", self.config.event_flush_s, self._beat)
-        if self.config.demote_ahead:  # host room kept free between requests
-            self.loops.every("demote-ahead", self.config.event_flush_s, self.store.demote_ahead)
+        self.loops.every("ahead", self.config.event_flush_s, self._ahead)
 
     def _transfer_timeout_s(self) -> float:
         return self.config.call_timeout_s
@@ -167,6 +166,13 @@ class NodeCacheActor:
 
     async def _beat(self) -> None:
         self.store.beat()
+
+    async def _ahead(self) -> None:
+        """Work done between requests, off their paths: new host pages hashed (so that their
+        demotion only writes), then, first hashed, the host room kept free demoted."""
+        await self.store.checksum_ahead()
+        if self.config.demote_ahead:
+            await self.store.demote_ahead()
 
     async def _tick(self) -> None:
         self.store.expire()

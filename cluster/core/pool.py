@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from cluster.core import quant
+from cluster.core.checksums_ahead import ChecksumsAhead
 from cluster.core.claims import InflightClaims
 from cluster.core.demote_ahead import DemoteAhead, RecentPeak
 from cluster.core.disk_loads import DiskLoads
@@ -47,7 +48,7 @@ EventSink = Callable[[PageKey, int | None], None]
 MAX_LOAD_ROUNDS = 3
 
 
-class Pool(DiskLoads, LeasedSlots, DemoteAhead):
+class Pool(DiskLoads, LeasedSlots, DemoteAhead, ChecksumsAhead):
     """Pages of one geometry on one node."""
 
     def __init__(self, geometry: PageGeometry, limits: PoolLimits, disk: DiskArena | None,
@@ -95,6 +96,7 @@ class Pool(DiskLoads, LeasedSlots, DemoteAhead):
         # them between requests (demote_ahead.py).
         self.host_peak = RecentPeak()
         self.demoted_ahead = 0
+        self._init_checksums()  # host pages hashed between requests (checksums_ahead.py)
 
     def _on_event(self, key: PageKey, tier: int | None) -> None:
         """A page stored, moved or dropped: published to (or withdrawn from) the held-pages
@@ -105,6 +107,7 @@ class Pool(DiskLoads, LeasedSlots, DemoteAhead):
                                              self.memory[tier].generation(entry.slot))])
         else:
             self.held_index.withdraw([key])
+        self._queue_checksum(key, tier)
         self._sink(key, tier)
 
     def _num_slots(self, tier: int) -> int:
@@ -447,13 +450,20 @@ class Pool(DiskLoads, LeasedSlots, DemoteAhead):
             payload = self._encode(self.index[key])
             items.append((slot, bytes(key), self.codec_id, payload))
             moved.append(key)
-        namespaces = [self.index[key].namespace for key in moved]  # restored after a restart
+        entries = [self.index[key] for key in moved]
+        namespaces = [entry.namespace for entry in entries]  # restored after a restart
+        # Raw pages hashed when they came in are written with that checksum: no pass over
+        # their bytes here (checksums_ahead.py). Encoded ones are hashed as written.
+        sums = [entry.checksum if self.codec_id == 0 else None for entry in entries]
+        self.inline_checksums += sums.count(None)
         # Durable mode: the batch is fdatasynced before this returns, so the page is on disk
         # for good before _relocate tells anyone so.
-        if not await asyncio.to_thread(self.disk.write_or_free, items, namespaces):
+        metas = await asyncio.to_thread(self.disk.write_or_free, items, namespaces, sums)
+        if metas is None:
             return []  # a full or failing disk: these pages are dropped instead
-        for (slot, _, codec, _), key in zip(items, moved, strict=True):
-            entry = self.index[key]
+        for (slot, _, codec, _), key, entry, meta in zip(items, moved, entries, metas,
+                                                        strict=True):
+            entry.checksum = meta.checksum if codec == 0 else None
             self._relocate(key, entry, DISK, slot)
             entry.codec = codec
         return moved

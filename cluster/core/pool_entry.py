@@ -21,3 +21,4 @@ class Entry:
     pins: int = 0
     owner: int = 0  # the reservation a PENDING page belongs to
     namespace: str = ""  # whose page it is, for namespace quotas ("" when not known)
+    checksum: int | None = None  # its payload's, once taken (checksums_ahead.py)

@@ -449,6 +449,9 @@ class NodeStore:
                 "host_headroom_pages": sum(p.headroom_pages() for p in self.pools.values()),
                 "host_headroom_short_pages": sum(p.headroom_short() for p in self.pools.values()),
                 "demoted_ahead_pages": sum(p.demoted_ahead for p in self.pools.values()),
+                "checksums_ahead_pages": sum(p.checksums_ahead for p in self.pools.values()),
+                "inline_checksum_pages": sum(p.inline_checksums for p in self.pools.values()),
+                "checksum_queued_pages": sum(p.num_unsummed for p in self.pools.values()),
                 "disk_bytes_read": sum(d.bytes_read for d in disks),
                 "disk_bytes_written": sum(d.bytes_written for d in disks),
                 "disk_checksum_failures": sum(d.checksum_failures for d in disks),
@@ -465,6 +468,11 @@ class NodeStore:
         """Every pool keeps its learned host headroom free (cluster/core/demote_ahead.py);
         returns the pages demoted."""
         return sum([await pool.demote_ahead() for pool in list(self.pools.values())])
+
+    async def checksum_ahead(self) -> int:
+        """Every pool hashes its next batch of host pages that have no checksum yet, so that
+        their demotion only writes (cluster/core/checksums_ahead.py); returns how many."""
+        return sum([await pool.checksum_ahead() for pool in list(self.pools.values())])
 
     async def shrink_idle(self, idle_s: float) -> int:
         """Pools unused for `idle_s` give their memory chunks back; returns how many. First,

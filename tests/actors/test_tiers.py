@@ -227,3 +227,32 @@ def test_the_node_demotes_ahead_so_a_read_up_lands_in_free_room(service):
     # Every host page demoted meanwhile was the loop's, after the read-up: none on its path.
     assert after["evictions"]["host"] - node["evictions"]["host"] == \
         after["demoted_ahead_pages"] - node["demoted_ahead_pages"], (node, after)
+
+
+# ---- checksums ahead (cluster/core/checksums_ahead.py) -------------------------------------
+
+
+def test_the_node_hashes_new_pages_ahead_so_their_demotion_only_writes(service):
+    """The node's loop hashes the pages that came in between requests; pages then pushed down
+    to disk are written with those checksums (none hashed on the demotion's path), and read
+    back exact."""
+    service(**{**SMALL, "host_bytes": 16 * PAGE_BYTES, "put_lease_bytes": 0})
+    client = connect(TINY)
+    fill(client, 8)  # 16 pages: the host tier, full, nothing demoted yet
+    assert client.puts.settle(client.timeout_s)
+    deadline_s = time.monotonic() + 10
+    node = client.stats()["node"]
+    while node["checksum_queued_pages"] or node["checksums_ahead_pages"] < 16:
+        assert time.monotonic() < deadline_s, f"pages not hashed ahead within 10 s: {node}"
+        time.sleep(0.05)
+        node = client.stats()["node"]
+    assert node["pages"] == {"device": 0, "host": 16, "disk": 0}, node
+    for index in range(8, 12):  # 8 more pages push the 8 coldest down to disk
+        assert client.put(prompt(index), kv_for(TINY, 32, index)) == 32
+    assert client.puts.settle(client.timeout_s)
+    after = client.stats()["node"]
+    assert after["pages"]["disk"] == 8 and after["evictions"]["host"] == 8, after
+    assert after["inline_checksum_pages"] == 0, after  # every demotion only wrote
+    num_tokens, got = client.get(prompt(0))  # on disk: read up, verified
+    assert num_tokens == 32 and torch.equal(got, kv_for(TINY, 32, 0))
+    assert client.stats()["node"]["disk_checksum_failures"] == 0

@@ -68,6 +68,7 @@ from cluster.core.tiers.disk_format import (
     ensure_manifest,
     pack_header,
     parse_header,
+    payload_checksum,
 )
 from cluster.core.tiers.disk_format import checksum as _checksum
 from cluster.core.tiers.disk_runs import DiskRuns
@@ -318,16 +319,24 @@ class DiskArena(DiskRuns):
         return list(self._executor.map(lambda args: func(*args), args_list))
 
     def write_pages(self, items: list[tuple[int, bytes, int, np.ndarray]],
-                    namespaces: list[str] | None = None) -> list[DiskPageMeta]:
+                    namespaces: list[str] | None = None,
+                    checksums: list[int | None] | None = None) -> list[DiskPageMeta]:
         """Write (slot, key, codec, payload) pages, each item's namespace in its header ("" when
         `namespaces` is None); all are validated before any is written. In durable mode the
         slab files written are fdatasynced before this returns.
 
+        `checksums[i]`, where not None, is item i's payload checksum as its owner computed it
+        when the page was copied in (checksums_ahead.py): the write then only writes. A wrong
+        one is not checked here; the page fails its checksum when read (a miss, never wrong
+        bytes). None: computed here, on the writing thread.
+
         Raises TypeError/ValueError for a bad item (nothing written) and OSError on I/O failure.
         """
         namespaces = [""] * len(items) if namespaces is None else list(namespaces)
-        if len(namespaces) != len(items):
-            raise ValueError(f"{len(items)} items but {len(namespaces)} namespaces")
+        checksums = [None] * len(items) if checksums is None else list(checksums)
+        if not len(namespaces) == len(checksums) == len(items):
+            raise ValueError(f"{len(items)} items but {len(namespaces)} namespaces and "
+                             f"{len(checksums)} checksums")
         seen: set[int] = set()
         for (slot, key, codec, payload), namespace in zip(items, namespaces, strict=True):
             self._check_write_item(slot, key, codec, payload)
@@ -335,7 +344,8 @@ class DiskArena(DiskRuns):
             if slot in seen:
                 raise ValueError(f"slot {slot} appears twice in one write batch")
             seen.add(slot)
-        full = [(*item, namespace) for item, namespace in zip(items, namespaces, strict=True)]
+        full = [(*item, namespace, known) for item, namespace, known
+                in zip(items, namespaces, checksums, strict=True)]
         runs = self._plan([slot for slot, *_ in items],
                           [self._writes_whole_span(payload) for *_, payload in items])
         results = [result for run in self._run(self._write_run, [([full[p] for p in run],)
@@ -349,17 +359,17 @@ class DiskArena(DiskRuns):
         return [meta for meta, _ in results]
 
     def write_or_free(self, items: list[tuple[int, bytes, int, np.ndarray]],
-                      namespaces: list[str] | None = None) -> bool:
-        """write_pages; on an I/O error (a full disk) free the items' slots and return False."""
+                      namespaces: list[str] | None = None,
+                      checksums: list[int | None] | None = None) -> list[DiskPageMeta] | None:
+        """write_pages; on an I/O error (a full disk) free the items' slots and return None."""
         try:
-            self.write_pages(items, namespaces)
-            return True
+            return self.write_pages(items, namespaces, checksums)
         except OSError as error:
             logger.warning("disk tier in %s: writing %d pages failed: %s", self.dir_path,
                            len(items), error)
             for slot, *_ in items:
                 self.free(slot)
-            return False
+            return None
 
     def _check_write_item(self, slot: int, key: bytes, codec: int, payload: np.ndarray) -> None:
         self._check_slot(slot)
@@ -375,20 +385,21 @@ class DiskArena(DiskRuns):
                              f"{self.slot_payload_bytes} bytes")
 
     def _write_one(self, slot: int, key: bytes, codec: int, payload: np.ndarray,
-                   namespace: str) -> tuple[DiskPageMeta, int]:
+                   namespace: str, known: int | None = None) -> tuple[DiskPageMeta, int]:
         if self.faults is not None:
             self.faults.before_io(writing=True)
         fd, offset = self._locate(slot)
         if is_aligned(payload):
             return self._write_in_place(fd, offset, DiskPageMeta(
-                key, payload.nbytes, int(codec), _checksum(payload), namespace), payload)
+                key, payload.nbytes, int(codec), payload_checksum(payload, known), namespace),
+                payload)
         num_bytes = payload.nbytes
         with self._staging.borrow() as staging:
             body = staging[: round_up(num_bytes)]
             body[:num_bytes] = payload
             body[num_bytes:] = 0
-            meta = DiskPageMeta(key, num_bytes, int(codec), _checksum(body[:num_bytes]),
-                                namespace)
+            meta = DiskPageMeta(key, num_bytes, int(codec),
+                                payload_checksum(body[:num_bytes], known), namespace)
             return self._write_in_place(fd, offset, meta, body)
 
     def _write_in_place(self, fd: int, offset: int, meta: DiskPageMeta,

@@ -45,6 +45,12 @@ def checksum(data: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def payload_checksum(payload: np.ndarray, known: int | None = None) -> int:
+    """A page's payload checksum: `known` when its owner computed it as the page was copied
+    in (checksums_ahead.py), else computed now."""
+    return checksum(payload) if known is None else known
+
+
 def pack_header(header: np.ndarray, meta: DiskPageMeta) -> None:
     namespace = meta.namespace.encode()
     _HEADER.pack_into(header, 0, MAGIC, HEADER_VERSION, meta.codec, meta.key,

@@ -23,8 +23,7 @@ import os
 import numpy as np
 
 from cluster.core.tiers.aligned import ALIGN_BYTES, aligned_empty, is_aligned, pwritev_all, round_up
-from cluster.core.tiers.disk_format import HEADER_BYTES, DiskPageMeta, pack_header
-from cluster.core.tiers.disk_format import checksum as _checksum
+from cluster.core.tiers.disk_format import HEADER_BYTES, DiskPageMeta, pack_header, payload_checksum
 
 MAX_RUN_SLOTS = 256  # up to 3 iovecs a page, under Linux's IOV_MAX of 1024
 MAX_RUN_BYTES = 16 << 20
@@ -116,10 +115,10 @@ class DiskRuns:
             results.append((meta, self.slot_bytes))
         return results
 
-    def _write_run(self, items: list[tuple[int, bytes, int, np.ndarray, str]]
+    def _write_run(self, items: list[tuple[int, bytes, int, np.ndarray, str, int | None]]
                    ) -> list[tuple[DiskPageMeta, int]]:
-        """Adjacent slots' pages (checksummed here) in one pwritev; a single one: _write_one.
-        OSError when any of it fails."""
+        """Adjacent slots' pages in one pwritev (each checksummed here unless its checksum is
+        known); a single one: _write_one. OSError when any of it fails."""
         if len(items) == 1:
             return [self._write_one(*items[0])]
         for _ in items:
@@ -128,8 +127,10 @@ class DiskRuns:
         fd, offset = self._locate(items[0][0])
         blocks = aligned_empty(len(items) * 2 * HEADER_BYTES).reshape(len(items), 2, HEADER_BYTES)
         iovecs, metas = [], []
-        for (_, key, codec, payload, namespace), (header, tail) in zip(items, blocks, strict=True):
-            meta = DiskPageMeta(key, payload.nbytes, int(codec), _checksum(payload), namespace)
+        for (_, key, codec, payload, namespace, known), (header, tail) in zip(items, blocks,
+                                                                               strict=True):
+            meta = DiskPageMeta(key, payload.nbytes, int(codec),
+                                payload_checksum(payload, known), namespace)
             pack_header(header, meta)
             metas.append(meta)
             head_bytes = payload.nbytes // ALIGN_BYTES * ALIGN_BYTES

@@ -4,6 +4,11 @@ size, with numjobs = the arena's threads (CacheConfig.disk_threads: each thread,
 job, has one pread/pwrite in flight), interleaved in rotating rounds, on files in the same
 directory (a real disk).
 
+The arena writes each page with the checksum the node took when the page came into its host
+tier (cluster/core/checksums_ahead.py), as demotion does: the write only writes. That hash
+is the node's work between requests, not the write's; its time per batch is reported beside
+(phases_ms.arena_checksum, one thread). Reads verify every page's checksum, as promotion does.
+
 Writes run twice: in the volatile mode against plain fio randwrite (disk_write_vs_raw), and
 in the durable mode (one fdatasync per batch of num_pages pages before write_pages returns)
 against fio randwrite with --fdatasync=num_pages (each job fdatasyncs after every num_pages of
@@ -27,6 +32,7 @@ from collections.abc import Callable
 import numpy as np
 
 from cluster.core.config import CacheConfig
+from cluster.core.tiers.disk_format import checksum
 from cluster.tools.bench import common, harness, peers
 
 DISK_REPS = 5  # at least this many batches per disk tier measurement
@@ -55,6 +61,8 @@ class ArenaBench:
 
         self.arena, self.num_pages = arena, num_pages
         self.payloads = _arena_payloads(page_bytes, num_pages)
+        # Taken when each page came in (checksums_ahead.py), as the pages demotion writes have.
+        self.checksums = [checksum(payload) for payload in self.payloads]
         self.keys = [i.to_bytes(16, "little") for i in range(num_pages)]
         self.outs = [aligned_empty(page_bytes) for _ in range(num_pages)]
         for out in self.outs:
@@ -76,12 +84,11 @@ class ArenaBench:
         return count * self.batch_bytes / elapsed_s / 1e9
 
     def checksum_ms(self) -> float:
-        """Median ms to checksum one batch's pages in one thread, as the tier does per page."""
-        import xxhash
-
+        """Median ms to checksum one batch's pages in one thread, as the node does per page
+        when it comes in (and a read, to verify it)."""
         def checksums() -> None:
             for payload in self.payloads:
-                xxhash.xxh3_64_intdigest(payload)
+                checksum(payload)
 
         return common.warm_median_s(checksums, DISK_REPS) * 1e3
 
@@ -89,7 +96,8 @@ class ArenaBench:
         """One batch at random slots (noted for the reads)."""
         slots = self.rng.choice(self.arena.num_slots, self.num_pages, replace=False).tolist()
         self.arena.write_pages([(s, k, 0, p) for s, k, p in
-                                zip(slots, self.keys, self.payloads, strict=True)])
+                                zip(slots, self.keys, self.payloads, strict=True)],
+                               checksums=self.checksums)
         self.written.append(slots)
 
     def write_gbps(self, durability: str = "volatile") -> float:

@@ -506,7 +506,9 @@ NOTES = [
     "ray.put pages and copies them out with copies.copy_pages; both fill a touched KV tensor "
     "laid out as out (page i: its tokens i*T..), as raykv's get does",
     "disk: fio O_DIRECT psync randread/randwrite, bs = page, numjobs = disk_threads, for "
-    "FIO_RUNTIME_S, against DiskArena.read_pages/write_pages (checksums included) on "
+    "FIO_RUNTIME_S, against DiskArena.read_pages (every page's checksum verified) and "
+    "write_pages (each page with the checksum the node took when it came in, as demotion "
+    "writes it: phases_ms.arena_checksum is that hash's time per batch, off the write) on "
     "disk_threads threads, batches at random slots for >= ARENA_MIN_S, files in /tmp; durable: "
     "the arena fdatasyncs once per batch, fio after every num_pages writes of each job",
     "e2e: the service with its host tier full: each e2e_put demotes a batch, each e2e_get reads "
