@@ -56,6 +56,18 @@ class ChecksumsAhead:
         if (tier == HOST and entry is not None and entry.checksum is None
                 and self._wants_checksums()):
             self._unsummed.append(key)
+            if len(self._unsummed) > 2 * self._num_slots(HOST) + 64:
+                self._compact_unsummed()
+
+    def _compact_unsummed(self) -> None:
+        """Keep only the keys still waiting (puts that outran the passes leave the queue
+        with pages since gone or moved down): it stays within twice the host tier."""
+        waiting = []
+        for key in dict.fromkeys(self._unsummed):
+            entry = self.index.get(key)
+            if entry is not None and entry.tier == HOST and entry.checksum is None:
+                waiting.append(key)
+        self._unsummed = deque(waiting)
 
     @property
     def num_unsummed(self) -> int:

@@ -136,6 +136,14 @@ def test_pages_whose_disk_copy_is_encoded_are_not_queued(harness):
     assert pool.index[key(0)].checksum is None  # decoded bytes: not the disk copy's checksum
 
 
+def test_the_queue_stays_within_twice_the_host_tier_when_puts_outrun_the_passes(harness):
+    pool = harness.make(device_pages=0, host_pages=2, disk_pages=200, eviction="lru")
+    run(put_each(pool, range(150)))  # no pass at all: 148 pages went down unhashed
+    assert pool.num_unsummed <= 2 * 2 + 64 + 1
+    assert run(pool.checksum_ahead()) == 2  # the two host pages are still in it
+    assert pool.num_unsummed == 0
+
+
 def test_a_pool_without_disk_queues_nothing(harness):
     pool = harness.make(device_pages=0, host_pages=4, disk_pages=0)
     run(put_each(pool, range(3)))
