@@ -169,7 +169,8 @@ class NodeCacheActor:
 
     async def _ahead(self) -> None:
         """Work done between requests, off their paths: new host pages hashed (so that their
-        demotion only writes), then, first hashed, the host room kept free demoted."""
+        demotion only writes), then the host tier's headroom freed by demoting its coldest
+        pages (hashed by then, as a rule: those writes only write too)."""
         await self.store.checksum_ahead()
         if self.config.demote_ahead:
             await self.store.demote_ahead()
