@@ -33,7 +33,7 @@ from collections import deque
 
 from cluster.core.geometry import HOST
 from cluster.core.keys import PageKey
-from cluster.core.pool_entry import State
+from cluster.core.pool_entry import Entry, State
 from cluster.core.tiers.disk_format import checksum
 
 BATCH_BYTES = 64 << 20  # hashed per pass: ~3 ms of one core at ~25 GB/s
@@ -51,10 +51,14 @@ class ChecksumsAhead:
     def _wants_checksums(self) -> bool:
         return self.disk is not None and self.codec_id == 0
 
-    def _queue_checksum(self, key: PageKey, tier: int | None) -> None:
-        entry = self.index.get(key)
-        if (tier == HOST and entry is not None and entry.checksum is None
-                and self._wants_checksums()):
+    @staticmethod
+    def _awaits_checksum(entry: Entry | None) -> bool:
+        """A page in the host tier with no checksum yet."""
+        return entry is not None and entry.tier == HOST and entry.checksum is None
+
+    def _queue_checksum(self, key: PageKey, entry: Entry | None, tier: int | None) -> None:
+        """`entry`: the key's entry, looked up by the caller (Pool._on_event)."""
+        if tier == HOST and self._awaits_checksum(entry) and self._wants_checksums():
             self._unsummed.append(key)
             if len(self._unsummed) > 2 * self._num_slots(HOST) + 64:
                 self._compact_unsummed()
@@ -62,12 +66,8 @@ class ChecksumsAhead:
     def _compact_unsummed(self) -> None:
         """Keep only the keys still waiting (puts that outran the passes leave the queue
         with pages since gone or moved down): it stays within twice the host tier."""
-        waiting = []
-        for key in dict.fromkeys(self._unsummed):
-            entry = self.index.get(key)
-            if entry is not None and entry.tier == HOST and entry.checksum is None:
-                waiting.append(key)
-        self._unsummed = deque(waiting)
+        self._unsummed = deque(key for key in dict.fromkeys(self._unsummed)
+                               if self._awaits_checksum(self.index.get(key)))
 
     @property
     def num_unsummed(self) -> int:
@@ -99,8 +99,7 @@ class ChecksumsAhead:
         while self._unsummed and len(batch) < max_pages:
             key = self._unsummed.popleft()
             entry = self.index.get(key)
-            if (entry is None or entry.tier != HOST or entry.checksum is not None
-                    or entry.state == State.PENDING):
+            if not self._awaits_checksum(entry) or entry.state == State.PENDING:
                 continue  # it is queued again if it comes back to host without one
             batch.append((key, entry, entry.slot, self.memory[HOST].generation(entry.slot)))
         return batch

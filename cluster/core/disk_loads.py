@@ -92,12 +92,12 @@ class DiskLoads:
         if entry.codec != 0:
             self._decode_into(self.memory[HOST].view(slot), out[: meta.payload_bytes],
                               entry.codec)
-            entry.checksum = None  # the encoded bytes' checksum is not the page's
         elif copy:
             target = self.memory[HOST].view(slot).numpy()
             np.copyto(target[: meta.payload_bytes], out[: meta.payload_bytes])
-        if entry.codec == 0:
-            entry.checksum = meta.checksum  # verified by the read: not hashed again
+        # A raw page keeps the checksum its read verified (never hashed again); a decoded one
+        # has none yet: the encoded bytes' checksum is not the page's.
+        entry.checksum = meta.checksum if entry.codec == 0 else None
         self._relocate(key, entry, HOST, slot)
         entry.codec = 0
 

@@ -107,7 +107,7 @@ class Pool(DiskLoads, LeasedSlots, DemoteAhead, ChecksumsAhead):
                                              self.memory[tier].generation(entry.slot))])
         else:
             self.held_index.withdraw([key])
-        self._queue_checksum(key, tier)
+        self._queue_checksum(key, entry, tier)
         self._sink(key, tier)
 
     def _num_slots(self, tier: int) -> int:
