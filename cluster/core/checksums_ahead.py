@@ -14,8 +14,9 @@ The disk tier checksums every page so that a torn or damaged page reads as a mis
 to hash each page on the writing thread: on a fast disk that pass is a good share of the
 write (xxh3 at ~25 GB/s on this machine's cores against 2.5 to 5 GB/s of writes), and on the
 demotion's path when a batch needs room. Hashing soon after the copy-in moves it off both
-the put's path (the client copies at memcpy speed; the node hashes later, in its own thread)
-and the demotion's.
+the put's path (the client copies at memcpy speed; the node hashes later, in its own thread
+at a lower CPU priority, so that it takes no core from the copies of requests) and the
+demotion's.
 
 A page's bytes do not change while it sits in one slot (a committed page is never written
 again; a late writer's slot is quarantined: tiers/fence.py). A page moved or freed while its
@@ -29,14 +30,36 @@ when they are made.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
+from cluster.core.background import background_executor
 from cluster.core.geometry import HOST
 from cluster.core.keys import PageKey
 from cluster.core.pool_entry import Entry, State
 from cluster.core.tiers.disk_format import checksum
 
 BATCH_BYTES = 64 << 20  # hashed per pass: ~3 ms of one core at ~25 GB/s
+
+_hasher: ThreadPoolExecutor | None = None
+_hasher_lock = threading.Lock()
+
+
+def _hash_thread() -> ThreadPoolExecutor:
+    """The thread that hashes pages ahead (one per process), at the lower CPU priority of work
+    ahead of need (background.py): it yields a core to the gets' and puts' copies, which run
+    beside it on the node's machine, instead of taking one from them."""
+    global _hasher
+    with _hasher_lock:
+        if _hasher is None:
+            _hasher = background_executor("raykv-checksums")
+        return _hasher
+
+
+async def _on_hash_thread(function):
+    """function(), run on the hash thread."""
+    return await asyncio.get_running_loop().run_in_executor(_hash_thread(), function)
 
 
 class ChecksumsAhead:
@@ -82,7 +105,7 @@ class ChecksumsAhead:
             return 0
         views = [self.memory[HOST].view(slot)[: self.geometry.page_bytes].numpy()
                  for _, _, slot, _ in batch]
-        sums = await asyncio.to_thread(lambda: [checksum(view) for view in views])
+        sums = await _on_hash_thread(lambda: [checksum(view) for view in views])
         done = 0
         for (key, entry, slot, generation), value in zip(batch, sums, strict=True):
             if (self.index.get(key) is entry and entry.tier == HOST and entry.slot == slot

@@ -5,13 +5,15 @@ Pure asyncio pools over a real disk directory, no Ray."""
 
 from __future__ import annotations
 
-import asyncio
+import os
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 import cluster.core.checksums_ahead as checksums_ahead
+from cluster.core.background import BACKGROUND_NICE
 from cluster.core.geometry import DISK, HOST
 from cluster.core.tiers import disk_format
 from tests.unit._pages import PAGE_BYTES, key, page, page_bytes
@@ -108,16 +110,15 @@ def test_bytes_changed_after_hashing_read_back_as_a_miss_never_as_wrong_bytes(ha
 def test_a_page_that_left_its_slot_while_hashed_gets_no_checksum(harness, monkeypatch):
     pool = harness.make(device_pages=0, host_pages=2, disk_pages=8, eviction="lru")
     run(put_each(pool, range(2)))
-    real_to_thread = asyncio.to_thread
+    real_hash_thread = checksums_ahead._on_hash_thread
 
     async def page_0_discarded_then_its_slot_reused(function):
         # On the loop while the hash would run: page 0 is discarded and page 2 takes its slot.
         pool.drop(key(0))
         await put(pool, [2])
-        return await real_to_thread(function)
+        return await real_hash_thread(function)
 
-    monkeypatch.setattr(checksums_ahead.asyncio, "to_thread",
-                        page_0_discarded_then_its_slot_reused)
+    monkeypatch.setattr(checksums_ahead, "_on_hash_thread", page_0_discarded_then_its_slot_reused)
     assert run(pool.checksum_ahead()) == 1  # page 1 only
     monkeypatch.undo()
     assert pool.index[key(1)].checksum is not None
@@ -185,3 +186,12 @@ def test_the_arena_writes_a_known_checksum_as_given(tmp_path):
             arena.write_pages([(slots[0], key(0), 0, payloads[0])], checksums=[1, 2])
     finally:
         arena.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="per-thread nice is Linux's")
+def test_pages_are_hashed_at_the_lower_priority_of_work_ahead_of_need():
+    """The hash thread yields a core to the copies of requests (background.py)."""
+    def own_nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    assert run(checksums_ahead._on_hash_thread(own_nice)) >= BACKGROUND_NICE
