@@ -299,7 +299,7 @@ class KVClient:
         places = puts.take(len(keys))
         if places is None:
             return None
-        blocks, mapped = slabs.kv_blocks(places, kv, np.arange(len(keys)))
+        blocks, mapped = slabs.kv_blocks(places, kv, 0)
         if mapped < len(keys):  # the committer keeps only mapped slots: a torn mapping
             puts.give_back(places)
             return None

@@ -110,7 +110,7 @@ def copy_pairs(slabs: LocalSlabs, places: np.ndarray, out: torch.Tensor,
     """The (destination, source) blocks that copy the pages at `places` into out's pages
     first_page..: one per run of consecutive slots (copies.copy_pages copies them), and how
     many leading pages they cover (the rest are in chunks not mapped here)."""
-    return slabs.kv_blocks(places, out, first_page + np.arange(len(places)))
+    return slabs.kv_blocks(places, out, first_page)
 
 
 # ---- 2. the calls for the rest ---------------------------------------------------------------

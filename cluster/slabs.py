@@ -194,17 +194,22 @@ class LocalSlabs:
                           .unflatten(1, self.geometry.shape)))
         return views
 
-    def kv_blocks(self, places: np.ndarray, kv: torch.Tensor,
-                  positions: np.ndarray) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    def kv_blocks(self, places: np.ndarray, kv: torch.Tensor, positions: np.ndarray | int,
+                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
         """(kv's pages, their slots) as blocks, one per run of consecutive slots and
-        consecutive pages of kv: page positions[i] of kv [L, 2, H, N, D] sits in places[i].
+        consecutive pages of kv: page positions[i] of kv [L, 2, H, N, D] sits in places[i]
+        (positions increasing; an int p stands for p, p+1, ...: a get's or a whole put's).
         Also how many leading places the blocks cover (they stop at a slot not mapped here)."""
         rows = page_rows(kv, self.geometry.shape[3])
-        stretch_starts = np.flatnonzero(np.diff(positions, prepend=-2) != 1).tolist()
+        if isinstance(positions, int):
+            stretch_starts, firsts = [0], [positions]  # one stretch: no pass over positions
+        else:
+            stretch_starts = np.flatnonzero(np.diff(positions, prepend=-2) != 1).tolist()
+            firsts = np.asarray(positions)[stretch_starts].tolist()
         blocks, covered = [], 0
-        for start, end in zip(stretch_starts, stretch_starts[1:] + [len(places)], strict=True):
+        for start, end, first in zip(stretch_starts, stretch_starts[1:] + [len(places)], firsts,
+                                     strict=True):
             runs = self.runs(places[start:end])
-            first = int(positions[start])
             blocks += [(rows[:, :, :, first + run.position : first + run.position + run.count],
                         slab_order(block)) for run, block in runs]
             covered += sum(run.count for run, _ in runs)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from actors.handles import DirectoryHandle, NodeHandle, PeerCache
@@ -81,8 +80,8 @@ class CacheView:
     def note_copy(self, places: list, seconds: float) -> None:
         """A timed copy of pages out of this node's slabs: a rate sample when they all sat in
         one tier (a copy from several cannot tell their speeds apart)."""
-        tiers = np.unique(as_places(places)[:, TIER])
-        if len(tiers) == 1:
+        tiers = as_places(places)[:, TIER]
+        if len(tiers) and (tiers == tiers[0]).all():
             self.transfers.append((TIER_SOURCES[int(tiers[0])],
                                    len(places) * self.geometry.page_bytes, seconds))
 

@@ -41,6 +41,17 @@ def test_runs_are_the_page_by_page_runs(places, per_chunk):
     assert slot_runs(as_places(places), per_chunk) == runs_page_by_page(places, per_chunk)
 
 
+runs_of_slots = st.lists(st.tuples(st.integers(0, 1), st.integers(0, 40), st.integers(1, 12)),
+                        min_size=1, max_size=3)
+
+
+@given(runs=runs_of_slots, per_chunk=per_chunk_pairs, generation=st.integers(0, 3))
+def test_runs_of_consecutive_slots_are_the_page_by_page_runs(runs, per_chunk, generation):
+    """Tables made of runs (as puts reserve them), the one-run shortcut's case among them."""
+    places = [(tier, first + k, generation) for tier, first, count in runs for k in range(count)]
+    assert slot_runs(as_places(places), per_chunk) == runs_page_by_page(places, per_chunk)
+
+
 def test_consecutive_slots_are_one_run_until_a_chunk_ends():
     places = as_places([(1, s, 0) for s in range(10, 16)] + [(0, 16, 0)])
     assert slot_runs(places, (100, 100)) == [SlotRun(0, 1, 10, 6), SlotRun(6, 0, 16, 1)]
@@ -57,6 +68,18 @@ def test_unchanged_prefix_is_the_page_by_page_one(places, seed):
         if int(generations[tier][slot]) != generation:
             expected = position
             break
+    assert num_unchanged(as_places(places), generations) == expected
+
+
+@given(tier=st.integers(0, 1), slots=st.lists(st.integers(0, 40), max_size=40),
+       seed=st.integers(0, 2**32 - 1))
+def test_unchanged_in_one_tier_is_the_page_by_page_one(tier, slots, seed):
+    rng = np.random.default_rng(seed)
+    generations = [rng.integers(0, 2, 41).astype(np.uint64) for _ in range(2)]
+    noted = rng.integers(0, 2, len(slots))
+    places = [(tier, slot, int(g)) for slot, g in zip(slots, noted, strict=True)]
+    expected = next((p for p, (_, slot, g) in enumerate(places)
+                     if int(generations[tier][slot]) != g), len(places))
     assert num_unchanged(as_places(places), generations) == expected
 
 

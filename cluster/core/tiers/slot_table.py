@@ -45,6 +45,9 @@ def slot_runs(places: np.ndarray, slots_per_chunk: Sequence[int]) -> list[SlotRu
     starts (chunks are separate allocations in the device tier)."""
     if not len(places):
         return []
+    whole = _one_run(places, slots_per_chunk)
+    if whole is not None:
+        return [whole]
     tiers, slots = places[:, TIER], places[:, SLOT]
     per_chunk = np.asarray(slots_per_chunk, dtype=np.int64)[tiers]
     breaks = np.ones(len(places), dtype=bool)
@@ -54,6 +57,19 @@ def slot_runs(places: np.ndarray, slots_per_chunk: Sequence[int]) -> list[SlotRu
     counts = np.diff(np.append(starts, len(places)))
     return [SlotRun(int(p), int(tiers[p]), int(slots[p]), int(k))
             for p, k in zip(starts.tolist(), counts.tolist(), strict=True)]
+
+
+def _one_run(places: np.ndarray, slots_per_chunk: Sequence[int]) -> SlotRun | None:
+    """All of `places` as one run (consecutive slots of one tier in one chunk, as a fresh put
+    reserves them), else None: the common case, in a few scalar tests and one pass."""
+    tier, first, count = int(places[0, TIER]), int(places[0, SLOT]), len(places)
+    last, per_chunk = first + count - 1, slots_per_chunk[tier]
+    if (int(places[-1, SLOT]) != last or int(places[-1, TIER]) != tier
+            or first // per_chunk != last // per_chunk):
+        return None
+    if count > 2 and not (np.diff(places[:, :GENERATION], axis=0) == (0, 1)).all():
+        return None
+    return SlotRun(0, tier, first, count)
 
 
 def num_unchanged(places: np.ndarray, generations: Sequence[np.ndarray]) -> int:
@@ -69,6 +85,9 @@ def unchanged(places: np.ndarray, generations: Sequence[np.ndarray]) -> np.ndarr
     """Per page of `places`, whether its slot still holds the generation noted there
     (bool [N]; one gather per tier)."""
     tiers = places[:, TIER]
+    if len(places) and (tiers == tiers[0]).all():  # one tier, as a rule: one gather
+        return generations[int(tiers[0])][places[:, SLOT]].astype(np.int64) == \
+            places[:, GENERATION]
     now = np.empty(len(places), dtype=np.int64)
     for tier in np.unique(tiers).tolist():
         rows = tiers == tier
