@@ -12,10 +12,11 @@ import time
 import numpy as np
 import torch
 
+from cluster import puts
 from cluster.core.geometry import HOST
 from cluster.core.put_leases import LeaseRequest
 from cluster.core.tiers.fence import SlotFence
-from cluster.puts import LeasedPuts
+from cluster.puts import COMMIT_AFTER_S, LeasedPuts
 from tests.unit._fakes import drive
 from tests.unit._pages import GEOMETRY as G
 from tests.unit._pages import as_page, key, page, page_bytes
@@ -205,6 +206,28 @@ def test_a_leased_put_makes_no_call_and_commits_in_the_background(world):  # noq
         stored = world.arenas[tier].view(slot)[: G.page_bytes].view(torch.float32)
         assert torch.equal(stored, kv[:, :, :, p * PAGE_TOKENS:(p + 1) * PAGE_TOKENS]
                            .contiguous().view(-1))
+    assert client.counters["leased_pages"] == 4
+
+
+def test_puts_in_quick_succession_commit_in_one_call_sent_after_they_returned(world):  # noqa: F811
+    """The commit waits COMMIT_AFTER_S after a write (its call's Python would otherwise take
+    the interpreter lock from the put returning), and writes made meanwhile join it."""
+    client = leased_client(world)
+    kv = torch.cat([KV, KV[:, :, :, :3]], dim=3)
+    drive(client._put(TOKENS, kv))
+    wait_leased(client, 4)
+    half = 2 * PAGE_TOKENS
+    puts.COMMIT_AFTER_S = 0.5  # a window wide enough for two puts on any machine
+    try:
+        calls = len(world.local.calls)
+        for offset in (1000, 2000):
+            tokens = [t + offset for t in TOKENS[:half]]
+            assert drive(client._put(tokens, kv[:, :, :, :half])) == half
+        assert world.local.calls[calls:] == []  # nothing sent yet: both wait in the window
+        assert client.puts.settle(5.0)  # a read of its own writes sends them at once
+        assert world.local.calls[calls:] == ["put_leased"]
+    finally:
+        puts.COMMIT_AFTER_S = COMMIT_AFTER_S
     assert client.counters["leased_pages"] == 4
 
 
