@@ -4,52 +4,102 @@ directory, the prefixes this node served whole without asking it (DemandBatch).
 
 An optimistic read makes no call; the node still needs to hear of it, for its eviction policy
 (an access) and its counters (a hit, a request served). The first read after a quiet spell is
-sent at once; later ones are gathered for up to TOUCH_EVERY_S and sent together by a timer, so
-a burst of reads costs one call per interval and none is left untold.
+sent TOUCH_SOON_S later; later ones are gathered for up to TOUCH_EVERY_S and sent together, so
+a burst of reads costs one call per interval and none is left untold. One thread per process
+sends every batch when it falls due (_Sender): never the get's own thread, whose caller is
+waiting for its pages (the call's Python took ~0.7 ms of a get here when the get sent it), and
+never a thread of its own per timer (a thread started on a get's path).
 
 A get that took a lease (the node's acquire pinned its pages) lets go of it with no call of its
-own: the lease rides on the client's next acquire (`take_released`), or on this batch's timer
+own: the lease rides on the client's next acquire (`take_released`), or on this batch's send
 within TOUCH_EVERY_S. A release only ends pins, so a late one merely keeps pages from eviction
 a moment longer, and a lease never released (a dead client) still lapses at its deadline.
 
 A get whose node's acquire held the whole prefix asks the directory nothing (fetch.py), but the
 directory's demand tracker (cluster/core/demand.py: hot prefixes for burst detection,
-replication, migration) still counts the request: its keys are sent by a timer within
-TOUCH_EVERY_S, never on the get's path, as the match would have recorded them.
+replication, migration) still counts the request: its keys are sent within TOUCH_EVERY_S,
+never on the get's path, as the match would have recorded them.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
 
 from cluster.core.keys import PageKey
 
+log = logging.getLogger("raykv.client")
 TOUCH_EVERY_S = 0.5  # at most one report per interval
+# The first read after a quiet spell is sent this long after it: by then its get has
+# returned, and the send runs beside what the caller does next.
+TOUCH_SOON_S = 0.002
+
+
+class _Sender:
+    """The thread that sends every batch of this process when it falls due: a heap of
+    (due time, batch), a batch's flush called once its time comes (a batch scheduled twice
+    is flushed twice; the second finds it empty, or sends what gathered since)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._due: list[tuple[float, int, _TimedBatch]] = []
+        self._order = itertools.count()  # ties by arrival: batches are not ordered
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, batch: _TimedBatch, due_s: float) -> None:
+        with self._cond:
+            heapq.heappush(self._due, (due_s, next(self._order), batch))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="raykv-touches",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due or (wait_s := self._due[0][0] - time.monotonic()) > 0:
+                    self._cond.wait(wait_s if self._due else None)
+                _, _, batch = heapq.heappop(self._due)
+            try:
+                batch.send_due()
+            except Exception:  # a send is fire and forget: a failed one is a lost report
+                log.exception("a batch of reads could not be sent")
+
+
+_sender = _Sender()
 
 
 class _TimedBatch:
-    """The send timer the batches share: started when something waits to be sent (under
-    the batch's lock), stopped by the flush that sends it."""
+    """A batch the sender flushes when due: scheduled when something waits to be sent (under
+    the batch's lock), at most one pending time at once (an earlier one replaces it)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
+        self._due_s: float | None = None
 
     def flush(self) -> None:
         raise NotImplementedError
 
-    def _start_timer(self) -> None:
-        if self._timer is None:
-            self._timer = threading.Timer(TOUCH_EVERY_S, self.flush)
-            self._timer.daemon = True
-            self._timer.start()
+    def send_due(self) -> None:
+        """The sender's call: flush, unless a flush since made this time moot."""
+        with self._lock:
+            due = self._due_s is not None and self._due_s <= time.monotonic()
+        if due:
+            self.flush()
 
-    def _stop_timer(self) -> None:
-        if self._timer is not None and self._timer is not threading.current_thread():
-            self._timer.cancel()
-        self._timer = None
+    def _schedule(self, delay_s: float) -> None:
+        due_s = time.monotonic() + delay_s
+        if self._due_s is None or due_s < self._due_s:
+            self._due_s = due_s
+            _sender.schedule(self, due_s)
+
+    def _sent(self) -> None:
+        self._due_s = None
 
 
 class TouchBatch(_TimedBatch):
@@ -71,17 +121,20 @@ class TouchBatch(_TimedBatch):
         with self._lock:
             self._keys.extend(keys)
             self._reads += 1
-            due = time.monotonic() - self._sent_at_s >= TOUCH_EVERY_S
-            if not due:
-                self._start_timer()
-        if due:
-            self.flush()
+            self._schedule_report()
 
     def release(self, lease_id: int) -> None:
-        """A lease this client is done with: sent with its next acquire or by the timer."""
+        """A lease this client is done with: sent with its next acquire or the next report
+        (within TOUCH_EVERY_S)."""
         with self._lock:
             self._released.append(lease_id)
-            self._start_timer()
+            self._schedule(TOUCH_EVERY_S)
+
+    def _schedule_report(self) -> None:
+        """Due TOUCH_SOON_S from now after a quiet spell, else TOUCH_EVERY_S after the last
+        report (under the lock)."""
+        since_s = time.monotonic() - self._sent_at_s
+        self._schedule(max(TOUCH_SOON_S, TOUCH_EVERY_S - since_s))
 
     def take_released(self) -> list[int]:
         """The leases gathered so far, for a call about to go to the node anyway."""
@@ -92,7 +145,7 @@ class TouchBatch(_TimedBatch):
     def flush(self) -> None:
         """Send what has gathered, now."""
         with self._lock:
-            self._stop_timer()
+            self._sent()
             if not self._keys and not self._released:
                 return
             keys, reads, released = list(dict.fromkeys(self._keys)), self._reads, self._released
@@ -103,7 +156,7 @@ class TouchBatch(_TimedBatch):
 
 class DemandBatch(_TimedBatch):
     """Gathers the key chains of requests served without a directory match and hands them to
-    `send(requests)` from a timer, at most one call per TOUCH_EVERY_S, fire and forget."""
+    `send(requests)` from the sender, at most one call per TOUCH_EVERY_S, fire and forget."""
 
     def __init__(self, send: Callable[[list[list[PageKey]]], object]):
         super().__init__()
@@ -116,12 +169,12 @@ class DemandBatch(_TimedBatch):
             return
         with self._lock:
             self._requests.append(keys)
-            self._start_timer()
+            self._schedule(TOUCH_EVERY_S)
 
     def flush(self) -> None:
         """Send what has gathered, now."""
         with self._lock:
-            self._stop_timer()
+            self._sent()
             requests, self._requests = self._requests, []
         if requests:
             self.send(requests)

@@ -3,6 +3,8 @@ remote pages, and every failure a miss, never an exception or wrong bytes."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -317,6 +319,9 @@ def test_optimistic_reads_are_reported_to_the_node_in_batches(world, monkeypatch
     world.put_local(range(4))
     world.get()
     world.get()
+    deadline_s = time.monotonic() + 5.0
+    while world.local.touched != KEYS and time.monotonic() < deadline_s:
+        time.sleep(0.002)  # sent by the sender thread, TOUCH_SOON_S after each read
     assert world.local.touched == KEYS
 
 

@@ -1,52 +1,77 @@
-"""Optimistic reads told to the node: the first at once, a burst gathered into one report by a
-timer, nothing left untold."""
+"""Optimistic reads told to the node: the first soon after, a burst gathered into one report,
+nothing left untold, and every report sent by the sender thread, never the reader's."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 from cluster.touches import TOUCH_EVERY_S, TouchBatch
 
 
-def test_first_read_at_once_then_a_burst_in_one_report():
-    sent: list[tuple[list, int]] = []
-    batch = TouchBatch(lambda keys, reads, released: sent.append((keys, reads)))
+def wait_for(condition, timeout_s: float = 10 * TOUCH_EVERY_S) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline_s, "nothing was sent in time"
+        time.sleep(0.002)
+
+
+def recording(sent: list) -> TouchBatch:
+    """A batch whose sends are kept with the thread that made them."""
+    return TouchBatch(lambda keys, reads, released: sent.append(
+        (keys, reads, released, threading.current_thread())))
+
+
+def test_first_read_soon_after_then_a_burst_in_one_report_off_the_readers_thread():
+    sent: list = []
+    batch = recording(sent)
     batch.note([b"a", b"b"])
-    assert sent == [([b"a", b"b"], 1)]  # the first after a quiet spell: at once
+    wait_for(lambda: len(sent) == 1)  # the first after a quiet spell: TOUCH_SOON_S after
+    assert sent[0][:2] == ([b"a", b"b"], 1)
     batch.note([b"b", b"c"])
     batch.note([b"c"])
     batch.note([])  # a read of nothing is no read
-    assert len(sent) == 1
-    deadline_s = time.monotonic() + 10 * TOUCH_EVERY_S
-    while len(sent) < 2 and time.monotonic() < deadline_s:
-        time.sleep(0.01)
-    assert sent[1] == ([b"b", b"c"], 2)  # the timer sent the burst, keys once each
+    started_s = time.monotonic()
+    wait_for(lambda: len(sent) == 2)
+    assert time.monotonic() - started_s > TOUCH_EVERY_S / 2  # gathered, not sent at once
+    assert sent[1][:2] == ([b"b", b"c"], 2)  # one report of the burst, keys once each
+    assert all(thread is not threading.current_thread() for *_, thread in sent)
 
 
-def test_flush_sends_what_gathered_and_cancels_the_timer():
-    sent: list[tuple[list, int]] = []
-    batch = TouchBatch(lambda keys, reads, released: sent.append((keys, reads)))
+def test_flush_sends_what_gathered_and_the_due_send_finds_nothing():
+    sent: list = []
+    batch = recording(sent)
     batch.note([b"a"])
     batch.note([b"d"])
     batch.flush()
-    assert sent == [([b"a"], 1), ([b"d"], 1)]
+    assert [s[:2] for s in sent] == [([b"a", b"d"], 2)]
+    assert sent[0][3] is threading.current_thread()  # an explicit flush sends from its caller
     time.sleep(2 * TOUCH_EVERY_S)
     batch.flush()  # nothing left: nothing sent
-    assert len(sent) == 2
+    assert len(sent) == 1
 
 
-def test_a_released_lease_rides_on_the_next_call_or_the_timer():
-    sent: list[tuple[list, int, list]] = []
-    batch = TouchBatch(lambda keys, reads, released: sent.append((keys, reads, released)))
+def test_a_released_lease_rides_on_the_next_call_or_the_next_report():
+    sent: list = []
+    batch = recording(sent)
     batch.release(3)
     batch.release(4)
     assert sent == [] and batch.take_released() == [3, 4]  # an acquire carries them
     assert batch.take_released() == []
     batch.release(5)
-    deadline_s = time.monotonic() + 10 * TOUCH_EVERY_S
-    while not sent and time.monotonic() < deadline_s:
-        time.sleep(0.01)
-    assert sent == [([], 0, [5])]  # no call came: the timer told the node
+    wait_for(lambda: sent)
+    assert [s[:3] for s in sent] == [([], 0, [5])]  # no call came: the report told the node
+
+
+def test_many_batches_share_one_sender_thread():
+    sent: list = []
+    batches = [recording(sent) for _ in range(20)]
+    before = threading.active_count()
+    for i, batch in enumerate(batches):
+        batch.note([bytes([i])])
+    assert threading.active_count() <= before + 1  # none per batch or per read
+    wait_for(lambda: len(sent) == len(batches))
+    assert len({thread for *_, thread in sent}) == 1
 
 
 def test_a_touch_after_this_process_left_ray_calls_nothing(monkeypatch):
