@@ -126,7 +126,7 @@ class LeasedPuts:
             target = self._written
             if self._answered >= target:
                 return True
-            self._urgent = True
+            self._urgent = self.pool.num_written() > 0  # unsent writes: no COMMIT_AFTER_S
             self._wake()
             return self._cond.wait_for(lambda: self._answered >= target, timeout_s)
 

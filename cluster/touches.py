@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -72,6 +73,10 @@ class _Sender:
 
 
 _sender = _Sender()
+# A forked child has none of the parent's threads: it starts its own sender, with an empty
+# heap and a lock no parent thread may have held (reports gathered before the fork are the
+# parent's to send).
+os.register_at_fork(after_in_child=_sender.__init__)
 
 
 class _TimedBatch:
@@ -93,8 +98,11 @@ class _TimedBatch:
             self.flush()
 
     def _schedule(self, delay_s: float) -> None:
-        due_s = time.monotonic() + delay_s
-        if self._due_s is None or due_s < self._due_s:
+        now_s = time.monotonic()
+        due_s = now_s + delay_s
+        # A pending time already past is pushed again: the sender is about to flush (a second
+        # entry then finds nothing) or lost its heap (a fork); either way nothing stays untold.
+        if self._due_s is None or due_s < self._due_s or self._due_s <= now_s:
             self._due_s = due_s
             _sender.schedule(self, due_s)
 

@@ -127,3 +127,25 @@ def test_a_demand_batch_or_a_lease_end_after_this_process_left_ray_calls_nothing
     assert DirectoryHandle([Actor()]).record_demand([[b"k" * 16]]) == ["ref"]
     assert NodeHandle(Actor(), "n").end_put_lease(3) == "ref"
     assert len(calls) == 2
+
+
+def test_a_forked_child_reports_with_a_sender_of_its_own():
+    """The parent's sender thread does not exist in a forked child: the child's reads are
+    sent by a sender the child starts."""
+    import os
+
+    read_fd, write_fd = os.pipe()
+    batch = TouchBatch(lambda keys, reads, released: os.write(write_fd, b"".join(keys)))
+    batch.note([b"p"])
+    assert os.read(read_fd, 1) == b"p"  # the parent's sender is running, and sent it
+    pid = os.fork()
+    if pid == 0:  # the child: one read, left for its sender to report
+        try:
+            batch.note([b"c"])
+            time.sleep(4 * TOUCH_EVERY_S)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as reader:
+        assert reader.read() == b"c"
