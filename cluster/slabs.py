@@ -38,7 +38,7 @@ import torch
 
 from actors.handles import NodeHandle
 from cluster.calls import Steps, Wait, failed
-from cluster.core.background import background_executor
+from cluster.core.background import background_thread
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.kvcheck import page_rows, slab_order
@@ -256,13 +256,6 @@ class LocalSlabs:
         return unchanged(as_places(places), [m.generations for m in self._mappings])
 
 
-_prefaulter: ThreadPoolExecutor | None = None
-_prefaulter_lock = threading.Lock()
-
-
 def _prefault_thread() -> ThreadPoolExecutor:
-    global _prefaulter
-    with _prefaulter_lock:
-        if _prefaulter is None:  # at a lower CPU priority: it yields to the copies
-            _prefaulter = background_executor("raykv-prefault")
-        return _prefaulter
+    """At a lower CPU priority: it yields to the copies."""
+    return background_thread("raykv-prefault")

@@ -33,3 +33,16 @@ def lower_priority(nice: int = BACKGROUND_NICE) -> None:
 def background_executor(name: str) -> ThreadPoolExecutor:
     """One thread at BACKGROUND_NICE, for work ahead of need."""
     return ThreadPoolExecutor(1, thread_name_prefix=name, initializer=lower_priority)
+
+
+_named: dict[str, ThreadPoolExecutor] = {}
+_named_lock = threading.Lock()
+
+
+def background_thread(name: str) -> ThreadPoolExecutor:
+    """This process's one background_executor called `name`, made on first use (a kind of
+    work ahead of need keeps to one thread, whoever asks for it)."""
+    with _named_lock:
+        if name not in _named:
+            _named[name] = background_executor(name)
+        return _named[name]

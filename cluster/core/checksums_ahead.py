@@ -30,11 +30,9 @@ when they are made.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
-from cluster.core.background import background_executor
+from cluster.core.background import background_thread
 from cluster.core.geometry import HOST
 from cluster.core.keys import PageKey
 from cluster.core.pool_entry import Entry, State
@@ -42,24 +40,14 @@ from cluster.core.tiers.disk_format import checksum
 
 BATCH_BYTES = 64 << 20  # hashed per pass: ~3 ms of one core at ~25 GB/s
 
-_hasher: ThreadPoolExecutor | None = None
-_hasher_lock = threading.Lock()
-
-
-def _hash_thread() -> ThreadPoolExecutor:
-    """The thread that hashes pages ahead (one per process), at the lower CPU priority of work
-    ahead of need (background.py): it yields a core to the gets' and puts' copies, which run
-    beside it on the node's machine, instead of taking one from them."""
-    global _hasher
-    with _hasher_lock:
-        if _hasher is None:
-            _hasher = background_executor("raykv-checksums")
-        return _hasher
 
 
 async def _on_hash_thread(function):
-    """function(), run on the hash thread."""
-    return await asyncio.get_running_loop().run_in_executor(_hash_thread(), function)
+    """function(), run on the thread that hashes pages ahead (one per process), at the lower
+    CPU priority of work ahead of need (background.py): it yields a core to the gets' and
+    puts' copies, which run beside it on the node's machine, instead of taking one."""
+    return await asyncio.get_running_loop().run_in_executor(
+        background_thread("raykv-checksums"), function)
 
 
 class ChecksumsAhead:

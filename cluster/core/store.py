@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +28,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from cluster.core.background import background_executor
+from cluster.core.background import background_thread
 from cluster.core.elastic import ElasticMemory
 from cluster.core.faults import DiskFaults
 from cluster.core.geometry import DEVICE, DISK, HOST, TIER_NAMES, PageGeometry
@@ -43,8 +42,6 @@ from cluster.core.tiers.memory import ArenaDescriptor, remove_stale_shm
 from policies.quota import Quota
 
 POOL_FILE = "pool.json"
-_ready_executor: ThreadPoolExecutor | None = None
-_ready_lock = threading.Lock()
 log = logging.getLogger("raykv.store")
 T = TypeVar("T")
 
@@ -512,8 +509,4 @@ def _read_pool_file(path: str) -> PageGeometry | None:
 
 def _ready_thread() -> ThreadPoolExecutor:
     """The thread that readies memory chunks ahead of need (one per process)."""
-    global _ready_executor
-    with _ready_lock:
-        if _ready_executor is None:
-            _ready_executor = background_executor("raykv-ready")
-        return _ready_executor
+    return background_thread("raykv-ready")
