@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from actors.handles import DirectoryHandle, NodeHandle, PeerCache
-from actors.metrics import Metrics
 from cluster.calls import Steps, Wait, Work, failed, run_async, run_sync
 from cluster.core.config import CacheConfig
 from cluster.core.copies import copy_pages
@@ -238,28 +237,25 @@ class KVClient:
 
     @contextlib.contextmanager
     def _measured(self, call: str):
-        """Latency and bytes moved of one call, as metrics (exported by Ray's endpoint)."""
-        before = dict(self.view.counters)
+        """Latency and bytes moved of one call, as metrics (exported by Ray's endpoint),
+        recorded off the call's path (touches.MetricBatch)."""
+        counters = self.view.counters
+        before = (counters["local_pages"], counters["remote_pages"], counters["put_tokens"])
         start_s = time.perf_counter()
         try:
             yield
         finally:
-            metrics = self._metrics()
-            metrics.observe(f"raykv_{call}_latency_s", time.perf_counter() - start_s)
-            counters, page_bytes = self.view.counters, self.geometry.page_bytes
-            for path, key, unit in (("get_local", "local_pages", page_bytes),
-                                    ("get_remote", "remote_pages", page_bytes),
-                                    ("put", "put_tokens", page_bytes // self.page_tokens)):
-                metrics.count("raykv_bytes_moved", (counters[key] - before[key]) * unit,
-                              path=path)
-            if call == "get" and self.view.fetch_s:
-                metrics.observe("raykv_fetch_latency_s", self.view.fetch_s)
-                self.view.fetch_s = 0.0
-
-    def _metrics(self) -> Metrics:
-        if self.__dict__.get("metrics") is None:
-            self.metrics = Metrics(self.view.home.node_id)
-        return self.metrics
+            latency_s = time.perf_counter() - start_s
+            page_bytes = self.geometry.page_bytes
+            moved = tuple((path, (counters[key] - was) * unit) for path, key, was, unit in (
+                ("get_local", "local_pages", before[0], page_bytes),
+                ("get_remote", "remote_pages", before[1], page_bytes),
+                ("put", "put_tokens", before[2], page_bytes // self.page_tokens))
+                if counters[key] > was)
+            fetch_s = 0.0
+            if call == "get":
+                fetch_s, self.view.fetch_s = self.view.fetch_s, 0.0
+            self.view.metrics.note(call, latency_s, moved, fetch_s)
 
     # ---- the steps -----------------------------------------------------------------------
 

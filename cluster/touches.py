@@ -1,6 +1,7 @@
 """What a client's gets tell the service after the fact, in batches: their node, pages read
 straight from shared memory and the read leases they are done with (TouchBatch); the
-directory, the prefixes this node served whole without asking it (DemandBatch).
+directory, the prefixes this node served whole without asking it (DemandBatch); Ray's metrics,
+every call's latency and bytes moved (MetricBatch).
 
 An optimistic read makes no call; the node still needs to hear of it, for its eviction policy
 (an access) and its counters (a hit, a request served). The first read after a quiet spell is
@@ -186,3 +187,42 @@ class DemandBatch(_TimedBatch):
             requests, self._requests = self._requests, []
         if requests:
             self.send(requests)
+
+
+class MetricBatch(_TimedBatch):
+    """A client's calls as metrics (latency, bytes moved per path, remote fetch time), handed
+    to `metrics()` (made on the sender's first flush) from the sender within TOUCH_EVERY_S,
+    never on the call's path: each Ray metric record is ~10 us of Python in a warm loop and
+    ~40 us right after a large copy, and a get made two to four of them."""
+
+    def __init__(self, metrics: Callable[[], object]):
+        super().__init__()
+        self._make = metrics
+        self._metrics = None
+        self._calls: list[tuple[str, float, tuple, float]] = []
+
+    def note(self, call: str, latency_s: float, moved: tuple[tuple[str, int], ...],
+             fetch_s: float = 0.0) -> None:
+        """One call: its latency, its (path, bytes moved) and its remote fetch time (0: none)."""
+        with self._lock:
+            self._calls.append((call, latency_s, moved, fetch_s))
+            self._schedule(TOUCH_EVERY_S)
+
+    def flush(self) -> None:
+        """Record what has gathered, now (bytes summed per path: one record each)."""
+        with self._lock:
+            self._sent()
+            calls, self._calls = self._calls, []
+        if not calls:
+            return
+        if self._metrics is None:
+            self._metrics = self._make()
+        moved_bytes: dict[str, int] = {}
+        for call, latency_s, moved, fetch_s in calls:
+            self._metrics.observe(f"raykv_{call}_latency_s", latency_s)
+            if fetch_s:
+                self._metrics.observe("raykv_fetch_latency_s", fetch_s)
+            for path, num_bytes in moved:
+                moved_bytes[path] = moved_bytes.get(path, 0) + num_bytes
+        for path, num_bytes in moved_bytes.items():
+            self._metrics.count("raykv_bytes_moved", num_bytes, path=path)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.handles import DirectoryHandle, NodeHandle, PeerCache
+from actors.metrics import Metrics
 from cluster.calls import Steps, Wait, Work, failed
 from cluster.core.dataplane.auth import Authority
 from cluster.core.dataplane.endpoint import Endpoint
@@ -16,7 +17,7 @@ from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.tiers.slot_table import TIER, as_places
 from cluster.slabs import LocalSlabs
-from cluster.touches import DemandBatch, TouchBatch
+from cluster.touches import DemandBatch, MetricBatch, TouchBatch
 from policies.cost_routing import DISK, REMOTE, TIER_SOURCES
 
 MAX_TRANSFERS = 64  # recent timed reads kept for whoever measures rates (the engine drains)
@@ -54,8 +55,10 @@ class CacheView:
     # Recent timed reads, (source, bytes, seconds), for the rate estimates of cost-based
     # routing (policies/cost_routing.py); bounded, so a client nobody drains keeps a few.
     transfers: deque = field(default_factory=lambda: deque(maxlen=MAX_TRANSFERS))
+    metrics: MetricBatch | None = None  # set in __post_init__: this client's calls, as metrics
 
     def __post_init__(self) -> None:
+        self.metrics = MetricBatch(lambda: Metrics(self.home.node_id))
         if self.slabs is not None:
             self.touches = TouchBatch(lambda keys, reads, released: self.home.touch(
                 self.geometry, keys, reads, released))
@@ -77,13 +80,18 @@ class CacheView:
     def note_failures(self, results: list) -> None:
         self.counters["failed_calls"] += sum(isinstance(r, BaseException) for r in results)
 
-    def note_copy(self, places: list, seconds: float) -> None:
+    def note_copy(self, places: list, seconds: float, num_runs: int = 0) -> None:
         """A timed copy of pages out of this node's slabs: a rate sample when they all sat in
-        one tier (a copy from several cannot tell their speeds apart)."""
-        tiers = as_places(places)[:, TIER]
-        if len(tiers) and (tiers == tiers[0]).all():
-            self.transfers.append((TIER_SOURCES[int(tiers[0])],
-                                   len(places) * self.geometry.page_bytes, seconds))
+        one tier (a copy from several cannot tell their speeds apart). `num_runs`: how many
+        runs of slots the copy took, when the caller knows (one run is one tier: no pass over
+        the places on a get's path)."""
+        places = as_places(places)
+        if not len(places):
+            return
+        tier = int(places[0, TIER])
+        if num_runs == 1 or (places[:, TIER] == tier).all():
+            self.transfers.append((TIER_SOURCES[tier], len(places) * self.geometry.page_bytes,
+                                   seconds))
 
     def note_disk(self, num_pages: int, seconds: float) -> None:
         """This node's acquire that read pages up from its disk tier, timed round trip: the
@@ -115,6 +123,7 @@ class CacheView:
         return self.touches.take_released() if self.touches is not None else []
 
     def flush_touched(self) -> None:
+        self.metrics.flush()
         if self.touches is not None:
             self.touches.flush()
             self.demand.flush()

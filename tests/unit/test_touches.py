@@ -1,12 +1,13 @@
 """Optimistic reads told to the node: the first soon after, a burst gathered into one report,
-nothing left untold, and every report sent by the sender thread, never the reader's."""
+nothing left untold, and every report sent by the sender thread, never the reader's; a
+client's call metrics recorded the same way."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from cluster.touches import TOUCH_EVERY_S, TouchBatch
+from cluster.touches import TOUCH_EVERY_S, MetricBatch, TouchBatch
 
 
 def wait_for(condition, timeout_s: float = 10 * TOUCH_EVERY_S) -> None:
@@ -149,3 +150,36 @@ def test_a_forked_child_reports_with_a_sender_of_its_own():
     os.close(write_fd)
     with os.fdopen(read_fd, "rb") as reader:
         assert reader.read() == b"c"
+
+
+class RecordedMetrics:
+    """actors.metrics.Metrics' calls, kept with the thread that made them."""
+
+    def __init__(self):
+        self.records: list = []
+
+    def observe(self, name: str, seconds: float) -> None:
+        self.records.append(("observe", name, seconds, threading.current_thread()))
+
+    def count(self, name: str, value: float, **tags: str) -> None:
+        self.records.append(("count", name, value, tags, threading.current_thread()))
+
+
+def test_call_metrics_are_recorded_by_the_sender_with_bytes_summed_per_path():
+    metrics, made = RecordedMetrics(), []
+    batch = MetricBatch(lambda: made.append(threading.current_thread()) or metrics)
+    batch.note("get", 0.002, (("get_local", 4096),))
+    batch.note("get", 0.003, (("get_local", 1024), ("get_remote", 512)), fetch_s=0.001)
+    batch.note("put", 0.004, ())
+    assert metrics.records == [] and made == []  # nothing on the caller's path
+    wait_for(lambda: len(metrics.records) == 6)
+    observed = [r[1:3] for r in metrics.records if r[0] == "observe"]
+    assert observed == [("raykv_get_latency_s", 0.002), ("raykv_get_latency_s", 0.003),
+                        ("raykv_fetch_latency_s", 0.001), ("raykv_put_latency_s", 0.004)]
+    counted = {r[3]["path"]: r[2] for r in metrics.records if r[0] == "count"}
+    assert counted == {"get_local": 5120, "get_remote": 512}
+    assert all(r[-1] is not threading.current_thread() for r in metrics.records)
+    assert len(made) == 1 and made[0] is not threading.current_thread()
+    batch.note("get", 0.001, ())
+    batch.flush()  # stats() flushes: recorded now, by its caller
+    assert metrics.records[-1][1:3] == ("raykv_get_latency_s", 0.001)
