@@ -127,6 +127,26 @@ def test_a_full_probe_window_overwrites_an_entry_and_that_page_misses(index):
             assert got[0].tolist() == [1, position, 1]  # never another key's place
 
 
+def test_keys_at_home_and_down_their_window_are_found_in_one_lookup(index):
+    """A lookup reads home entries first and whole windows only for the keys not there: a
+    batch mixing both kinds comes back whole, in order, each key its own place."""
+    mask, crowded, candidate = index.capacity - 1, [], 0
+    while len(crowded) < 4:  # four keys of one bucket: three sit down its window
+        key = candidate.to_bytes(16, "little")
+        candidate += 1
+        if int(digests([key])[0, 0]) & mask == 9:
+            crowded.append(key)
+    alone = keys_of(6, b"a")
+    keys = [alone[0], crowded[0], crowded[1], alone[1], crowded[2], alone[2], crowded[3],
+            *alone[3:]]
+    index.publish(keys, places_of(len(keys)))
+    view = HeldView(index.path, 1.0)
+    assert (view.prefix(keys) == places_of(len(keys))).all()
+    assert (view.prefix(keys[::-1]) == places_of(len(keys))[::-1]).all()
+    index.withdraw(crowded[2:3])  # a miss down a window ends the prefix there
+    assert len(view.prefix(keys)) == 4
+
+
 def test_a_stale_generation_fails_the_readers_check(index):
     """The entry is only a hint: the slot was freed (generation moved) since it was published,
     so the reader's check after its copy turns the page into a miss."""

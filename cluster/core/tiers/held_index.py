@@ -203,14 +203,12 @@ class HeldView:
         if not keys or not self.alive():
             return as_places([])
         wanted = digests(keys)
-        table, mask = self._table, np.uint64(self.capacity - 1)
-        windows = ((wanted[:, :1] & mask) + np.arange(self.probes, dtype=np.uint64)) & mask
-        candidates = table[windows, D0] == wanted[:, :1]  # [N, probes]: a first guess
-        found = candidates.any(axis=1)
+        table = self._table
+        rows, found = self._probe(wanted)
         num = int(np.argmin(found)) if not found.all() else len(keys)
         if not num:
             return as_places([])
-        rows = windows[np.arange(num), np.argmax(candidates[:num], axis=1)].astype(np.int64)
+        rows = rows[:num]
         before = table[rows, SEQ]  # the seqlock: seq, the entry, seq again
         entries = table[rows]
         after = table[rows, SEQ]
@@ -219,6 +217,24 @@ class HeldView:
                   & (check_words(entries[:, D0:CHECK]) == entries[:, CHECK]))
         num = int(np.argmin(intact)) if not intact.all() else num
         return entries[:num, TIER : GENERATION + 1].astype(np.int64)
+
+    def _probe(self, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(entry, found) per digest of `wanted`: the first entry of its probe window whose d0
+        is the digest's. The index is at most a quarter full, so a digest sits in its home
+        entry as a rule: one gather of those first (a cache line per key), and the whole window
+        (PROBES lines) only for the keys not found there."""
+        table, mask = self._table, np.uint64(self.capacity - 1)
+        home = wanted[:, 0] & mask
+        found = table[home, D0] == wanted[:, 0]
+        rows = home.astype(np.int64)
+        if found.all():
+            return rows, found
+        away = np.flatnonzero(~found)
+        windows = ((home[away, None] + np.arange(self.probes, dtype=np.uint64)) & mask)
+        candidates = table[windows, D0] == wanted[away, :1]  # [away, probes]
+        found[away] = candidates.any(axis=1)
+        rows[away] = windows[np.arange(len(away)), np.argmax(candidates, axis=1)].astype(np.int64)
+        return rows, found
 
     def close(self) -> None:
         try:

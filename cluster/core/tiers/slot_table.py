@@ -61,15 +61,23 @@ def slot_runs(places: np.ndarray, slots_per_chunk: Sequence[int]) -> list[SlotRu
 
 def _one_run(places: np.ndarray, slots_per_chunk: Sequence[int]) -> SlotRun | None:
     """All of `places` as one run (consecutive slots of one tier in one chunk, as a fresh put
-    reserves them), else None: the common case, in a few scalar tests and one pass."""
-    tier, first, count = int(places[0, TIER]), int(places[0, SLOT]), len(places)
-    last, per_chunk = first + count - 1, slots_per_chunk[tier]
-    if (int(places[-1, SLOT]) != last or int(places[-1, TIER]) != tier
-            or first // per_chunk != last // per_chunk):
+    reserves them), else None: the common case, in a few whole-array steps (each numpy call
+    costs microseconds on a get's path, right after a large copy emptied the caches)."""
+    (tier, first, _), (last_tier, last, _) = places[[0, -1]].tolist()
+    count = len(places)
+    per_chunk = slots_per_chunk[tier]
+    if last != first + count - 1 or last_tier != tier or first // per_chunk != last // per_chunk:
         return None
-    if count > 2 and not (np.diff(places[:, :GENERATION], axis=0) == (0, 1)).all():
+    # The ends agree with one run; every step between them must be (same tier, next slot).
+    if count > 2 and not np.array_equal(places[1:, :GENERATION] - places[:-1, :GENERATION],
+                                        _STEPS[: count - 1] if count <= len(_STEPS)
+                                        else np.broadcast_to(_STEP, (count - 1, 2))):
         return None
     return SlotRun(0, tier, first, count)
+
+
+_STEP = np.array([0, 1], dtype=np.int64)  # (tier, slot) from one page of a run to the next
+_STEPS = np.tile(_STEP, (4096, 1))
 
 
 def num_unchanged(places: np.ndarray, generations: Sequence[np.ndarray]) -> int:
@@ -109,7 +117,9 @@ class PlaceHints:
         self.capacity = capacity
         self._rows: dict[bytes, int] = {}
         self._keys = np.full(capacity, None, dtype=object)
-        self._places = np.zeros((capacity, 3), dtype=np.int64)
+        # Written now, not np.zeros' untouched pages: each of the first gets through the
+        # ring would otherwise fault in its rows' pages (~50 us a 256-page get on this VM).
+        self._places = np.full((capacity, 3), -1, dtype=np.int64)
         self._noted_s = np.full(capacity, -np.inf)
         self._next_row = 0
 
@@ -118,6 +128,8 @@ class PlaceHints:
 
     def prefix(self, keys: Sequence[bytes], oldest_s: float) -> np.ndarray:
         """The places of the longest prefix of `keys` noted at `oldest_s` or later."""
+        if not keys or keys[0] not in self._rows:  # none noted (a first get): no array work
+            return self._places[:0]
         rows = np.fromiter(map(self._rows.get, keys, repeat(-1)), dtype=np.int64,
                            count=len(keys))
         live = rows >= 0
@@ -127,18 +139,26 @@ class PlaceHints:
 
     def note(self, keys: Sequence[bytes], places: np.ndarray, now_s: float) -> None:
         """Note `places` (int64 [N, 3]) for `keys` as of `now_s`."""
-        keys, places = list(keys)[-self.capacity :], places[-self.capacity :]
-        if not keys:
+        if len(keys) > self.capacity:
+            keys, places = list(keys)[-self.capacity :], places[-self.capacity :]
+        if not len(keys):
             return
         self.forget(keys)
-        rows = (self._next_row + np.arange(len(keys))) % self.capacity
-        self._next_row = int(rows[-1] + 1) % self.capacity
-        reused = self._keys[rows]  # keys noted longest ago: their hints go
-        deque(map(self._rows.pop, reused[reused != None], repeat(None)), maxlen=0)  # noqa: E711
-        self._keys[rows] = np.array(keys, dtype=object)
+        start, end = self._next_row, self._next_row + len(keys)
+        # Consecutive rows as a rule (a slice and a range: no index arrays on a get's path);
+        # wrapping past the end of the ring, an index array.
+        rows = (slice(start, end) if end <= self.capacity
+                else np.arange(start, end) % self.capacity)
+        row_ids = range(start, end) if end <= self.capacity else rows.tolist()
+        self._next_row = end % self.capacity
+        # Keys noted longest ago: their hints go (filter(None) skips empty rows; a key is
+        # never b"").
+        deque(map(self._rows.pop, filter(None, self._keys[rows].tolist()), repeat(None)),
+              maxlen=0)
+        self._keys[rows] = keys
         self._places[rows] = places
         self._noted_s[rows] = now_s
-        self._rows.update(zip(keys, rows.tolist(), strict=True))
+        self._rows.update(zip(keys, row_ids, strict=True))
 
     def forget(self, keys: Sequence[bytes]) -> None:
         rows = np.fromiter(map(self._rows.pop, keys, repeat(-1)), dtype=np.int64,
