@@ -101,7 +101,7 @@ def _copy_places(view: CacheView, places: np.ndarray, out: torch.Tensor,
     pairs, mapped = copy_pairs(view.slabs, places, out, first_page)
     started_s = time.perf_counter()
     yield Work(lambda: copy_pages(pairs))
-    view.note_copy(places[:mapped], time.perf_counter() - started_s)
+    view.note_copy(places[:mapped], time.perf_counter() - started_s, len(pairs))
     return mapped
 
 

@@ -39,6 +39,7 @@ import torch
 from actors.handles import NodeHandle
 from cluster.calls import Steps, Wait, failed
 from cluster.core.background import background_thread
+from cluster.core.copies import Pair, host_bytes
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.kvcheck import page_rows, slab_order
@@ -138,7 +139,10 @@ class LocalSlabs:
         yet, in the background thread (at a lower CPU priority, after any pre-fault queued
         there: the copies of puts under way go first), and wait; how many of the leading
         places are mapped here (see runs)."""
-        job = _prefault_thread().submit(lambda: sum(run.count for run, _ in self.runs(places)))
+        try:
+            job = _prefault_thread().submit(lambda: sum(run.count for run, _ in self.runs(places)))
+        except RuntimeError:  # the interpreter is exiting (no new work): none mapped, a miss
+            return 0
         return job.result()
 
     def prefault(self) -> None:
@@ -195,12 +199,27 @@ class LocalSlabs:
         return views
 
     def kv_blocks(self, places: np.ndarray, kv: torch.Tensor, positions: np.ndarray | int,
-                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-        """(kv's pages, their slots) as blocks, one per run of consecutive slots and
-        consecutive pages of kv: page positions[i] of kv [L, 2, H, N, D] sits in places[i]
-        (positions increasing; an int p stands for p, p+1, ...: a get's or a whole put's).
-        Also how many leading places the blocks cover (they stop at a slot not mapped here)."""
-        rows = page_rows(kv, self.geometry.shape[3])
+                  ) -> tuple[list[Pair], int]:
+        """(kv's pages, their slots) as blocks for copies.copy_pages, one per run of consecutive
+        slots and consecutive pages of kv: page positions[i] of kv [L, 2, H, N, D] sits in
+        places[i] (positions increasing; an int p stands for p, p+1, ...: a get's or a whole
+        put's). Also how many leading places the blocks cover (they stop at a slot not mapped
+        here). Host slots and a CPU kv give numpy byte views (a few numpy calls, where each
+        torch view is ~10x one on a get's path); VRAM slots or a GPU kv give torch views."""
+        page_tokens = self.geometry.shape[3]
+        byte_rows = None if kv.is_cuda else _byte_rows(kv, page_tokens)
+        if byte_rows is not None:
+            blocks = self._blocks(places, positions, byte_rows, self._host_runs)
+            if blocks is not None:
+                return blocks
+        return self._blocks(places, positions, page_rows(kv, page_tokens),
+                            lambda table: [(run, slab_order(block))
+                                           for run, block in self.runs(table)])
+
+    def _blocks(self, places: np.ndarray, positions: np.ndarray | int, rows,
+                runs_of) -> tuple[list[Pair], int] | None:
+        """kv_blocks over `rows` (kv's pages: [L, 2, H, pages, T, ...]) and `runs_of(places)`
+        ((run, its slots in rows' order) for the leading mapped runs; None: not this way)."""
         if isinstance(positions, int):
             stretch_starts, firsts = [0], [positions]  # one stretch: no pass over positions
         else:
@@ -209,13 +228,31 @@ class LocalSlabs:
         blocks, covered = [], 0
         for start, end, first in zip(stretch_starts, stretch_starts[1:] + [len(places)], firsts,
                                      strict=True):
-            runs = self.runs(places[start:end])
+            runs = runs_of(places[start:end])
+            if runs is None:
+                return None
             blocks += [(rows[:, :, :, first + run.position : first + run.position + run.count],
-                        slab_order(block)) for run, block in runs]
+                        block) for run, block in runs]
             covered += sum(run.count for run, _ in runs)
             if covered < end:
                 break
         return blocks, covered
+
+    def _host_runs(self, places: np.ndarray) -> list[tuple[SlotRun, np.ndarray]] | None:
+        """runs(places) as numpy byte views in page_rows' order [L, 2, H, count, T, bytes];
+        None when a run is in the device tier."""
+        per_chunk = [mapping.slots_per_chunk for mapping in self._mappings]
+        page_bytes, shape = self.geometry.page_bytes, self.geometry.shape
+        row_bytes = shape[4] * self.geometry.torch_dtype().itemsize
+        views = []
+        for run in slot_runs(places, per_chunk):
+            raw = self._mappings[run.tier].run_array(run.first_slot, run.count)
+            if raw is None:
+                return None
+            pages = np.reshape(raw, (run.count, -1))[:, :page_bytes]
+            block = np.reshape(pages, (run.count, *shape[:4], row_bytes), copy=False)
+            views.append((run, block.transpose(1, 2, 3, 0, 4, 5)))
+        return views
 
     # ---- hints ----------------------------------------------------------------------------
 
@@ -254,6 +291,22 @@ class LocalSlabs:
     def unchanged(self, places) -> np.ndarray:
         """Per place, whether it still holds its generation (bool [N])."""
         return unchanged(as_places(places), [m.generations for m in self._mappings])
+
+
+def _byte_rows(kv: torch.Tensor, page_tokens: int) -> np.ndarray | None:
+    """A CPU kv [L, 2, H, N, D] as numpy bytes in page_rows' shape [L, 2, H, N // T, T, D *
+    itemsize] (a view: the copies write into kv); None where no such view exists (a last
+    dimension that is not contiguous: the torch path copies those)."""
+    try:
+        data = host_bytes(kv)
+    except RuntimeError:
+        return None
+    num_pages = data.shape[3] // page_tokens
+    try:
+        return np.reshape(data[:, :, :, : num_pages * page_tokens],
+                          (*data.shape[:3], num_pages, page_tokens, data.shape[4]), copy=False)
+    except ValueError:
+        return None
 
 
 def _prefault_thread() -> ThreadPoolExecutor:

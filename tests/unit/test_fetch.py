@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -164,6 +165,37 @@ def test_reads_are_timed_per_source_for_the_routers_rates(world):
     assert noted["host"][1] > 0 and noted["remote"][1] > 0
 
 
+def test_local_pages_land_in_any_out_through_numpy_views_or_torch_ones(world):
+    """Host slots and a CPU out give numpy byte views (slabs.kv_blocks); an out whose last
+    dimension is not contiguous has none, and its copies go through torch: both land."""
+    world.put_local(range(4))
+    plain = torch.zeros_like(KV)
+    pairs, covered = world.view.slabs.kv_blocks(world.view.slabs.hinted(KEYS), plain, 0)
+    assert covered == 0 and pairs == []  # nothing noted yet: the get asks the node
+    assert drive(fetch_prefix(world.view, KEYS, plain))[0] == 4 and torch.equal(plain, KV)
+    places = world.view.slabs.hinted(KEYS)
+    pairs, covered = world.view.slabs.kv_blocks(places, plain, 0)
+    assert covered == 4 and all(isinstance(dst, np.ndarray) for dst, _ in pairs)
+    assert all(np.shares_memory(dst, plain.view(torch.uint8).numpy()) for dst, _ in pairs)
+    strided = torch.zeros(tuple(reversed(KV.shape))).permute(4, 3, 2, 1, 0)
+    assert strided.stride()[-1] != 1
+    pairs, covered = world.view.slabs.kv_blocks(places, strided, 0)
+    assert covered == 4 and all(isinstance(dst, torch.Tensor) for dst, _ in pairs)
+    world.view.slabs.forget(KEYS)
+    assert drive(fetch_prefix(world.view, KEYS, strided))[0] == 4
+    assert torch.equal(strided, KV)
+
+
+def test_a_copy_is_a_rate_sample_only_when_its_pages_sat_in_one_tier(world):
+    view = world.view
+    view.note_copy([(1, 3, 0), (1, 7, 0)], 0.001)  # two runs of one tier
+    view.note_copy([(0, 3, 0), (1, 4, 0)], 0.001)  # two tiers: speeds not told apart
+    view.note_copy([(0, 5, 0), (0, 6, 0)], 0.002, num_runs=1)
+    view.note_copy([], 0.001)
+    assert list(view.transfers) == [("host", 2 * G.page_bytes, 0.001),
+                                    ("device", 2 * G.page_bytes, 0.002)]
+
+
 def test_an_acquire_that_read_pages_up_from_disk_times_the_disk_path(world):
     world.put_local(range(2))
     world.local.on_disk = set(KEYS[:1])  # the node read page 0 up from its disk tier
@@ -320,7 +352,7 @@ def test_optimistic_reads_are_reported_to_the_node_in_batches(world, monkeypatch
     world.get()
     world.get()
     deadline_s = time.monotonic() + 5.0
-    while world.local.touched != KEYS and time.monotonic() < deadline_s:
+    while getattr(world.local, "touched", None) != KEYS and time.monotonic() < deadline_s:
         time.sleep(0.002)  # sent by the sender thread, TOUCH_SOON_S after each read
     assert world.local.touched == KEYS
 

@@ -257,6 +257,7 @@ class ArenaMapping:
             return
         self._mmap = map_file(descriptor.shm_path, populate=False)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.array = self.tensor.numpy()  # the same bytes, for copies with no torch call
 
     @property
     def layout_version(self) -> int:
@@ -285,14 +286,28 @@ class ArenaMapping:
     def run_view(self, first_slot: int, count: int) -> torch.Tensor | None:
         """The bytes of slots first_slot..first_slot+count-1 (one chunk's, in the device tier),
         as one 1-D uint8 view; None where this process cannot map them (a miss)."""
-        slot_bytes = self.descriptor.slot_bytes
-        start, nbytes = first_slot * slot_bytes, count * slot_bytes
         if self.device is not None:
-            return self.device.view(start, nbytes)
-        chunk_bytes = self.descriptor.chunk_bytes
-        for chunk in range(start // chunk_bytes, (start + nbytes - 1) // chunk_bytes + 1):
+            slot_bytes = self.descriptor.slot_bytes
+            return self.device.view(first_slot * slot_bytes, count * slot_bytes)
+        start, end = self._faulted(first_slot, count)
+        return self.tensor[start:end]
+
+    def run_array(self, first_slot: int, count: int) -> np.ndarray | None:
+        """run_view's bytes as a numpy view, for a host slab; None for the device tier (its
+        copies go through torch)."""
+        if self.device is not None:
+            return None
+        start, end = self._faulted(first_slot, count)
+        return self.array[start:end]
+
+    def _faulted(self, first_slot: int, count: int) -> tuple[int, int]:
+        """The host slab's byte range of slots first_slot..first_slot+count-1, its chunks
+        faulted in."""
+        slot_bytes, chunk_bytes = self.descriptor.slot_bytes, self.descriptor.chunk_bytes
+        start, end = first_slot * slot_bytes, (first_slot + count) * slot_bytes
+        for chunk in range(start // chunk_bytes, (end - 1) // chunk_bytes + 1):
             self._fault_in(chunk)
-        return self.tensor[start : start + nbytes]
+        return start, end
 
     def _fault_in(self, chunk: int) -> bool:
         grant = int(self.held[chunk])
