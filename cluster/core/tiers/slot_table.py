@@ -61,23 +61,15 @@ def slot_runs(places: np.ndarray, slots_per_chunk: Sequence[int]) -> list[SlotRu
 
 def _one_run(places: np.ndarray, slots_per_chunk: Sequence[int]) -> SlotRun | None:
     """All of `places` as one run (consecutive slots of one tier in one chunk, as a fresh put
-    reserves them), else None: the common case, in a few whole-array steps (each numpy call
-    costs microseconds on a get's path, right after a large copy emptied the caches)."""
-    (tier, first, _), (last_tier, last, _) = places[[0, -1]].tolist()
-    count = len(places)
-    per_chunk = slots_per_chunk[tier]
-    if last != first + count - 1 or last_tier != tier or first // per_chunk != last // per_chunk:
+    reserves them), else None: the common case, in a few scalar tests and one pass."""
+    tier, first, count = int(places[0, TIER]), int(places[0, SLOT]), len(places)
+    last, per_chunk = first + count - 1, slots_per_chunk[tier]
+    if (int(places[-1, SLOT]) != last or int(places[-1, TIER]) != tier
+            or first // per_chunk != last // per_chunk):
         return None
-    # The ends agree with one run; every step between them must be (same tier, next slot).
-    if count > 2 and not np.array_equal(places[1:, :GENERATION] - places[:-1, :GENERATION],
-                                        _STEPS[: count - 1] if count <= len(_STEPS)
-                                        else np.broadcast_to(_STEP, (count - 1, 2))):
+    if count > 2 and not (np.diff(places[:, :GENERATION], axis=0) == (0, 1)).all():
         return None
     return SlotRun(0, tier, first, count)
-
-
-_STEP = np.array([0, 1], dtype=np.int64)  # (tier, slot) from one page of a run to the next
-_STEPS = np.tile(_STEP, (4096, 1))
 
 
 def num_unchanged(places: np.ndarray, generations: Sequence[np.ndarray]) -> int:
