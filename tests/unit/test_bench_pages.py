@@ -54,6 +54,14 @@ def test_overhead_is_the_time_per_page_above_the_memcpy_in_us():
     assert pages.round_values("floor", [1.0, 2.0], [3.0, 1.0], 7) == [4.0, 1.5]
 
 
+def test_own_work_is_per_page_and_the_copy_excess_is_what_the_copy_adds_above_the_memcpy():
+    assert pages.round_values("per_page", [0.001, 0.002], [9.0, 9.0], 250) == pytest.approx(
+        [4.0, 8.0])
+    # get 10 ms = own work 2 ms + copy 7 ms + 1 ms more than the memcpy alone took
+    excess = pages.round_values("excess", [0.010], [0.002], 250, memcpys=[0.007])
+    assert excess == pytest.approx([1e-3 / 250 * 1e6])
+
+
 def fake_page_size(rounds: dict[int, dict[str, list[float]]], not_taken=None) -> dict:
     return {"per_request": {str(n): {"pages": n // 16, "rounds": figures}
                             for n, figures in rounds.items()},
@@ -62,7 +70,9 @@ def fake_page_size(rounds: dict[int, dict[str, list[float]]], not_taken=None) ->
 
 def rounds_of(get, memcpy, noop=1e-4) -> dict[str, list[float]]:
     return {"get": get, "memcpy_get": memcpy, "noop": [noop] * len(get),
-            "acquire_get": get, "warm_get": memcpy, "put": get, "memcpy_put": memcpy}
+            "acquire_get": get, "warm_get": memcpy, "put": get, "memcpy_put": memcpy,
+            "own_get": [g - m for g, m in zip(get, memcpy, strict=True)],
+            "own_get_after_copy": [g - m for g, m in zip(get, memcpy, strict=True)]}
 
 
 def test_set_ratios_takes_each_ratio_from_its_size_as_a_median_of_rounds():
@@ -79,6 +89,8 @@ def test_set_ratios_takes_each_ratio_from_its_size_as_a_median_of_rounds():
     assert ratios["get_256_tokens_floor_vs_noop_call"] == pytest.approx(1.5)
     assert report["spread"]["get_32k_tokens_vs_memcpy"]["rounds"] == pytest.approx(
         [0.8, 0.64, 1.0])
+    assert ratios["small_page_own_work_us"] == pytest.approx(0.0008 / 256 * 1e6)
+    assert ratios["small_page_copy_excess_us"] == pytest.approx(0.0)
 
 
 def test_set_ratios_leaves_null_what_was_not_run_or_not_taken():

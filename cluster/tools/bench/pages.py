@@ -22,6 +22,13 @@ reads a prefix of it. Per request size, every contender runs once a round in rot
                 copies, the release (what `get` was before the index; tiers' cold_get)
     warm_get    the same get right after another: copies from the noted slots, no call
     noop        a no-op call to the node actor (ping), awaited as the client awaits its calls
+    own_get     `get` with its copy made a no-op (fetch._copy_places swapped for one that
+                makes the blocks but copies nothing): the get's own work, back to back, so
+                with warm CPU caches. A phase timing, not a contender: on a GPU node the copy
+                is a DMA that leaves the CPU's caches alone, and this is the get's CPU time
+    own_get_after_copy  the same, each call right after an untimed memcpy of the request's
+                bytes (memcpy_put's), as a get follows the copy of the get before it on this
+                CPU-only machine: the caches the get's work runs in are emptied first
     memcpy_put  copies.copy_pages from kv's page slices into one private buffer of pages, one
                 block, as the put copies a run of consecutive reserved slots
     put         client.put of fresh tokens: copies into slots the client's lease holds, no
@@ -34,10 +41,15 @@ Ratios (contract), at 16-token pages (vLLM's block size), each the median of per
     small_page_overhead_us       (get - memcpy_get) / pages, at 4,096 tokens        (<= 5)
     get_256_tokens_vs_noop_call  get / noop, at 256 tokens                          (<= 1.5)
     get_32k_tokens_vs_memcpy     memcpy_get / get (as rates), at 32,768 tokens      (>= 0.8)
+With no goal, beside them: small_page_own_work_us (own_get / pages at 4,096 tokens),
+small_page_own_work_after_copy_us (own_get_after_copy's), small_page_copy_excess_us ((get -
+own_get_after_copy - memcpy_get) / pages: what the copy inside the get costs above the
+memcpy alone, with the round's noise).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -50,7 +62,8 @@ import numpy as np
 import ray
 import torch
 
-from cluster.calls import Wait, run_sync
+from cluster import fetch
+from cluster.calls import Wait, Work, run_sync
 from cluster.core.config import CacheConfig
 from cluster.core.copies import COPY_THREADS, copy_pages
 from cluster.core.kvcheck import page_rows, slab_order
@@ -66,7 +79,8 @@ QUICK_PAGE_TOKENS = (16,)
 REQUEST_TOKENS = (256, 1024, 4096, 16384, 32768)
 QUICK_REQUEST_TOKENS = (256, 4096, 32768)
 RATIO_PAGE_TOKENS = 16
-CONTENDERS = ("memcpy_get", "get", "acquire_get", "warm_get", "noop", "memcpy_put", "put")
+CONTENDERS = ("memcpy_get", "get", "acquire_get", "warm_get", "noop", "memcpy_put", "put",
+              "own_get", "own_get_after_copy")
 ROUNDS = 5
 SMALL_REPS, LARGE_REPS, LARGE_TOKENS = 15, 5, 8192  # calls per figure: more for short calls
 # Bytes the largest request is held in at once: kv, out, put's page buffers, and in the host
@@ -83,7 +97,8 @@ OBJECT_STORE_BYTES = 256 * MiB
 GOALS = {"small_page_overhead_us": {"max": 5.0}, "get_256_tokens_vs_noop_call": {"max": 1.5},
          "get_32k_tokens_vs_memcpy": {"min": 0.8}}
 # name -> (how, raykv's figure, the baseline's, request tokens), at RATIO_PAGE_TOKENS;
-# "overhead": (a - b) / pages in us, "ratio": a / b (seconds), "floor": (a + b) / a.
+# "overhead": (a - b) / pages in us, "ratio": a / b (seconds), "floor": (a + b) / a,
+# "per_page": a / pages in us (b unused), "excess": (a - b - memcpy_get) / pages in us.
 RATIOS = {
     "small_page_overhead_us": ("overhead", "get", "memcpy_get", 4096),
     "get_256_tokens_vs_noop_call": ("ratio", "get", "noop", 256),
@@ -96,6 +111,10 @@ RATIOS = {
     "warm_get_32k_tokens_vs_memcpy": ("ratio", "memcpy_get", "warm_get", 32768),
     "small_page_put_overhead_us": ("overhead", "put", "memcpy_put", 4096),
     "put_32k_tokens_vs_memcpy": ("ratio", "memcpy_put", "put", 32768),
+    "small_page_own_work_us": ("per_page", "own_get", "own_get", 4096),
+    "small_page_own_work_after_copy_us": ("per_page", "own_get_after_copy",
+                                          "own_get_after_copy", 4096),
+    "small_page_copy_excess_us": ("excess", "get", "own_get_after_copy", 4096),
 }
 
 
@@ -160,8 +179,14 @@ def memory_budget_bytes() -> int:
 
 
 def round_values(how: str, numerators: list[float], denominators: list[float],
-                 num_pages: int) -> list[float]:
-    """Per-round values of one RATIOS entry from two contenders' per-round seconds."""
+                 num_pages: int, memcpys: list[float] | None = None) -> list[float]:
+    """Per-round values of one RATIOS entry from two contenders' per-round seconds (and
+    memcpy_get's, for "excess")."""
+    if how == "per_page":
+        return [a / num_pages * 1e6 for a in numerators]
+    if how == "excess":
+        return [(a - b - m) / num_pages * 1e6
+                for a, b, m in zip(numerators, denominators, memcpys, strict=True)]
     if how == "overhead":
         return [(a - b) / num_pages * 1e6 for a, b in zip(numerators, denominators, strict=True)]
     if how == "floor":
@@ -257,17 +282,41 @@ GET_PATHS = {  # contender -> (whose get, reads the held index, (local, optimist
     "get": ("reader", True, (1, 1, 1)),
     "acquire_get": ("reader", False, (1, 0, 0)),
     "warm_get": ("client", True, (1, 1, 0)),
+    "own_get": ("reader", True, (1, 1, 1)),
+    "own_get_after_copy": ("reader", True, (1, 1, 1)),
 }
-GET_UNTAKEN = {"get": "a cold get did not find every page in the node's held-pages index",
+_HELD_UNTAKEN = "a cold get did not find every page in the node's held-pages index"
+GET_UNTAKEN = {"get": _HELD_UNTAKEN, "own_get": _HELD_UNTAKEN, "own_get_after_copy": _HELD_UNTAKEN,
                "acquire_get": "a cold get did not take every page through the node's acquire",
                "warm_get": "a warm get asked the node: its notes went stale"}
 
 
-def get_s(session: Session, num_tokens: int, reps: int, path: str) -> float:
+@contextlib.contextmanager
+def copies_skipped():
+    """The get's copy of this node's pages made a no-op, for the own_get phase timings: the
+    blocks are still made and the step's hand-off kept; the copy and its rate sample (which
+    would tell the node of a copy that never ran) are not."""
+    real = fetch._copy_places
+
+    def no_copy(view, places, out, first_page):
+        _, mapped = fetch.copy_pairs(view.slabs, places, out, first_page)
+        yield Work(lambda: None)
+        return mapped
+
+    fetch._copy_places = no_copy
+    try:
+        yield
+    finally:
+        fetch._copy_places = real
+
+
+def get_s(session: Session, num_tokens: int, reps: int, path: str,
+          before: Callable[[], object] | None = None) -> float:
     """Gets of the request's tokens, each after the getting client dropped its notes of the
     pages (GET_PATHS): `get` and `acquire_get` by the reader, which put nothing, through the
     node's held-pages index or its acquire; `warm_get` by the client that put them, right after
-    such a get (untimed), from the slots it noted (a note is trusted for slabs.HINT_TTL_S)."""
+    such a get (untimed), from the slots it noted (a note is trusted for slabs.HINT_TTL_S);
+    `own_get*`: `get` with its copy skipped (copies_skipped), each after `before()`, untimed."""
     whose, use_held, expected = GET_PATHS[path]
     client = getattr(session, whose)
     counters, slabs = client.counters, client.view.slabs
@@ -279,20 +328,26 @@ def get_s(session: Session, num_tokens: int, reps: int, path: str) -> float:
         slabs.forget(keys)
         if path == "warm_get":
             session.get(num_tokens, client)
-        before = [counters[name] for name in names]
+        if before is not None:
+            before()
+        counted = [counters[name] for name in names]
         seconds, _ = common.timed(lambda: session.get(num_tokens, client))
-        read = tuple(counters[name] - b for name, b in zip(names, before, strict=True))
+        read = tuple(counters[name] - b for name, b in zip(names, counted, strict=True))
         taken.append(read == tuple(num_pages * e for e in expected))
         return seconds
 
+    own = path.startswith("own_get")
     slabs.use_held = use_held
     try:
-        once()
-        seconds = statistics.median(once() for _ in range(reps))
+        with copies_skipped() if own else contextlib.nullcontext():
+            once()
+            seconds = statistics.median(once() for _ in range(reps))
     finally:
         slabs.use_held = True
     session.expect(path, num_tokens, all(taken[1:]), GET_UNTAKEN[path])
-    common.check_same(session.out[:, :, :, :num_tokens], session.kv[:, :, :, :num_tokens], path)
+    if not own:  # own gets copy nothing: out holds the last get's copy
+        common.check_same(session.out[:, :, :, :num_tokens], session.kv[:, :, :, :num_tokens],
+                          path)
     return seconds
 
 
@@ -334,7 +389,10 @@ def contenders(session: Session, num_tokens: int) -> dict[str, Callable[[int], f
             "warm_get": lambda _: get_s(session, num_tokens, reps, "warm_get"),
             "noop": lambda _: common.warm_median_s(noop, reps),
             "memcpy_put": lambda _: common.warm_median_s(lambda: copy_pages(put_pairs), reps),
-            "put": lambda _: put_s(session, num_tokens, reps)}
+            "put": lambda _: put_s(session, num_tokens, reps),
+            "own_get": lambda _: get_s(session, num_tokens, reps, "own_get"),
+            "own_get_after_copy": lambda _: get_s(session, num_tokens, reps, "own_get_after_copy",
+                                                  before=lambda: copy_pages(put_pairs))}
 
 
 def measure_page_size(plan: Plan, page_tokens: int, disk_dir: str,
@@ -373,7 +431,7 @@ def set_ratios(report: harness.Report, per_page: dict) -> None:
             report.not_exercised(name, next(w for w in why if w))
             continue
         values = round_values(how, figures["rounds"][numerator], figures["rounds"][denominator],
-                              figures["pages"])
+                              figures["pages"], figures["rounds"]["memcpy_get"])
         report.ratio(name, statistics.median(values), values)
 
 
