@@ -119,14 +119,13 @@ class RecencyFrequencyPolicy(PerKeyBatches):
                        chained: bool = False) -> None:
         """on_insert for each of `keys`, in order (see PerKeyBatches), in one loop with
         _touch inline: a tier's run of new pages costs no call per page. A key held already
-        is read again (on_access), as on_insert does.
-
-        The run's lookups in the big tables come first, in C (`map`), so that their cache
-        misses overlap: the ghost's pops (a held key is never in the ghost, so popping every
-        key of the run is the same), and whether each is held, when the run repeats no key
-        (else asked as the loop reaches it)."""
+        is read again (on_access), as on_insert does."""
         rank, log2_uses = self._rank, _LOG2_USES
         keys = keys if isinstance(keys, list | tuple) else list(keys)
+        # The run's lookups in the big tables come first, in C (`map`), so that their cache
+        # misses overlap: the ghost's pops (a held key is never in the ghost, so popping every
+        # key of the run is the same), and whether each is held, when the run repeats no key
+        # (else asked as the loop reaches it).
         pasts = list(map(self._ghost.pop, keys, repeat(None)))
         held = (list(map(rank.__contains__, keys)) if len(set(keys)) == len(keys)
                 else (key in rank for key in keys))
@@ -138,33 +137,23 @@ class RecencyFrequencyPolicy(PerKeyBatches):
         horizon = factor * self.reuse_distance
         root = None  # a discounted policy's last new page without a parent, not yet begun
         for key, past, is_held in zip(keys, pasts, held, strict=True):
-            if is_held:
-                if root is not None:
-                    self._begin_put(*root)
-                    root = None
-                self._clock, self._calls = clock, calls
-                self.on_access(key)
-                clock, calls, fifo, heap = self._clock, self._calls, self._fifo, self._heap
-                horizon = factor * self.reuse_distance
+            if is_held:  # rare: off the loop, which stays inline for the new keys
+                clock, calls, horizon = self._access_in_run(key, clock, calls, root)
+                root, fifo, heap = None, self._fifo, self._heap
             else:
                 clock += 1
                 if past is None:
                     uses = 1
-                else:
-                    uses = past[3] + 1
-                    if uses == 2:  # a first reuse
-                        self._clock = clock
-                        self._reused(past[4])
-                        horizon = factor * self.reuse_distance
+                elif (uses := past[3] + 1) == 2:  # a first reuse
+                    self._clock = clock
+                    self._reused(past[4])
+                    horizon = factor * self.reuse_distance
                 self.horizon = horizon
                 calls += 1
                 log2 = log2_uses[uses if uses < MAX_USES else MAX_USES]
                 if discount_of is None:
                     bonus = horizon * log2
-                elif parent is None:
-                    # A put's first page: no discount (depth 1, ranked from its own clock).
-                    # Its put begins before the next discount, read or return: a run of
-                    # moved pages (no parents) costs no call per page.
+                elif parent is None:  # a put's first page: see _access_in_run
                     bonus = horizon * log2
                     root = (key, clock)
                 else:
@@ -186,6 +175,21 @@ class RecencyFrequencyPolicy(PerKeyBatches):
         # after the first: compacting once at the end drops the same stale entries.
         if len(heap) + len(fifo) > 2 * len(rank) + 64:
             self._compact()
+
+    def _access_in_run(self, key: Key, clock: int, calls: int, root: tuple | None
+                       ) -> tuple[int, int, float]:
+        """on_insert_many's key held already: read again (on_access) at the run's `clock` and
+        `calls`; returns them after, and the horizon of the new tick.
+
+        `root` is a discounted policy's put not yet begun: (its first page, its clock). A put's
+        first page takes no discount (depth 1, ranked from its own clock); its put begins
+        before the next discount, read (here) or return, so that a run of moved pages (no
+        parents) costs no call per page."""
+        if root is not None:
+            self._begin_put(*root)
+        self._clock, self._calls = clock, calls
+        self.on_access(key)
+        return self._clock, self._calls, self.horizon_factor * self.reuse_distance
 
     _discounted = False  # whether _insert_discount takes anything off (PutDepthPolicy)
 
