@@ -18,7 +18,7 @@ from cluster.core.tiers.aligned import ALIGN_BYTES, is_aligned, round_up
 from cluster.core.tiers.disk_format import HEADER_BYTES, DiskPageMeta, check_bytes, parse_header
 from cluster.core.tiers.disk_format import checksum as _checksum
 
-# The disk tier's one logger, whichever of its modules logs (disk.py, before the split).
+# One logger for the whole disk tier, named for disk.py, whichever of its modules logs.
 logger = logging.getLogger("cluster.core.tiers.disk")
 
 

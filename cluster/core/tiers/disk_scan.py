@@ -17,7 +17,7 @@ import numpy as np
 from cluster.core.tiers.aligned import round_up
 from cluster.core.tiers.disk_format import HEADER_BYTES, DiskPageMeta
 
-# The disk tier's one logger, whichever of its modules logs (disk.py, before the split).
+# One logger for the whole disk tier, named for disk.py, whichever of its modules logs.
 logger = logging.getLogger("cluster.core.tiers.disk")
 
 SCAN_CHUNK_SLOTS = 64

@@ -26,13 +26,14 @@ from cluster.core.tiers.disk_format import (
     payload_checksum,
 )
 
-# The disk tier's one logger, whichever of its modules logs (disk.py, before the split).
+# One logger for the whole disk tier, named for disk.py, whichever of its modules logs.
 logger = logging.getLogger("cluster.core.tiers.disk")
 
 
 class DiskWrites:
     """DiskArena's writes. Uses the arena's geometry (slot_payload_bytes), buffer pools
-    (_small, _staging), _locate, _check_slot, _plan, _run, _count, _sync, free and faults."""
+    (_small, _staging), lock, _locate, _check_slot, _plan, _run, _count, _sync, free and
+    faults."""
 
     def write_pages(self, items: list[tuple[int, bytes, int, np.ndarray]],
                     namespaces: list[str] | None = None,
