@@ -27,9 +27,10 @@ are keyed; a trailing partial page has no key.
 
 Two hashes, two jobs. blake3 (here) is the only hash that *names* anything in raykv: page keys,
 namespaces, node-slot tags. A name must not collide across tenants and nodes, so it is a
-cryptographic hash. The disk tier's per-page checksum (cluster/core/tiers/disk.py) is xxh3-64:
-it only detects torn writes and flipped bits in bytes raykv wrote itself, runs over every byte
-written and read, and a mismatch is merely a miss, so it takes the fastest good checksum.
+cryptographic hash. The disk tier's per-page checksum (cluster/core/tiers/disk_format.py) is
+xxh3-64: it only detects torn writes and flipped bits in bytes raykv wrote itself, runs over
+every byte written and read, and a mismatch is merely a miss, so it takes the fastest good
+checksum.
 """
 
 from __future__ import annotations

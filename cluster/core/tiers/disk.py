@@ -28,6 +28,10 @@ before it (whose bytes are still that page's).
 The slab files are sparse. A chunk of slots gets real blocks (fallocate) when the disk tier's
 node-wide budget grants it to this arena, and gives them back (a punched hole) when released,
 so every model's pages share one disk budget (see chunks.py).
+
+DiskArena's reads, writes and restart scan are mixins of their own (disk_reads.py,
+disk_writes.py, disk_scan.py), beside its runs of adjacent slots (disk_runs.py). The names
+that moved out stay importable from here: the `name as name` imports.
 """
 
 from __future__ import annotations
@@ -38,45 +42,44 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from cluster.core.faults import DiskFaults
-from cluster.core.keys import KEY_BYTES
+from cluster.core.keys import KEY_BYTES as KEY_BYTES
+from cluster.core.tiers.aligned import ALIGN_BYTES as ALIGN_BYTES
 from cluster.core.tiers.aligned import (
-    ALIGN_BYTES,
     AlignedBufferPool,
     aligned_empty,
     allocate_range,
     direct_reads_work,
-    is_aligned,
     make_private_dir,
     open_private,
     punch_hole,
     pwritev_all,
     round_up,
 )
+from cluster.core.tiers.aligned import is_aligned as is_aligned
 from cluster.core.tiers.chunks import ChunkedSlots, Share
-from cluster.core.tiers.disk_format import (
-    FORMAT_VERSION,
-    HEADER_BYTES,
-    MAX_CODEC,
-    DiskPageMeta,
-    check_bytes,
-    check_namespace,
-    ensure_manifest,
-    pack_header,
-    parse_header,
-    payload_checksum,
-)
-from cluster.core.tiers.disk_format import checksum as _checksum
+from cluster.core.tiers.disk_format import FORMAT_VERSION, HEADER_BYTES, ensure_manifest
+from cluster.core.tiers.disk_format import MAX_CODEC as MAX_CODEC
+from cluster.core.tiers.disk_format import DiskPageMeta as DiskPageMeta
+from cluster.core.tiers.disk_format import check_bytes as check_bytes
+from cluster.core.tiers.disk_format import check_namespace as check_namespace
+from cluster.core.tiers.disk_format import pack_header as pack_header
+from cluster.core.tiers.disk_format import parse_header as parse_header
+from cluster.core.tiers.disk_format import payload_checksum as payload_checksum
+from cluster.core.tiers.disk_reads import DiskReads
+from cluster.core.tiers.disk_reads import _checksum as _checksum
 from cluster.core.tiers.disk_runs import DiskRuns
+from cluster.core.tiers.disk_scan import SCAN_CHUNK_SLOTS as SCAN_CHUNK_SLOTS
+from cluster.core.tiers.disk_scan import DiskScan
+from cluster.core.tiers.disk_writes import DiskWrites
 
 logger = logging.getLogger(__name__)
 
 MAX_SLAB_FILE_BYTES = 1 << 30
-SCAN_CHUNK_SLOTS = 64
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -100,12 +103,14 @@ def _open_file(path: str, flags: int) -> int:
     return open_private(path, flags)
 
 
-class DiskArena(DiskRuns):
+class DiskArena(DiskReads, DiskScan, DiskWrites, DiskRuns):
     """Fixed-size page slots in slab files under `dir_path`, addressed by slot id.
 
     Thread-safe: alloc/free and the counters take a lock, and batches may run concurrently
     as long as no two of them touch the same slot. A batch's adjacent slots go in runs, one
-    preadv / pwritev each (disk_runs.py).
+    preadv / pwritev each (disk_runs.py). The reads, writes and scan are mixins of their own
+    (disk_reads.py, disk_writes.py, disk_scan.py); this class owns the slabs, the slots and
+    the counters.
     """
 
     def __init__(self, dir_path: str | os.PathLike, capacity_bytes: int,
@@ -317,241 +322,6 @@ class DiskArena(DiskRuns):
         if len(args_list) <= 1:
             return [func(*args) for args in args_list]
         return list(self._executor.map(lambda args: func(*args), args_list))
-
-    def write_pages(self, items: list[tuple[int, bytes, int, np.ndarray]],
-                    namespaces: list[str] | None = None,
-                    checksums: list[int | None] | None = None) -> list[DiskPageMeta]:
-        """Write (slot, key, codec, payload) pages, each item's namespace in its header ("" when
-        `namespaces` is None); all are validated before any is written. In durable mode the
-        slab files written are fdatasynced before this returns.
-
-        `checksums[i]`, where not None, is item i's payload checksum as its owner computed it
-        when the page was copied in (checksums_ahead.py): the write then only writes. A wrong
-        one is not checked here; the page fails its checksum when read (a miss, never wrong
-        bytes). None: computed here, on the writing thread.
-
-        Raises TypeError/ValueError for a bad item (nothing written) and OSError on I/O failure.
-        """
-        namespaces = [""] * len(items) if namespaces is None else list(namespaces)
-        checksums = [None] * len(items) if checksums is None else list(checksums)
-        if not len(namespaces) == len(checksums) == len(items):
-            raise ValueError(f"{len(items)} items but {len(namespaces)} namespaces and "
-                             f"{len(checksums)} checksums")
-        seen: set[int] = set()
-        for (slot, key, codec, payload), namespace in zip(items, namespaces, strict=True):
-            self._check_write_item(slot, key, codec, payload)
-            check_namespace(namespace)
-            if slot in seen:
-                raise ValueError(f"slot {slot} appears twice in one write batch")
-            seen.add(slot)
-        full = [(*item, namespace, known) for item, namespace, known
-                in zip(items, namespaces, checksums, strict=True)]
-        runs = self._plan([slot for slot, *_ in items],
-                          [self._writes_whole_span(payload) for *_, payload in items])
-        results = [result for run in self._run(self._write_run, [([full[p] for p in run],)
-                                                                 for run in runs])
-                   for result in run]
-        self._count(written_bytes=sum(written for _, written in results))
-        if items:
-            synced = self._sync({self._locate(slot)[0] for slot in seen})
-            with self._lock:
-                self.num_syncs += synced
-        return [meta for meta, _ in results]
-
-    def write_or_free(self, items: list[tuple[int, bytes, int, np.ndarray]],
-                      namespaces: list[str] | None = None,
-                      checksums: list[int | None] | None = None) -> list[DiskPageMeta] | None:
-        """write_pages; on an I/O error (a full disk) free the items' slots and return None."""
-        try:
-            return self.write_pages(items, namespaces, checksums)
-        except OSError as error:
-            logger.warning("disk tier in %s: writing %d pages failed: %s", self.dir_path,
-                           len(items), error)
-            for slot, *_ in items:
-                self.free(slot)
-            return None
-
-    def _check_write_item(self, slot: int, key: bytes, codec: int, payload: np.ndarray) -> None:
-        self._check_slot(slot)
-        if not isinstance(key, bytes):
-            raise TypeError(f"key must be bytes, got {type(key).__name__}")
-        if len(key) != KEY_BYTES:
-            raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
-        if not isinstance(codec, (int, np.integer)) or not 0 <= codec <= MAX_CODEC:
-            raise ValueError(f"codec must be an int in [0, {MAX_CODEC}], got {codec!r}")
-        check_bytes("payload", payload)
-        if payload.nbytes > self.slot_payload_bytes:
-            raise ValueError(f"payload of {payload.nbytes} bytes exceeds the slot payload of "
-                             f"{self.slot_payload_bytes} bytes")
-
-    def _write_one(self, slot: int, key: bytes, codec: int, payload: np.ndarray,
-                   namespace: str, known: int | None = None) -> tuple[DiskPageMeta, int]:
-        if self.faults is not None:
-            self.faults.before_io(writing=True)
-        fd, offset = self._locate(slot)
-        if is_aligned(payload):
-            return self._write_in_place(fd, offset, DiskPageMeta(
-                key, payload.nbytes, int(codec), payload_checksum(payload, known), namespace),
-                payload)
-        num_bytes = payload.nbytes
-        with self._staging.borrow() as staging:
-            body = staging[: round_up(num_bytes)]
-            body[:num_bytes] = payload
-            body[num_bytes:] = 0
-            meta = DiskPageMeta(key, num_bytes, int(codec),
-                                payload_checksum(body[:num_bytes], known), namespace)
-            return self._write_in_place(fd, offset, meta, body)
-
-    def _write_in_place(self, fd: int, offset: int, meta: DiskPageMeta,
-                        payload: np.ndarray) -> tuple[DiskPageMeta, int]:
-        """Header block, then `payload` (`meta` describes its first meta.payload_bytes): whole
-        blocks straight from it, then its last partial block padded in a pooled buffer."""
-        head_bytes = payload.nbytes // ALIGN_BYTES * ALIGN_BYTES
-        tail_bytes = payload.nbytes - head_bytes
-        with self._small.borrow() as buffer:
-            header, tail = buffer[:HEADER_BYTES], buffer[HEADER_BYTES:]
-            pack_header(header, meta)
-            iovecs = [header, payload[:head_bytes]] if head_bytes else [header]
-            if tail_bytes:
-                tail[:tail_bytes] = payload[head_bytes:]
-                tail[tail_bytes:] = 0
-                iovecs.append(tail)
-            return meta, pwritev_all(fd, iovecs, offset)
-
-    def read_pages(self, slots: list[int], outs: list[np.ndarray]) -> list[DiskPageMeta | None]:
-        """Fill outs[i][:payload_bytes] with slot i's payload; None for a bad or corrupt page.
-
-        Reads round_up(len(out)) payload bytes at most, so an out sized to the stored payload
-        reads no more than needed. An out that starts 4096-aligned is read into directly (its
-        contents are then undefined on a miss); any other out is untouched on a miss. An out
-        shorter than the stored payload is a miss. Callers should compare meta.key.
-        """
-        if len(slots) != len(outs):
-            raise ValueError(f"{len(slots)} slots but {len(outs)} outs")
-        for slot, out in zip(slots, outs, strict=True):
-            self._check_slot(slot)
-            check_bytes("out", out)
-            if not out.flags.writeable:
-                raise ValueError("out must be writeable")
-        runs = self._plan(slots, [self._reads_whole_span(out) for out in outs])
-        results: list = [None] * len(slots)
-        for run, run_results in zip(runs, self._run(self._read_run, [
-                ([slots[p] for p in run], [outs[p] for p in run]) for run in runs]), strict=True):
-            for position, result in zip(run, run_results, strict=True):
-                results[position] = result
-        self._count(read_bytes=sum(read for _, read in results))
-        return [meta for meta, _ in results]
-
-    def _read_one(self, slot: int, out: np.ndarray) -> tuple[DiskPageMeta | None, int]:
-        fd, offset = self._locate(slot)
-        span_bytes = min(round_up(out.nbytes), self._span_bytes)
-        try:
-            if self.faults is not None:
-                self.faults.before_io(writing=False)
-            if is_aligned(out):
-                return self._read_in_place(fd, offset, out, span_bytes)
-            return self._read_copy(fd, offset, out, span_bytes)
-        except OSError as error:
-            logger.warning("disk tier: reading slot %d failed: %s", slot, error)
-            return None, 0
-
-    def _read_in_place(self, fd: int, offset: int, out: np.ndarray,
-                       span_bytes: int) -> tuple[DiskPageMeta | None, int]:
-        """preadv into [header block, out's whole blocks, a tail block]; copy the tail only."""
-        head_bytes = min(out.nbytes, span_bytes) // ALIGN_BYTES * ALIGN_BYTES
-        tail_bytes = span_bytes - head_bytes
-        with self._small.borrow() as buffer:
-            header, tail = buffer[:HEADER_BYTES], buffer[HEADER_BYTES : HEADER_BYTES + tail_bytes]
-            iovecs = [iovec for iovec in (header, out[:head_bytes], tail) if iovec.nbytes]
-            read_bytes = os.preadv(fd, iovecs, offset)
-            complete = read_bytes == HEADER_BYTES + span_bytes
-            return self._verify(header, out, tail, head_bytes, complete), read_bytes
-
-    def _verify(self, header: np.ndarray, out: np.ndarray, tail: np.ndarray, head_bytes: int,
-                complete: bool) -> DiskPageMeta | None:
-        """The page read as `header`, out[:head_bytes] and `tail` (its last partial block),
-        if its header parses and its payload fits `out` and matches its checksum (the tail
-        copied into `out` first); else None, counted as a checksum failure unless `out` was
-        merely too short."""
-        meta = self._parse_header(header) if complete else None
-        if meta is None or meta.payload_bytes > out.nbytes:
-            self._count(checksum_failures=int(meta is None))  # a short out is no damage
-            return None
-        if meta.payload_bytes > head_bytes:
-            out[head_bytes : meta.payload_bytes] = tail[: meta.payload_bytes - head_bytes]
-        if _checksum(out[: meta.payload_bytes]) != meta.checksum:
-            self._count(checksum_failures=1)
-            return None
-        return meta
-
-    def _read_copy(self, fd: int, offset: int, out: np.ndarray,
-                   span_bytes: int) -> tuple[DiskPageMeta | None, int]:
-        """Read into a pooled aligned buffer, verify, then copy: `out` is untouched on a miss."""
-        with self._staging.borrow() as staging:
-            meta, read_bytes = self._read_in_place(fd, offset, staging[:span_bytes], span_bytes)
-            if meta is not None and meta.payload_bytes <= out.nbytes:
-                out[: meta.payload_bytes] = staging[: meta.payload_bytes]
-                return meta, read_bytes
-        return None, read_bytes
-
-    def _parse_header(self, header: np.ndarray) -> DiskPageMeta | None:
-        return parse_header(header, self.slot_payload_bytes)
-
-    def scan(self, progress: Callable[[int, int], None] | None = None
-             ) -> list[tuple[int, DiskPageMeta]]:
-        """Re-index the slabs after a restart: claim and return every slot that verifies.
-
-        Call once, on a fresh arena, before any alloc(). progress(done_slots, num_slots) is
-        called on the calling thread as chunks finish. Corrupt or empty slots stay free.
-        """
-        assert not self._closed, "disk arena is closed"
-        assert self.num_used == 0, "scan() re-indexes a fresh arena; call it before alloc()"
-        futures = [self._executor.submit(self._scan_range, start,
-                                         min(start + SCAN_CHUNK_SLOTS, self.num_slots))
-                   for start in range(0, self.num_slots, SCAN_CHUNK_SLOTS)]
-        found: list[tuple[int, DiskPageMeta]] = []
-        done_slots = 0
-        for future in as_completed(futures):
-            pages, num_range_slots, read_bytes = future.result()
-            found.extend(pages)
-            done_slots += num_range_slots
-            self._count(read_bytes=read_bytes)
-            if progress is not None:
-                progress(done_slots, self.num_slots)
-        found.sort(key=lambda page: page[0])
-        with self._lock:
-            refused = set(self._slots.claim_many([slot for slot, _ in found]))
-        if refused:
-            logger.warning("disk tier in %s: %d pages found but the disk budget has no room "
-                           "for them; they are dropped", self.dir_path, len(refused))
-        return [page for page in found if page[0] not in refused]
-
-    def _scan_range(self, start: int, stop: int
-                    ) -> tuple[list[tuple[int, DiskPageMeta]], int, int]:
-        found: list[tuple[int, DiskPageMeta]] = []
-        total_read_bytes = 0
-        with self._small.borrow() as buffer, self._staging.borrow() as staging:
-            for slot in range(start, stop):
-                meta, read_bytes = self._scan_one(slot, buffer[:HEADER_BYTES], staging)
-                total_read_bytes += read_bytes
-                if meta is not None:
-                    found.append((slot, meta))
-        return found, stop - start, total_read_bytes
-
-    def _scan_one(self, slot: int, header: np.ndarray,
-                  staging: np.ndarray) -> tuple[DiskPageMeta | None, int]:
-        """A header probe first, so that an empty slot costs one 4096-byte read."""
-        fd, offset = self._locate(slot)
-        try:
-            probe_bytes = os.preadv(fd, [header], offset)
-        except OSError as error:
-            logger.warning("disk tier: scanning slot %d failed: %s", slot, error)
-            return None, 0
-        meta = self._parse_header(header) if probe_bytes == HEADER_BYTES else None
-        if meta is None:
-            return None, probe_bytes
-        page, read_bytes = self._read_one(slot, staging[: round_up(meta.payload_bytes)])
-        return page, probe_bytes + read_bytes
 
     def close(self) -> None:
         """Zero the freed slots' headers, wait for in-flight I/O, fsync and close the slab
