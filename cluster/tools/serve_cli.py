@@ -44,45 +44,74 @@ def serve_command(
 ) -> None:
     """Start the cache service and the Serve app on the current (or a local) Ray cluster and
     serve OpenAI's /v1/completions, /v1/chat/completions and /v1/models until interrupted."""
-    import ray
-    from ray import serve
-
-    from cluster.api import _ensure_ray
-    from cluster.core.config import CacheConfig
-    from cluster.serving.access import KeysRequired
-
     console = Console()
     _check_bind(host)
-    if address:
-        os.environ["RAY_ADDRESS"] = address
-    _ensure_ray(CacheConfig())
-    args = {"model": model, "replicas": replicas, "router": router}
-    if admission:
-        args["admission"] = json.loads(admission)
+    _start_ray(address)
+    args = _app_args(model, replicas, router, admission)
     if engine == "vllm":
         args["accelerator"] = accelerator
         _check_fits(_vllm_args(args))  # refused in seconds, not stuck unscheduled
+    app = _start_serve(engine, args, host, port)
+    console.print(f"raykv: deploying {model} ({engine} engine, {router} router) ...")
+    _run_until_interrupted(app, ready_timeout_s, console,
+                           f"[bold]serving[/] OpenAI API at http://{host}:{port}/v1 "
+                           f"(models: {model}); Ctrl-C to stop")
+
+
+def _start_ray(address: str | None) -> None:
+    """Join the Ray cluster at `address` (else RAY_ADDRESS, else a local one)."""
+    from cluster.api import _ensure_ray
+    from cluster.core.config import CacheConfig
+
+    if address:
+        os.environ["RAY_ADDRESS"] = address
+    _ensure_ray(CacheConfig())
+
+
+def _app_args(model: str, replicas: int | None, router: Router, admission: str | None) -> dict:
+    args = {"model": model, "replicas": replicas, "router": router}
+    if admission:
+        args["admission"] = json.loads(admission)
+    return args
+
+
+def _start_serve(engine: Engine, args: dict, host: str, port: int):
+    """Start Serve's HTTP proxy and build the app; a refused build stops Serve and Ray."""
+    from ray import serve
+
+    from cluster.serving.access import KeysRequired
+
     serve.start(http_options={"host": host, "port": port},
                 logging_config={"log_level": logging.WARNING})
     try:
-        app = _build(engine, args)
+        return _build(engine, args)
     except KeysRequired as error:  # e.g. namespaces besides the default, and no keys
-        serve.shutdown()
-        ray.shutdown()
+        _shutdown()
         raise typer.BadParameter(str(error)) from None
-    console.print(f"raykv: deploying {model} ({engine} engine, {router} router) ...")
+
+
+def _run_until_interrupted(app, ready_timeout_s: float, console: Console, serving: str) -> None:
+    """Deploy `app`, say `serving` once it is ready, and block until Ctrl-C; then stop."""
+    from ray import serve
+
     try:
         serve._run(app, _blocking=False, name=APP_NAME, route_prefix="/")
         _wait_ready(ready_timeout_s)
-        console.print(f"[bold]serving[/] OpenAI API at http://{host}:{port}/v1 "
-                      f"(models: {model}); Ctrl-C to stop")
+        console.print(serving)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         console.print("stopping")
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        _shutdown()
+
+
+def _shutdown() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
 
 
 def _vllm_args(args: dict):

@@ -1,6 +1,6 @@
 """The pool and store test harness: pools and NodeStores over a temp disk dir, an event
 recorder, page helpers (puts that write into reserved slots, reads, page ids per tier, disk
-read counting) and consistency checks. Shared by test_pool*, test_store and conftest."""
+read counting) and consistency checks. Shared by test_pool*, test_store_* and conftest."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ fails its figure."""
 import pytest
 
 from cluster.core import copies
-from cluster.tools.bench import common, disk, peers, tiers
+from cluster.tools.bench import common, disk, peers, tiers, tiers_host
 
 
 @pytest.fixture
@@ -18,7 +18,7 @@ def copied(monkeypatch):
         batches.append(pairs)
         real(pairs)
 
-    monkeypatch.setattr(tiers, "copy_pages", spy)
+    monkeypatch.setattr(tiers_host, "copy_pages", spy)
     monkeypatch.setattr(copies, "copy_pages", spy)
     return batches
 

@@ -154,7 +154,7 @@ def measure_disk(disk_dir: str, page_bytes: int, num_pages: int, num_rounds: int
     return rounds
 
 
-# ---- the disk tier end to end, through the service (tiers.Session) -------------------------
+# ---- the disk tier end to end, through the service (tiers_session.Session) -----------------
 
 
 def fill_host(session, num_batches: int) -> bool:

@@ -22,6 +22,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable
+from itertools import repeat
 
 import numpy as np
 
@@ -166,27 +167,16 @@ def redis_gbps(url: str, page_bytes: int, num_pages: int, num_connections: int =
     keys = [f"raykv:peer:{uuid.uuid4().hex}:{i}" for i in range(num_pages)]
     shares = [range(c, num_pages, num_connections) for c in range(num_connections)]
 
-    def set_share(c: int) -> None:
-        pipe = clients[c].pipeline(transaction=False)
-        for i in shares[c]:
-            pipe.set(keys[i], memoryview(src[i]))
-        pipe.execute()
-
-    def get_share(c: int) -> None:
-        pipe = clients[c].pipeline(transaction=False)
-        for i in shares[c]:
-            pipe.get(keys[i])
-        for i, value in zip(shares[c], pipe.execute(), strict=True):
-            np.copyto(dst[i], np.frombuffer(value, dtype=np.uint8).reshape(dst[i].shape))
-
     pool = ThreadPoolExecutor(num_connections)
 
-    def on_every_connection(share_fn: Callable[[int], None]) -> Callable[[], float]:
-        return lambda: _timed_s(lambda: list(pool.map(share_fn, range(num_connections))))
+    def on_every_connection(move: Callable, pages) -> Callable[[], float]:
+        """Time `move` of each connection's share of the pages, all connections at once."""
+        return lambda: _timed_s(lambda: list(pool.map(move, clients, repeat(keys),
+                                                      repeat(pages), shares)))
 
     try:
-        result = {"set": median_gbps(on_every_connection(set_share), src.nbytes),
-                  "get": median_gbps(on_every_connection(get_share), src.nbytes)}
+        result = {"set": median_gbps(on_every_connection(_set_share, src), src.nbytes),
+                  "get": median_gbps(on_every_connection(_get_share, dst), src.nbytes)}
         check_pool(dst)
     finally:
         pool.shutdown()
@@ -194,6 +184,23 @@ def redis_gbps(url: str, page_bytes: int, num_pages: int, num_connections: int =
         for client in clients:
             client.close()
     return result
+
+
+def _set_share(client, keys: list[str], src, share: range) -> None:
+    """SET the pages of `share` from `src`, in one pipeline."""
+    pipe = client.pipeline(transaction=False)
+    for i in share:
+        pipe.set(keys[i], memoryview(src[i]))
+    pipe.execute()
+
+
+def _get_share(client, keys: list[str], dst, share: range) -> None:
+    """GET the pages of `share` in one pipeline, each copied into its window of `dst`."""
+    pipe = client.pipeline(transaction=False)
+    for i in share:
+        pipe.get(keys[i])
+    for i, value in zip(share, pipe.execute(), strict=True):
+        np.copyto(dst[i], np.frombuffer(value, dtype=np.uint8).reshape(dst[i].shape))
 
 
 def _timed_s(run: Callable[[], object]) -> float:

@@ -175,14 +175,7 @@ def replay(url: str, requests: list[ScaledRequest]) -> list[Sent]:
             sent.ttft_s = time.perf_counter() - began_s
             sent.status, sent.replica = reply.status_code, reply.headers.get("x-raykv-replica", "")
             if reply.status_code == 200:
-                answer = reply.json()
-                usage = answer["usage"]
-                sent.prompt_tokens = usage["prompt_tokens"]
-                sent.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
-                    "cached_tokens", 0)
-                metrics = answer.get("metrics") or {}
-                sent.engine_queue_ms = metrics.get("queue_time_ms")
-                sent.engine_prefill_ms = metrics.get("time_to_first_token_ms")
+                _read_answer(sent, reply.json())
             else:
                 sent.error = reply.text[:200]
         except http.RequestException as error:
@@ -198,6 +191,16 @@ def replay(url: str, requests: list[ScaledRequest]) -> list[Sent]:
                 time.sleep(delay_s)
             futures.append(pool.submit(send, request, start_s))
         return [future.result() for future in futures]
+
+
+def _read_answer(sent: Sent, answer: dict) -> None:
+    """Fill `sent` from a completion's answer: its usage, and the engine's own timings."""
+    usage = answer["usage"]
+    sent.prompt_tokens = usage["prompt_tokens"]
+    sent.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    metrics = answer.get("metrics") or {}
+    sent.engine_queue_ms = metrics.get("queue_time_ms")
+    sent.engine_prefill_ms = metrics.get("time_to_first_token_ms")
 
 
 def warm_up(url: str, plan: Plan) -> None:

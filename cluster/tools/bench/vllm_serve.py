@@ -394,59 +394,96 @@ RECOMPUTE_NOTE = (
     "the faster of the forced runs' median TTFTs.")
 
 
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """What run_here's parts share: its inputs, and each set-up's results by round."""
+
+    plan: Plan
+    traces: list[list[ScaledRequest]]
+    model_dir: str
+    setups: tuple[str, ...]
+    parts: tuple[str, ...]
+    rounds: dict[str, list[dict]]
+
+
 def run_here(json_path: str | None, quick: bool, trace_path: str | None = None,
              setups: tuple[str, ...] | None = None, parts: tuple[str, ...] = PARTS) -> dict:
     """The benchmark in this process (which must have CHILD_ENV set before Ray was imported)."""
-    from ray import serve
-    from rich.progress import Progress
-
     from cluster.serving.model_dir import save_model_dir
     from cluster.tools.bench.trace import default_trace
-    from cluster.tools.bench.vllm_serve_setups import ENGINE_SLOT
-    from cluster.tools.simcluster import simulated_cluster, start_serve
 
     plan = plan_for(quick)
     traces = round_traces(plan, trace_path or str(default_trace()))
-    working_set = [distinct_blocks(t) for t in traces]
     model_dir = save_model_dir(os.path.join(tempfile.mkdtemp(prefix="raykv-vs-"), MODEL))
     setups = setups_for(quick, setups) if "main" in parts else ()
-    rounds: dict[str, list[dict]] = {name: [] for name in setups}
-    config = {"model": MODEL, "nodes": NUM_NODES, "plan": asdict(plan), "quick": quick,
-              "setups": list(setups), "parts": list(parts),
-              "working_set_blocks": working_set,
-              "prefix_reuse_bound": [prefix_reuse(t) for t in traces],
-              "reusable_tokens_bound": [reusable_blocks(t)[0] * plan.engine.block_tokens
-                                        for t in traces]}
+    run = _Run(plan, traces, model_dir, setups, parts, {name: [] for name in setups})
+    config = _config(run, quick)
     report = Report("vllm-serve", "ms", config, goals_for(parts),
                     notes(plan, traces) if "main" in parts else [RECOMPUTE_NOTE])
+    order, recompute, phase_s = _replay_in_cluster(run)
+    report["phase_s"] = phase_s
+    _record_rounds(report, run.rounds, order, recompute)
+    fill_ratios(report, run.rounds, plan, config["working_set_blocks"], recompute, parts,
+                config["reusable_tokens_bound"])
+    return report.finish(json_path)
 
-    url: list[str] = []  # Serve's front, once the cluster runs
 
-    def setup_round(name: str):
-        def one_round(round_index: int) -> float:
-            rounds[name].append(run_setup(name, plan, model_dir, traces[round_index], url[0]))
-            return rounds[name][-1]["summary"]["ttft_p50_ms"]
-        return one_round
+def _config(run: _Run, quick: bool) -> dict:
+    """The run's sizes and the trace's bounds, for the report."""
+    plan, traces = run.plan, run.traces
+    return {"model": MODEL, "nodes": NUM_NODES, "plan": asdict(plan), "quick": quick,
+            "setups": list(run.setups), "parts": list(run.parts),
+            "working_set_blocks": [distinct_blocks(t) for t in traces],
+            "prefix_reuse_bound": [prefix_reuse(t) for t in traces],
+            "reusable_tokens_bound": [reusable_blocks(t)[0] * plan.engine.block_tokens
+                                      for t in traces]}
+
+
+def _replay_in_cluster(run: _Run) -> tuple[list, dict | None, dict]:
+    """Every round of every set-up (in run.rounds), then the recompute part, on one simulated
+    cluster; returns the rounds' order, the recompute part's result and the phases' times."""
+    from ray import serve
+    from rich.progress import Progress
+
+    from cluster.tools.bench.vllm_serve_setups import ENGINE_SLOT
+    from cluster.tools.simcluster import simulated_cluster, start_serve
 
     with simulated_cluster(NUM_NODES, cpus_per_node=2, resources={ENGINE_SLOT: 1}), \
             Progress() as progress:
-        url.append(start_serve(free_port()))
-        steps = common.Steps(progress, "vllm-serve", plan.num_rounds)
-        order = interleave({name: setup_round(name) for name in setups}, plan.num_rounds,
+        url = start_serve(free_port())  # Serve's front
+        steps = common.Steps(progress, "vllm-serve", run.plan.num_rounds)
+        order = interleave({name: _setup_round(run, name, url) for name in run.setups},
+                           run.plan.num_rounds,
                            on_round=lambda i, names: steps(f"round {i}: {' '.join(names)}")) \
-            if setups else []
-        recompute = None
-        if "recompute" in parts:
-            from cluster.tools.bench.vllm_serve_recompute import run_part
-
-            steps("recompute part")
-            try:
-                recompute = run_part(plan.engine, model_dir, MODEL, NUM_NODES, url[0],
-                                     wait_ready, lambda at: warm_up(at, plan))
-            except Exception as error:  # the main part's figures are kept; the ratio is not
-                recompute = {"error": f"{type(error).__name__}: {error}"[:500]}
+            if run.setups else []
+        recompute = _recompute_part(run, url, steps) if "recompute" in run.parts else None
         serve.shutdown()
-    report["phase_s"] = steps.laps()
+    return order, recompute, steps.laps()
+
+
+def _setup_round(run: _Run, name: str, url: str):
+    """interleave's callable for set-up `name`: one round of it, its TTFT p50 (ms) back."""
+    def one_round(round_index: int) -> float:
+        run.rounds[name].append(run_setup(name, run.plan, run.model_dir,
+                                          run.traces[round_index], url))
+        return run.rounds[name][-1]["summary"]["ttft_p50_ms"]
+    return one_round
+
+
+def _recompute_part(run: _Run, url: str, steps: common.Steps) -> dict:
+    from cluster.tools.bench.vllm_serve_recompute import run_part
+
+    steps("recompute part")
+    try:
+        return run_part(run.plan.engine, run.model_dir, MODEL, NUM_NODES, url,
+                        wait_ready, lambda at: warm_up(at, run.plan))
+    except Exception as error:  # the main part's figures are kept; the ratio is not
+        return {"error": f"{type(error).__name__}: {error}"[:500]}
+
+
+def _record_rounds(report: Report, rounds: dict[str, list[dict]], order: list,
+                   recompute: dict | None) -> None:
+    """Print the rounds; keep them, and the recompute part's result, in the report."""
     print_rounds(rounds)
     report["ttft_p50_ms_per_round"] = order
     report["per_round"] = {n: [{**r["summary"], "start_s": r["start_s"],
@@ -457,9 +494,6 @@ def run_here(json_path: str | None, quick: bool, trace_path: str | None = None,
     for key, value in report_fields(report["requests"]).items():
         report[key] = value
     report["recompute"] = recompute
-    fill_ratios(report, rounds, plan, working_set, recompute, parts,
-                config["reusable_tokens_bound"])
-    return report.finish(json_path)
 
 
 def run(json_path: str | None, quick: bool, setups: tuple[str, ...] | None = None,

@@ -358,15 +358,13 @@ def run_part(shape, model_dir: str, model: str, num_nodes: int, url: str,
     `num_nodes`: the cluster's (the replica runs on one of them)."""
     from ray import serve
 
-    from cluster import CacheConfig, start, stop
+    from cluster import start, stop
     from cluster.tools.bench.vllm_serve_setups import ENGINE_SLOT, raykv_app
 
     disk_dir = tempfile.mkdtemp(prefix="raykv-bench-vllm-serve-recompute-", dir="/tmp")
     page_bytes = _page_bytes(model_dir, model, shape.block_tokens)
     try:
-        start(CacheConfig(page_tokens=shape.block_tokens, device_bytes=0,
-                          host_bytes=HOST_PAGES * page_bytes, eviction="lru",
-                          disk_bytes=DISK_BYTES, disk_dir=disk_dir, disk_codec="none"))
+        start(_cache_config(shape, page_bytes, disk_dir))
         bundle = {"CPU": 1, ENGINE_SLOT: 1, HEAD_RESOURCE: 0.001}
         serve.run(raykv_app(model_dir, model, replace(shape, prefix_caching=False), 1, bundle),
                   name="recompute", route_prefix="/", blocking=False)
@@ -380,12 +378,7 @@ def run_part(shape, model_dir: str, model: str, num_nodes: int, url: str,
                 "share": correct_share(probes), "per_round": per_round(probes),
                 "rates_after": rates,
                 "probe_s": probe_s,
-                "probes": [{"condition": p.condition, "prefix": p.prefix,
-                            "decisions": p.decisions(), "why_not_counted": p.why_not_counted(),
-                            "median_ms": {k: p.median_ms(k) for k in KINDS},
-                            "runs": {k: [asdict(r) for r in runs]
-                                     for k, runs in p.runs.items()}}
-                           for p in probes],
+                "probes": [_probe_record(p) for p in probes],
                 "conditions": [list(c) for c in CONDITIONS], "page_bytes": page_bytes,
                 "host_pages": HOST_PAGES, "prefix_pages": PREFIX_PAGES,
                 "num_prefixes": NUM_PREFIXES, "repeats": REPEATS, "replicas": 1,
@@ -394,6 +387,23 @@ def run_part(shape, model_dir: str, model: str, num_nodes: int, url: str,
         serve.delete("recompute")
         stop()
         shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+def _cache_config(shape, page_bytes: int, disk_dir: str):
+    """The service's: a host tier of HOST_PAGES pages, LRU, and a disk tier."""
+    from cluster import CacheConfig
+
+    return CacheConfig(page_tokens=shape.block_tokens, device_bytes=0,
+                       host_bytes=HOST_PAGES * page_bytes, eviction="lru",
+                       disk_bytes=DISK_BYTES, disk_dir=disk_dir, disk_codec="none")
+
+
+def _probe_record(p) -> dict:
+    """One probe in the JSON: its decisions, medians and every run."""
+    return {"condition": p.condition, "prefix": p.prefix,
+            "decisions": p.decisions(), "why_not_counted": p.why_not_counted(),
+            "median_ms": {k: p.median_ms(k) for k in KINDS},
+            "runs": {k: [asdict(r) for r in runs] for k, runs in p.runs.items()}}
 
 
 def _page_bytes(model_dir: str, model: str, page_tokens: int) -> int:

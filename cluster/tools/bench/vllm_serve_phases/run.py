@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[4]
@@ -86,65 +87,91 @@ def vllm_metric_lines():
     return [line for line in metric_lines() if "vllm" in line and not line.startswith("#")]
 
 
+@dataclass
+class _Round:
+    """The round every set-up replays, and what each replay recorded, by set-up."""
+
+    plan: object  # vllm_serve.Plan
+    model_dir: str
+    requests: list
+    results: dict = field(default_factory=dict)
+    setup: str | None = None  # the set-up being run
+
+
 def child(args):
     import tempfile
 
     import psutil  # noqa: F401
-    from ray import serve
 
     from cluster.serving.model_dir import save_model_dir
     from cluster.tools.bench import trace as trace_mod
     from cluster.tools.bench import vllm_serve as vs
     from cluster.tools.bench.trace import default_trace
+
+    plan = vs.plan_for(not args.full)
+    traces = vs.round_traces(plan, str(default_trace()))
+    requests = traces[args.round][: args.max_requests or None]
+    model_dir = save_model_dir(os.path.join(tempfile.mkdtemp(prefix="raykv-vs-"), vs.MODEL))
+    run = _Round(plan, model_dir, requests)
+    original_replay = trace_mod.replay
+
+    def recording_replay(url, reqs):
+        if len(reqs) != len(requests):  # the warm-up
+            return original_replay(url, reqs)
+        sent, run.results[run.setup] = _measured_replay(original_replay, url, reqs)
+        return sent
+
+    trace_mod.replay = recording_replay
+    _run_setups(args, run)
+
+
+def _measured_replay(replay, url, reqs):
+    """`replay(url, reqs)`, with CPU (per process, per thread, the system's) and vLLM's metrics
+    taken around it: (what replay returned, the record)."""
+    import psutil
+
+    threads0 = thread_snapshot()
+    cpu0, lines0, wall0, sys0 = cpu_snapshot(), vllm_metric_lines(), time.time(), \
+        psutil.cpu_times()
+    sent = replay(url, reqs)
+    cpu1, sys1 = cpu_snapshot(), psutil.cpu_times()
+    threads1 = thread_snapshot()
+    time.sleep(3.0)
+    lines1 = vllm_metric_lines()
+    return sent, {
+        "wall0": wall0, "wall1": time.time(),
+        "sent": [{"i": s.index, "status": s.status, "sent_at_s": s.sent_at_s,
+                  "ttft_s": s.ttft_s, "prompt_tokens": s.prompt_tokens,
+                  "cached_tokens": s.cached_tokens, "error": s.error,
+                  "engine_queue_ms": s.engine_queue_ms,
+                  "engine_prefill_ms": s.engine_prefill_ms} for s in sent],
+        "cpu": cpu_delta(cpu0, cpu1), "threads": thread_delta(threads0, threads1),
+        "system_busy_s": round((sys1.user + sys1.system) - (sys0.user + sys0.system), 2),
+        "system_idle_s": round(sys1.idle - sys0.idle, 2),
+        "metrics_before": lines0, "metrics_after": lines1}
+
+
+def _run_setups(args, run: _Round) -> None:
+    """Each set-up of --setups on the round, one after another on one simulated cluster;
+    results.json rewritten after each."""
+    from ray import serve
+
+    from cluster.tools.bench import vllm_serve as vs
     from cluster.tools.bench.vllm_serve_setups import ENGINE_SLOT
     from cluster.tools.redis_server import free_port
     from cluster.tools.simcluster import simulated_cluster, start_serve
 
     out = Path(args.out)
-    plan = vs.plan_for(not args.full)
-    traces = vs.round_traces(plan, str(default_trace()))
-    requests = traces[args.round][: args.max_requests or None]
-    model_dir = save_model_dir(os.path.join(tempfile.mkdtemp(prefix="raykv-vs-"), vs.MODEL))
-    original_replay = trace_mod.replay
-    results = {}
-
-    def recording_replay(url, reqs):
-        if len(reqs) != len(requests):  # the warm-up
-            return original_replay(url, reqs)
-        threads0 = thread_snapshot()
-        cpu0, lines0, wall0, sys0 = cpu_snapshot(), vllm_metric_lines(), time.time(), \
-            __import__("psutil").cpu_times()
-        sent = original_replay(url, reqs)
-        cpu1, sys1 = cpu_snapshot(), __import__("psutil").cpu_times()
-        threads1 = thread_snapshot()
-        time.sleep(3.0)
-        lines1 = vllm_metric_lines()
-        results[current[0]] = {
-            "wall0": wall0, "wall1": time.time(),
-            "sent": [{"i": s.index, "status": s.status, "sent_at_s": s.sent_at_s,
-                      "ttft_s": s.ttft_s, "prompt_tokens": s.prompt_tokens,
-                      "cached_tokens": s.cached_tokens, "error": s.error,
-                      "engine_queue_ms": s.engine_queue_ms,
-                      "engine_prefill_ms": s.engine_prefill_ms} for s in sent],
-            "cpu": cpu_delta(cpu0, cpu1), "threads": thread_delta(threads0, threads1),
-            "system_busy_s": round((sys1.user + sys1.system) - (sys0.user + sys0.system), 2),
-            "system_idle_s": round(sys1.idle - sys0.idle, 2),
-            "metrics_before": lines0, "metrics_after": lines1}
-        return sent
-
-    trace_mod.replay = recording_replay
-    current = [None]
-    url = []
     with simulated_cluster(vs.NUM_NODES, cpus_per_node=2, resources={ENGINE_SLOT: 1}):
-        url.append(start_serve(free_port()))
+        url = start_serve(free_port())
         for name in args.setups.split(","):
-            current[0] = name
+            run.setup = name
             began = time.time()
-            summary = vs.run_setup(name, plan, model_dir, requests, url[0])
-            results[name]["summary"] = summary["summary"]
-            results[name]["start_s"] = summary["start_s"]
-            results[name]["setup_total_s"] = time.time() - began
-            (out / "results.json").write_text(json.dumps(results, indent=1))
+            summary = vs.run_setup(name, run.plan, run.model_dir, run.requests, url)
+            run.results[name]["summary"] = summary["summary"]
+            run.results[name]["start_s"] = summary["start_s"]
+            run.results[name]["setup_total_s"] = time.time() - began
+            (out / "results.json").write_text(json.dumps(run.results, indent=1))
             print(name, json.dumps(summary["summary"]), flush=True)
         serve.shutdown()
 
