@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import ray
 
+from cluster import ray_gate
+
 T = TypeVar("T")
 
 
@@ -71,12 +73,19 @@ def _wait_sync(refs: list, timeout_s: float) -> list:
     if not ray.is_initialized():  # ray.wait would start a local Ray (a background thread's
         # call that outlived the process's ray.shutdown(): each is a failed call instead)
         return [RuntimeError("this process left Ray") for _ in refs]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    ready = set(ready)
+    ready, pending = set(), list(refs)
+    # One wait; a background thread's in slices that give up once ray.shutdown() begins
+    # (ray_gate.py: a wait still blocked when it tears Ray down can end the process).
+    for slice_s in ray_gate.wait_slices(timeout_s):
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=slice_s)
+        ready.update(done)
+        if not pending:
+            break
     results = []
     for ref in refs:
         if ref not in ready:
-            results.append(TimeoutError(f"no answer within {timeout_s} s"))
+            results.append(RuntimeError("Ray is shutting down") if ray_gate.closing()
+                           else TimeoutError(f"no answer within {timeout_s} s"))
             continue
         try:
             results.append(ray.get(ref))

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from actors.handles import DirectoryHandle, NodeHandle, PeerCache
+from cluster import ray_gate
 from cluster.calls import Steps, Wait, Work, failed, run_async, run_sync
 from cluster.core.config import CacheConfig
 from cluster.core.copies import copy_pages
@@ -59,7 +60,8 @@ class KVClient:
         slabs = LocalSlabs(home, self.geometry) if home.is_local else None
         self.view = CacheView(self.geometry, home, directory, PeerCache(config), slabs,
                               namespace, make_transport(config.transport),
-                              config.call_timeout_s, authority=secrets.authority(namespace))
+                              config.call_timeout_s, authority=secrets.authority(namespace),
+                              gate=ray_gate.background_call)
         self.timeout_s = config.call_timeout_s
 
     def map_slabs(self) -> bool:
@@ -81,7 +83,7 @@ class KVClient:
         view = self.view
         if view.puts is None and view.slabs is not None:
             view.puts = LeasedPuts(view, self.config.put_lease_bytes,
-                                   self.config.reserve_lease_s)
+                                   self.config.reserve_lease_s, gate=ray_gate.background_call)
         return view.puts
 
     @property

@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from cluster.calls import Steps, Wait, failed, run_sync
 from cluster.core.geometry import HOST
 from cluster.core.lease_pool import LeasePool
 from cluster.core.put_leases import LeaseRequest
+from cluster.touches import Gate
 from cluster.view import CacheView
 
 log = logging.getLogger("raykv.client")
@@ -52,10 +54,13 @@ class LeasedPuts:
     """One client's slot lease and its committer thread."""
 
     def __init__(self, view: CacheView, lease_bytes: int, lease_s: float,
-                 wait: Callable[[Steps, float], object] = run_sync):
-        """`wait` drives the committer's calls (run_sync; unit tests drive fakes)."""
+                 wait: Callable[[Steps, float], object] = run_sync, gate: Gate | None = None):
+        """`wait` drives the committer's calls (run_sync; unit tests drive fakes); `gate`
+        (ray_gate.background_call for a client of a live service; None: always open) keeps
+        them out of ray.shutdown()'s way."""
         self.view = view
         self._wait = wait
+        self._gate = gate or (lambda: nullcontext(True))
         page_bytes = view.geometry.slot_bytes
         max_pages = lease_bytes // page_bytes
         self.pool = LeasePool(min(MIN_LEASED_PAGES, max_pages), max_pages, lease_s / 4)
@@ -163,8 +168,11 @@ class LeasedPuts:
                                        want, self.view.namespace, self.tier)
             self.last_call_s = {"wake": wake_s}
             try:
-                if not self._call(request, written):
-                    return  # this process left Ray: nothing to commit to any more
+                with self._gate() as allowed:
+                    if not allowed or not self._call(request, written):
+                        if not allowed:  # Ray is gone or going: the writes are a miss
+                            self._answer(request, written, None, time.monotonic())
+                        return  # this process left Ray: nothing to commit to any more
             except Exception:  # Ray torn down under the call: its pages are a miss
                 log.exception("a leased-put call raised")
                 self._answer(request, written, None, time.monotonic())

@@ -31,6 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 from cluster.core.keys import PageKey
 
@@ -39,6 +40,13 @@ TOUCH_EVERY_S = 0.5  # at most one report per interval
 # The first read after a quiet spell is sent this long after it: by then its get has
 # returned, and the send runs beside what the caller does next.
 TOUCH_SOON_S = 0.002
+# A batch's sends may need a gate (ray_gate.background_call: Ray up, no shutdown under way);
+# it yields whether to send now. Without one, a batch always sends (unit tests' fakes).
+Gate = Callable[[], AbstractContextManager[bool]]
+
+
+def _ungated() -> AbstractContextManager[bool]:
+    return nullcontext(True)
 
 
 class _Sender:
@@ -84,9 +92,10 @@ class _TimedBatch:
     """A batch the sender flushes when due: scheduled when something waits to be sent (under
     the batch's lock), at most one pending time at once (an earlier one replaces it)."""
 
-    def __init__(self):
+    def __init__(self, gate: Gate | None = None):
         self._lock = threading.Lock()
         self._due_s: float | None = None
+        self._gate = gate or _ungated
 
     def flush(self) -> None:
         raise NotImplementedError
@@ -96,7 +105,9 @@ class _TimedBatch:
         with self._lock:
             due = self._due_s is not None and self._due_s <= time.monotonic()
         if due:
-            self.flush()
+            with self._gate() as allowed:
+                if allowed:  # else Ray is gone or going: nothing to tell
+                    self.flush()
 
     def _schedule(self, delay_s: float) -> None:
         now_s = time.monotonic()
@@ -115,8 +126,9 @@ class TouchBatch(_TimedBatch):
     """Gathers (keys, reads, released lease ids) and hands them to
     `send(keys, num_reads, released)`, fire and forget."""
 
-    def __init__(self, send: Callable[[list[PageKey], int, list[int]], object]):
-        super().__init__()
+    def __init__(self, send: Callable[[list[PageKey], int, list[int]], object],
+                 gate: Gate | None = None):
+        super().__init__(gate)
         self.send = send
         self._keys: list[PageKey] = []
         self._reads = 0
@@ -167,8 +179,9 @@ class DemandBatch(_TimedBatch):
     """Gathers the key chains of requests served without a directory match and hands them to
     `send(requests)` from the sender, at most one call per TOUCH_EVERY_S, fire and forget."""
 
-    def __init__(self, send: Callable[[list[list[PageKey]]], object]):
-        super().__init__()
+    def __init__(self, send: Callable[[list[list[PageKey]]], object],
+                 gate: Gate | None = None):
+        super().__init__(gate)
         self.send = send
         self._requests: list[list[PageKey]] = []
 
@@ -195,8 +208,8 @@ class MetricBatch(_TimedBatch):
     never on the call's path: each Ray metric record is ~10 us of Python in a warm loop and
     ~40 us right after a large copy, and a get made two to four of them."""
 
-    def __init__(self, metrics: Callable[[], object]):
-        super().__init__()
+    def __init__(self, metrics: Callable[[], object], gate: Gate | None = None):
+        super().__init__(gate)
         self._make = metrics
         self._metrics = None
         self._calls: list[tuple[str, float, tuple, float]] = []

@@ -17,7 +17,7 @@ from cluster.core.geometry import PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.tiers.slot_table import TIER, as_places
 from cluster.slabs import LocalSlabs
-from cluster.touches import DemandBatch, MetricBatch, TouchBatch
+from cluster.touches import DemandBatch, Gate, MetricBatch, TouchBatch
 from policies.cost_routing import DISK, REMOTE, TIER_SOURCES
 
 MAX_TRANSFERS = 64  # recent timed reads kept for whoever measures rates (the engine drains)
@@ -56,13 +56,17 @@ class CacheView:
     # routing (policies/cost_routing.py); bounded, so a client nobody drains keeps a few.
     transfers: deque = field(default_factory=lambda: deque(maxlen=MAX_TRANSFERS))
     metrics: MetricBatch | None = None  # set in __post_init__: this client's calls, as metrics
+    # What the batches above are sent through from the sender thread: the client's views
+    # pass ray_gate.background_call (out of ray.shutdown()'s way); None: always sent (fakes).
+    gate: Gate | None = None
 
     def __post_init__(self) -> None:
-        self.metrics = MetricBatch(lambda: Metrics(self.home.node_id))
+        gate = self.gate
+        self.metrics = MetricBatch(lambda: Metrics(self.home.node_id), gate)
         if self.slabs is not None:
             self.touches = TouchBatch(lambda keys, reads, released: self.home.touch(
-                self.geometry, keys, reads, released))
-            self.demand = DemandBatch(self.directory.record_demand)
+                self.geometry, keys, reads, released), gate)
+            self.demand = DemandBatch(self.directory.record_demand, gate)
 
     @property
     def local(self) -> NodeHandle | None:

@@ -7,6 +7,7 @@ revocation passing over a slot a writer holds; and the client's side of it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import numpy as np
@@ -171,11 +172,11 @@ def test_a_top_up_renews_the_lease_and_is_capped_by_the_tier(stores):
 # ---- the client over the fakes ----------------------------------------------------------
 
 
-def leased_client(world):  # noqa: F811
+def leased_client(world, gate=None):  # noqa: F811
     """A client whose committer is driven on the fakes (no Ray)."""
     client = client_of(world, put_lease_bytes=64 * world.arenas[HOST].slot_bytes)
     world.view.puts = LeasedPuts(world.view, 64 * world.arenas[HOST].slot_bytes, 30.0,
-                                 wait=lambda steps, timeout_s: drive(steps))
+                                 wait=lambda steps, timeout_s: drive(steps), gate=gate)
     return client
 
 
@@ -207,6 +208,23 @@ def test_a_leased_put_makes_no_call_and_commits_in_the_background(world):  # noq
         assert torch.equal(stored, kv[:, :, :, p * PAGE_TOKENS:(p + 1) * PAGE_TOKENS]
                            .contiguous().view(-1))
     assert client.counters["leased_pages"] == 4
+
+
+def test_a_commit_at_a_closed_gate_makes_no_call_and_its_pages_are_a_miss(world):  # noqa: F811
+    """ray.shutdown() under way (cluster/ray_gate.py): the committer sends nothing, and the
+    writes it holds are answered for, as misses, so nothing waits on them."""
+    gate = {"open": True}
+    client = leased_client(world, gate=lambda: contextlib.nullcontext(gate["open"]))
+    kv = torch.cat([KV, KV[:, :, :, :3]], dim=3)
+    assert drive(client._put(TOKENS, kv)) == 4 * PAGE_TOKENS  # the first reserves
+    wait_leased(client, 4)
+    gate["open"], calls = False, len(world.local.calls)
+    other_tokens = [t + 1000 for t in TOKENS]
+    assert drive(client._put(other_tokens, kv)) == 4 * PAGE_TOKENS  # into leased slots
+    assert client.puts.settle(5.0)
+    assert world.local.calls[calls:] == []
+    assert not any(k in world.local.pages for k in client.keys(other_tokens))
+    assert client.counters["leased_pages"] == 0
 
 
 def test_puts_in_quick_succession_commit_in_one_call_sent_after_they_returned(world):  # noqa: F811
