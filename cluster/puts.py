@@ -190,8 +190,11 @@ class LeasedPuts:
             self.last_call_s["node_commit"], self.last_call_s["node_top_up"] = reply[1].node_s
         if failed(reply):
             view.note_failures([reply])
-            log.warning("a leased-put call failed (its %d pages are a miss): %s",
-                        len(request.keys), reply)
+            # Pages lost are worth a warning; a lease top-up that failed (no pages: a client
+            # whose node is gone retries with back-off) only at debug, or it repeats for ever.
+            log.log(logging.WARNING if request.keys else logging.DEBUG,
+                    "a leased-put call failed (its %d pages are a miss): %s",
+                    len(request.keys), reply)
         self._answer(request, written, None if failed(reply) else reply, sent_s)
         return True
 
