@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import os
 
+import numpy as np
 import torch
 
 from cluster.core.geometry import DEVICE, DISK, HOST, PageGeometry
@@ -37,6 +38,16 @@ def new_owner() -> int:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def as_raw(i: int) -> np.ndarray:
+    """Page i's bytes, as a store's readers copy them out."""
+    return page_bytes(i).numpy().copy()
+
+
+def read_pages(store: NodeStore, keys: list[bytes]) -> list[np.ndarray]:
+    """Copies of the longest local prefix's pages."""
+    return run(store.map_pages(GEOMETRY, keys, np.copy))
 
 
 class EventRecorder:

@@ -32,7 +32,6 @@ from tests.unit._pool_harness import (
 G = GEOMETRY
 
 
-
 # ---- inventory and stats ---------------------------------------------------------------
 
 

@@ -18,10 +18,11 @@ from tests.unit._pages import (
     PAGE_BYTES,
     key,
     page,
-    page_bytes,
 )
 from tests.unit._pool_harness import (
+    as_raw,
     assert_slots_consistent,
+    read_pages,
     run,
     store_put,
     store_put_each,
@@ -30,16 +31,6 @@ from tests.unit._pool_harness import (
 )
 
 G = GEOMETRY
-
-
-
-def as_raw(i: int) -> np.ndarray:
-    return page_bytes(i).numpy().copy()
-
-
-def read_pages(store, keys: list[bytes]) -> list[np.ndarray]:
-    """Copies of the longest local prefix's pages."""
-    return run(store.map_pages(G, keys, np.copy))
 
 
 # ---- puts, eviction, events ------------------------------------------------------------

@@ -22,11 +22,12 @@ from tests.unit._pages import (
     flip_disk_byte,
     key,
     page,
-    page_bytes,
 )
 from tests.unit._pool_harness import (
     Stores,
+    as_raw,
     count_reads,
+    read_pages,
     run,
     store_put,
     store_put_each,
@@ -34,16 +35,6 @@ from tests.unit._pool_harness import (
 )
 
 G = GEOMETRY
-
-
-
-def as_raw(i: int) -> np.ndarray:
-    return page_bytes(i).numpy().copy()
-
-
-def read_pages(store, keys: list[bytes]) -> list[np.ndarray]:
-    """Copies of the longest local prefix's pages."""
-    return run(store.map_pages(G, keys, np.copy))
 
 
 # ---- gets, leases, pins ----------------------------------------------------------------
