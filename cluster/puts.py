@@ -30,7 +30,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import numpy as np
 
@@ -38,7 +37,7 @@ from cluster.calls import Steps, Wait, failed, run_sync
 from cluster.core.geometry import HOST
 from cluster.core.lease_pool import LeasePool
 from cluster.core.put_leases import LeaseRequest
-from cluster.touches import Gate
+from cluster.touches import Gate, ungated
 from cluster.view import CacheView
 
 log = logging.getLogger("raykv.client")
@@ -60,7 +59,7 @@ class LeasedPuts:
         them out of ray.shutdown()'s way."""
         self.view = view
         self._wait = wait
-        self._gate = gate or (lambda: nullcontext(True))
+        self._gate = gate or ungated
         page_bytes = view.geometry.slot_bytes
         max_pages = lease_bytes // page_bytes
         self.pool = LeasePool(min(MIN_LEASED_PAGES, max_pages), max_pages, lease_s / 4)
@@ -169,9 +168,10 @@ class LeasedPuts:
             self.last_call_s = {"wake": wake_s}
             try:
                 with self._gate() as allowed:
-                    if not allowed or not self._call(request, written):
-                        if not allowed:  # Ray is gone or going: the writes are a miss
-                            self._answer(request, written, None, time.monotonic())
+                    if not allowed:  # Ray is gone or going: the writes are a miss
+                        self._answer(request, written, None, time.monotonic())
+                        return
+                    if not self._call(request, written):
                         return  # this process left Ray: nothing to commit to any more
             except Exception:  # Ray torn down under the call: its pages are a miss
                 log.exception("a leased-put call raised")

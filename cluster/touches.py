@@ -45,7 +45,8 @@ TOUCH_SOON_S = 0.002
 Gate = Callable[[], AbstractContextManager[bool]]
 
 
-def _ungated() -> AbstractContextManager[bool]:
+def ungated() -> AbstractContextManager[bool]:
+    """The gate of a batch given none: always open."""
     return nullcontext(True)
 
 
@@ -95,7 +96,7 @@ class _TimedBatch:
     def __init__(self, gate: Gate | None = None):
         self._lock = threading.Lock()
         self._due_s: float | None = None
-        self._gate = gate or _ungated
+        self._gate = gate or ungated
 
     def flush(self) -> None:
         raise NotImplementedError
