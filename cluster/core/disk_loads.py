@@ -58,8 +58,9 @@ class DiskLoads:
             slots = [self.memory[HOST].alloc() for _ in keys]
             outs = [self._read_target(self.index[k], s) for k, s in zip(keys, slots, strict=True)]
             metas = await self._read_pages(keys, outs)
-            for key, slot, out, meta in zip(keys, slots, outs, metas, strict=True):
-                self._place(key, slot, out, meta, copy=False)
+            with self.held_index.batched():
+                for key, slot, out, meta in zip(keys, slots, outs, metas, strict=True):
+                    self._place(key, slot, out, meta, copy=False)
             return
         slot_bytes = self.geometry.slot_bytes  # a multiple of 4096: every row stays aligned
         block = aligned_empty(len(keys) * slot_bytes)  # one mapping for the batch
@@ -70,8 +71,9 @@ class DiskLoads:
         finally:
             metas = await reading
         fits = min(len(keys), self._free_slots(HOST))
-        for key, out, meta in zip(keys[:fits], staging, metas, strict=False):
-            self._place(key, self.memory[HOST].alloc(), out, meta, copy=True)
+        with self.held_index.batched():
+            for key, out, meta in zip(keys[:fits], staging, metas, strict=False):
+                self._place(key, self.memory[HOST].alloc(), out, meta, copy=True)
 
     async def _read_pages(self, keys: list[PageKey], outs: list[np.ndarray]) -> list:
         disk_slots = [self.index[k].slot for k in keys]

@@ -68,9 +68,10 @@ class TierMoves:
             for key in keys:
                 if key in self.index:
                     self.index[key].state = State.READY
-        for key in remaining:  # a page a reader pinned while it was moving stays where it is
-            if key in self.index and self.index[key].pins == 0:
-                self.drop(key)
+        with self.held_index.batched():
+            for key in remaining:  # a page a reader pinned while moving stays where it is
+                if key in self.index and self.index[key].pins == 0:
+                    self.drop(key)
         if tier == DISK:  # so that the room (or a chunk) they held is free at once
             await self.flush_disk_frees()
 
@@ -111,12 +112,13 @@ class TierMoves:
                 self.memory[tier].free(slot)
             raise
         moved = []
-        for key, entry, slot, pins in moves:
-            if self.index.get(key) is entry and entry.pins <= pins:
-                self._relocate(key, entry, tier, slot)
-                moved.append(key)
-            else:
-                self.memory[tier].free(slot)
+        with self.held_index.batched():
+            for key, entry, slot, pins in moves:
+                if self.index.get(key) is entry and entry.pins <= pins:
+                    self._relocate(key, entry, tier, slot)
+                    moved.append(key)
+                else:
+                    self.memory[tier].free(slot)
         return moved
 
     def _relocate(self, key: PageKey, entry: Entry, tier: int, slot: int) -> None:
@@ -154,11 +156,12 @@ class TierMoves:
         metas = await asyncio.to_thread(self.disk.write_or_free, items, namespaces, sums)
         if metas is None:
             return []  # a full or failing disk: these pages are dropped instead
-        for (slot, _, codec, _), key, entry, meta in zip(items, moved, entries, metas,
-                                                        strict=True):
-            entry.checksum = meta.checksum if codec == 0 else None
-            self._relocate(key, entry, DISK, slot)
-            entry.codec = codec
+        with self.held_index.batched():
+            for (slot, _, codec, _), key, entry, meta in zip(items, moved, entries, metas,
+                                                            strict=True):
+                entry.checksum = meta.checksum if codec == 0 else None
+                self._relocate(key, entry, DISK, slot)
+                entry.codec = codec
         return moved
 
     def _encode(self, entry: Entry) -> np.ndarray:

@@ -89,15 +89,16 @@ class ReservedPuts:
         """
         committed = 0
         parent = None  # the put's previous new page: putdepth ranks by depth in the put
-        for key in keys:
-            entry = self._owned(key, owner)
-            if entry is None:
-                continue
-            entry.state = State.READY
-            self.policies[entry.tier].on_insert(key, parent)
-            parent = key
-            self._on_event(key, entry.tier)
-            committed += 1
+        with self.held_index.batched():
+            for key in keys:
+                entry = self._owned(key, owner)
+                if entry is None:
+                    continue
+                entry.state = State.READY
+                self.policies[entry.tier].on_insert(key, parent)
+                parent = key
+                self._on_event(key, entry.tier)
+                committed += 1
         return committed
 
     def abort(self, keys: list[PageKey], owner: int) -> None:

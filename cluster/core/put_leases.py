@@ -107,17 +107,18 @@ class LeasedSlots:
         key was committed."""
         committed: list[bool] = []
         parent = None  # the put's previous new page: putdepth ranks by depth in the put
-        for key, (tier, slot) in zip(keys, slots, strict=True):
-            if key in self.index:
-                self._release_written(tier, slot)
-                committed.append(False)
-                continue
-            entry = self.index[key] = Entry(tier, slot, State.READY, namespace=namespace)
-            self._count(entry, 1)
-            self.policies[tier].on_insert(key, parent)
-            parent = key
-            self._on_event(key, tier)
-            committed.append(True)
+        with self.held_index.batched():
+            for key, (tier, slot) in zip(keys, slots, strict=True):
+                if key in self.index:
+                    self._release_written(tier, slot)
+                    committed.append(False)
+                    continue
+                entry = self.index[key] = Entry(tier, slot, State.READY, namespace=namespace)
+                self._count(entry, 1)
+                self.policies[tier].on_insert(key, parent)
+                parent = key
+                self._on_event(key, tier)
+                committed.append(True)
         return committed
 
     def num_slots_top(self) -> int:

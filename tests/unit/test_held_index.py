@@ -56,6 +56,36 @@ def test_published_pages_are_found_in_order(index):
     assert len(index) == 19
 
 
+def test_a_batch_is_written_at_its_end_with_the_last_change_of_each_key(index):
+    keys = keys_of(6)
+    index.publish(keys[:2], places_of(2))
+    view = HeldView(index.path, 1.0)
+    with index.batched():
+        index.publish(keys[2:4], places_of(2, generation=5))
+        index.withdraw(keys[:1])
+        index.publish(keys[4:5], [(1, 40, 1)])
+        index.withdraw(keys[4:5])  # published, then dropped: not in the index at the end
+        index.publish(keys[5:6], [(1, 50, 1)])
+        index.publish(keys[5:6], [(0, 51, 2)])  # moved again: its last place wins
+        with index.batched():  # nested: one batch, written once at the outer end
+            index.publish(keys[:1], [(1, 10, 4)])
+        assert len(view.prefix(keys)) == 2 and len(index) == 2  # nothing written yet
+    assert view.prefix(keys[:4]).tolist() == [[1, 10, 4], [1, 11, 3], [1, 10, 5], [1, 11, 5]]
+    assert len(view.prefix(keys[4:])) == 0
+    assert view.prefix(keys[5:]).tolist() == [[0, 51, 2]]
+    assert len(index) == 5
+
+
+def test_a_batch_holds_back_only_its_own_threads_changes(index):
+    keys = keys_of(2)
+    view = HeldView(index.path, 1.0)
+    with index.batched():
+        other = threading.Thread(target=index.publish, args=(keys[1:], places_of(1)))
+        other.start()
+        other.join()
+        assert len(view.prefix(keys[1:])) == 1  # another thread's publish is written at once
+
+
 def test_the_file_is_private_and_mapped_read_only(index):
     assert oct(os.stat(index.path).st_mode & 0o777) == "0o600"
     assert os.path.dirname(index.path) == SHM_DIR.rstrip("/")

@@ -33,6 +33,7 @@ key (which would let a reader acquire or read another tenant's pages through the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -105,6 +106,7 @@ class HeldIndex:
         self._keys: list[bytes | None] = [None] * self.capacity  # entry -> its key
         self._next_victim = 0
         self._lock = threading.Lock()  # publish/withdraw from a copy thread too
+        self._batches = threading.local()  # .pending: a batch open on that thread (batched())
         self.overwritten = 0  # entries taken from another key: the table was full there
         self.beat()
 
@@ -112,11 +114,41 @@ class HeldIndex:
         """Stamp the header: readers trust the index for max_age_s after this."""
         self._header[H_ALIVE] = time.monotonic_ns()
 
+    @contextlib.contextmanager
+    def batched(self):
+        """Within it, this thread's publishes and withdraws are held back and written at its
+        end in one pass each, the last change of a key winning. A pool moving a batch of pages
+        changes them one by one, and one write per page cost it about 45 us (hashing and numpy
+        set-up), 1.3 ms of a 30-page read-up from disk. An entry is only a hint: one written a
+        few microseconds later is a miss at worst (the module docstring). Nested: one batch."""
+        if getattr(self._batches, "pending", None) is not None:
+            yield
+            return
+        pending: dict[bytes, tuple | None] = {}
+        self._batches.pending = pending
+        try:
+            yield
+        finally:
+            self._batches.pending = None
+            self._flush(pending)
+
+    def _flush(self, pending: dict) -> None:
+        gone = [key for key, place in pending.items() if place is None]
+        kept = [(key, place) for key, place in pending.items() if place is not None]
+        if gone:
+            self.withdraw(gone)
+        if kept:
+            self.publish([key for key, _ in kept], [place for _, place in kept])
+
     def publish(self, keys: Sequence[bytes], places) -> None:
         """Entries for `keys` at `places` (an int64 [N, 3] slot table: the pages are ready
         there, at those generations)."""
         places = as_places(places)
         if not len(keys):
+            return
+        pending = getattr(self._batches, "pending", None)
+        if pending is not None:
+            pending.update(zip(keys, map(tuple, places.tolist()), strict=True))
             return
         found = digests(keys)
         with self._lock:
@@ -130,6 +162,10 @@ class HeldIndex:
 
     def withdraw(self, keys: Sequence[bytes]) -> None:
         """No entries for `keys` any more (dropped, written to disk, or pending again)."""
+        pending = getattr(self._batches, "pending", None)
+        if pending is not None:
+            pending.update(dict.fromkeys(keys))
+            return
         with self._lock:
             rows = [self._where.pop(key) for key in keys if key in self._where]
             for row in rows:
