@@ -79,7 +79,9 @@ class DiskLoads:
         disk_slots = [self.index[k].slot for k in keys]
         start_s = time.perf_counter()
         metas = await asyncio.to_thread(self.disk.read_pages, disk_slots, outs)
-        sample = (time.perf_counter() - start_s) * 1e6 / (len(keys) * self.geometry.shape[3])
+        elapsed_s = time.perf_counter() - start_s
+        self.disk_read_s += elapsed_s
+        sample = elapsed_s * 1e6 / (len(keys) * self.geometry.shape[3])
         self.disk_read_us_per_token = 0.8 * self.disk_read_us_per_token + 0.2 * sample
         return metas
 

@@ -91,6 +91,7 @@ class Pool(ReservedPuts, PinnedGets, TierMoves, DiskLoads, LeasedSlots, DemoteAh
         self.last_access_s = time.monotonic()
         self.evictions = [0, 0, 0]  # pages demoted out of each tier
         self.disk_read_us_per_token = 0.0  # recent disk reads (EWMA): the paging tax's part
+        self.disk_read_s = 0.0  # all the batched reads up from disk took, wall time
 
     def _init_fences(self) -> None:
         """The write fences on the memory tiers' slots, and the pins that keep pages."""

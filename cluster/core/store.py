@@ -439,6 +439,7 @@ class NodeStore:
         return {"pages": pages, "bytes": used_bytes, "leases": len(self.leases),
                 "memory": self.elastic.stats(), "models": self.memory_by_model(),
                 "evictions": evictions, "disk_read_us_per_token": tax_us,
+                "disk_read_s": sum(p.disk_read_s for p in self.pools.values()),
                 "reservations": len(self.reservations),
                 "leased_slots": self.put_leases.num_leased(),
                 **self.put_leases.counters,

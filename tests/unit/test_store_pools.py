@@ -73,6 +73,7 @@ def test_stats_figures(stores):
         # it was written; the 3 pages that came down to host are still queued
         "checksums_ahead_pages": 0, "inline_checksum_pages": 1, "checksum_queued_pages": 3,
         "evictions": {"device": 3, "host": 1, "disk": 0}, "disk_read_us_per_token": 0.0,
+        "disk_read_s": 0.0,  # no page read up from disk yet
         "pins": {"pins": 0, "pinned_pages": 0, "pinned_bytes": 0, "expired_pins": 0,
                  "cap_bytes": 2 * PAGE_BYTES},  # half of the 2 + 2 memory pages
     }

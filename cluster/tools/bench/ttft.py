@@ -54,7 +54,8 @@ NOTES = (f"workload: tiny-llama on CPU, prompts of {PROMPT_TOKENS} tokens whose 
          "it); ideal = prefill of the rest with the prefix's KV already in memory. Each "
          "repetition runs host, disk, recompute and ideal once, in rotating order, after one "
          "untimed warm-up repetition; ratios are medians of per-repetition ratios. "
-         "engine_phases_ms: the engine's own fetch_s and prefill_s of each timed request; "
+         "engine_phases_ms: the engine's own fetch_s and prefill_s of each timed request, and "
+         "disk_read: the node's batched disk reads during it (wall time, part of the fetch); "
          "checks: per repetition, cached tokens used and disk bytes read during the case.")
 
 
@@ -119,18 +120,22 @@ class Bench:
             await self.engine.drain()
             return elapsed_s, head
 
-        read_before = self.disk_bytes_read()
+        bytes_before, read_s_before = self.disk_reads()
         elapsed_s, head = self.loop.run_until_complete(run())
+        bytes_read, read_s = self.disk_reads()
         if case in self.checks:
             self.checks[case]["cached_tokens"].append(head.cached_tokens)
-            self.checks[case]["disk_bytes_read"].append(self.disk_bytes_read() - read_before)
-        phases = self.phases_ms.setdefault(case, {"fetch": [], "prefill": []})
+            self.checks[case]["disk_bytes_read"].append(bytes_read - bytes_before)
+        phases = self.phases_ms.setdefault(case, {"fetch": [], "prefill": [], "disk_read": []})
         phases["fetch"].append(head.fetch_s * 1e3)
         phases["prefill"].append(head.prefill_s * 1e3)
+        phases["disk_read"].append((read_s - read_s_before) * 1e3)
         return elapsed_s
 
-    def disk_bytes_read(self) -> int:
-        return int(self.client.stats()["node"]["disk_bytes_read"])
+    def disk_reads(self) -> tuple[int, float]:
+        """The node's disk reads so far: (bytes, seconds its batched reads took)."""
+        node = self.client.stats()["node"]
+        return int(node["disk_bytes_read"]), float(node["disk_read_s"])
 
     def cache(self, text: str) -> None:
         """Store the first CACHED_TOKENS tokens' pages (a full prefill, untimed)."""
@@ -235,8 +240,9 @@ def add_ratios(report: harness.Report, ttft_ms: dict[str, list[float]],
 def _print(ttft_ms: dict[str, list[float]], phases_ms: dict) -> None:
     rows = [[case, f"{statistics.median(ttft_ms[case]):.1f}",
              *(f"{statistics.median(phases_ms[case][p]):.1f}" if case in phases_ms else ""
-               for p in ("fetch", "prefill"))] for case in CASES]
+               for p in ("fetch", "disk_read", "prefill"))] for case in CASES]
     common.print_tables([common.table("TTFT (ms), median", ["case", "ms", "engine fetch",
+                                                           "of which node's disk read",
                                                            "engine prefill"], rows)])
 
 
