@@ -213,21 +213,22 @@ class _Stream:
             self.inflight.append((group, buffers, future))
             self.next_index += count
 
-    def _take_head(self, attention: OnlineAttention) -> None:
+    def _take_head(self, use: Callable[[torch.Tensor], None]) -> None:
         group, buffers, future = self.inflight.popleft()
         with self.context.stall.waiting():
             future.result()
         for buffer in buffers:
-            attention.add_page(self.context.window.pages[buffer])
+            use(self.context.window.pages[buffer])
         self._issue(group)
 
-    def take_ready(self, attention: OnlineAttention) -> None:
+    def take_ready(self, use: Callable[[torch.Tensor], None]) -> None:
+        """`use` each page whose batch has landed (in order), reloading their buffers."""
         while self.inflight and self.inflight[0][2].done():
-            self._take_head(attention)
+            self._take_head(use)
 
-    def take_rest(self, attention: OnlineAttention) -> None:
+    def take_rest(self, use: Callable[[torch.Tensor], None]) -> None:
         while self.inflight:
-            self._take_head(attention)
+            self._take_head(use)
 
 
 def prefetch_token(context: PagedContext, query: torch.Tensor, disk: DiskPages) -> torch.Tensor:
@@ -236,9 +237,27 @@ def prefetch_token(context: PagedContext, query: torch.Tensor, disk: DiskPages) 
     stream = _Stream(context, disk)
     for page in context.resident:
         attention.add_page(page)
-        stream.take_ready(attention)
-    stream.take_rest(attention)
+        stream.take_ready(attention.add_page)
+    stream.take_rest(attention.add_page)
     return attention.output()
+
+
+def beside_token(context: PagedContext, query: torch.Tensor, disk: DiskPages) -> torch.Tensor:
+    """A diagnostic, not a way to decode: every page attended from memory, as resident_token
+    does, while the disk pages are loaded exactly as prefetch_token loads them and then thrown
+    away. Its tax is what the loads cost a decode that never waits for them: how much of
+    prefetch's remaining tax is the loads' CPU and memory traffic beside the decode."""
+    attention = OnlineAttention(query)
+    stream = _Stream(context, disk)
+    for page in (*context.resident, *context.originals):
+        attention.add_page(page)
+        stream.take_ready(_discard)
+    stream.take_rest(_discard)
+    return attention.output()
+
+
+def _discard(page: torch.Tensor) -> None:
+    pass
 
 
 DecodeStep = Callable[[PagedContext, torch.Tensor, DiskPages], torch.Tensor]
@@ -246,6 +265,7 @@ DECODE_STEPS: dict[str, DecodeStep] = {
     "resident": resident_token,
     "sync": sync_token,
     "prefetch": prefetch_token,
+    "beside": beside_token,
 }
 
 

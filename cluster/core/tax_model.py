@@ -32,7 +32,9 @@ from cluster.core.tiers.disk import HEADER_BYTES
 @dataclass(frozen=True, slots=True)
 class Mode:
     """How a token is decoded: the disk pages' codec (None: every page in memory) and the
-    decode step (paged_decode.DECODE_STEPS: resident, sync or prefetch)."""
+    decode step (paged_decode.DECODE_STEPS: resident, sync, prefetch, or beside: a
+    diagnostic that loads the disk pages as prefetch does but attends to every page from
+    memory)."""
 
     name: str
     codec: str | None
@@ -47,6 +49,7 @@ MODES: tuple[Mode, ...] = (
     Mode("fp8", "fp8", "sync"),
     Mode("int8", "int8", "sync"),
     Mode("fp8+prefetch", "fp8", "prefetch"),
+    Mode("loads-beside", "none", "beside"),
 )
 MODES_BY_NAME: dict[str, Mode] = {mode.name: mode for mode in MODES}
 
@@ -117,8 +120,10 @@ def defined(values) -> list[float]:
 
 def tax_round_ratios(taxes_s: dict[str, list[float]],
                      predicted_none_s: list[float]) -> dict[str, list[float]]:
-    """The three ratios of the goals, one per round, from per-round taxes (round_taxes_s) and
-    the model's prediction for raw pages in each round (from that round's disk probes).
+    """The three ratios of the goals, and tax_interference_share (no goal: the tax of the
+    loads beside a decode that never waits for them, over prefetch's tax), one per round,
+    from per-round taxes (round_taxes_s) and the model's prediction for raw pages in each
+    round (from that round's disk probes).
 
     Each is taken within one round, so that a round in which a neighbour slowed the machine or
     the disk compares like with like; a ratio is the median of these. A round whose raw-page
@@ -131,4 +136,7 @@ def tax_round_ratios(taxes_s: dict[str, list[float]],
                                    in zip(taxes_s["none+prefetch"], none_s, strict=True)],
         "tax_fp8_vs_none": [f / n if n > 0 else math.nan
                             for f, n in zip(taxes_s["fp8"], none_s, strict=True)],
+        "tax_interference_share": [b / p if p > 0 else math.nan for b, p
+                                   in zip(taxes_s["loads-beside"], taxes_s["none+prefetch"],
+                                          strict=True)],
     }

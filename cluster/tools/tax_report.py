@@ -88,6 +88,11 @@ NOTES = [
     "ratio no round defines is not exercised",
     "token_spread: (p75 - p25) / median of a mode's token times over the rounds; a busy "
     "machine shows here first",
+    "loads-beside: a diagnostic, not a way to decode: the resident decode (every page "
+    "from memory) while the raw disk pages are loaded as prefetch loads them and thrown away; "
+    "its tax is what the loads cost a decode that never waits for them, and "
+    "tax_interference_share (no goal) is that tax over prefetch's, per round: near 1, what "
+    "prefetch leaves of the tax is the loads running beside the decode, not waiting",
 ]
 
 

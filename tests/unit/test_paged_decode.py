@@ -137,7 +137,7 @@ def paged(request):
 
 
 @pytest.mark.parametrize(("num_disk", "window_pages"), [(4, 2), (4, 1), (3, 8), (9, 2), (7, 5)])
-@pytest.mark.parametrize("step", ["sync", "prefetch"])
+@pytest.mark.parametrize("step", ["sync", "prefetch", "beside"])
 def test_raw_disk_pages_give_the_resident_answer(paged, num_disk, window_pages, step):
     context = paged(9, num_disk, window_pages)
     all_pages = [*context.context.originals, *context.context.resident]
@@ -175,9 +175,28 @@ def test_a_corrupt_disk_page_is_an_error_not_a_wrong_answer(paged):
         handle.write(bytes([byte[0] ^ 0xFF]))
         handle.flush()
         os.fsync(handle.fileno())
-    for step in ("sync", "prefetch"):
+    for step in ("sync", "prefetch", "beside"):
         with pytest.raises(RuntimeError, match="disk page 1"):
             context.token(step)
+
+
+@pytest.mark.parametrize("step", ["prefetch", "beside"])
+def test_the_beside_diagnostic_loads_what_prefetch_loads(paged, step):
+    """beside_token (tax's loads-beside) reads every disk page in the batches prefetch
+    reads them in, and attends to the in-memory originals instead of what it read."""
+    context = paged(9, 5, 2)
+    disk = context.disk["none"]
+    batches = []
+    read_pages = disk.arena.read_pages
+
+    def counted(slots, outs):
+        batches.append(list(slots))
+        return read_pages(slots, outs)
+
+    disk.arena.read_pages = counted
+    context.token(step)
+    assert sorted(slot for batch in batches for slot in batch) == sorted(disk.slots)
+    assert [len(batch) for batch in batches] == [1, 1, 1, 1, 1]  # window 2: halves of 1
 
 
 def test_writing_more_pages_than_the_arena_holds_is_refused(paged):

@@ -31,7 +31,8 @@ def test_raykv_tax_runs_and_writes_its_table_json_and_png(disk_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert "paging tax: tiny-llama" in result.output and "tax_fp8_vs_none" in result.output
     report = json.loads(json_path.read_text())
-    assert set(report["ratios"]) == set(GOALS) and set(report["met"]) == set(GOALS)
+    assert set(report["ratios"]) == set(GOALS) | {"tax_interference_share"}  # no goal
+    assert set(report["met"]) == set(GOALS)
     assert report["config"]["tokens_per_round"] == MIN_TOKENS_PER_ROUND
     for name, value in report["ratios"].items():  # a median of per-round ratios, or null
         spread = report["spread"].get(name)

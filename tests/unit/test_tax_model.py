@@ -62,17 +62,20 @@ def test_hidden_fraction():
 
 def test_ratios_are_taken_within_each_round():
     taxes_s = {"none": [2.0, 4.0, 3.0], "none+prefetch": [0.2, 2.0, 0.3],
-               "fp8": [0.5, 2.0, 1.5], "int8": [1.0] * 3, "fp8+prefetch": [0.1] * 3}
+               "fp8": [0.5, 2.0, 1.5], "int8": [1.0] * 3, "fp8+prefetch": [0.1] * 3,
+               "loads-beside": [0.1, 2.0, 0.6]}
     ratios = tax_round_ratios(taxes_s, predicted_none_s=[2.5, 2.0, 3.0])
     assert ratios["tax_measured_vs_model"] == pytest.approx([0.8, 2.0, 1.0])
     assert ratios["tax_hidden_by_prefetch"] == pytest.approx([0.9, 0.5, 0.9])
     assert ratios["tax_fp8_vs_none"] == pytest.approx([0.25, 0.5, 0.5])
-    assert set(ratios) == set(GOALS)
+    assert ratios["tax_interference_share"] == pytest.approx([0.5, 1.0, 2.0])
+    assert set(ratios) == set(GOALS) | {"tax_interference_share"}
 
 
 def test_rounds_without_a_raw_page_tax_have_no_ratio_to_it():
     taxes_s = {"none": [2.0, -0.1, 4.0], "none+prefetch": [0.2, 0.5, 0.4],
-               "fp8": [1.0, 0.3, 1.0], "int8": [1.0] * 3, "fp8+prefetch": [0.1] * 3}
+               "fp8": [1.0, 0.3, 1.0], "int8": [1.0] * 3, "fp8+prefetch": [0.1] * 3,
+               "loads-beside": [0.1, 0.1, 0.1]}
     ratios = tax_round_ratios(taxes_s, predicted_none_s=[2.0, 2.0, 2.0])
     assert defined(ratios["tax_hidden_by_prefetch"]) == pytest.approx([0.9, 0.9])
     assert defined(ratios["tax_fp8_vs_none"]) == pytest.approx([0.5, 0.25])
