@@ -189,3 +189,24 @@ def test_the_bound_pairs_what_a_cache_that_never_evicts_serves_with_kv_aware_s_c
     vllm_serve.fill_ratios(report, failing, vllm_serve.QUICK_PLAN, [2000] * 3,
                            reusable_tokens=[120, 125, 130])
     assert report.ratios["cached_tokens_bound_vs_kv_aware"] is None
+
+
+def test_raykvs_tiers_stand_to_the_engines_own_cache_as_a_gpu_nodes_dram_and_nvme_do():
+    from cluster.core.config import MiB
+    from cluster.core.sim_profiles import PROFILES
+    from cluster.core.spec import ModelSpec
+
+    node = PROFILES[vllm_serve.TIERS_PROFILE]
+    vllm_kv_bytes = 0.9 * node.hbm_bytes - 141e9  # what LLaMA3-70B's weights and a reserve leave
+    for plan in (vllm_serve.PLAN, vllm_serve.QUICK_PLAN):
+        engine = plan.engine
+        engine_kv_bytes = (engine.num_blocks * engine.block_tokens
+                           * ModelSpec.preset(vllm_serve.MODEL).bytes_per_token)
+        # within the MiB the tiers are rounded down to
+        assert plan.host_bytes % MiB == 0 and plan.disk_bytes % MiB == 0
+        host_ratio = node.host_kv_bytes / vllm_kv_bytes
+        disk_ratio = node.disk_kv_bytes / vllm_kv_bytes
+        assert plan.host_bytes == pytest.approx(engine_kv_bytes * host_ratio, abs=MiB)
+        assert plan.disk_bytes == pytest.approx(engine_kv_bytes * disk_ratio, abs=MiB)
+        assert 2 < plan.host_bytes / engine_kv_bytes < 2.5  # 1 TB of DRAM against ~435 GB
+        assert 17 < plan.disk_bytes / engine_kv_bytes < 18  # 7.68 TB of NVMe

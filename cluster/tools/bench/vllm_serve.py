@@ -55,6 +55,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cluster.core.config import MiB
+from cluster.core.sim_profiles import PROFILES
+from cluster.core.spec import ModelSpec
 from cluster.core.trace_format import read_trace
 from cluster.core.trace_scale import Scale, ScaledRequest, check_distinct
 from cluster.tools.bench import common
@@ -72,6 +74,7 @@ from cluster.tools.bench.vllm_serve_trace import (
 from cluster.tools.redis_server import free_port
 
 MODEL = "small-llama"  # trace.replay sends this name
+TIERS_PROFILE = "h100-400g"  # the node whose DRAM and NVMe raykv's tiers are scaled from
 PARTS = ("main", "recompute")  # the replayed trace's set-ups; the recompute part
 NUM_NODES = 3
 START_TIMEOUT_S = 600.0
@@ -103,10 +106,27 @@ class Plan:
     disk_bytes: int
 
 
-PLAN = Plan(Thinning(every=40, max_blocks=120, speedup=30.0), 3, EngineShape(num_blocks=256),
-            12 * MiB, 24 * MiB)
-QUICK_PLAN = Plan(Thinning(every=150, max_blocks=120, speedup=90.0), 3,
-                  EngineShape(num_blocks=192), 12 * MiB, 24 * MiB)
+def node_tiers(engine: EngineShape, profile: str = TIERS_PROFILE) -> tuple[int, int]:
+    """raykv's (host, disk) bytes per node, in the proportion a real node of `profile` has
+    them to its engine's own KV cache. On an 8 x H100 node serving LLaMA3-70B, vLLM's cache
+    is what the weights (141 GB) and a 10 % reserve leave of 640 GB of HBM (435 GB), while
+    raykv's host tier is 1 TB of the DGX's 2 TB DRAM (2.3x) and its disk two 3.84 TB drives
+    (17.7x): cluster/core/sim_profiles.py, with its sources. Before 5 December this benchmark
+    gave raykv 12 + 24 MiB a node, 1.1x the engine's 32 MiB, smaller than any GPU node's."""
+    node = PROFILES[profile]
+    token_bytes = ModelSpec.preset(MODEL).bytes_per_token
+    engine_kv_bytes = engine.num_blocks * engine.block_tokens * token_bytes
+    vllm_kv_bytes = 2 * node.device_kv_bytes  # raykv's device tier is half of vLLM's cache
+    return tuple(engine_kv_bytes * tier_bytes // vllm_kv_bytes // MiB * MiB  # whole MiB
+                 for tier_bytes in (node.host_kv_bytes, node.disk_kv_bytes))
+
+
+def _plan(thinning: Thinning, engine: EngineShape) -> Plan:
+    return Plan(thinning, 3, engine, *node_tiers(engine))
+
+
+PLAN = _plan(Thinning(every=40, max_blocks=120, speedup=30.0), EngineShape(num_blocks=256))
+QUICK_PLAN = _plan(Thinning(every=150, max_blocks=120, speedup=90.0), EngineShape(num_blocks=192))
 
 
 def plan_for(quick: bool) -> Plan:
