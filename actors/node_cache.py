@@ -21,14 +21,13 @@ import numpy as np
 import ray
 
 from actors.devices import expose_node_gpus
-from actors.handles import ControllerHandle, DirectoryHandle, PeerCache
+from actors.handles import ControllerHandle, DirectoryHandle
 from actors.metrics import Metrics, NodePublisher
-from cluster.core.claims import InflightClaims
+from actors.node_pull import PagePuller
 from cluster.core.config import CacheConfig
-from cluster.core.dataplane.auth import Authority, Guard
+from cluster.core.dataplane.auth import Guard
 from cluster.core.dataplane.connections import shared_pool
 from cluster.core.dataplane.endpoint import Endpoint
-from cluster.core.dataplane.pull import pull_pages
 from cluster.core.dataplane.server import Listen
 from cluster.core.dataplane.source import StoreSource
 from cluster.core.dataplane.transport import make_transport
@@ -76,10 +75,7 @@ class NodeCacheActor:
         self.store = NodeStore(store_config(self.config, self.slot), self.stream.record)
         self.transport = make_transport(self.config.transport)
         self.server = None  # the page server, started with the loop (ready)
-        self._keys: tuple[bytes, bytes] | None = None  # (peer key, node key), from ready
         self.directory = DirectoryHandle.lookup(self.config)
-        self.peers = PeerCache(self.config)
-        self.pulls = InflightClaims()
         self.loops = BackgroundLoops()
         self._flush_lock = asyncio.Lock()
         self._pending_flush: asyncio.Future | None = None
@@ -91,6 +87,7 @@ class NodeCacheActor:
         self.recovered_pages = 0
         self.vram: list = []  # raykv's share of each GPU (cluster/core/tiers/gpus.py)
         self.counters = {"pulled_pages": 0, "failed_sends": 0, "discarded_pages": 0}
+        self.puller = PagePuller(self.config, self.store, self.transport, self.counters)
         self.faults = NodeFaults()  # test-only: off (see inject_fault)
 
     async def ready(self) -> dict:
@@ -112,8 +109,8 @@ class NodeCacheActor:
         self.recovered_pages = await asyncio.to_thread(self.store.recover_disk)
         loop = asyncio.get_running_loop()
         source = StoreSource(self.store, loop, self._transfer_timeout_s())
-        self._keys = await self._node_keys()
-        guard = Guard(*self._keys, lambda name: self._namespace_secret_from(loop, name))
+        self.puller.keys = await self._node_keys()  # (peer key, node key)
+        guard = Guard(*self.puller.keys, lambda name: self._namespace_secret_from(loop, name))
         listen = Listen(ray.util.get_node_ip_address(), self.config.page_port, guard)
         self.server = self.transport.serve(source, listen, self._transfer_timeout_s(),
                                            self.epoch)
@@ -375,74 +372,17 @@ class NodeCacheActor:
     async def pull(self, geometry: PageGeometry, remote: dict[str, list[PageKey]],
                    namespace: str = "") -> int:
         """Copy pages from other nodes (node_id -> keys) into this node's host tier, through
-        the data plane; returns pages pulled. A page already being pulled for another request
-        is awaited, not fetched twice; a dead or silent peer is a miss.
+        the data plane (actors/node_pull.py); returns pages pulled. A page already being
+        pulled for another request is awaited, not fetched twice; a dead or silent peer is a
+        miss.
         """
         await self.ready()
-        waits, calls = set(), []
-        for node_id, keys in remote.items():
-            todo, others, done = self.pulls.claim(
-                k for k in keys if k in self.pulls or not self.store.has(geometry, k))
-            waits |= others
-            calls.append(self._pull_from(node_id, (geometry, todo, namespace), done))
-        pulled = await asyncio.gather(*calls)
-        await self.pulls.wait(waits)
+        pulled = await self.puller.pull(geometry, remote, namespace)
         # Ready the host tier's next chunk now, off this pull's path, as a reserve does:
         # otherwise the next pull (a replication, a prefetch, an adoption) faults a whole
         # chunk in on its own path (tens of ms for 64 MiB).
         self._grow_soon(geometry)
-        return sum(pulled)
-
-    async def _pull_from(self, node_id: str, request: tuple[PageGeometry, list[PageKey], str],
-                         done: asyncio.Future) -> int:
-        keys = request[1]
-        try:
-            endpoint = await self._endpoint(node_id) if keys else None
-            if endpoint is None:
-                return 0
-            geometry, _, namespace = request
-            if not namespace:  # replication: the pages keep their owner's namespace
-                namespace = await self._namespace_at(node_id, geometry, keys)
-            authority = Authority.of_node(*self._keys, namespace)
-            pulled = await pull_pages(self.store, self.transport, endpoint,
-                                      (geometry, keys, namespace, authority),
-                                      self._transfer_timeout_s())
-            if pulled is None:  # unreachable, died or stalled: look it up afresh next time
-                self.peers.forget(node_id)
-                return 0
-            self.counters["pulled_pages"] += pulled
-            return pulled
-        finally:
-            self.pulls.finish(keys, done)
-
-    async def _namespace_at(self, node_id: str, geometry: PageGeometry,
-                            keys: list[PageKey]) -> str:
-        """The namespace of the first of these pages at their owner ("" when it cannot
-        say: the pull then asks for pages of any namespace)."""
-        peer = await self.peers.aget(node_id)
-        try:
-            names = await asyncio.wait_for(peer.namespaces(geometry, keys[:1]),
-                                           self.config.call_timeout_s) if peer else []
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as error:
-            log.warning("no namespaces from %s: %s", node_id[:8], error)
-            return ""
-        return (names[0] or "") if names else ""
-
-    async def _endpoint(self, node_id: str) -> Endpoint | None:
-        endpoint = self.peers.endpoint(node_id)
-        if endpoint is not None:
-            return endpoint
-        peer = await self.peers.aget(node_id)
-        if peer is None:
-            return None
-        try:
-            endpoint = await asyncio.wait_for(peer.dataplane(), self.config.call_timeout_s)
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as error:  # a miss
-            log.warning("no data plane endpoint from %s: %s", node_id[:8], error)
-            self.peers.forget(node_id)
-            return None
-        self.peers.remember_endpoint(node_id, endpoint)
-        return endpoint
+        return pulled
 
     # ---- models, namespaces and their quotas ----------------------------------------------
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -36,12 +35,13 @@ from cluster.core.keys import PageKey
 from cluster.core.pins import PinSet
 from cluster.core.pool import EventSink, Pool, PoolLimits, State
 from cluster.core.put_leases import LeaseReply, LeaseRequest, PutLeases
-from cluster.core.tiers.aligned import make_private_dir, write_private_text
+from cluster.core.store_files import read_pool_file, write_pool_file
+from cluster.core.store_stats import memory_by_model, store_stats
+from cluster.core.tiers.aligned import make_private_dir
 from cluster.core.tiers.disk import DiskArena
 from cluster.core.tiers.memory import ArenaDescriptor, remove_stale_shm
 from policies.quota import Quota
 
-POOL_FILE = "pool.json"
 log = logging.getLogger("raykv.store")
 T = TypeVar("T")
 
@@ -143,7 +143,7 @@ class NodeStore:
             shutil.rmtree(path)
             make_private_dir(path)
             disk = DiskArena(*args)
-        _write_pool_file(path, geometry)
+        write_pool_file(path, geometry)
         disk.set_durability(self.config.disk_durability)
         disk.faults = self.disk_faults
         return disk
@@ -161,7 +161,7 @@ class NodeStore:
             return 0
         found = 0
         for name in sorted(os.listdir(self.config.disk_dir)):
-            geometry = _read_pool_file(os.path.join(self.config.disk_dir, name))
+            geometry = read_pool_file(os.path.join(self.config.disk_dir, name))
             if geometry is None or (geometry not in self.pools
                                     and len(self.pools) >= self.config.max_geometries):
                 continue
@@ -426,35 +426,8 @@ class NodeStore:
                 for key, entry in pool.index.items() if entry.state != State.PENDING]
 
     def stats(self) -> dict:
-        pages = {name: 0 for name in TIER_NAMES}
-        used_bytes = {name: 0 for name in TIER_NAMES}
-        for pool in self.pools.values():
-            for name, count in pool.tier_counts().items():
-                pages[name] += count
-                used_bytes[name] += count * pool.geometry.page_bytes
-        disks = [pool.disk for pool in self.pools.values() if pool.disk is not None]
-        evictions = {name: sum(p.evictions[tier] for p in self.pools.values())
-                     for tier, name in enumerate(TIER_NAMES)}
-        tax_us = max((p.disk_read_us_per_token for p in self.pools.values()), default=0.0)
-        return {"pages": pages, "bytes": used_bytes, "leases": len(self.leases),
-                "memory": self.elastic.stats(), "models": self.memory_by_model(),
-                "evictions": evictions, "disk_read_us_per_token": tax_us,
-                "disk_read_s": sum(p.disk_read_s for p in self.pools.values()),
-                "reservations": len(self.reservations),
-                "leased_slots": self.put_leases.num_leased(),
-                **self.put_leases.counters,
-                "quarantined_slots": sum(len(p.quarantined) for p in self.pools.values()),
-                "host_headroom_pages": sum(p.headroom_pages() for p in self.pools.values()),
-                "host_headroom_short_pages": sum(p.headroom_short() for p in self.pools.values()),
-                "demoted_ahead_pages": sum(p.demoted_ahead for p in self.pools.values()),
-                "checksums_ahead_pages": sum(p.checksums_ahead for p in self.pools.values()),
-                "inline_checksum_pages": sum(p.inline_checksums for p in self.pools.values()),
-                "checksum_queued_pages": sum(p.num_unsummed for p in self.pools.values()),
-                "disk_bytes_read": sum(d.bytes_read for d in disks),
-                "disk_bytes_written": sum(d.bytes_written for d in disks),
-                "disk_checksum_failures": sum(d.checksum_failures for d in disks),
-                "pins": {**self.pins.stats(), "cap_bytes": self.pin_cap_bytes()},
-                **self.counters}
+        """Pages and bytes by tier, memory, evictions, leases, disk and pin counters."""
+        return store_stats(self)
 
     def set_quotas(self, models: dict[str, Quota], namespaces: dict[str, Quota],
                    model_names: dict[str, str] | None = None) -> None:
@@ -482,30 +455,11 @@ class NodeStore:
 
     def memory_by_model(self) -> dict[str, int]:
         """Bytes each model holds across the tiers (pools named by their models)."""
-        held: dict[str, int] = {}
-        for budget in self.elastic.budgets:
-            for holder, num_bytes in budget.holders.items():
-                name = self.model_names.get(holder, holder)
-                held[name] = held.get(name, 0) + num_bytes
-        return held
+        return memory_by_model(self.elastic, self.model_names)
 
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
-
-
-def _write_pool_file(path: str, geometry: PageGeometry) -> None:
-    write_private_text(os.path.join(path, POOL_FILE),
-                       json.dumps({"shape": list(geometry.shape), "dtype": geometry.dtype}))
-
-
-def _read_pool_file(path: str) -> PageGeometry | None:
-    try:
-        with open(os.path.join(path, POOL_FILE)) as handle:
-            data = json.load(handle)
-        return PageGeometry(tuple(data["shape"]), data["dtype"])
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 def _ready_thread() -> ThreadPoolExecutor:

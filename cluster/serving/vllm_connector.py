@@ -71,21 +71,20 @@ from vllm.logger import init_logger
 
 from cluster.serving.engine_rates import EngineMeter, RatesFile, Step
 from cluster.serving.step_budget import StepBudget
+from cluster.serving.vllm_checks import probe_layout, unsupported_groups
+from cluster.serving.vllm_handoff import DecodeGate
 from cluster.serving.vllm_io import KVMover
 from cluster.serving.vllm_keys import is_plain, request_salt
 from cluster.serving.vllm_layout import (
     BlockLayout,
     CacheFormat,
-    Interior,
     LayoutError,
     blocks_of,
     describe_worker,
-    probed_interior,
     spec_mismatch,
 )
 from cluster.serving.vllm_plan import (
     Handoff,
-    HandoffWaits,
     LoadSpec,
     NewRequest,
     RunningRequest,
@@ -93,14 +92,12 @@ from cluster.serving.vllm_plan import (
     StepPlanner,
     asked_tokens,
     fetch_limit,
-    handoff_mismatch,
     handoff_of,
     handoff_params,
     is_producer,
     loadable_tokens,
     page_misfit,
     routed_hit,
-    tokens_wanted,
 )
 from cluster.serving.vllm_service import (
     Answer,
@@ -139,24 +136,6 @@ class RaykvMetadata(KVConnectorMetadata):
     settle_after_s: float | None = None
 
 
-def unsupported_groups(kv_cache_config: Any) -> str | None:
-    """Why raykv cannot key this model's KV-cache groups, or None: one group of full
-    attention (or MLA) layers. Several groups (hybrid, sliding-window) share one request's
-    block ids per group, and a window frees blocks raykv would read."""
-    if kv_cache_config is None:
-        return None
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        return (f"the model has {len(groups)} KV-cache groups (hybrid or sliding-window "
-                f"attention); raykv supports one group of full-attention layers")
-    kind = type(groups[0].kv_cache_spec)
-    if kind not in (FullAttentionSpec, MLAAttentionSpec):
-        return f"the model's KV cache is {kind.__name__}; raykv supports full attention"
-    return None
-
-
 class RaykvConnector(KVConnectorBase_V1):
     """vLLM KV connector backed by raykv; see the module docstring."""
 
@@ -176,8 +155,7 @@ class RaykvConnector(KVConnectorBase_V1):
         self._unloaded: list[tuple[str, set[int]]] = []  # loads with no mover to run them
         self._link: ServiceLink | None = None
         self._lookups: Lookups | None = None
-        self._waits = HandoffWaits(settings.pd_wait_s)
-        self._told_mismatch = False
+        self._gate: DecodeGate | None = None  # P/D decodes' waits, with the link
         self._meter: EngineMeter | None = None  # scheduler side, once the page size is known
         self._rates: RatesFile | None = None  # scheduler side, with the meter
         self.num_routed_answers = 0  # requests answered by the router's hit, no lookup
@@ -194,6 +172,7 @@ class RaykvConnector(KVConnectorBase_V1):
             log.error("raykv connector off: %s", self.why_off)
             return
         self._link = ServiceLink(settings, spec)
+        self._gate = DecodeGate(settings.pd_wait_s, spec.name, settings.namespace)
         client = self._link.client()  # connect while the engine starts, not on its first request
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = Lookups(self._link)
@@ -309,7 +288,8 @@ class RaykvConnector(KVConnectorBase_V1):
             self._meter.finished()
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
-        self._waits.forget(request.request_id)
+        if self._gate is not None:
+            self._gate.forget(request.request_id)
         self._sync_loads.pop(request.request_id, None)
         # Saves copy the blocks out in their step, and vLLM keeps a loading request's blocks
         # until the worker reports the load: free them now. A decode needs no blocks held
@@ -333,22 +313,8 @@ class RaykvConnector(KVConnectorBase_V1):
                         num_asked: int) -> bool:
         """P/D decode: whether raykv does not hold its prefill's pages yet, and the request
         is still within `pd_wait_s`; then its lookup is issued again shortly."""
-        handoff = handoff_of(params)
-        if handoff is None or answer.salt is None or answer.page_tokens is None:
-            return False
-        why = handoff_mismatch(handoff, self._link.spec.name, self._link.settings.namespace)
-        if why:
-            if not self._told_mismatch:
-                self._told_mismatch = True
-                log.error("raykv P/D: %s; decodes do not wait for their prefill's pages", why)
-            return False
-        wanted = tokens_wanted(handoff, num_asked, fetch_limit(params))
-        if not self._waits.should_wait(request_id, answer.num_tokens, wanted,
-                                       time.monotonic()):
-            if answer.num_tokens < wanted:
-                log.warning("raykv P/D: %s found %d of the prefill's %d tokens within "
-                            "%.1f s; recomputing the rest", request_id, answer.num_tokens,
-                            wanted, self._waits.wait_s)
+        if self._gate is None or not self._gate.waits(request_id, answer, params, num_asked,
+                                                      time.monotonic()):
             return False
         self._lookups.retry(request_id, HANDOFF_RETRY_S)
         return True
@@ -534,25 +500,3 @@ class RaykvConnector(KVConnectorBase_V1):
 def _now_s() -> float:
     """The steps' clock."""
     return time.monotonic()
-
-
-def probe_layout(layer: torch.Tensor) -> Interior | None:
-    """Where vLLM's CPU cache op puts K and V in a block like `layer`'s [blocks, H, B, C]: it
-    writes one scratch block of distinct values, and the CPU interior that reads them back is
-    the answer (None: none or both do, or the op is missing)."""
-    try:
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        _, num_heads, block_size, cell = layer.shape
-        head_dim = cell // 2
-        scratch = torch.zeros((1, num_heads, block_size, cell), dtype=layer.dtype)
-        keys, values = scratch.view(1, num_heads, 2 * block_size, head_dim).chunk(2, dim=2)
-        known = (torch.arange(block_size * num_heads * head_dim) % 251 + 1).view(
-            block_size, num_heads, head_dim).to(layer.dtype)
-        ops.cpu_attn_reshape_and_cache(known, -known, keys, values, torch.arange(block_size),
-                                       _get_attn_isa(layer.dtype, block_size, head_dim))
-    except Exception:  # not vLLM's CPU backend, or its internals moved
-        log.exception("could not probe vLLM's KV block layout")
-        return None
-    return probed_interior(scratch, known, -known)

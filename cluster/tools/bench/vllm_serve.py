@@ -54,17 +54,23 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cluster.core.config import MiB
-from cluster.core.sim_profiles import PROFILES
-from cluster.core.spec import ModelSpec
 from cluster.core.trace_format import read_trace
 from cluster.core.trace_scale import Scale, ScaledRequest, check_distinct
 from cluster.tools.bench import common
 from cluster.tools.bench.harness import Report, interleave
-from cluster.tools.bench.vllm_serve_breakdown import TTFT_PARTS, columns, report_fields, split
-from cluster.tools.bench.vllm_serve_setups import EXTRA_SETUPS, SETUPS, EngineShape
+from cluster.tools.bench.vllm_serve_breakdown import columns, report_fields
+from cluster.tools.bench.vllm_serve_plan import (  # noqa: F401 (the plan's names, as before)
+    MODEL,
+    PLAN,
+    QUICK_PLAN,
+    TIERS_PROFILE,
+    Plan,
+    node_tiers,
+    plan_for,
+)
+from cluster.tools.bench.vllm_serve_report import notes, print_rounds
+from cluster.tools.bench.vllm_serve_setups import EXTRA_SETUPS, SETUPS
 from cluster.tools.bench.vllm_serve_trace import (
-    Thinning,
     conversations,
     distinct_blocks,
     prefix_reuse,
@@ -73,8 +79,6 @@ from cluster.tools.bench.vllm_serve_trace import (
 )
 from cluster.tools.redis_server import free_port
 
-MODEL = "small-llama"  # trace.replay sends this name
-TIERS_PROFILE = "h100-400g"  # the node whose DRAM and NVMe raykv's tiers are scaled from
 PARTS = ("main", "recompute")  # the replayed trace's set-ups; the recompute part
 NUM_NODES = 3
 START_TIMEOUT_S = 600.0
@@ -93,44 +97,6 @@ PART_RATIOS = {"main": ("ttft_p50_vs_kv_aware", "ttft_p99_vs_kv_aware",
 CHILD_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
              "VLLM_HOST_IP": "127.0.0.1"}
 REQUEST_COUNTER = "ray_serve_deployment_request_counter"
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """One run's sizes."""
-
-    thinning: Thinning
-    num_rounds: int
-    engine: EngineShape
-    host_bytes: int  # raykv's tiers per node
-    disk_bytes: int
-
-
-def node_tiers(engine: EngineShape, profile: str = TIERS_PROFILE) -> tuple[int, int]:
-    """raykv's (host, disk) bytes per node, in the proportion a real node of `profile` has
-    them to its engine's own KV cache. On an 8 x H100 node serving LLaMA3-70B, vLLM's cache
-    is what the weights (141 GB) and a 10 % reserve leave of 640 GB of HBM (435 GB), while
-    raykv's host tier is 1 TB of the DGX's 2 TB DRAM (2.3x) and its disk two 3.84 TB drives
-    (17.7x): cluster/core/sim_profiles.py, with its sources. Before 5 December this benchmark
-    gave raykv 12 + 24 MiB a node, 1.1x the engine's 32 MiB, smaller than any GPU node's."""
-    node = PROFILES[profile]
-    token_bytes = ModelSpec.preset(MODEL).bytes_per_token
-    engine_kv_bytes = engine.num_blocks * engine.block_tokens * token_bytes
-    vllm_kv_bytes = 2 * node.device_kv_bytes  # raykv's device tier is half of vLLM's cache
-    return tuple(engine_kv_bytes * tier_bytes // vllm_kv_bytes // MiB * MiB  # whole MiB
-                 for tier_bytes in (node.host_kv_bytes, node.disk_kv_bytes))
-
-
-def _plan(thinning: Thinning, engine: EngineShape) -> Plan:
-    return Plan(thinning, 3, engine, *node_tiers(engine))
-
-
-PLAN = _plan(Thinning(every=40, max_blocks=120, speedup=30.0), EngineShape(num_blocks=256))
-QUICK_PLAN = _plan(Thinning(every=150, max_blocks=120, speedup=90.0), EngineShape(num_blocks=192))
-
-
-def plan_for(quick: bool) -> Plan:
-    return QUICK_PLAN if quick else PLAN
 
 
 def setups_for(quick: bool, chosen: tuple[str, ...] | None = None) -> tuple[str, ...]:
@@ -360,49 +326,6 @@ def fill_recompute(report: Report, recompute: dict | None) -> None:
         per_condition = [recompute["summary"][c]["correct_share"] for c in sorted(
             recompute["summary"]) if c != "all"]
         report.ratio("recompute_decisions_correct", recompute["share"], per_condition)
-
-
-def print_rounds(rounds: dict[str, list[dict]]) -> None:
-    rows = []
-    for name, per_round in rounds.items():
-        for index, result in enumerate(per_round):
-            s = result["summary"]
-            parts = split(result["requests"])
-            rows.append([f"{name} r{index}", str(s["requests"]), str(s["errors"]),
-                         f"{s['ttft_p50_ms']:.0f}", f"{s['ttft_p99_ms']:.0f}",
-                         *(_ms(parts[p]["p50"]) for p in TTFT_PARTS[1:]),
-                         f"{s['hit_ratio']:.3f}", f"{result['start_s']:.0f}",
-                         " ".join(f"{v:.2f}" for v in s["replica_shares"].values())])
-    common.print_tables([common.table(
-        "the same trace per round, every set-up",
-        ["set-up", "requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "queue p50",
-         "prefill p50", "outside p50", "cached/prompt", "app start s", "replica shares"],
-        rows)])
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
-
-
-def notes(plan: Plan, traces: list[list[ScaledRequest]]) -> list[str]:
-    thin = plan.thinning
-    return [
-        f"workload per round: every {thin.every}th conversation of Mooncake's conversation "
-        f"trace from the round's offset ({[len(t) for t in traces]} requests), cut to "
-        f"{thin.max_blocks} blocks, one trace block = one {plan.engine.block_tokens}-token "
-        f"engine block of text, the clock {thin.speedup:g}x faster; open loop, max_tokens 1.",
-        f"engines: {MODEL} float32 eager on vLLM's CPU build, {plan.engine.num_blocks} blocks "
-        f"of vLLM's own cache each; raykv's tiers per node: host {plan.host_bytes // MiB} MiB "
-        f"+ disk {plan.disk_bytes // MiB} MiB.",
-        "kv-aware: Ray's KVAwareRouter with direct streaming behind HAProxy (as Ray documents "
-        "it); each replica's ZMQ ports moved to free ones (PortedLLMServer), since simulated "
-        "nodes share a host. The raykv, prefix and pow2 apps go through the same HAProxy.",
-        "Ray 2.60's LLMRouter imports load_chat_template from vllm.entrypoints.chat_utils, "
-        "which vLLM 0.32 moved to vllm.renderers.chat_utils (ModuleNotFoundError: every "
-        "LLMRouter replica fails to start, so Ray's router never runs); vllm_compat/"
-        "sitecustomize.py aliases that one module name for this run's workers. Ray's own "
-        "router code runs otherwise unchanged.",
-    ]
 
 
 RECOMPUTE_NOTE = (
