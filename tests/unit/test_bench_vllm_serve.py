@@ -210,3 +210,14 @@ def test_raykvs_tiers_stand_to_the_engines_own_cache_as_a_gpu_nodes_dram_and_nvm
         assert plan.disk_bytes == pytest.approx(engine_kv_bytes * disk_ratio, abs=MiB)
         assert 2 < plan.host_bytes / engine_kv_bytes < 2.5  # 1 TB of DRAM against ~435 GB
         assert 17 < plan.disk_bytes / engine_kv_bytes < 18  # 7.68 TB of NVMe
+
+
+def test_every_set_ups_engines_bind_their_threads_alike():
+    """vLLM reserves one more core for an engine with a KV connector: on 2 cores raykv's
+    engines got both cores and the baselines' one. Every engine now gets the same reservation
+    (raykv_app applies the same `engine_env` over its LLMConfig's)."""
+    from cluster.tools.bench import vllm_serve_setups as setups
+
+    env = setups.placement(1)["runtime_env"]["env_vars"]
+    assert env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    assert setups.engine_env(2)["VLLM_CPU_KVCACHE_SPACE"] == "2"

@@ -74,11 +74,26 @@ def ported_engine_kwargs(engine_kwargs: dict, experimental: dict, rank: int,
             {**experimental, KV_TOKEN_PORT_BASE_KEY: ports[2] - rank})
 
 
+# vLLM's CPU engines bind their OpenMP threads to the cores left after reserving one per worker
+# for the engine's scheduler, and one more when a KV connector is configured (vLLM's
+# ompmultiprocessing.py: "reserve at one more core for nixl_connector under p/d case"). On this
+# 2-core machine that gave raykv's engines (RaykvConnector) 2 threads on cores 0 and 1 with
+# nothing reserved, and every baseline's 1 thread on core 0 with core 1 reserved: set-ups
+# differed in their engines' CPU, not only in routing and caching (runs before this change).
+# The same reservation for every engine (the baselines' own default) takes that away.
+ENGINE_CPU_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+def engine_env(kv_cache_gib: int) -> dict[str, str]:
+    """Every set-up's engine environment: vLLM's own KV space, and the same CPU binding."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), **ENGINE_CPU_ENV}
+
+
 def placement(kv_cache_gib: int) -> dict:
     """LLMConfig options that put one engine per simulated node on CPU."""
     return {"accelerator_config": {"kind": "cpu"},
             "placement_group_config": {"bundles": [{"CPU": 1, ENGINE_SLOT: 1}]},
-            "runtime_env": {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}}}
+            "runtime_env": {"env_vars": engine_env(kv_cache_gib)}}
 
 
 def baseline_config(setup: str, model_source: str, model_id: str, shape: EngineShape,
@@ -120,6 +135,9 @@ def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas
     config = llm_config(args, ray.get_runtime_context().gcs_address)
     config.placement_group_config = {"bundles": [bundle]} if bundle \
         else placement(1)["placement_group_config"]
+    config.runtime_env = {**(config.runtime_env or {}),
+                          "env_vars": {**(config.runtime_env or {}).get("env_vars", {}),
+                                       **engine_env(1)}}
     if load_mode is not None:
         config.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"][
             "raykv.load_mode"] = load_mode

@@ -1,0 +1,40 @@
+"""`raykv bench vllm-serve`: raykv's engines and every baseline's get the same CPU binding
+(vLLM reserves one more core for an engine with a KV connector; on 2 cores that gave raykv's
+engines both cores and the baselines' engines one)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this "
+                                   "tier in .venv-vllm")
+
+import ray  # noqa: E402
+
+import cluster.serving.app  # noqa: E402,F401 (its Serve ingress is pickled at import: before the mocks)
+from cluster.core.config import CacheConfig  # noqa: E402
+from cluster.serving.model_dir import save_model_dir  # noqa: E402
+from cluster.tools.bench import vllm_serve_setups as setups  # noqa: E402
+
+
+def test_raykvs_engines_and_the_baselines_reserve_the_same_cores(tmp_path):
+    model_dir = save_model_dir(os.path.join(tmp_path, "small-llama"))
+    built = {}
+    with mock.patch("cluster.api.running_config", return_value=CacheConfig(page_tokens=32)), \
+            mock.patch.object(ray, "get_runtime_context",
+                              lambda: SimpleNamespace(gcs_address="127.0.0.1:6379")), \
+            mock.patch("ray.serve.llm.build_openai_app", side_effect=built.update):
+        setups.raykv_app(model_dir, "small-llama", setups.EngineShape(), 3)
+    (raykv,) = built["llm_configs"]
+    assert raykv.engine_kwargs["kv_transfer_config"]["kv_connector"] == "RaykvConnector"
+    envs = {"raykv": raykv.runtime_env["env_vars"]}
+    for name in ("kv-aware", "prefix", "pow2"):
+        config = setups.baseline_config(name, model_dir, "small-llama", setups.EngineShape(), 3)
+        envs[name] = config.runtime_env["env_vars"]
+    for name, env in envs.items():
+        assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1", name
+        assert env["VLLM_CPU_KVCACHE_SPACE"] == "1", name
