@@ -34,11 +34,14 @@ def node_tiers(engine: EngineShape, profile: str = TIERS_PROFILE) -> tuple[int, 
     (17.7x): cluster/core/sim_profiles.py, with its sources. Until 211c56a this benchmark
     gave raykv 12 + 24 MiB a node, 1.1x the engine's 32 MiB, less than any GPU node has."""
     node = PROFILES[profile]
-    token_bytes = ModelSpec.preset(MODEL).bytes_per_token
-    engine_kv_bytes = engine.num_blocks * engine.block_tokens * token_bytes
     vllm_kv_bytes = 2 * node.device_kv_bytes  # raykv's device tier is half of vLLM's cache
-    return tuple(engine_kv_bytes * tier_bytes // vllm_kv_bytes // MiB * MiB  # whole MiB
+    return tuple(engine_kv_bytes(engine) * tier_bytes // vllm_kv_bytes // MiB * MiB  # whole MiB
                  for tier_bytes in (node.host_kv_bytes, node.disk_kv_bytes))
+
+
+def engine_kv_bytes(engine: EngineShape) -> int:
+    """One engine's own vLLM cache: its blocks of MODEL's KV."""
+    return engine.num_blocks * engine.block_tokens * ModelSpec.preset(MODEL).bytes_per_token
 
 
 def _plan(thinning: Thinning, engine: EngineShape) -> Plan:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from cluster.core.config import MiB
-from cluster.core.spec import ModelSpec
 from cluster.core.trace_scale import ScaledRequest
 from cluster.tools.bench import common
 from cluster.tools.bench.vllm_serve_breakdown import TTFT_PARTS, split
-from cluster.tools.bench.vllm_serve_plan import MODEL, TIERS_PROFILE, Plan
+from cluster.tools.bench.vllm_serve_plan import MODEL, TIERS_PROFILE, Plan, engine_kv_bytes
 
 
 def print_rounds(rounds: dict[str, list[dict]]) -> None:
@@ -34,8 +33,7 @@ def _ms(value: float | None) -> str:
 
 def notes(plan: Plan, traces: list[list[ScaledRequest]]) -> list[str]:
     thin = plan.thinning
-    engine_mib = plan.engine.num_blocks * plan.engine.block_tokens * \
-        ModelSpec.preset(MODEL).bytes_per_token / MiB
+    engine_mib = engine_kv_bytes(plan.engine) / MiB
     return [
         f"workload per round: every {thin.every}th conversation of Mooncake's conversation "
         f"trace from the round's offset ({[len(t) for t in traces]} requests), cut to "
