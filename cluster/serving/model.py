@@ -121,9 +121,23 @@ def decode_step(model: LlamaForCausalLM, cache: DynamicCache, token: int,
 
 def kv_from_cache(cache: DynamicCache) -> torch.Tensor:
     """A batch-1 DynamicCache as one tensor [num_layers, 2, num_kv_heads, num_tokens, head_dim]."""
+    return stack_views(prefix_views(cache, cache.get_seq_length()))
+
+
+def prefix_views(cache: DynamicCache, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, (keys, values) of a batch-1 cache's first `num_tokens` positions as views,
+    with no copy: cheap on any thread, and still those positions' KV after the cache grows
+    (growing appends to new tensors and never rewrites an earlier position)."""
     layers = cache.layers
     assert layers and all(layer.keys.shape[0] == 1 for layer in layers), "expected a batch-1 cache"
-    return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in layers])
+    assert num_tokens <= layers[0].keys.shape[2], "more tokens than the cache holds"
+    return [(layer.keys[0, :, :num_tokens], layer.values[0, :, :num_tokens]) for layer in layers]
+
+
+def stack_views(views: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """prefix_views' tensors as one [num_layers, 2, num_kv_heads, num_tokens, head_dim] (a copy:
+    run it on the thread that runs the model, see engine.py)."""
+    return torch.stack([torch.stack(pair) for pair in views])
 
 
 def cache_from_kv(kv: torch.Tensor, model: LlamaForCausalLM) -> DynamicCache:

@@ -107,3 +107,32 @@ def test_the_app_takes_local_caches_only_with_a_router_that_needs_no_raykv():
     assert args.local_cache.settings() == LocalCacheSettings(64, 1 << 20)
     with pytest.raises(ValidationError, match="with local_cache choose"):
         AppArgs(router="raykv", local_cache={})
+
+
+def test_the_engine_stores_exact_kv_copied_on_its_compute_thread(monkeypatch):
+    """The KV the engine stores is what a fresh prefill of those tokens computes, and its copy
+    out of the cache runs on the compute thread (engine.py: another thread's torch work slows
+    the next prefill), not on the event loop, even as decode steps grow the cache."""
+    import threading
+
+    from cluster.serving import engine as engine_module
+    from cluster.serving.model import kv_from_cache, prefill_from
+
+    threads, stacked = [], engine_module.stack_views
+
+    def recording(views):
+        threads.append(threading.current_thread().name)
+        return stacked(views)
+
+    monkeypatch.setattr(engine_module, "stack_views", recording)
+    own = cache(64)
+    engine = Engine(EngineConfig("tiny-llama", max_context_tokens=512),
+                    {"default": own.client("default")})
+    prompt = "Pages stored while the answer is decoded. " * 2  # 87 tokens: 5 full pages
+    text, _ = generate(engine, prompt)
+    assert threads and all(name.startswith("raykv-compute") for name in threads)
+    tokens = tokenizer.encode(prompt) + tokenizer.encode(text)[1:]  # the output, no BOS
+    full = len(tokens) // 16 * 16
+    expected = kv_from_cache(prefill_from(engine.model, None, tokens[:full])[1])
+    num_tokens, got = own.client("default").get(tokens[:full])
+    assert num_tokens == full and torch.allclose(got, expected, atol=1e-5)

@@ -11,8 +11,12 @@ from cluster.serving.model import (
     build_llama,
     cache_from_kv,
     continue_from,
+    decode_step,
     kv_from_cache,
     prefill,
+    prefill_from,
+    prefix_views,
+    stack_views,
 )
 
 NUM_TOKENS = 48
@@ -126,3 +130,12 @@ def test_bad_inputs_are_rejected(model, tokens):
         prefill(model, [1.5, 2.0])
     with pytest.raises(ValueError, match="non-empty 1-D"):
         prefill(model, [])
+
+
+def test_prefix_views_keep_their_tokens_kv_as_the_cache_grows(model, tokens):
+    logits, cache = prefill_from(model, None, tokens)
+    before = kv_from_cache(cache)
+    views = prefix_views(cache, len(tokens) - 2)
+    decode_step(model, cache, int(logits.argmax()), len(tokens))  # the cache grows by one
+    assert torch.equal(stack_views(views), before[:, :, :, : len(tokens) - 2])
+    assert torch.equal(kv_from_cache(cache)[:, :, :, : len(tokens)], before)

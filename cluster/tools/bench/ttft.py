@@ -4,7 +4,8 @@ cached, on the tiny model on CPU, four cases paired per repetition:
     host        the prefix's pages in the host tier: the engine's aget + the suffix's prefill
     disk        the same pages on the disk tier (raw pages), read back by that get
     recompute   no cache: the whole prompt is prefilled
-    ideal       the suffix alone, with the prefix's KV already in the engine's memory
+    ideal       the suffix alone, with the prefix's KV already in the engine's memory, on
+                the engine's compute thread as its own prefills are
 
 Each repetition (a harness.interleave round) first, untimed, caches the disk case's prefix,
 puts enough other prompts to push it from the host tier to disk, then caches the host case's
@@ -51,7 +52,9 @@ NOTES = (f"workload: tiny-llama on CPU, prompts of {PROMPT_TOKENS} tokens whose 
          "one new token. TTFT = Engine.generate to its first token (fetch of the cached prefix "
          "into a preallocated buffer + prefill of the rest + sampling), on one event loop kept "
          "for the whole run as a replica's is, the request already tokenized (the ingress does "
-         "it); ideal = prefill of the rest with the prefix's KV already in memory. Each "
+         "it); ideal = prefill of the rest with the prefix's KV already in memory, on the "
+         "engine's compute thread (every prefill of the run, the untimed ones too, runs there, "
+         "as in a replica: another thread's torch work slows the next prefill). Each "
          "repetition runs host, disk, recompute and ideal once, in rotating order, after one "
          "untimed warm-up repetition; ratios are medians of per-repetition ratios. "
          "engine_phases_ms: the engine's own fetch_s and prefill_s of each timed request, and "
@@ -140,11 +143,10 @@ class Bench:
     def cache(self, text: str) -> None:
         """Store the first CACHED_TOKENS tokens' pages (a full prefill, untimed)."""
         from cluster.serving import tokenizer
-        from cluster.serving.model import kv_from_cache, prefill_from
 
         tokens = tokenizer.encode(text)[:CACHED_TOKENS]
-        _, cache = prefill_from(self.engine.model, None, tokens)
-        stored = self.client.put(tokens, kv_from_cache(cache))
+        kv = self.engine.on_compute_thread(_prefilled_kv, self.engine.model, tokens)
+        stored = self.client.put(tokens, kv)
         if stored != CACHED_TOKENS:
             raise RuntimeError(f"put stored {stored} of {CACHED_TOKENS} tokens")
 
@@ -172,16 +174,19 @@ class Bench:
             time.sleep(0.01)
 
     def ideal_s(self, text: str) -> float:
+        """The ideal: the rest prefilled on the engine's compute thread, where its own prefills
+        run (engine.py: another thread's torch work would slow the next prefill), from the
+        prefix's KV already in memory; then sampled as the engine samples."""
         from cluster.serving import tokenizer
-        from cluster.serving.model import kv_from_cache, prefill_from
+        from cluster.serving.model import prefill_from
         from cluster.serving.sampling import Sampler, SamplingParams
 
         tokens = tokenizer.encode(text)
-        _, cache = prefill_from(self.engine.model, None, tokens[:CACHED_TOKENS])
-        kv = kv_from_cache(cache)
+        kv = self.engine.on_compute_thread(_prefilled_kv, self.engine.model,
+                                           tokens[:CACHED_TOKENS])
         sampler = Sampler(SamplingParams(), self.engine.mask)
         start_s = time.perf_counter()
-        logits, _ = prefill_from(self.engine.model, kv, tokens)
+        logits, _ = self.engine.on_compute_thread(prefill_from, self.engine.model, kv, tokens)
         sampler.next(logits)
         return time.perf_counter() - start_s
 
@@ -193,6 +198,13 @@ class Bench:
             return lambda rep: self.ttft_s(case_texts(rep)[name], name) * 1e3
 
         return {name: case(name) for name in CASES}
+
+
+def _prefilled_kv(model, tokens: list[int]):
+    """The KV of `tokens`, prefilled from nothing (run on the engine's compute thread)."""
+    from cluster.serving.model import kv_from_cache, prefill_from
+
+    return kv_from_cache(prefill_from(model, None, tokens)[1])
 
 
 def measure(bench: Bench, reps: int, steps) -> dict[str, list[float]]:
