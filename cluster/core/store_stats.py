@@ -18,6 +18,7 @@ def store_stats(store) -> dict:
             pages[name] += count
             used_bytes[name] += count * pool.geometry.page_bytes
     disks = [pool.disk for pool in store.pools.values() if pool.disk is not None]
+    arenas = [arena for pool in store.pools.values() for arena in pool.memory]
     evictions = {name: sum(p.evictions[tier] for p in store.pools.values())
                  for tier, name in enumerate(TIER_NAMES)}
     tax_us = max((p.disk_read_us_per_token for p in store.pools.values()), default=0.0)
@@ -35,6 +36,9 @@ def store_stats(store) -> dict:
             "checksums_ahead_pages": sum(p.checksums_ahead for p in store.pools.values()),
             "inline_checksum_pages": sum(p.inline_checksums for p in store.pools.values()),
             "checksum_queued_pages": sum(p.num_unsummed for p in store.pools.values()),
+            # memory faulted in while a put (or a read-up) waited, not ahead of it
+            "ready_on_path_chunks": sum(a.ready_on_path_chunks for a in arenas),
+            "ready_on_path_s": sum(a.ready_on_path_s for a in arenas),
             "disk_bytes_read": sum(d.bytes_read for d in disks),
             "disk_bytes_written": sum(d.bytes_written for d in disks),
             "disk_checksum_failures": sum(d.checksum_failures for d in disks),

@@ -134,12 +134,15 @@ def test_a_chunk_readied_ahead_is_used_after_the_warm_slots_and_clients_prefault
     mapping = ArenaMapping(arena.descriptor())
     first = [arena.alloc() for _ in range(2)]
     assert first == [0, 1] and arena.held[0] > 0 and arena.held[1] == 0
+    # chunk 0 was faulted in on the first alloc's path (the caller waited): counted
+    assert arena.ready_on_path_chunks == 1 and arena.ready_on_path_s > 0
     ahead = arena.slots.take_ahead()  # 2 free slots left: less than a chunk's worth
     assert ahead == 1 and budget.used_bytes == 2 * chunk and arena.slots.take_ahead() is None
     assert arena.held[1] == 0 and mapping.prefault_held() == 1  # only chunk 0 is held
     arena.ready_chunk(ahead)  # off the event loop in the node (asyncio.to_thread)
     arena.slots.open_ahead(ahead)
     assert [arena.alloc() for _ in range(4)] == [2, 3, 4, 5]  # warm slots first, in order
+    assert arena.ready_on_path_chunks == 1  # chunk 1 was readied ahead: no caller waited
     assert mapping.prefault_held() == 1 and mapping.prefault_held() == 0
     arena.slots.release_empty()
     for slot in range(6):

@@ -50,6 +50,7 @@ def test_stats_figures(stores):
     lease_id, _ = run(store.acquire(G, [key(4), key(3), key(8)]))
     stats = store.stats()
     memory, models = stats.pop("memory"), stats.pop("models")
+    assert stats["ready_on_path_s"] > 0  # timed: the chunks' memory was faulted in
     assert models == {G.name: 2 * PAGE_BYTES + 2 * PAGE_BYTES + DISK_SLOT_BYTES}
     assert memory["tiers"]["host"]["models"] == {G.name: 2 * PAGE_BYTES}
     assert memory["tiers"]["disk"]["namespaces"] == {"": DISK_SLOT_BYTES}
@@ -72,6 +73,11 @@ def test_stats_figures(stores):
         # no node loop here to hash pages ahead: the one page demoted to disk was hashed as
         # it was written; the 3 pages that came down to host are still queued
         "checksums_ahead_pages": 0, "inline_checksum_pages": 1, "checksum_queued_pages": 3,
+        # every chunk the memory tiers hold was faulted in on a put's path (no node loop
+        # here readies chunks ahead)
+        "ready_on_path_chunks": sum(arena.slots.num_held_chunks
+                                    for arena in store.pools[G].memory),
+        "ready_on_path_s": stats["ready_on_path_s"],
         "evictions": {"device": 3, "host": 1, "disk": 0}, "disk_read_us_per_token": 0.0,
         "disk_read_s": 0.0,  # no page read up from disk yet
         "pins": {"pins": 0, "pinned_pages": 0, "pinned_bytes": 0, "expired_pins": 0,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -173,7 +174,10 @@ class MappedArena:
         self.slots = ChunkedSlots(self.num_slots, slot_bytes, options.share)
         self.chunk_bytes = self.slots.chunk_bytes
         self._grants: dict[int, int] = {}
-        self.slots.on_grant = self.ready_chunk
+        self.slots.on_grant = self._ready_on_path
+        # Chunks readied when a slot was wanted and none was free (on a reserve's path, the
+        # caller waiting), and the seconds that took; grow_ahead readies the others ahead.
+        self.ready_on_path_chunks, self.ready_on_path_s = 0, 0.0
         self.slots.on_release = self._release_chunk
         tag = f"{options.shm_prefix}-{tier}-{uuid.uuid4().hex[:12]}"
         self._backing = _backing(tier, self.chunk_bytes, self.num_slots * slot_bytes, tag,
@@ -195,6 +199,12 @@ class MappedArena:
         self._backing.grant(*self._chunk_range(chunk))
         self._grants[chunk] = self._grants.get(chunk, 0) + 1
         self.held[chunk] = self._grants[chunk] % 255 + 1  # changes with every grant
+
+    def _ready_on_path(self, chunk: int) -> None:
+        started_s = time.perf_counter()
+        self.ready_chunk(chunk)
+        self.ready_on_path_chunks += 1
+        self.ready_on_path_s += time.perf_counter() - started_s
 
     def _release_chunk(self, chunk: int) -> None:
         self.held[chunk] = 0

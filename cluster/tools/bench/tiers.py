@@ -17,7 +17,9 @@ QUICK_BATCH_BYTES) moves through every contender, each run once a round in rotat
     put          client.put(tokens, kv) of a fresh batch, back to back: into slots the
                  client's lease holds ahead (copies, no call; the commit and the lease's top-up
                  go in a background call: cluster/puts.py), else reserve RPC, copies, commit
-                 RPC (leased_pages / put_pages: how many of the host puts' pages went leased)
+                 RPC (leased_pages / put_pages: how many of the host puts' pages went leased;
+                 chunks_readied_on_path, ready_on_path_ms: the tier's memory chunks faulted in
+                 on a reserve's path, the put waiting, rather than ahead of it)
     redis_get    pipelined GETs on COPY_THREADS connections, each copying its pages out (peer)
     ray_get      another worker ray.gets the driver's ray.put pages, copies them out with
                  copies.copy_pages (peer); both peers fill a KV tensor laid out as `out`
@@ -140,7 +142,9 @@ def measure_size(plan: SizePlan, redis_url: str, step: Callable[[str], None]) ->
     session = start_session(plan)
     rounds = measure_host(session, redis_url)
     leased = {"leased_pages": session.node_stat("leased_pages"),
-              "put_pages": session.num_batches * plan.num_pages}
+              "put_pages": session.num_batches * plan.num_pages,
+              "chunks_readied_on_path": session.node_stat("ready_on_path_chunks"),
+              "ready_on_path_ms": session.node_stat("ready_on_path_s") * 1e3}
     step("host: phases")
     phases = phases_ms(session)
     step("disk: fio, disk tier, end to end")
