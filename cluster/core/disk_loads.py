@@ -54,6 +54,8 @@ class DiskLoads:
         self.note_host_batch(len(keys))  # before it takes free room: demote_ahead.py
         if self._free_slots(HOST) < len(keys):  # room with no write: unused leased slots
             self.revoke_leased(HOST, len(keys) - self._free_slots(HOST))
+        if self._free_slots(HOST) >= len(keys):  # new chunks faulted in off the event loop
+            await self.ready_held(HOST, len(keys))
         if self._free_slots(HOST) >= len(keys):
             slots = [self.memory[HOST].alloc() for _ in keys]
             outs = [self._read_target(self.index[k], s) for k, s in zip(keys, slots, strict=True)]

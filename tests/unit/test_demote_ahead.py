@@ -76,9 +76,9 @@ def test_the_counters_move_together_while_the_demotion_writes_run(harness):
     evicted, seen = pool.evictions[HOST], []
     move_down = pool._move_down
 
-    async def watched(keys, below):
+    async def watched(keys, below, pins):
         seen.append((pool.evictions[HOST] - evicted, pool.demoted_ahead))
-        return await move_down(keys, below)
+        return await move_down(keys, below, pins)
 
     pool._move_down = watched
     assert run(pool.demote_ahead()) == 2

@@ -20,7 +20,7 @@ from cluster.core.tiers.gpus import (
     vram_budget,
 )
 from tests.unit._pages import key, page_bytes
-from tests.unit._pool_harness import new_owner, write_pages
+from tests.unit._pool_harness import new_owner, put, run, write_pages
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -132,3 +132,25 @@ def test_tier_copies_move_every_byte_in_the_copy_thread():
         assert copies.num_batches == 1  # nothing to move: no trip to the thread
     finally:
         copies.close()
+
+
+def test_a_page_pinned_while_its_move_makes_room_stays_where_its_reader_found_it(harness):
+    """A reader that pins the page while the promotion is still making room (demoting a
+    victim, or faulting a chunk in, both awaited) keeps it where it found it, as one that pins
+    it during the copy does: the move is judged by the pins it was decided with."""
+    pool = harness.make(device_pages=1, host_pages=2, disk_pages=0)
+    run(put(pool, [0]))  # on the device tier
+    owner = new_owner()
+    slots = asyncio.run(pool.reserve([key(1)], owner, HOST))
+    write_pages(pool, [1], slots)
+    pool.commit([key(1)], owner)
+    host_slot = pool.index[key(1)].slot
+    made_room = pool.make_room
+
+    async def make_room_pinned_meanwhile(tier, num_pages, namespace=""):
+        pool.index[key(1)].pins += 1  # a reader pins the page while room is being made
+        return await made_room(tier, num_pages, namespace)
+
+    pool.make_room = make_room_pinned_meanwhile
+    asyncio.run(pool.promote_many([key(1)]))
+    assert (pool.index[key(1)].tier, pool.index[key(1)].slot) == (HOST, host_slot)

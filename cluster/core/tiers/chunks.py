@@ -180,6 +180,16 @@ class ChunkedSlots:
         self._arriving.add(chunk)
         return chunk
 
+    def take_now(self) -> int | None:
+        """Take the next chunk from the budget for a caller that needs its slots now (its
+        memory readied off the event loop, then open_ahead(chunk), as take_ahead's); None: no
+        chunk left or no budget."""
+        chunk = self._next_chunk()
+        if chunk is None or not self.budget.take(self.holder, self.chunk_bytes):
+            return None
+        self._arriving.add(chunk)
+        return chunk
+
     def open_ahead(self, chunk: int) -> None:
         """The chunk taken ahead is ready: its slots join the free list (after the others)."""
         self._arriving.remove(chunk)

@@ -203,8 +203,12 @@ class MappedArena:
     def _ready_on_path(self, chunk: int) -> None:
         started_s = time.perf_counter()
         self.ready_chunk(chunk)
+        self.note_ready_on_path(time.perf_counter() - started_s)
+
+    def note_ready_on_path(self, seconds: float) -> None:
+        """Count a chunk readied while a caller waited for its slots."""
         self.ready_on_path_chunks += 1
-        self.ready_on_path_s += time.perf_counter() - started_s
+        self.ready_on_path_s += seconds
 
     def _release_chunk(self, chunk: int) -> None:
         self.held[chunk] = 0
