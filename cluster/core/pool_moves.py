@@ -134,7 +134,7 @@ class TierMoves:
             if slot is None:
                 break
             entry = self.index[key]
-            moves.append((key, entry, slot, min(entry.pins, pins.get(key, entry.pins))))
+            moves.append((key, entry, slot, min(entry.pins, pins[key])))
         pairs = [(self.memory[tier].view(slot), self.view(entry)) for _, entry, slot, _ in moves]
         try:
             await tier_copies().copy(pairs)

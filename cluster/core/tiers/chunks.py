@@ -174,11 +174,7 @@ class ChunkedSlots:
         slots. None: no need, or no room."""
         if len(self._free) >= max(self.slots_per_chunk, ahead_slots) or self._arriving:
             return None
-        chunk = self._next_chunk()
-        if chunk is None or not self.budget.take(self.holder, self.chunk_bytes):
-            return None
-        self._arriving.add(chunk)
-        return chunk
+        return self.take_now()
 
     def take_now(self) -> int | None:
         """Take the next chunk from the budget for a caller that needs its slots now (its
