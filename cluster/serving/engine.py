@@ -164,12 +164,14 @@ class Engine:
             meter.prefilled(len(tokens) - cached, compute_s)
         finally:
             self.buffers.give(buffer)
+        stored = None
         if (len(tokens) // client.page_tokens) * client.page_tokens > cached:
-            self._store(client, tokens, cache)
+            stored = self._store(client, tokens, cache)
         self._count(len(tokens), cached)
         head = Chunk("", len(tokens), cached, 0, None, self.replica, fetch_s, prefill_s)
         yield head  # the request's figures, before the first token
-        async for chunk in self._decode(client, request, (logits, cache, compute_s), head):
+        async for chunk in self._decode(client, request, (logits, cache, compute_s), head,
+                                        stored):
             yield chunk
 
     async def _fetch(self, client, tokens: list[int], buffer: torch.Tensor,
@@ -186,8 +188,9 @@ class Engine:
         return kv if num_tokens else None
 
     async def _decode(self, client, request: GenerationRequest, prefilled: tuple,
-                      head: Chunk) -> AsyncIterator[Chunk]:
-        """`prefilled`: the prefill's (logits, cache, compute seconds)."""
+                      head: Chunk, stored: asyncio.Task | None) -> AsyncIterator[Chunk]:
+        """`prefilled`: the prefill's (logits, cache, compute seconds); `stored`: the store of
+        the prompt's pages, which the last chunk waits for (see `_settled`)."""
         logits, cache, compute_s = prefilled
         sampler = Sampler(request.params, self.mask)
         stop = StopText(request.params.stop)
@@ -219,6 +222,7 @@ class Engine:
         fed = request.token_ids + generated[: position - len(request.token_ids)]
         if len(fed) // client.page_tokens > len(request.token_ids) // client.page_tokens:
             self._store(client, fed, cache)
+        await _settled(stored)
         yield self._chunk(head, tail, len(generated), finish)
 
     @staticmethod
@@ -227,17 +231,23 @@ class Engine:
         return Chunk(text, head.prompt_tokens, head.cached_tokens, completion_tokens, finish,
                      head.replica, head.fetch_s, head.prefill_s)
 
-    def _store(self, client, tokens: list[int], cache) -> None:
-        """Put the new full pages of `tokens` (whose KV `cache` holds) in the background; the
-        response does not wait, and the copy of their KV runs on the compute thread."""
+    def _store(self, client, tokens: list[int], cache) -> asyncio.Task:
+        """Put the new full pages of `tokens` (whose KV `cache` holds) in the background.
+
+        The copy of their KV runs on the compute thread, and is queued there now, so that it
+        runs before this request's next decode step: queued from the task instead, it waited
+        behind the decode steps, and the put began only as the response ended."""
         views = prefix_views(cache, len(tokens))  # the cache may grow meanwhile: see there
-        task = asyncio.get_running_loop().create_task(self._put(client, tokens, views))
+        loop = asyncio.get_running_loop()
+        stacked = loop.run_in_executor(self._compute, stack_views, views)
+        task = loop.create_task(self._put(client, tokens, stacked))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
-    async def _put(self, client, tokens: list[int], views: list) -> None:
+    async def _put(self, client, tokens: list[int], stacked: asyncio.Future) -> None:
         try:
-            await client.aput(tokens, await self._computed(stack_views, views))
+            await client.aput(tokens, await stacked)
         except Exception:  # a failed store is a future miss, never a failed request
             self.counters["failed_stores"] += 1
             log.exception("storing %d tokens failed", len(tokens))
@@ -251,6 +261,19 @@ class Engine:
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += prompt_tokens
         self.counters["cached_tokens"] += cached_tokens
+
+
+# How long a response's last chunk waits for its prompt's pages to be stored. They are put
+# while the answer decodes and are almost always in by its end; the wait makes that certain, so
+# that a client's next request (a chat's next turn) finds them, as a vLLM connector's
+# wait_for_save does. A put slower than this goes on in the background.
+PROMPT_STORE_WAIT_S = 2.0
+
+
+async def _settled(stored: asyncio.Task | None) -> None:
+    """Wait (bounded, never cancelling it) for a store task; its failure is already counted."""
+    if stored is not None and not stored.done():
+        await asyncio.wait({stored}, timeout=PROMPT_STORE_WAIT_S)
 
 
 def _timed_call(function, *args) -> tuple[float, object]:

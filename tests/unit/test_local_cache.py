@@ -136,3 +136,38 @@ def test_the_engine_stores_exact_kv_copied_on_its_compute_thread(monkeypatch):
     expected = kv_from_cache(prefill_from(engine.model, None, tokens[:full])[1])
     num_tokens, got = own.client("default").get(tokens[:full])
     assert num_tokens == full and torch.allclose(got, expected, atol=1e-5)
+
+
+def test_a_response_ends_with_its_prompt_stored_and_the_copy_runs_before_decoding(monkeypatch):
+    """Read-your-writes for a client's next request: once the last chunk is out, the prompt's
+    pages are in the cache, without waiting for the engine's background work (the cluster's
+    test_serving asks again at once). And the KV's copy is queued on the compute thread as the
+    prefill ends, before this request's decode steps, not behind them."""
+    from cluster.serving import engine as engine_module
+
+    calls, stacked, step = [], engine_module.stack_views, engine_module.decode_step
+
+    def recording_stack(views):
+        calls.append("stack")
+        return stacked(views)
+
+    def recording_step(*args):
+        calls.append("step")
+        return step(*args)
+
+    monkeypatch.setattr(engine_module, "stack_views", recording_stack)
+    monkeypatch.setattr(engine_module, "decode_step", recording_step)
+    own = cache(64)
+    engine = Engine(EngineConfig("tiny-llama", max_context_tokens=512),
+                    {"default": own.client("default")})
+    prompt = "A prompt that the next turn of this chat starts with. " * 3
+    tokens = tokenizer.encode(prompt)
+
+    async def run() -> int:
+        request = GenerationRequest(prompt, tokens, SamplingParams(max_tokens=4))
+        async for _ in engine.generate(request):
+            pass
+        return own.client("default").get(tokens)[0]  # no drain: what the next request sees
+
+    assert asyncio.run(run()) == len(tokens) // 16 * 16 > 0
+    assert calls[:2] == ["stack", "step"]
