@@ -8,7 +8,8 @@ read and the victims' writes (cluster/core/disk_loads.py overlaps them, but on o
 two cores they still add up: ~15 ms against ~4 ms from host for 30 pages of 128 KiB). Linux's
 page reclaim answers the same problem with watermarks kept by kswapd; here the watermark is
 learned, not set by hand. Each batch bound for the host tier that would not fit in its free
-room beyond what is kept (one that leans on the headroom) is remembered for WINDOW_S; the
+room beyond what is kept (one that leans on the headroom), and each lease top-up for puts
+that found too few free slots (put_leases.py), is remembered for WINDOW_S; the
 node's loop (actors/node_cache.py) then demotes, between requests, the coldest pages until
 the largest such recent batch fits in free slots, at most MAX_FRACTION of the tier. Slots
 leased to clients' puts and not yet written count as room: a batch takes them back before it

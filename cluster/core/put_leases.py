@@ -24,7 +24,11 @@ with leased, uncommitted slots loses them to the node (the kernel drops its lock
 
 A lease is spare room, never used room:
 - a lease takes only slots that are free (or that the node's budget grants); it never
-  demotes a stored page, nor evicts one under a namespace's max, to get them;
+  demotes a stored page, nor evicts one under a namespace's max, to get them. A top-up that
+  finds the host tier full is remembered as a batch that found it full: the node's loop
+  then keeps that much room free between requests by demoting the coldest pages to disk
+  (demote_ahead.py), as it does for puts and read-ups, and the client's next top-up (its
+  short retry) takes it. So a steady stream of puts into a full host tier stays leased;
 - a node that needs room (a put, a promotion, a demotion into the tier, another model's
   claim on a chunk) revokes leased slots before it demotes anything (Pool.make_room,
   elastic.release_chunks): highest slot first, since a client writes its lowest first.
@@ -46,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.core.elastic import namespace_room_pages, within_namespace_max
-from cluster.core.geometry import PageGeometry
+from cluster.core.geometry import HOST, PageGeometry
 from cluster.core.keys import PageKey
 from cluster.core.pool_entry import Entry, State
 
@@ -87,6 +91,12 @@ class LeasedSlots:
             if slot is None:  # no chunk is grown (faulted in) on the call's path for a
                 break         # lease: the node readies chunks ahead (NodeStore.grow_ahead)
             leased.append((level, slot))
+        if level == HOST and len(leased) < count:
+            # A full host tier: no page is demoted for a lease here, but the shortfall is a
+            # batch that found the tier full, so the node's loop keeps that much room free
+            # by demoting ahead (demote_ahead.py), and the client's retry finds it. Without
+            # this every put into a full tier reserved and made its room on its own path.
+            self.host_peak.note(count, time.monotonic())
         return leased
 
     def revoke_leased(self, tier: int, count: int) -> int:

@@ -131,3 +131,32 @@ def test_slots_leased_to_puts_count_as_room(harness):
     assert run(pool.demote_ahead()) == 0
     pool.lease_counter = lambda _pool, _tier: 1
     assert run(pool.demote_ahead()) == 1
+
+
+def test_a_lease_top_up_that_finds_the_host_full_gets_room_kept_for_it(harness):
+    """A lease never demotes a page on its call's path, but its shortfall is a batch that
+    found the tier full: the node's loop then keeps that room free, and the next top-up gets
+    it. Before, a full host tier leased nothing again, and every put reserved (two calls,
+    its room made on its own path)."""
+    pool = harness.make(device_pages=0, host_pages=8, disk_pages=16, eviction="lru")
+    run(put_each(pool, range(8)))  # full, each put fit: no headroom learned
+    assert pool.headroom_pages() == 0
+    assert pool.lease_free(HOST, 2) == []  # nothing demoted for it on this path
+    assert tiers(pool)["disk"] == []
+    assert pool.headroom_pages() == 2
+    assert run(pool.demote_ahead()) == 2  # between requests: the two coldest
+    assert tiers(pool)["disk"] == [0, 1]
+    leased = pool.lease_free(HOST, 2)
+    assert len(leased) == 2 and all(tier == HOST for tier, _ in leased)
+    stored = {e.slot for e in pool.index.values() if e.tier == HOST}
+    assert not stored & {slot for _, slot in leased}  # free slots, no stored page's
+    pool.release_leased(sorted(leased))
+    assert_slots_consistent(pool)
+
+
+def test_without_a_disk_tier_a_short_lease_demotes_nothing(harness):
+    pool = harness.make(device_pages=0, host_pages=4, disk_pages=0)
+    run(put_each(pool, range(4)))
+    assert pool.lease_free(HOST, 2) == []
+    assert pool.headroom_pages() == 0 and run(pool.demote_ahead()) == 0
+    assert tiers(pool)["host"] == [0, 1, 2, 3]
