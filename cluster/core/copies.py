@@ -77,10 +77,32 @@ def copy_pages(pairs: list[Pair]) -> None:
         for dst, src in arrays:
             np.copyto(dst, src)
         return
-    if len(arrays) < 2 * COPY_THREADS:  # a few large blocks (runs of pages): cut each up
-        arrays = [piece for dst, src in arrays for piece in _split(dst, src, COPY_THREADS)]
-    shares = [arrays[i::COPY_THREADS] for i in range(COPY_THREADS)]
-    list(_executor().map(_copy_share, shares))
+    list(_executor().map(_copy_share, _balanced_shares(arrays, COPY_THREADS)))
+
+
+def _balanced_shares(arrays: list[tuple[np.ndarray, np.ndarray]],
+                     num_threads: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """The pairs dealt to `num_threads` threads so that each copies about as many bytes:
+    every block larger than an even share is cut by its layers first, then the pieces go,
+    largest first, to the thread with the least so far. Dealt in turn instead, uneven runs
+    of slots (a put into a full tier's scattered free slots: runs of 8, 1, 4, 2 and 1 pages)
+    left one thread with most of the bytes: 17.7 GB/s against 23.2 for one run, here."""
+    even_bytes = sum(src.nbytes for _, src in arrays) / num_threads
+    if len(arrays) >= 8 * num_threads and max(src.nbytes for _, src in arrays) <= even_bytes / 4:
+        return [arrays[i::num_threads] for i in range(num_threads)]  # many small: even in turn
+    pieces = []
+    for dst, src in arrays:
+        if src.nbytes > even_bytes / 2:
+            pieces.extend(_split(dst, src, -(-num_threads * src.nbytes // int(even_bytes))))
+        else:
+            pieces.append((dst, src))
+    shares: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(num_threads)]
+    loads = [0] * num_threads
+    for dst, src in sorted(pieces, key=lambda pair: -pair[1].nbytes):
+        least = loads.index(min(loads))
+        shares[least].append((dst, src))
+        loads[least] += src.nbytes
+    return shares
 
 
 def _split(dst: np.ndarray, src: np.ndarray, num_pieces: int) -> list[tuple]:
