@@ -24,6 +24,21 @@ def test_tiers_plans_whole_token_pages_and_a_host_tier_for_every_put():
     assert disk_slots >= (plan.num_e2e_gets + 1 + plan.disk_rounds * tiers.E2E_REPS) * 16
 
 
+def test_tiers_full_puts_fill_a_small_host_tier_over_a_disk_that_takes_every_batch():
+    from cluster.tools.bench import tiers_full
+
+    plan = tiers.plan_for(4, False, "/tmp")
+    config = tiers_full.full_config(plan)
+    assert config.host_bytes == tiers_full.FULL_HOST_BATCHES * plan.batch_bytes
+    assert tiers_full.FILL_PUTS > tiers_full.FULL_HOST_BATCHES  # full before any timed put
+    assert config.demote_ahead and config.device_bytes == 0  # the node's defaults
+    disk_slots = config.disk_bytes // (tiers.DISK_HEADER_BYTES + plan.page_bytes)
+    puts = tiers_full.FILL_PUTS + plan.rounds * tiers_full.FULL_PUTS
+    assert disk_slots >= puts * plan.num_pages  # nothing is dropped: every put can go down
+    assert config.disk_dir != tiers._service_config(plan).disk_dir
+    assert tiers.GOALS["host_put_full_vs_memcpy"] == tiers.GOALS["host_put_vs_memcpy"]
+
+
 def _tiers_rounds() -> dict[str, list[float]]:
     rounds = {name: [1.0, 1.0, 1.0] for pair in tiers.RATIOS.values() for name in pair}
     rounds.update(get=[3.0, 4.0, 2.0], memcpy_get=[6.0, 4.0, 4.0], redis_get=[0.5, 1.0, 0.1])

@@ -24,6 +24,12 @@ QUICK_BATCH_BYTES) moves through every contender, each run once a round in rotat
     ray_get      another worker ray.gets the driver's ray.put pages, copies them out with
                  copies.copy_pages (peer); both peers fill a KV tensor laid out as `out`
 
+Puts into a full host tier (tiers_full.py): full_put, a fresh batch put every PACE_S into a
+host tier that is full, with a disk tier below and demotion ahead of need on (a serving node's
+steady state, once its memory first fills), against memcpy_put_full (the memcpy limit again,
+one copy every PACE_S, paired in the same rounds); host_puts.full_put_leased_share: the share of those puts' pages
+that went leased.
+
 Disk contenders (disk.py), likewise in rotating rounds: fio O_DIRECT psync, bs = page, numjobs
 = disk_threads, against DiskArena.write_pages / read_pages on as many threads, volatile and
 durable; and the service end to end once its host tier is full: e2e_put, a put that demotes a
@@ -53,6 +59,7 @@ from cluster.core.copies import COPY_THREADS
 from cluster.tools.bench import common, disk, harness, peers
 
 # The benchmark's parts, by module; re-exported: `tiers` is the benchmark's one entry point.
+from cluster.tools.bench.tiers_full import measure_full_puts
 from cluster.tools.bench.tiers_host import (  # noqa: F401
     cold_get_gbps,
     get_gbps,
@@ -95,6 +102,7 @@ OBJECT_STORE_BYTES = 768 * MiB
 GOALS = {
     "host_get_vs_memcpy": {"min": 0.9},
     "host_put_vs_memcpy": {"min": 0.8},
+    "host_put_full_vs_memcpy": {"min": 0.8},  # the same goal, once the tier is full
     "disk_read_vs_raw": {"min": 0.9},  # the hot-path issue's goal (the benchmarks issue had 0.85)
     "disk_write_vs_raw": {"min": 0.9},
     "durable_write_vs_raw": {"min": 0.85},
@@ -104,6 +112,7 @@ GOALS = {
 RATIOS = {  # name -> (raykv's figure, the baseline's), both GB/s, paired per round
     "host_get_vs_memcpy": ("get", "memcpy_get"),
     "host_put_vs_memcpy": ("put", "memcpy_put"),
+    "host_put_full_vs_memcpy": ("full_put", "memcpy_put_full"),
     "host_get_cold_vs_memcpy": ("cold_get", "memcpy_get"),
     "host_get_vs_redis": ("get", "redis_get"),
     "host_get_vs_ray": ("get", "ray_get"),
@@ -153,11 +162,17 @@ def measure_size(plan: SizePlan, redis_url: str, step: Callable[[str], None]) ->
     rounds.update(disk.measure_disk(plan.disk_dir, plan.page_bytes, plan.num_pages,
                                     plan.disk_rounds, disk.e2e_contenders(session, E2E_REPS)))
     phases["arena_checksum"] = rounds.pop("arena_checksum_ms")[0]
-    result = size_result(rounds, session.unmet)
-    phases.update({name: plan.batch_bytes / result["gbps"][name] / 1e6
-                   for name in ("get", "cold_get", "memcpy_get", "put", "memcpy_put")})
+    unmet = session.unmet
     del session
     common.stop_service()
+    step("host: puts into a full tier")
+    full_rounds, leased["full_put_leased_share"], full_unmet = measure_full_puts(plan)
+    common.stop_service()
+    rounds.update(full_rounds)
+    result = size_result(rounds, {**unmet, **full_unmet})
+    phases.update({name: plan.batch_bytes / result["gbps"][name] / 1e6
+                   for name in ("get", "cold_get", "memcpy_get", "put", "memcpy_put",
+                                "full_put", "memcpy_put_full")})
     return {"page_tokens": plan.page_tokens, "pages_per_batch": plan.num_pages,
             "phases_ms": phases, "host_puts": leased, **result}
 
@@ -169,7 +184,7 @@ def measure_sizes(plans: list[SizePlan]) -> dict[str, dict]:
 
     per_size: dict[str, dict] = {}
     with RedisServer() as redis_server, Progress() as progress:
-        steps = common.Steps(progress, "tiers", 3 * len(plans))
+        steps = common.Steps(progress, "tiers", 4 * len(plans))
         for plan in plans:
             name = f"{plan.page_bytes // MiB}MiB"
             per_size[name] = measure_size(plan, redis_server.url, steps)
@@ -206,6 +221,11 @@ NOTES = [
     "e2e: the service with its host tier full: each e2e_put demotes a batch, each e2e_get reads "
     "a batch up from disk and demotes another (twice the bytes); required: the node's "
     "disk_bytes_written/read grew by a batch per step",
+    "full_put: a service of its own with a host tier of FULL_HOST_BATCHES batches over a disk "
+    "tier, demotion ahead on (the default), filled past full; then a fresh batch put every "
+    "PACE_S, the median of FULL_PUTS a round, paired with the memcpy limit timed the same way "
+    "(memcpy_put_full: one copy every PACE_S); host_puts.full_put_leased_share: those puts' "
+    "pages that went leased",
     "phases_ms: each step of a get and a put timed alone through the client's own calls "
     "(medians); get, cold_get, put, memcpy_*: a batch's time from the rounds' medians",
     f"kv: {SPEC.name}, bf16, 128 KiB per token; the machine is shared: see machine.loadavg_*",

@@ -14,14 +14,22 @@ from cluster.tools.bench import common, harness, peers
 from cluster.tools.bench.tiers_session import GET_REPS, PUT_REPS, Session, _gbps
 
 
-def memcpy_contenders(session: Session) -> dict[str, Callable[[int], float]]:
-    """The limits: copies.copy_pages (the routine and threads client.get and client.put copy
-    with) into the page slices of the same `out` (get) from the pages in one private buffer,
-    and from the page slices of the same `kv` (put) into another: one block each, as a get or
-    a put copies a run of consecutive slots."""
+def memcpy_pairs(session: Session) -> dict[str, list]:
+    """The limits' copies: into the page slices of the session's `out` (get) from the pages in
+    one private buffer, and from the page slices of its `kv` (put) into another: one block
+    each, as a get or a put copies a run of consecutive slots."""
     plan, kv, out = session.plan, session.kv, session.out
     slices = [page_slices(p, plan.page_tokens) for p in range(plan.num_pages)]
-    sources = [kv[:, :, :, s].contiguous() for s in slices]
+    slab_like = torch.stack([kv[:, :, :, s].contiguous() for s in slices])  # a put's run
+    target = common.touched_like(slab_like)  # a run of reserved slots, for the put
+    return {"memcpy_get": [(page_rows(out, plan.page_tokens), slab_order(slab_like))],
+            "memcpy_put": [(slab_order(target), page_rows(kv, plan.page_tokens))]}
+
+
+def memcpy_contenders(session: Session) -> dict[str, Callable[[int], float]]:
+    """The limits: copies.copy_pages (the routine and threads client.get and client.put copy
+    with) over memcpy_pairs, the median of GET_REPS after one untimed."""
+    plan = session.plan
 
     def memcpy(pairs: list) -> Callable[[int], float]:
         def run(_: int) -> float:
@@ -31,10 +39,7 @@ def memcpy_contenders(session: Session) -> dict[str, Callable[[int], float]]:
             return _gbps(plan, seconds)
         return run
 
-    slab_like = torch.stack(sources)  # the pages as a host slab holds a put's run of slots
-    target = common.touched_like(slab_like)  # a run of reserved slots, for the put
-    return {"memcpy_get": memcpy([(page_rows(out, plan.page_tokens), slab_order(slab_like))]),
-            "memcpy_put": memcpy([(slab_order(target), page_rows(kv, plan.page_tokens))])}
+    return {name: memcpy(pairs) for name, pairs in memcpy_pairs(session).items()}
 
 
 def get_gbps(session: Session) -> float:
