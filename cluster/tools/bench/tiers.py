@@ -27,8 +27,8 @@ QUICK_BATCH_BYTES) moves through every contender, each run once a round in rotat
 Puts into a full host tier (tiers_full.py): full_put, a fresh batch put every PACE_S into a
 host tier that is full, with a disk tier below and demotion ahead of need on (a serving node's
 steady state, once its memory first fills), against memcpy_put_full (the memcpy limit again,
-one copy every PACE_S, paired in the same rounds); host_puts.full_put_leased_share: the share of those puts' pages
-that went leased.
+one copy every PACE_S, paired in the same rounds); host_puts.full_put_leased_share: the share
+of those puts' pages that went leased.
 
 Disk contenders (disk.py), likewise in rotating rounds: fio O_DIRECT psync, bs = page, numjobs
 = disk_threads, against DiskArena.write_pages / read_pages on as many threads, volatile and
