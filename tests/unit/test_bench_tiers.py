@@ -69,9 +69,14 @@ class _FakeSession:
                       "pages": {"disk": disk_pages}}
         self.unmet: dict[str, str] = {}
         self.got: list[int] = []
+        self.room = 0  # batches the host tier still holds before a put demotes
 
     def node_stat(self, name):
         return self.stats[name]
+
+    def host_room_batches(self):
+        return self.room
+
 
     def put_batch(self):
         if self.demotes:
@@ -105,3 +110,20 @@ def test_fill_host_puts_until_enough_batches_are_on_disk_and_gives_up_otherwise(
     assert disk.fill_host(session, 3)
     assert session.stats["pages"]["disk"] == 3 * session.plan.num_pages
     assert not disk.fill_host(_FakeSession(demotes=False, reads_disk=True), 3)
+
+
+def test_fill_host_first_fills_the_room_the_host_tier_has_left():
+    """--quick's 32 MiB batches leave the host tier 9 batches of room when the fill starts:
+    a bound of the wanted batches and 5 stopped before any went down (its e2e ratios were
+    then not exercised, and the run failed)."""
+    class Roomy(_FakeSession):
+        def put_batch(self):
+            if self.room:
+                self.room -= 1  # lands in free host room: nothing goes down yet
+            else:
+                super().put_batch()
+
+    session = Roomy(demotes=True, reads_disk=True)
+    session.room = 9
+    assert disk.fill_host(session, 7)
+    assert session.stats["pages"]["disk"] == 7 * session.plan.num_pages

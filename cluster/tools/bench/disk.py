@@ -160,9 +160,10 @@ def measure_disk(disk_dir: str, page_bytes: int, num_pages: int, num_rounds: int
 def fill_host(session, num_batches: int) -> bool:
     """Put fresh batches until the disk tier holds num_batches batches: the host tier is then
     full, and each put demotes its least recently used batch (1, 2, ...: tiers reads batch 0
-    all along). False if a bounded number of puts did not get there."""
+    all along). False if a bounded number of puts did not get there: the batches the host
+    tier still has room for, then one batch down a put, and a few spare."""
     wanted_pages = num_batches * session.plan.num_pages
-    for _ in range(num_batches + 5):  # the host tier's spare batch, then a batch down a put
+    for _ in range(session.host_room_batches() + num_batches + 5):
         if session.node_stat("pages")["disk"] >= wanted_pages:
             return True
         session.put_batch()

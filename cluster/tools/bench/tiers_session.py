@@ -119,6 +119,12 @@ class Session:
         if stored != self.plan.batch_tokens:
             raise RuntimeError(f"put stored {stored} of {self.plan.batch_tokens} tokens")
 
+    def host_room_batches(self) -> int:
+        """Batches the host tier holds beyond those put so far (its size, host_batches(plan),
+        counts every batch the run puts and the lease's room; --quick's smaller batches make
+        that room more batches)."""
+        return max(0, host_batches(self.plan) - self.num_batches)
+
     def put_settled(self) -> None:
         """put_batch, then wait for its background commit (and lease top-up) to answer."""
         self.put_batch()
