@@ -83,6 +83,11 @@ class DemoteAhead:
         if num_pages > spare and num_pages > spare + self.num_leased(HOST):
             self.host_peak.note(num_pages, time.monotonic())
 
+    def note_short_lease(self, num_pages: int) -> None:
+        """A lease top-up for puts asked `num_pages` host slots and found too few free: a
+        batch that found the tier full, remembered as one (put_leases.lease_free)."""
+        self.host_peak.note(num_pages, time.monotonic())
+
     async def demote_ahead(self) -> int:
         """Demote the host tier's coldest unpinned pages to disk until the headroom is free
         (the node's loop, between requests); returns how many were demoted."""

@@ -92,11 +92,10 @@ class LeasedSlots:
                 break         # lease: the node readies chunks ahead (NodeStore.grow_ahead)
             leased.append((level, slot))
         if level == HOST and len(leased) < count:
-            # A full host tier: no page is demoted for a lease here, but the shortfall is a
-            # batch that found the tier full, so the node's loop keeps that much room free
-            # by demoting ahead (demote_ahead.py), and the client's retry finds it. Without
-            # this every put into a full tier reserved and made its room on its own path.
-            self.host_peak.note(count, time.monotonic())
+            # No page is demoted for a lease here; the node's loop keeps the room instead,
+            # and the client's retry finds it. Without this every put into a full host tier
+            # reserved and made its room on its own path.
+            self.note_short_lease(count)
         return leased
 
     def revoke_leased(self, tier: int, count: int) -> int:

@@ -133,9 +133,10 @@ class Engine:
         engine's model (a benchmark's reference prefill) keep its torch work on one thread."""
         return self._compute.submit(function, *args).result()
 
-    async def _computed(self, function, *args):
-        """`function(*args)` on the compute thread, awaited."""
-        return await asyncio.get_running_loop().run_in_executor(self._compute, function, *args)
+    def _computed(self, function, *args) -> asyncio.Future:
+        """`function(*args)` queued on the compute thread now; await the future for its
+        result (queued at the call, not at the await: see _store)."""
+        return asyncio.get_running_loop().run_in_executor(self._compute, function, *args)
 
     async def _computed_timed(self, function, *args) -> tuple[float, object]:
         """(seconds it ran, its result): timed on the compute thread, not counting the wait
@@ -238,9 +239,8 @@ class Engine:
         runs before this request's next decode step: queued from the task instead, it waited
         behind the decode steps, and the put began only as the response ended."""
         views = prefix_views(cache, len(tokens))  # the cache may grow meanwhile: see there
-        loop = asyncio.get_running_loop()
-        stacked = loop.run_in_executor(self._compute, stack_views, views)
-        task = loop.create_task(self._put(client, tokens, stacked))
+        stacked = self._computed(stack_views, views)
+        task = asyncio.get_running_loop().create_task(self._put(client, tokens, stacked))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task

@@ -57,10 +57,10 @@ def full_config(plan: SizePlan) -> CacheConfig:
                                              f"service-full-{plan.page_bytes >> 20}"))
 
 
-def paced_put_s(session: Session) -> float:
-    """Wait PACE_S, then put a fresh batch; its seconds."""
+def paced_s(run: Callable[[], object]) -> float:
+    """Wait PACE_S, then run(); its seconds."""
     time.sleep(PACE_S)
-    return common.timed(session.put_batch)[0]
+    return common.timed(run)[0]
 
 
 def measure_full_puts(plan: SizePlan) -> tuple[dict[str, list[float]], float, dict[str, str]]:
@@ -70,22 +70,16 @@ def measure_full_puts(plan: SizePlan) -> tuple[dict[str, list[float]], float, di
     kv = common.page_kv(SPEC, plan.page_tokens, plan.num_pages)
     session = Session(plan, client, kv, common.touched_like(kv))
     for _ in range(FILL_PUTS):
-        paced_put_s(session)
+        paced_s(session.put_batch)
     leased, first = session.node_stat("leased_pages"), session.num_batches
     pairs = memcpy_pairs(session)["memcpy_put"]
 
-    def paced_memcpy_s() -> float:
-        time.sleep(PACE_S)
-        return common.timed(lambda: copy_pages(pairs))[0]
+    def paced(run: Callable[[], object]) -> Callable[[int], float]:
+        return lambda _: _gbps(plan, statistics.median(paced_s(run) for _ in range(FULL_PUTS)))
 
-    contenders: dict[str, Callable[[int], float]] = {
-        "memcpy_put_full": lambda _: _gbps(plan, statistics.median(
-            paced_memcpy_s() for _ in range(FULL_PUTS))),
-        "full_put": lambda _: _gbps(plan, statistics.median(
-            paced_put_s(session) for _ in range(FULL_PUTS)))}
-    rounds = harness.interleave(contenders, plan.rounds)
-    if not client.puts.settle(client.timeout_s):
-        raise RuntimeError("a put's commit was not answered in time")
+    rounds = harness.interleave({"memcpy_put_full": paced(lambda: copy_pages(pairs)),
+                                 "full_put": paced(session.put_batch)}, plan.rounds)
+    session.settle()
     timed_pages = (session.num_batches - first) * plan.num_pages
     leased_share = (session.node_stat("leased_pages") - leased) / timed_pages
     session.check_batch(session.num_batches - 1)

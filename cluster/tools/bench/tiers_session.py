@@ -128,6 +128,10 @@ class Session:
     def put_settled(self) -> None:
         """put_batch, then wait for its background commit (and lease top-up) to answer."""
         self.put_batch()
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait for the client's leased puts' commits to be answered; raise if they are not."""
         if not self.client.puts.settle(self.client.timeout_s):
             raise RuntimeError("a put's commit was not answered in time")
 
