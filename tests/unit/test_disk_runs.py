@@ -107,3 +107,18 @@ def test_a_failing_write_of_a_run_raises(disk_dir):  # noqa: F811
         with pytest.raises(OSError):
             arena.write_pages(items)
         assert arena.bytes_written == 0
+
+
+def test_a_write_answers_in_the_items_order_whatever_order_the_slots_are_in(disk_dir):  # noqa: F811
+    # The runs go in slot order, and a page that cannot join (a short one) goes on its own:
+    # each meta must still be its own item's, as the pool zips them with its entries.
+    with DiskArena(disk_dir, 16 * SLOT_BYTES, PAYLOAD_BYTES, num_threads=2) as arena:
+        short = aligned_empty(100)
+        short[:] = 7
+        items = [(slot, bytes([index]) * 16, 0, _payload(index) if slot != 2 else short)
+                 for index, slot in enumerate([9, 3, 4, 2, 0, 8])]
+        metas = arena.write_pages(items,
+                                  checksums=[1000 + index for index in range(len(items))])
+        assert [meta.key for meta in metas] == [key for _, key, _, _ in items]
+        assert [meta.checksum for meta in metas] == [1000 + index for index in range(6)]
+        assert [meta.payload_bytes for meta in metas] == [p.nbytes for *_, p in items]

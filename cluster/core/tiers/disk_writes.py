@@ -39,7 +39,8 @@ class DiskWrites:
                     namespaces: list[str] | None = None,
                     checksums: list[int | None] | None = None) -> list[DiskPageMeta]:
         """Write (slot, key, codec, payload) pages, each item's namespace in its header ("" when
-        `namespaces` is None); all are validated before any is written. In durable mode the
+        `namespaces` is None); all are validated before any is written. Returns each item's
+        DiskPageMeta, in the items' order (whatever order their slots are in). In durable mode the
         slab files written are fdatasynced before this returns.
 
         `checksums[i]`, where not None, is item i's payload checksum as its owner computed it
@@ -65,9 +66,12 @@ class DiskWrites:
                 in zip(items, namespaces, checksums, strict=True)]
         runs = self._plan([slot for slot, *_ in items],
                           [self._writes_whole_span(payload) for *_, payload in items])
-        results = [result for run in self._run(self._write_run, [([full[p] for p in run],)
-                                                                 for run in runs])
-                   for result in run]
+        # The runs go in slot order; the metas come back in the items' order.
+        results: list = [None] * len(items)
+        for run, run_results in zip(runs, self._run(self._write_run, [
+                ([full[p] for p in run],) for run in runs]), strict=True):
+            for position, result in zip(run, run_results, strict=True):
+                results[position] = result
         self._count(written_bytes=sum(written for _, written in results))
         if items:
             synced = self._sync({self._locate(slot)[0] for slot in seen})
