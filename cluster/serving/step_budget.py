@@ -11,6 +11,12 @@ the step instead costs every request in the step the wait.
 
 So each step may spend on raykv at most what one of its requests' places in it is worth to
 the batch: the measured step time divided by the requests the step carries (`StepBudget`).
+An engine that runs no request (`idle`) holds nobody up by waiting: its lookups are waited
+for whatever their estimate, each at most one step's measured time (and 1 ms). Not
+waiting there cost the request whole steps for nothing, and the engine's empty steps, spun
+while the lookup was out, took the GIL from the lookup thread: a follow-up turn whose prompt
+vLLM held but for its last 48 tokens took 35 ms against 14 without the connector
+(docs/benchmarks.md, vllm).
 The scheduler side waits for a lookup whose measured time fits what is left, and makes a load
 whose estimate fits in the step (vLLM's synchronous load: the worker fills the blocks before
 the forward reads them), bounded by what recomputing its tokens would take, and at least one
@@ -70,6 +76,7 @@ class StepBudget:
     num_steps: int = 0
     num_requests: int = 1  # in the last step handed out
     remaining_s: float = 0.0
+    idle: bool = False  # no request runs in the engine: a wait holds nobody up (module doc)
     save_mode: str = "auto"
     # request id -> the tokens its saves handed the worker in the last step built
     last_saves: dict[str, int] = field(default_factory=dict)
@@ -101,14 +108,24 @@ class StepBudget:
         return self.num_steps > 0 and estimate_s is not None \
             and 0.0 <= estimate_s <= self.remaining_s
 
+    def may_wait_for_lookup(self, estimate_s: float | None) -> bool:
+        """may_wait, and always in an idle engine ("auto"): a lookup waited for there costs
+        no other request anything, and it is bounded by wait_limit_s. (A load is not: an
+        engine that has timed nothing yet would bound it by 1 ms, and miss it.)"""
+        if self.mode == "auto" and self.idle:
+            return True
+        return self.may_wait(estimate_s)
+
     def spend(self, seconds: float) -> None:
         """Charge a wait to this step's budget."""
         self.remaining_s = max(0.0, self.remaining_s - max(0.0, seconds))
 
     def wait_limit_s(self, call_timeout_s: float) -> float:
         """How long a lookup judged to fit may be waited for: what is left of the budget
-        ("sync": the call timeout)."""
-        return call_timeout_s if self.mode == "sync" else self.remaining_s
+        ("sync": the call timeout; an idle engine: one step's measured time, and 1 ms)."""
+        if self.mode == "sync":
+            return call_timeout_s
+        return settle_bound_s(self.step_s, 0.0) if self.idle else self.remaining_s
 
     def sync_deadline_s(self, call_timeout_s: float, recompute_s: float = 0.0) -> float:
         """The bound on a load made in the step ("sync": the call timeout): what recomputing

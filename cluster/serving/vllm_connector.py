@@ -163,6 +163,7 @@ class RaykvConnector(KVConnectorBase_V1):
         self._budget = StepBudget(settings.load_mode, save_mode=settings.save_mode)
         self._sync_loads: dict[str, float] = {}  # id -> deadline of its load in the step
         self.num_sync_loads = 0
+        self._live: set[str] = set()  # requests scheduled and not finished (the idle budget)
         self.why_off = unsupported_groups(kv_cache_config)
         try:
             spec = None if self.why_off else spec_of(vllm_config, settings.model_name)
@@ -185,6 +186,7 @@ class RaykvConnector(KVConnectorBase_V1):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.why_off:
             return 0, False
+        self._budget.idle = not self._live  # nothing runs: waiting on raykv holds nobody up
         request_id, planner = request.request_id, self._planner
         if planner is not None and request_id in planner.hits:  # asked again: no new lookup
             return self._load_mode(request_id, planner.rematched(
@@ -226,6 +228,7 @@ class RaykvConnector(KVConnectorBase_V1):
                                     sync_timeout_s)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._live.update(r.req_id for r in scheduler_output.scheduled_new_reqs)
         if self._planner is None:
             return RaykvMetadata()
         self._scheduled(scheduler_output)
@@ -291,6 +294,7 @@ class RaykvConnector(KVConnectorBase_V1):
         if self._gate is not None:
             self._gate.forget(request.request_id)
         self._sync_loads.pop(request.request_id, None)
+        self._live.discard(request.request_id)
         # Saves copy the blocks out in their step, and vLLM keeps a loading request's blocks
         # until the worker reports the load: free them now. A decode needs no blocks held
         # either: it loads the pages from raykv.

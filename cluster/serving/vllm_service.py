@@ -252,7 +252,7 @@ class Lookups:
             self._pending[request_id] = (future, time.monotonic() + self._link.call_timeout_s())
             pending = self._pending[request_id]
         future, deadline_s = pending
-        if not future.done() and budget is not None and budget.may_wait(self.lookup_s):
+        if not future.done() and budget is not None and budget.may_wait_for_lookup(self.lookup_s):
             self._wait(future, budget, deadline_s)
         if not future.done():
             if time.monotonic() < deadline_s:

@@ -55,6 +55,25 @@ def test_a_load_in_the_step_is_bounded_by_its_recompute_or_one_step_or_the_call_
     assert timed(0.040, mode="sync").wait_limit_s(5.0) == 5.0
 
 
+def test_an_engine_that_runs_nothing_waits_for_a_lookup_whatever_its_estimate_one_step_at_most():
+    budget = timed(0.040, 4)
+    budget.spend(0.010)
+    assert not budget.may_wait(0.500) and not budget.may_wait(None)
+    budget.idle = True  # nothing runs: a lookup waited for holds up no other request
+    assert budget.may_wait_for_lookup(0.500) and budget.may_wait_for_lookup(None)
+    assert budget.wait_limit_s(5.0) == pytest.approx(0.040)  # one step, not the budget left
+    assert not budget.may_wait(0.500)  # a load still goes by its estimate against the budget
+    never_timed = StepBudget()
+    never_timed.idle = True
+    assert never_timed.may_wait_for_lookup(None)
+    assert never_timed.wait_limit_s(5.0) == pytest.approx(1e-3)
+    for mode, waits in (("async", False), ("sync", True)):
+        fixed = timed(0.040, 4, mode)
+        fixed.idle = True
+        assert fixed.may_wait_for_lookup(0.5) is waits
+    assert timed(0.040, 4, "sync").wait_limit_s(5.0) == 5.0
+
+
 @pytest.mark.parametrize("mode, waits", [("async", False), ("sync", True)])
 def test_the_fixed_modes_ignore_the_budget(mode, waits):
     never_timed = StepBudget(mode)

@@ -215,6 +215,20 @@ def test_lookups_answer_none_while_in_flight(engine):
     assert asked is not None and after > asked
 
 
+def test_an_engine_that_runs_nothing_waits_for_its_lookup_in_the_step(engine):
+    """raykv.load_mode "auto": a request that arrives at an engine running nothing has its
+    lookup waited for in the step, even one measured far slower than the step's budget (the
+    lookup time is set to 10 s before each): waiting holds up no other request, and not
+    waiting cost it whole steps. Bounded by one step's measured time, so at least two of
+    three fresh prompts land theirs in the step that asked."""
+    waited_before = ray.get(engine.scheduler_connector.remote("_lookups.num_waited_answers"))
+    for seed in (31, 32, 33):
+        ray.get(engine.set_scheduler_connector.remote("_lookups.lookup_s", 10.0))
+        generate(engine, prompt_tokens(300, seed=seed))
+    waited = ray.get(engine.scheduler_connector.remote("_lookups.num_waited_answers"))
+    assert waited - waited_before >= 2
+
+
 def test_a_load_made_in_the_step_gives_the_tokens_computed_and_a_failed_one_recomputes(
         engine):
     """raykv.load_mode "sync": the lookup is waited for and the hit loaded in the step
