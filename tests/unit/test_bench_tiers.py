@@ -77,7 +77,6 @@ class _FakeSession:
     def host_room_batches(self):
         return self.room
 
-
     def put_batch(self):
         if self.demotes:
             self.stats["disk_bytes_written"] += self.plan.batch_bytes + 4096

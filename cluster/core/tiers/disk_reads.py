@@ -24,7 +24,7 @@ logger = logging.getLogger("cluster.core.tiers.disk")
 
 class DiskReads:
     """DiskArena's reads. Uses the arena's geometry (slot_payload_bytes, _span_bytes), buffer
-    pools (_small, _staging), _locate, _check_slot, _plan, _run, _count and faults."""
+    pools (_small, _staging), _locate, _check_slot, _plan, _run_in_place, _count and faults."""
 
     def read_pages(self, slots: list[int], outs: list[np.ndarray]) -> list[DiskPageMeta | None]:
         """Fill outs[i][:payload_bytes] with slot i's payload; None for a bad or corrupt page.
@@ -42,11 +42,8 @@ class DiskReads:
             if not out.flags.writeable:
                 raise ValueError("out must be writeable")
         runs = self._plan(slots, [self._reads_whole_span(out) for out in outs])
-        results: list = [None] * len(slots)
-        for run, run_results in zip(runs, self._run(self._read_run, [
-                ([slots[p] for p in run], [outs[p] for p in run]) for run in runs]), strict=True):
-            for position, result in zip(run, run_results, strict=True):
-                results[position] = result
+        results = self._run_in_place(self._read_run, runs, lambda run: (
+            [slots[p] for p in run], [outs[p] for p in run]))
         self._count(read_bytes=sum(read for _, read in results))
         return [meta for meta, _ in results]
 

@@ -19,6 +19,7 @@ in the file between one page and the next header), and only 4096-aligned buffers
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -75,6 +76,18 @@ class DiskRuns:
     def _plan(self, slots: list[int], joins: list[bool]) -> list[list[int]]:
         return plan_runs(slots, joins, self.slots_per_file, self.num_threads,
                          self._max_run_slots())
+
+    def _run_in_place(self, run_one: Callable, runs: list[list[int]],
+                      args_of: Callable[[list[int]], tuple]) -> list:
+        """run_one(*args_of(run)) for each run of positions, across the arena's threads; each
+        run's results put back at its positions (the runs go in slot order, a batch's
+        answers in its items' order)."""
+        results: list = [None] * sum(len(run) for run in runs)
+        for run, run_results in zip(runs, self._run(run_one, [args_of(run) for run in runs]),
+                                    strict=True):
+            for position, result in zip(run, run_results, strict=True):
+                results[position] = result
+        return results
 
     def _reads_whole_span(self, out: np.ndarray) -> bool:
         """True when reading into `out` covers its slot's whole payload span, in place."""

@@ -32,8 +32,8 @@ logger = logging.getLogger("cluster.core.tiers.disk")
 
 class DiskWrites:
     """DiskArena's writes. Uses the arena's geometry (slot_payload_bytes), buffer pools
-    (_small, _staging), lock, _locate, _check_slot, _plan, _run, _count, _sync, free and
-    faults."""
+    (_small, _staging), lock, _locate, _check_slot, _plan, _run_in_place, _count, _sync, free
+    and faults."""
 
     def write_pages(self, items: list[tuple[int, bytes, int, np.ndarray]],
                     namespaces: list[str] | None = None,
@@ -66,12 +66,8 @@ class DiskWrites:
                 in zip(items, namespaces, checksums, strict=True)]
         runs = self._plan([slot for slot, *_ in items],
                           [self._writes_whole_span(payload) for *_, payload in items])
-        # The runs go in slot order; the metas come back in the items' order.
-        results: list = [None] * len(items)
-        for run, run_results in zip(runs, self._run(self._write_run, [
-                ([full[p] for p in run],) for run in runs]), strict=True):
-            for position, result in zip(run, run_results, strict=True):
-                results[position] = result
+        results = self._run_in_place(self._write_run, runs,
+                                     lambda run: ([full[p] for p in run],))
         self._count(written_bytes=sum(written for _, written in results))
         if items:
             synced = self._sync({self._locate(slot)[0] for slot in seen})
