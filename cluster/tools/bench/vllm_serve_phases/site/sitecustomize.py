@@ -129,9 +129,9 @@ def _patch_service(module):
     cls = module.Lookups
     poll, lookup = cls.poll, cls._lookup
 
-    def poll_(self, request_id, tokens, salt_of):
+    def poll_(self, request_id, tokens, salt_of, *rest):  # rest: the step's budget
         before = request_id in self._pending
-        out = poll(self, request_id, tokens, salt_of)
+        out = poll(self, request_id, tokens, salt_of, *rest)
         pending = self._pending.get(request_id)
         if not before and pending is not None:
             submitted = time.time()
