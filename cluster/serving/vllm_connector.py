@@ -58,7 +58,6 @@ connector sets kv_load_failure_policy to "recompute": a cache miss must never fa
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,24 +70,15 @@ from vllm.logger import init_logger
 
 from cluster.serving.engine_rates import EngineMeter, RatesFile, Step
 from cluster.serving.step_budget import StepBudget
-from cluster.serving.vllm_checks import probe_layout, unsupported_groups
+from cluster.serving.vllm_checks import unsupported_groups
 from cluster.serving.vllm_handoff import DecodeGate
 from cluster.serving.vllm_io import KVMover
 from cluster.serving.vllm_keys import is_plain, request_salt
-from cluster.serving.vllm_layout import (
-    BlockLayout,
-    CacheFormat,
-    LayoutError,
-    blocks_of,
-    describe_worker,
-    spec_mismatch,
-)
+from cluster.serving.vllm_layout import BlockLayout
 from cluster.serving.vllm_plan import (
     Handoff,
-    LoadSpec,
     NewRequest,
     RunningRequest,
-    SaveSpec,
     StepPlanner,
     asked_tokens,
     fetch_limit,
@@ -108,10 +98,10 @@ from cluster.serving.vllm_service import (
     spec_of,
 )
 from cluster.serving.vllm_stats import IN_STEP, LOADS, RaykvLoadStats
+from cluster.serving.vllm_worker_side import RaykvMetadata, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -123,21 +113,9 @@ HANDOFF_RETRY_S = 0.02
 RATES_WRITE_S = 1.0  # how often the scheduler side rewrites its rates file (at most)
 
 
-@dataclass
-class RaykvMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once a step: what to load in the background, what to save."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-    # How long the worker waits for saves (StepBudget.save_waits; None: not at all): for those
-    # handed over in steps before (in start_load_kv), and for the step's own (wait_for_save).
-    # Both run before the step's outputs.
-    settle_before_s: float | None = None
-    settle_after_s: float | None = None
-
-
-class RaykvConnector(KVConnectorBase_V1):
-    """vLLM KV connector backed by raykv; see the module docstring."""
+class RaykvConnector(WorkerSide, KVConnectorBase_V1):
+    """vLLM KV connector backed by raykv; see the module docstring. Its worker side is
+    vllm_worker_side.WorkerSide."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None):
@@ -386,101 +364,7 @@ class RaykvConnector(KVConnectorBase_V1):
         if self._rates is not None:
             self._rates.changed()
 
-    # ---- worker side ---------------------------------------------------------------------
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Describe this worker's caches by their strides (any KVCacheLayout member, CPU or
-        CUDA); caches raykv cannot move turn the connector off for this worker, with one log
-        line, and the engine runs on without it."""
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        if self._link is None:  # off (see why_off): never writes
-            return
-        config, spec = self._vllm_config, self._link.spec  # KVConnectorBase_V1 keeps the config
-        cache_format = CacheFormat(str(config.cache_config.cache_dtype),
-                                   config.model_config.get_head_size(),
-                                   bool(config.model_config.use_mla))
-        try:
-            # In layer order, whatever the dict's order: page layer i is the model's layer i.
-            names = sorted(kv_caches, key=extract_layer_index)
-            backends = {backend.get_name() for backend in get_current_attn_backends(config, names)}
-            view = describe_worker([kv_caches[name] for name in names], cache_format, backends,
-                                   probe_layout)
-            why = spec_mismatch(view.layout, spec.page_shape(self._block_size),
-                                spec.dtype_bytes)
-        except LayoutError as error:
-            view, why = None, str(error)
-        except Exception as error:  # whatever it is, the engine runs on without raykv
-            view, why = None, f"{type(error).__name__}: {error}"
-        if why:
-            log.error("raykv connector off for this worker: %s", why)
-            self._layers, self._layout = [], None
-            return
-        self._layers, self._layout = view, view.layout
-        log.info("raykv connector: %d layers, %s %s, %d-token blocks, %s on %s",
-                 view.layout.num_layers, view.layout.name, view.layout.interior.value,
-                 view.layout.block_size, view.layout.dtype, view.device)
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if not self.has_connector_metadata():
-            return
-        metadata = self._get_connector_metadata()
-        if not isinstance(metadata, RaykvMetadata):
-            return
-        mover = self._worker_mover()
-        if mover is not None and metadata.settle_before_s is not None:
-            mover.settle_saves(metadata.settle_before_s)  # the last step's, to the directory
-        for spec in metadata.loads:
-            in_step = spec.sync_timeout_s is not None
-            if mover is None:  # no raykv here: a miss of every block, reported at once
-                failed = blocks_of((spec.start, len(spec.token_ids)), spec.block_ids,
-                                   self._block_size)
-                if in_step:
-                    self._failed_blocks |= failed
-                else:
-                    self._unloaded.append((spec.request_id, failed))
-            elif in_step:  # before the forward reads the blocks; vLLM recomputes the misses
-                self._failed_blocks |= mover.load_now(spec)
-            else:
-                mover.start_load(spec)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        # A load in the step finished in start_load_kv; the others finish before vLLM
-        # schedules their request (get_finished).
-        return
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
-        return  # saved whole pages in wait_for_save, once every layer is computed
-
-    def wait_for_save(self) -> None:
-        if not self.has_connector_metadata():
-            return
-        metadata = self._get_connector_metadata()
-        if not isinstance(metadata, RaykvMetadata) or not metadata.saves:
-            return
-        mover = self._worker_mover()
-        if mover is not None:  # no raykv: nothing saved, a future miss
-            for spec in metadata.saves:
-                mover.save(spec)
-            if metadata.settle_after_s is not None:
-                mover.settle_saves(metadata.settle_after_s)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
-                                                                set[str] | None]:
-        """The loads done since the last step; their unfilled blocks go to
-        get_block_ids_with_load_errors, asked right after, in the same step."""
-        done, self._unloaded = self._unloaded, []
-        if self._mover is not None:
-            done += self._mover.finished()
-        for _, failed in done:
-            self._failed_blocks |= failed
-        return None, {request_id for request_id, _ in done} or None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
+    # ---- both sides -----------------------------------------------------------------------
 
     def shutdown(self) -> None:
         if self._rates is not None:
@@ -490,15 +374,6 @@ class RaykvConnector(KVConnectorBase_V1):
         if self._mover is not None:
             self._mover.close()
             log.info("raykv connector: %s", self._mover.stats)
-
-    def _worker_mover(self) -> KVMover | None:
-        """The mover, once raykv answers (never waiting for it: the step goes on)."""
-        if self._mover is None and self._layers and self._link is not None:
-            client = self._link.ready()
-            if client is not None:
-                self._mover = KVMover(client, self._layers, self._layout, self._link.spec,
-                                      flush_saves=self._link.settings.save_mode != "async")
-        return self._mover
 
 
 def _now_s() -> float:

@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from cluster.core.spec import ModelSpec  # noqa: E402
-from cluster.serving import vllm_connector  # noqa: E402
+from cluster.serving import vllm_connector, vllm_worker_side  # noqa: E402
 from cluster.serving.vllm_connector import RaykvConnector  # noqa: E402
 from cluster.serving.vllm_layout import blocks_to_kv, kv_to_blocks  # noqa: E402
 
@@ -206,7 +206,7 @@ class Lines:
 @pytest.mark.parametrize("cache_dtype", ["nvfp4", "turboquant_k8v4"])
 def test_a_cache_it_cannot_move_turns_it_off_with_one_line(monkeypatch, cache_dtype):
     lines = Lines()
-    monkeypatch.setattr(vllm_connector, "log", lines)
+    monkeypatch.setattr(vllm_worker_side, "log", lines)  # the worker side's line
     spec = FullAttentionSpec(block_size=N, num_kv_heads=H, head_size=D, dtype=torch.uint8)
     connector = registered(monkeypatch, FlashAttentionBackend,
                            vllm_caches(KVCacheLayout.LBNHC, spec),
