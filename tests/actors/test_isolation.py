@@ -146,7 +146,12 @@ def test_raykv_listens_only_where_ray_does_and_on_its_page_servers(service):
     service()
     client = connect(TINY)
     client.put(TOKENS, kv_for(TINY, 64, 4))
-    baseline = len(listening(ray.get(Plain.remote().pid.remote())))
+    # The handle is held while its sockets are read: an actor whose last handle is dropped is
+    # torn down at once, and 10 ms later its listener was gone (a baseline of 0 that failed CI).
+    plain = Plain.remote()
+    baseline = len(listening(ray.get(plain.pid.remote())))
+    ray.kill(plain)
+    assert baseline >= 1  # Ray's own worker server
     actors = alive_actors(("NodeCacheActor", "DirectoryShard", "Controller", "ControlLoop"))
     assert {a["class_name"] for a in actors} >= {"NodeCacheActor", "DirectoryShard",
                                                  "Controller"}
