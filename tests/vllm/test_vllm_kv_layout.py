@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from cluster.core.spec import ModelSpec  # noqa: E402
-from cluster.serving import vllm_connector, vllm_worker_side  # noqa: E402
+from cluster.serving import vllm_worker_side  # noqa: E402
 from cluster.serving.vllm_connector import RaykvConnector  # noqa: E402
 from cluster.serving.vllm_layout import blocks_to_kv, kv_to_blocks  # noqa: E402
 
