@@ -16,6 +16,11 @@ its writes: as many syncs per byte written, without the arena's wait for the bat
 write), the limit of durable writes at that block size and queue depth
 (durable_write_vs_raw).
 
+Plain writers of the same pages (rawwrite.py), in the same rounds, take the write's ratio
+apart: raw_hot_write rewrites one page per thread as fio's jobs do, raw_write goes through the
+batch's pages as demotion does; both free-running on as many threads, from the buffers the
+arena writes from.
+
 End to end (e2e_contenders, run in the same rounds): the service with its host tier full, a
 put that demotes a batch to disk and a get that reads one up, each required to have moved a
 batch's bytes through the disk tier (the node's disk_bytes_written / disk_bytes_read)."""
@@ -34,6 +39,7 @@ import numpy as np
 from cluster.core.config import CacheConfig
 from cluster.core.tiers.disk_format import checksum
 from cluster.tools.bench import common, harness, peers
+from cluster.tools.bench.rawwrite import RawWriter
 
 DISK_REPS = 5  # at least this many batches per disk tier measurement
 ARENA_MIN_S = 0.6  # ... and at least this long
@@ -128,7 +134,8 @@ def measure_disk(disk_dir: str, page_bytes: int, num_pages: int, num_rounds: int
     (harness.interleave): fio randwrite and the arena's (volatile) write; fio randwrite with an
     fdatasync every num_pages writes of each job and the arena's durable write (an fdatasync
     per batch of num_pages pages: as many syncs per byte); fio randread and the arena's read;
-    and `extra`'s contenders. Then "arena_checksum_ms" once."""
+    the plain writers of the arena's pages (raw_hot_write, raw_write: rawwrite.py); and
+    `extra`'s contenders. Then "arena_checksum_ms" once."""
     from cluster.core.tiers.disk import DiskArena
 
     threads = CacheConfig().disk_threads  # the service's disk tier runs as many
@@ -143,15 +150,24 @@ def measure_disk(disk_dir: str, page_bytes: int, num_pages: int, num_rounds: int
             raise RuntimeError(f"O_DIRECT does not work in {disk_dir}")
         bench = ArenaBench(arena, page_bytes, num_pages)
         bench.write_batch()  # something for a read that comes first to read
-        rounds = harness.interleave({
-            "fio_write": fio("write"), "arena_write": lambda _: bench.write_gbps(),
-            "fio_durable_write": fio("write", num_pages),
-            "arena_durable_write": lambda _: bench.write_gbps("durable"),
-            "fio_read": fio("read"), "arena_read": lambda _: bench.read_gbps(),
-            **(extra or {})}, num_rounds)
+        with RawWriter(disk_dir, bench.payloads, DISK_FILE_BYTES, threads) as raw:
+            raw.warm()
+            rounds = _interleave_disk(bench, raw, fio, num_pages, num_rounds, extra)
         rounds["arena_checksum_ms"] = [bench.checksum_ms()]
     shutil.rmtree(arena_dir, ignore_errors=True)
     return rounds
+
+
+def _interleave_disk(bench: ArenaBench, raw: RawWriter, fio: Callable, num_pages: int,
+                     num_rounds: int, extra: dict | None) -> dict[str, list[float]]:
+    return harness.interleave({
+        "fio_write": fio("write"), "arena_write": lambda _: bench.write_gbps(),
+        "fio_durable_write": fio("write", num_pages),
+        "arena_durable_write": lambda _: bench.write_gbps("durable"),
+        "fio_read": fio("read"), "arena_read": lambda _: bench.read_gbps(),
+        "raw_hot_write": lambda index: raw.write_gbps(ARENA_MIN_S, hot=True, seed=index),
+        "raw_write": lambda index: raw.write_gbps(ARENA_MIN_S, hot=False, seed=index),
+        **(extra or {})}, num_rounds)
 
 
 # ---- the disk tier end to end, through the service (tiers_session.Session) -----------------

@@ -120,6 +120,11 @@ RATIOS = {  # name -> (raykv's figure, the baseline's), both GB/s, paired per ro
     "disk_write_vs_raw": ("arena_write", "fio_write"),
     "durable_write_vs_raw": ("arena_durable_write", "fio_durable_write"),
     "durable_write_vs_volatile": ("arena_durable_write", "arena_write"),
+    # disk_write_vs_raw taken apart (no goals: rawwrite.py): raykv's own code, then the
+    # source pattern (distinct pages against one rewritten per thread), then Python against fio
+    "disk_write_vs_raw_pages": ("arena_write", "raw_write"),
+    "raw_pages_vs_raw_hot": ("raw_write", "raw_hot_write"),
+    "raw_hot_vs_fio": ("raw_hot_write", "fio_write"),
     "disk_e2e_get_vs_raw_read": ("e2e_get", "fio_read"),
     "disk_e2e_put_vs_raw_write": ("e2e_put", "fio_write"),
 }
@@ -218,6 +223,12 @@ NOTES = [
     "writes it: phases_ms.arena_checksum is that hash's time per batch, off the write) on "
     "disk_threads threads, batches at random slots for >= ARENA_MIN_S, files in /tmp; durable: "
     "the arena fdatasyncs once per batch, fio after every num_pages writes of each job",
+    "raw_hot_write / raw_write: plain os.pwrite of whole pages, O_DIRECT, at random "
+    "page-aligned offsets of a fallocated file in /tmp, disk_threads free-running threads "
+    "for >= ARENA_MIN_S, from the arena's own payload buffers; hot: each thread rewrites "
+    "one page (fio's pattern: a buffer per job), else they go through the batch's pages in "
+    "turn (demotion's: every write a different page); disk_write_vs_raw ~ "
+    "disk_write_vs_raw_pages x raw_pages_vs_raw_hot x raw_hot_vs_fio",
     "e2e: the service with its host tier full: each e2e_put demotes a batch, each e2e_get reads "
     "a batch up from disk and demotes another (twice the bytes); required: the node's "
     "disk_bytes_written/read grew by a batch per step",
