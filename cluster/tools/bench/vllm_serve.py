@@ -58,6 +58,7 @@ from cluster.core.trace_format import read_trace
 from cluster.core.trace_scale import Scale, ScaledRequest, check_distinct
 from cluster.tools.bench import common
 from cluster.tools.bench.harness import Report, interleave
+from cluster.tools.bench.vllm_serve_bound import fill_ttft_bounds
 from cluster.tools.bench.vllm_serve_breakdown import columns, report_fields
 from cluster.tools.bench.vllm_serve_plan import (  # noqa: F401 (the plan's names, as before)
     MODEL,
@@ -75,6 +76,7 @@ from cluster.tools.bench.vllm_serve_trace import (
     distinct_blocks,
     prefix_reuse,
     reusable_blocks,
+    reusable_blocks_per_request,
     round_trace,
 )
 from cluster.tools.redis_server import free_port
@@ -368,6 +370,10 @@ def run_here(json_path: str | None, quick: bool, trace_path: str | None = None,
     _record_rounds(report, run.rounds, order, recompute)
     fill_ratios(report, run.rounds, plan, config["working_set_blocks"], recompute, parts,
                 config["reusable_tokens_bound"])
+    if "main" in parts:
+        fill_ttft_bounds(report, report["requests"],
+                         [[blocks * plan.engine.block_tokens
+                           for blocks in reusable_blocks_per_request(t)] for t in traces])
     return report.finish(json_path)
 
 

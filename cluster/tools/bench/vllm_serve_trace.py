@@ -75,19 +75,27 @@ def round_trace(groups: Sequence[Sequence[BlockRequest]], thinning: Thinning, of
     return scale_trace(round_requests(groups, thinning, offset), scaled)
 
 
-def reusable_blocks(requests: Sequence[ScaledRequest]) -> tuple[int, int]:
-    """(full blocks whose whole prefix an earlier request sent, full blocks sent): what one
-    cache that never evicts would serve, the most any set-up's caches can."""
+def reusable_blocks_per_request(requests: Sequence[ScaledRequest]) -> list[int]:
+    """Per request, in order: its leading full blocks whose whole prefix an earlier request
+    sent (what one cache that never evicts would serve it)."""
     seen: set[tuple[int, ...]] = set()
-    total = hits = 0
+    reusable = []
     for request in requests:
         blocks = request.block_ids[: request.num_full_blocks]
+        hits = 0
         for depth in range(1, len(blocks) + 1):
             key = tuple(blocks[:depth])
             hits += key in seen
             seen.add(key)
-        total += len(blocks)
-    return hits, total
+        reusable.append(hits)
+    return reusable
+
+
+def reusable_blocks(requests: Sequence[ScaledRequest]) -> tuple[int, int]:
+    """(full blocks whose whole prefix an earlier request sent, full blocks sent): what one
+    cache that never evicts would serve, the most any set-up's caches can."""
+    return (sum(reusable_blocks_per_request(requests)),
+            sum(request.num_full_blocks for request in requests))
 
 
 def prefix_reuse(requests: Sequence[ScaledRequest]) -> float:
