@@ -161,18 +161,20 @@ def start(config: CacheConfig | None = None) -> dict:
     return {"nodes": members["members"], "directory": shards}
 
 
-def ensure_running(config: CacheConfig) -> CacheConfig:
-    """The running service's config; the service is started with `config` only when none
-    runs. A service that runs with other settings is adopted as it is (its page size among
-    them), and this says so: what a Serve app builder does, so that the order in which
-    `raykv start` and the app come up never matters."""
-    _ensure_ray(config)
+def ensure_running(config: CacheConfig | None = None) -> CacheConfig:
+    """The running service's config; the service is started with `config` (None: the
+    defaults) only when none runs. A service that runs with other settings than `config` is
+    adopted as it is (its page size among them), and this says so: what a Serve app builder
+    does, so that the order in which `raykv start` and the app come up never matters. With
+    `config` None nothing was asked of the service, so it is adopted with no warning."""
+    wanted = CacheConfig() if config is None else config
+    _ensure_ray(wanted)
     try:
-        running = running_config(config.ray_namespace)
+        running = running_config(wanted.ray_namespace)
     except RuntimeError:
-        start(config)
-        return config
-    if running != config:
+        start(wanted)
+        return wanted
+    if config is not None and running != config:
         differ = {name: value for name, value in running.model_dump().items()
                   if getattr(config, name) != value}
         log.warning("raykv already runs on this Ray cluster with %s (pages of %d tokens): "

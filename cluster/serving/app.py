@@ -141,8 +141,9 @@ class AppArgs(BaseModel):
 
 def ensure_cache(cache: dict | None) -> CacheConfig:
     """The running service's config (a running service is adopted as it is, and a warning
-    names what differs from `cache`); the service is started with `cache` when none runs."""
-    return ensure_running(CacheConfig(**(cache or {})))
+    names what differs from `cache` when one was given); the service is started with
+    `cache` (None: the defaults) when none runs."""
+    return ensure_running(None if cache is None else CacheConfig(**cache))
 
 
 def require_keys(front_door: Access, settings: AppArgs) -> None:

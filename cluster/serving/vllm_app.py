@@ -241,7 +241,7 @@ def _adopted_service(apps: list[VllmAppArgs], cache: CacheConfig | None) -> str:
 
     from cluster.api import ensure_running, quotas
 
-    running = ensure_running(cache or CacheConfig())
+    running = ensure_running(cache)
     known = quotas()["namespaces"]
     for args in apps:
         if args.namespace not in known:
@@ -326,7 +326,7 @@ def build_app(args: VllmBuildArgs):
         os.path.basename(source.rstrip("/"))
     from cluster.api import ensure_running
 
-    running = ensure_running(CacheConfig(**(settings.cache or {})))
+    running = ensure_running(None if settings.cache is None else CacheConfig(**settings.cache))
     app_args = VllmAppArgs(source, model_id, connector.namespace, settings.replicas,
                            engine_kwargs=settings.engine_kwargs,
                            accelerator=settings.accelerator)
