@@ -86,3 +86,14 @@ def test_a_missing_baseline_is_not_exercised_not_a_figure():
     fill_ttft_bounds(report, {"kv-aware": [base, base, base]}, [[0, 0]] * 3)
     assert report.ratios["ttft_p50_bound_vs_prefix_router"] is None
     assert "prefix" in report.result["not_exercised"]["ttft_p50_bound_vs_prefix_router"]
+
+
+def test_a_round_with_no_answered_request_is_not_exercised():
+    report = Report("vllm-serve", "ms", {}, {})
+    base = records([200, 100], [0, 0], [10.0, 20.0], [5.0, 3.0])
+    empty = records([], [], [], [])
+    fill_ttft_bounds(report, {"kv-aware": [base, empty, base], "prefix": [base] * 3},
+                     [[0, 0]] * 3)
+    assert report.ratios["ttft_p50_bound_vs_kv_aware"] is None
+    assert "no request" in report.result["not_exercised"]["ttft_p99_bound_vs_kv_aware"]
+    assert report.ratios["ttft_p50_bound_vs_prefix_router"] == pytest.approx(1.0)

@@ -71,6 +71,9 @@ def fill_ttft_bounds(report: Report, requests: dict[str, list[dict]],
         if not rounds:
             report.not_exercised(name, f"{setup} was not among this run's set-ups")
             continue
+        if not all(records["ttft_ms"] for records in rounds):
+            report.not_exercised(name, f"{setup} answered no request in some round")
+            continue
         per_round = []
         for records, round_reusable in zip(rounds, reusable, strict=True):
             measured = np.percentile(records["ttft_ms"], percent)
