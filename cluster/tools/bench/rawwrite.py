@@ -26,12 +26,9 @@ import time
 
 import numpy as np
 
-from cluster.core.tiers.aligned import allocate_range
+from cluster.core.tiers.aligned import allocate_range, open_private
 
-
-def _open_direct(path: str) -> int:
-    return os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0) | os.O_CLOEXEC,
-                   0o600)
+_DIRECT_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0) | os.O_CLOEXEC
 
 
 class RawWriter:
@@ -51,7 +48,7 @@ class RawWriter:
                              f"{self.page_bytes}, or num_threads {num_threads} < 1")
         self.payloads, self.num_threads = payloads, num_threads
         self.path = os.path.join(dir_path, f"raykv-raw-write-{os.getpid()}-{id(self)}.dat")
-        self.fd = _open_direct(self.path)
+        self.fd = open_private(self.path, _DIRECT_FLAGS)
         allocate_range(self.fd, 0, self.num_slots * self.page_bytes)
 
     def warm(self) -> None:
