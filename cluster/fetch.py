@@ -6,6 +6,9 @@ with one round trip on its path when this node holds the prefix (as steps: calls
                         node's held-pages index lists (put by anyone: tiers/held_index.py):
                         no call at all (the node hears of the reads in a batch, and the
                         directory of the request's demand: touches.py)
+      1b. _read_disk    pages past those that the node's disk-held index lists: read from
+                        its slab files here, with no call either (cluster/disk_direct.py;
+                        the node hears of them with the touches, and moves them up)
       2. _ask           the rest: this node's acquire(keys[h:]) (it carries the leases earlier
                         gets are done with), sent before step 1's copy; the directory's
                         prefix_runs(keys[h:]) too when there is no local node, or when this
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,23 +51,32 @@ from cluster.slabs import LocalSlabs
 from cluster.view import CacheView
 
 log = logging.getLogger("raykv.client")
+_NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
 def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps[tuple]:
     """(pages that arrived, out) for the longest cached prefix of `keys`; (0, None) on a miss."""
-    hints, noted = (view.slabs.located(keys) if view.local is not None
+    hints, noted = (_live(view, keys, *view.slabs.located(keys)) if view.local is not None
                     else (as_places([]), 0))
-    if out is None and len(hints) and len(hints) < len(keys):
-        hints = hints[:0]  # out's size depends on the answers: no copy before them
-    asked = _ask(view, keys, len(hints)) if len(hints) < len(keys) else None
-    if out is None and len(hints):
+    on_disk = (view.slabs.on_disk(keys[len(hints):])
+               if view.local is not None and len(hints) < len(keys) else _NO_SLOTS)
+    known = len(hints) + len(on_disk)
+    if out is None and known and known < len(keys):
+        hints, on_disk, known = hints[:0], _NO_SLOTS, 0  # out's size depends on the answers
+    if out is None and known:
         out = view.empty(len(keys) * view.page_tokens)
+    reading = (view.slabs.start_disk_read(keys[len(hints) : known], on_disk, out, len(hints))
+               if len(on_disk) else None)  # first: the calls below go out while it reads
+    asked = _ask(view, keys, known) if known < len(keys) else None
     good = ((yield from _copy_hinted(view, keys, hints, min(noted, len(hints)), out))
             if len(hints) else 0)
+    if reading is not None:  # waited for even after a stale hint: it writes into out
+        read = yield from _read_disk(view, keys[len(hints) : known], reading)
+        good += read if good == len(hints) else 0
     if asked is None and good == len(keys):
         view.note_demand(keys)  # served whole here, with no call: the directory hears later
         return good, out
-    if asked is None or good < len(hints):  # a hint went stale: ask from there on
+    if asked is None or good < known:  # a hint went stale: ask from there on
         if asked is not None:
             yield from _drop(view, asked)
         asked = _ask(view, keys, good)
@@ -72,6 +85,17 @@ def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps
 
 
 # ---- 1. the pages noted earlier ---------------------------------------------------------------
+
+
+def _live(view: CacheView, keys: list, hints: np.ndarray, noted: int) -> tuple[np.ndarray, int]:
+    """The hints up to the first whose slot's generation has already moved (the page left
+    it: demoted to disk, say), so that the disk-held index, or the node, is asked from there
+    rather than a dead slot copied; the copy checks the generations again after."""
+    live = view.slabs.num_unchanged(hints) if len(hints) else 0
+    if live < len(hints):
+        view.slabs.forget(keys[live : len(hints)])
+        view.counters["stale_hints"] += 1
+    return hints[:live], min(noted, live)
 
 
 def _copy_hinted(view: CacheView, keys: list, hints: np.ndarray, noted: int,
@@ -103,6 +127,21 @@ def _copy_places(view: CacheView, places: np.ndarray, out: torch.Tensor,
     yield Work(lambda: copy_pages(pairs))
     view.note_copy(places[:mapped], time.perf_counter() - started_s, len(pairs))
     return mapped
+
+
+def _read_disk(view: CacheView, run_keys: list, reading: Future) -> Steps[int]:
+    """Wait for the read of `run_keys` from this node's slab files (started by
+    fetch_prefix: cluster/disk_direct.py, no call); returns how many leading pages arrived
+    whole. The node hears of them as of any read without a lease (touches.py)."""
+    good, seconds = yield Work(reading.result)
+    view.note_disk(good, seconds)
+    if good < len(run_keys):
+        view.counters["stale_hints"] += 1
+    view.note_touched(run_keys[:good])
+    view.counters["local_pages"] += good
+    view.counters["disk_direct_pages"] += good
+    view.counters["disk_direct_us"] += int(seconds * 1e6)
+    return good
 
 
 def copy_pairs(slabs: LocalSlabs, places: np.ndarray, out: torch.Tensor,

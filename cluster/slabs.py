@@ -54,6 +54,7 @@ from cluster.core.tiers.slot_table import (
     slot_runs,
     unchanged,
 )
+from cluster.disk_direct import DiskDirect
 
 log = logging.getLogger("raykv.client")
 MAX_HINTS = 1 << 16
@@ -75,6 +76,8 @@ class LocalSlabs:
         self._hints = PlaceHints(MAX_HINTS)
         self._held: HeldView | None = None  # the node's held-pages index for this geometry
         self.use_held = True  # False: pages not noted here are asked for (benchmarks compare)
+        self._disk: DiskDirect | None = None  # its disk tier, read here (disk_direct.py)
+        self.use_disk = True  # False: pages on the node's disk are asked for (likewise)
         self._lock = threading.Lock()
         self._prefaulting: Future | None = None
 
@@ -123,7 +126,8 @@ class LocalSlabs:
                 mapping.update(descriptor)
 
     def _map_held(self, descriptors: list) -> None:
-        """Map the node's held-pages index (a node without one: no such lookups)."""
+        """Map the node's held-pages index (a node without one: no such lookups), and open
+        its disk tier's index and slab files (without them: its disk pages are asked for)."""
         if self._held is not None:
             self._held.close()
             self._held = None
@@ -133,6 +137,46 @@ class LocalSlabs:
                 self._held = HeldView(path, HELD_MAX_AGE_S)
             except (OSError, ValueError) as error:
                 log.warning("could not map the node's held-pages index: %s", error)
+        self._open_disk(descriptors)
+
+    def _open_disk(self, descriptors: list) -> None:
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None
+        found = next((d for d in descriptors if d.disk_held_path and d.disk_dir), None)
+        if found is not None:
+            try:
+                self._disk = DiskDirect(self.geometry, found.disk_held_path, found.disk_dir,
+                                        HELD_MAX_AGE_S)
+            except (OSError, ValueError, KeyError) as error:
+                log.warning("could not open the node's disk tier for reads (its disk pages "
+                            "are asked for): %s", error)
+
+    def on_disk(self, keys: list[PageKey]) -> np.ndarray:
+        """Disk slots (int64 [N]) of the longest prefix of `keys` that the node's disk-held
+        index lists; none without one (or with use_disk off)."""
+        with self._lock:
+            disk = self._disk if self.use_disk else None
+        if disk is None or not keys:
+            return np.empty(0, dtype=np.int64)
+        return disk.located(keys)
+
+    def start_disk_read(self, keys: list[PageKey], slots: np.ndarray, out: torch.Tensor,
+                        first_page: int) -> Future:
+        """DiskDirect.start: a future of (how many leading pages of `keys`, at disk `slots`,
+        arrived whole in out's pages first_page.., the seconds it took)."""
+        with self._lock:
+            disk = self._disk
+        if disk is None:  # remapped away meanwhile: a miss
+            done: Future = Future()
+            done.set_result((0, 0.0))
+            return done
+        try:
+            return disk.start(keys, slots, out, first_page)
+        except RuntimeError:  # closed by a remap, or the interpreter is exiting: a miss
+            done = Future()
+            done.set_result((0, 0.0))
+            return done
 
     def fault_in(self, places: np.ndarray) -> int:
         """Fault in the chunks of `places` (a slot table) that this client has not touched

@@ -44,7 +44,8 @@ class CacheView:
     counters: dict[str, int] = field(default_factory=lambda: {
         "put_tokens": 0, "get_tokens": 0, "lookups": 0, "local_pages": 0, "remote_pages": 0,
         "optimistic_pages": 0, "held_pages": 0, "stale_hints": 0, "failed_calls": 0,
-        "torn_reads": 0, "unmapped_pages": 0, "leased_pages": 0, "uncommitted_pages": 0})
+        "torn_reads": 0, "unmapped_pages": 0, "leased_pages": 0, "uncommitted_pages": 0,
+        "disk_direct_pages": 0, "disk_direct_us": 0})
     touches: TouchBatch | None = None  # set in __post_init__ when the slabs are mapped
     demand: DemandBatch | None = None  # likewise: prefixes this node served whole
     # Send the directory's match along with the acquire (fetch.py): the last asked get found
@@ -98,8 +99,9 @@ class CacheView:
                                    seconds))
 
     def note_disk(self, num_pages: int, seconds: float) -> None:
-        """This node's acquire that read pages up from its disk tier, timed round trip: the
-        disk path's sample (the call's own latency included: a request pays it too)."""
+        """Pages read from this node's disk tier, timed as the get paid for them: an
+        acquire's round trip that read them up (the call's own latency included: a request
+        pays it too), or this client's own read of the slab files (fetch._read_disk)."""
         if num_pages:
             self.transfers.append((DISK, num_pages * self.geometry.page_bytes, seconds))
 

@@ -60,7 +60,7 @@ class DiskLoads:
             slots = [self.memory[HOST].alloc() for _ in keys]
             outs = [self._read_target(self.index[k], s) for k, s in zip(keys, slots, strict=True)]
             metas = await self._read_pages(keys, outs)
-            with self.held_index.batched():
+            with self.held_batched():
                 for key, slot, out, meta in zip(keys, slots, outs, metas, strict=True):
                     self._place(key, slot, out, meta, copy=False)
             return
@@ -73,7 +73,7 @@ class DiskLoads:
         finally:
             metas = await reading
         fits = min(len(keys), self._free_slots(HOST))
-        with self.held_index.batched():
+        with self.held_batched():
             for key, out, meta in zip(keys[:fits], staging, metas, strict=False):
                 self._place(key, self.memory[HOST].alloc(), out, meta, copy=True)
 

@@ -22,6 +22,7 @@ names that moved out stay importable from here: the `name as name` imports.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -56,6 +57,7 @@ from cluster.core.tiers.memory import readonly_tensor as readonly_tensor
 from policies.eviction import make_policy
 
 EventSink = Callable[[PageKey, int | None], None]
+DISK_HELD_MAX_SLOTS = 1 << 17  # the disk-held index's entries: 512 Ki, 32 MiB of shared memory
 
 
 class Pool(ReservedPuts, PinnedGets, TierMoves, DiskLoads, LeasedSlots, DemoteAhead,
@@ -78,6 +80,13 @@ class Pool(ReservedPuts, PinnedGets, TierMoves, DiskLoads, LeasedSlots, DemoteAh
         # page's place goes through _on_event, which keeps it current.
         self.held_index = HeldIndex(limits.shm_prefix,
                                     sum(arena.num_slots for arena in self.memory))
+        # Its disk pages too, in an index of their own (so that they never crowd out the
+        # memory tiers' entries): a client reads those from the slab files with no call
+        # (tiers/disk_reader.py). Past DISK_HELD_MAX_SLOTS the index is full and overwrites:
+        # such a page is asked for, as any page missing from an index is.
+        self.disk_held = (HeldIndex(limits.shm_prefix,
+                                    min(disk.num_slots, DISK_HELD_MAX_SLOTS))
+                          if disk is not None else None)
         self._loads = InflightClaims()
         self.top_tier = DEVICE if self.memory[DEVICE].num_slots else HOST
         self._init_fences()
@@ -117,13 +126,19 @@ class Pool(ReservedPuts, PinnedGets, TierMoves, DiskLoads, LeasedSlots, DemoteAh
 
     def _on_event(self, key: PageKey, tier: int | None) -> None:
         """A page stored, moved or dropped: published to (or withdrawn from) the held-pages
-        index for this node's clients, then reported (the node tells the directory)."""
+        indexes for this node's clients, then reported (the node tells the directory)."""
         entry = self.index.get(key)
-        if tier is not None and tier != DISK and entry is not None and entry.tier == tier:
+        here = tier is not None and entry is not None and entry.tier == tier
+        if here and tier != DISK:
             self.held_index.publish([key], [(tier, entry.slot,
                                              self.memory[tier].generation(entry.slot))])
         else:
             self.held_index.withdraw([key])
+        if self.disk_held is not None:
+            if here and tier == DISK:  # no generation: the page's header names its key
+                self.disk_held.publish([key], [(DISK, entry.slot, 0)])
+            else:
+                self.disk_held.withdraw([key])
         self._queue_checksum(key, entry, tier)
         self._sink(key, tier)
 
@@ -185,8 +200,27 @@ class Pool(ReservedPuts, PinnedGets, TierMoves, DiskLoads, LeasedSlots, DemoteAh
                 counts[entry.tier] += 1
         return {"device": counts[0], "host": counts[1], "disk": counts[2]}
 
+    @contextlib.contextmanager
+    def held_batched(self):
+        """Both held-pages indexes' changes written at the end, in one pass each (see
+        HeldIndex.batched)."""
+        with self.held_index.batched():
+            if self.disk_held is None:
+                yield
+                return
+            with self.disk_held.batched():
+                yield
+
+    def beat_held(self) -> None:
+        """Stamp the held-pages indexes: readers trust them a while after this."""
+        self.held_index.beat()
+        if self.disk_held is not None:
+            self.disk_held.beat()
+
     def close(self) -> None:
         self.held_index.close()
+        if self.disk_held is not None:
+            self.disk_held.close()
         for fence in self.fences + self.own_writes:
             fence.close()
         for arena in self.memory:

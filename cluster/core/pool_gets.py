@@ -74,13 +74,13 @@ class PinnedGets:
         return entry.tier, entry.slot, self.memory[entry.tier].generation(entry.slot)
 
     def touch(self, keys: list[PageKey]) -> list[int]:
-        """Note an access to each ready memory page among `keys`; returns the tier of each
-        one found."""
+        """Note an access to each ready page among `keys` (a disk page's too: a client read
+        it from the slab files); returns the tier of each one found."""
         self.last_access_s = time.monotonic()
         tiers: list[int] = []
         for key in keys:
             entry = self.index.get(key)
-            if entry is not None and entry.state == State.READY and entry.tier != DISK:
+            if entry is not None and entry.state == State.READY:
                 self.policies[entry.tier].on_access(key)
                 tiers.append(entry.tier)
         return tiers

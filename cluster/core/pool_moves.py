@@ -96,7 +96,7 @@ class TierMoves:
             for key in keys:
                 if key in self.index:
                     self.index[key].state = State.READY
-        with self.held_index.batched():
+        with self.held_batched():
             for key in remaining:  # a page a reader pinned while moving stays where it is
                 if key in self.index and self.index[key].pins == 0:
                     self.drop(key)
@@ -143,7 +143,7 @@ class TierMoves:
                 self.memory[tier].free(slot)
             raise
         moved = []
-        with self.held_index.batched():
+        with self.held_batched():
             for key, entry, slot, pins in moves:
                 if self.index.get(key) is entry and entry.pins <= pins:
                     self._relocate(key, entry, tier, slot)
@@ -187,7 +187,7 @@ class TierMoves:
         metas = await asyncio.to_thread(self.disk.write_or_free, items, namespaces, sums)
         if metas is None:
             return []  # a full or failing disk: these pages are dropped instead
-        with self.held_index.batched():
+        with self.held_batched():
             for (slot, _, codec, _), key, entry, meta in zip(items, moved, entries, metas,
                                                             strict=True):
                 entry.checksum = meta.checksum if codec == 0 else None

@@ -89,7 +89,7 @@ class ReservedPuts:
         """
         committed = 0
         parent = None  # the put's previous new page: putdepth ranks by depth in the put
-        with self.held_index.batched():
+        with self.held_batched():
             for key in keys:
                 entry = self._owned(key, owner)
                 if entry is None:

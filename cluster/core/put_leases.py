@@ -116,7 +116,7 @@ class LeasedSlots:
         key was committed."""
         committed: list[bool] = []
         parent = None  # the put's previous new page: putdepth ranks by depth in the put
-        with self.held_index.batched():
+        with self.held_batched():
             for key, (tier, slot) in zip(keys, slots, strict=True):
                 if key in self.index:
                     self._release_written(tier, slot)

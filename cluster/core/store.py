@@ -173,13 +173,15 @@ class NodeStore:
     def descriptors(self, geometry: PageGeometry) -> list[ArenaDescriptor]:
         """What a same-node client maps: each memory tier, with the pool's held-pages index."""
         pool = self.pool(geometry)
-        return [dataclasses.replace(arena.descriptor(), held_path=pool.held_index.path)
+        disk = {} if pool.disk_held is None else {"disk_held_path": pool.disk_held.path,
+                                                    "disk_dir": pool.disk.dir_path}
+        return [dataclasses.replace(arena.descriptor(), held_path=pool.held_index.path, **disk)
                 for arena in pool.memory]
 
     def beat(self) -> None:
         """Stamp every pool's held-pages index: its readers trust it a while after this."""
         for pool in self.pools.values():
-            pool.held_index.beat()
+            pool.beat_held()
 
     def layout_version(self, geometry: PageGeometry) -> int:
         """Grows whenever a client must map the pool's arenas again (a device chunk granted
@@ -323,13 +325,17 @@ class NodeStore:
             self.pool(lease.geometry).release(lease.keys)
 
     async def touch(self, geometry: PageGeometry, keys: list[PageKey], num_reads: int = 1) -> int:
-        """Count reads that clients made without a lease (optimistic, generation-checked):
-        the eviction policy sees them as accesses, and they move up a tier as an acquire's
-        pages do. Returns how many pages are still here."""
+        """Count reads that clients made without a lease (optimistic, generation-checked, or
+        from the disk tier's slab files: cluster/disk_direct.py): the eviction policy sees
+        them as accesses, and they move up a tier as an acquire's pages do (disk pages are
+        read up into host, as an acquire reads them). Returns how many pages are still
+        here."""
         pool = self.pools.get(geometry)
         if pool is None:
             return 0
         tiers = pool.touch(keys)
+        if DISK in tiers:
+            await pool.load_from_disk(keys)
         await pool.promote_many(keys)
         for tier in tiers:
             self.counters[f"hits_{TIER_NAMES[tier]}"] += 1

@@ -50,10 +50,17 @@ def test_pressure_demotes_to_disk_and_get_promotes(service):
     client = connect(TINY)
     fill(client, 6)  # 12 pages, host holds 4
     assert tiers(client) == {"device": 0, "host": 4, "disk": 8}
-    num_tokens, got = client.get(prompt(0))  # on disk: read up, byte-exact
+    num_tokens, got = client.get(prompt(0))  # on disk: read from the slab files, byte-exact
     assert num_tokens == 32 and torch.equal(got, kv_for(TINY, 32, 0))
+    assert client.counters["disk_direct_pages"] == 2
+    # The node hears of the read with the client's touches and reads the pages up, as an
+    # acquire would have: promoted two, demoted two.
+    deadline_s = time.monotonic() + 5
+    while _tier_of(client, prompt(0)) != {1}:
+        assert time.monotonic() < deadline_s, tiers(client)
+        time.sleep(0.05)
     after = tiers(client)
-    assert after["host"] == 4 and after["disk"] == 8  # promoted two, demoted two
+    assert after["host"] == 4 and after["disk"] == 8
 
 
 def test_device_tier_is_top_and_demotes_to_host(service):
@@ -141,8 +148,9 @@ def count_calls(client, names=("acquire", "descriptors", "reserve", "commit")) -
 def test_a_fresh_client_gets_pages_another_put_with_no_call(service):
     """A puts; B, connected afresh (no notes), gets them from the node's held-pages index:
     no acquire, no call on the path, the bytes exact. Then the node demotes them to disk:
-    B's get must not copy the freed slots (their generations moved): it asks the node,
-    which reads them up, and the bytes are still exact."""
+    B's get must not copy the freed slots (their generations moved): it reads the pages now
+    on disk from the node's slab files itself (cluster/disk_direct.py: still no call), and
+    the bytes are still exact."""
     service(**SMALL)
     writer, reader = connect(TINY), connect(TINY)
     calls = count_calls(reader)
@@ -172,15 +180,17 @@ def test_a_fresh_client_gets_pages_another_put_with_no_call(service):
     assert any(on_disk)
     for client, counted_calls in ((reader, calls), (other, other_calls)):
         for (tokens, kv), disk in zip(expected, on_disk, strict=True):
-            acquires = counted_calls["acquire"]
-            # A page on disk is read up by the acquire, or misses when the host tier has no
-            # room to read it into (the other pages pinned by leases not let go yet); what
-            # comes back is a prefix, byte for byte.
+            direct, acquires = client.counters["disk_direct_pages"], counted_calls["acquire"]
+            # A page on disk is read from the slab files with no call. The reader's notes of
+            # the slots those pages left are stale: it may ask the node from there instead
+            # (which reads them up). What comes back is a prefix, byte for byte.
             num_tokens, got = client.get(tokens)
             assert num_tokens % 16 == 0 and num_tokens <= len(tokens)
             if num_tokens:
                 assert torch.equal(got, kv[:, :, :, :num_tokens])
-            assert counted_calls["acquire"] > acquires or not disk
+            read_directly = client.counters["disk_direct_pages"] > direct
+            asked = counted_calls["acquire"] > acquires
+            assert not disk or read_directly or (client is reader and asked)
 
     # Dropped pages: the index withdrew them and the notes' slots moved on; a miss.
     geometry = PageGeometry.of(TINY, 16)
@@ -207,6 +217,9 @@ def test_the_node_demotes_ahead_so_a_read_up_lands_in_free_room(service):
     service(**{**SMALL, "host_bytes": 16 * PAGE_BYTES, "demote_ahead": True,
                "put_lease_bytes": 0})
     client = connect(TINY)
+    # The node's own read-up is under test: this client asks it for disk pages rather than
+    # reading the slab files itself (cluster/disk_direct.py).
+    client.view.slabs.use_disk = False
     fill(client, 12)  # 24 pages through a 16-page host tier: the later puts leaned on it
     assert client.puts.settle(client.timeout_s)
     deadline_s = time.monotonic() + 10

@@ -74,6 +74,9 @@ class _FakeSession:
     def node_stat(self, name):
         return self.stats[name]
 
+    def disk_bytes_read(self):  # the node's and the client's own: one sum here
+        return self.stats["disk_bytes_read"]
+
     def host_room_batches(self):
         return self.room
 

@@ -341,6 +341,34 @@ def test_a_stale_hint_is_a_miss_of_that_slot_and_the_node_is_asked(world):
     assert num_pages == 3 and torch.equal(got[:, :, :, : 3 * PAGE_TOKENS],
                                           KV[:, :, :, : 3 * PAGE_TOKENS])
     assert world.view.counters["stale_hints"] == 1
+    # the first get's, then one from the stale page on: its generation had moved before the
+    # get began, so no ask went out for the pages past the hints, and nothing was copied
+    assert world.local.calls.count("acquire") == 2
+
+
+def test_a_hint_gone_stale_during_the_copy_drops_the_ask_and_asks_again(world, monkeypatch):
+    import cluster.fetch
+
+    world.put_local(range(3))
+    world.get()
+    _, slot = world.local.pages[KEYS[1]]
+    arena = world.arenas[HOST]
+    real_copy = cluster.fetch.copy_pages
+
+    def evicting_copy(pairs):  # page 1 leaves its slot while the get copies it
+        real_copy(pairs)
+        arena.free(slot)
+        fresh = arena.alloc()
+        arena.view(fresh)[: G.page_bytes].copy_(page(1).view(-1).view(torch.uint8))
+        world.local.pages[KEYS[1]] = (HOST, fresh)
+        monkeypatch.setattr(cluster.fetch, "copy_pages", real_copy)
+
+    monkeypatch.setattr(cluster.fetch, "copy_pages", evicting_copy)
+    out = torch.zeros_like(KV)
+    num_pages, got = drive(fetch_prefix(world.view, KEYS, out))
+    assert num_pages == 3 and torch.equal(got[:, :, :, : 3 * PAGE_TOKENS],
+                                          KV[:, :, :, : 3 * PAGE_TOKENS])
+    assert world.view.counters["stale_hints"] == 1
     assert world.local.calls.count("acquire") == 3  # the first get, one dropped, one used
 
 

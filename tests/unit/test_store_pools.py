@@ -138,9 +138,10 @@ def test_close_unlinks_every_slab(stores):
     run(store_put(store, [0]))
     store.pool(PageGeometry((1, 2, 1, 16, 16), "float32"))
     prefix = store.config.limits.shm_prefix
-    # 2 pools x (2 arenas x (slab + generation table) + a held-pages index), less the device
-    # chunk that the second pool has not been granted yet (a device chunk is a file of its own)
-    assert len(shm_files(prefix)) == 9
+    # 2 pools x (2 arenas x (slab + generation table) + two held-pages indexes: the memory
+    # tiers' and the disk tier's), less the device chunk that the second pool has not been
+    # granted yet (a device chunk is a file of its own)
+    assert len(shm_files(prefix)) == 11
     store.close()
     assert shm_files(prefix) == []
 

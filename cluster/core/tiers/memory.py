@@ -57,6 +57,8 @@ class ArenaDescriptor:
     generations_path: str | None = None
     chunk_bytes: int = 0
     held_path: str | None = None  # the pool's held-pages index (held_index.py), if any
+    disk_held_path: str | None = None  # its disk pages' index, if it has a disk tier
+    disk_dir: str | None = None  # ... and where their slab files are (disk_reader.py)
 
     @property
     def layout_version(self) -> int:

@@ -195,15 +195,17 @@ def e2e_contenders(session, reps: int) -> dict[str, Callable[[int], float]]:
     batch_bytes = session.plan.batch_bytes
     on_disk = itertools.count(1)
 
-    def moved_s(figure: str, stat: str, run: Callable[[], float], why: str) -> float:
-        before = session.node_stat(stat)
+    def moved_s(figure: str, moved: Callable[[], int], run: Callable[[], float],
+                why: str) -> float:
+        before = moved()
         seconds = statistics.median(run() for _ in range(reps))
-        session.expect(figure, session.node_stat(stat) - before >= reps * batch_bytes, why)
+        session.expect(figure, moved() - before >= reps * batch_bytes, why)
         return seconds
 
     return {"e2e_put": lambda _: batch_bytes / 1e9 / moved_s(
-                "e2e_put", "disk_bytes_written", lambda: common.timed(session.put_settled)[0],
+                "e2e_put", lambda: session.node_stat("disk_bytes_written"),
+                lambda: common.timed(session.put_settled)[0],
                 "an e2e put did not demote a batch to disk"),
             "e2e_get": lambda _: batch_bytes / 1e9 / moved_s(
-                "e2e_get", "disk_bytes_read", lambda: session.check_batch(next(on_disk)),
+                "e2e_get", session.disk_bytes_read, lambda: session.check_batch(next(on_disk)),
                 "an e2e get did not read its batch from disk")}

@@ -33,7 +33,8 @@ of those puts' pages that went leased.
 Disk contenders (disk.py), likewise in rotating rounds: fio O_DIRECT psync, bs = page, numjobs
 = disk_threads, against DiskArena.write_pages / read_pages on as many threads, volatile and
 durable; and the service end to end once its host tier is full: e2e_put, a put that demotes a
-batch to disk; e2e_get, a get that reads a batch up from disk (and demotes another).
+batch to disk; e2e_get, a get of a batch on disk (the client reads the node's slab files
+itself: cluster/disk_direct.py; the node then reads it up and demotes another).
 
 A ratio is the median of its per-round ratios (with their spread) at RATIO_PAGE_MIB; every
 size's own are in per_size. A ratio whose path was not taken (a get that asked the node, a cold
@@ -230,8 +231,10 @@ NOTES = [
     "turn (demotion's: every write a different page); disk_write_vs_raw ~ "
     "disk_write_vs_raw_pages x raw_pages_vs_raw_hot x raw_hot_vs_fio",
     "e2e: the service with its host tier full: each e2e_put demotes a batch, each e2e_get reads "
-    "a batch up from disk and demotes another (twice the bytes); required: the node's "
-    "disk_bytes_written/read grew by a batch per step",
+    "a batch on disk (the client from the node's slab files, with no call; the node then "
+    "reads it up and demotes another, off the get's path); required: the node's "
+    "disk_bytes_written, or the disk bytes read by the node and the client, grew by a batch "
+    "per step",
     "full_put: a service of its own with a host tier of FULL_HOST_BATCHES batches over a disk "
     "tier, demotion ahead on (the default), filled past full; then a fresh batch put every "
     "PACE_S, the median of FULL_PUTS a round, paired with the memcpy limit timed the same way "

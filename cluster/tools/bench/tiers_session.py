@@ -162,6 +162,12 @@ class Session:
     def node_stat(self, name: str) -> int:
         return self.client.stats()["node"][name]
 
+    def disk_bytes_read(self) -> int:
+        """Bytes read from this node's disk tier so far: the node's, and this client's own
+        reads of its slab files (cluster/disk_direct.py)."""
+        direct_pages = self.client.counters["disk_direct_pages"]
+        return self.node_stat("disk_bytes_read") + direct_pages * self.client.geometry.page_bytes
+
 
 def start_session(plan: SizePlan) -> Session:
     client = common.start_service(_service_config(plan), SPEC)

@@ -58,7 +58,8 @@ NOTES = (f"workload: tiny-llama on CPU, prompts of {PROMPT_TOKENS} tokens whose 
          "repetition runs host, disk, recompute and ideal once, in rotating order, after one "
          "untimed warm-up repetition; ratios are medians of per-repetition ratios. "
          "engine_phases_ms: the engine's own fetch_s and prefill_s of each timed request, and "
-         "disk_read: the node's batched disk reads during it (wall time, part of the fetch); "
+         "disk_read: the disk reads during it, the node's batched ones and the client's own "
+         "reads of the node's slab files (wall time, part of the fetch); "
          "checks: per repetition, cached tokens used and disk bytes read during the case.")
 
 
@@ -125,6 +126,7 @@ class Bench:
 
         bytes_before, read_s_before = self.disk_reads()
         elapsed_s, head = self.loop.run_until_complete(run())
+        self.quiesce()
         bytes_read, read_s = self.disk_reads()
         if case in self.checks:
             self.checks[case]["cached_tokens"].append(head.cached_tokens)
@@ -135,10 +137,28 @@ class Bench:
         phases["disk_read"].append((read_s - read_s_before) * 1e3)
         return elapsed_s
 
+    def quiesce(self, timeout_s: float = 1.0) -> None:
+        """Untimed: let the node finish what the request set off in the background (a disk
+        page the client read itself is read up into host once the node hears of it), so that
+        it lands in this case's checks, not the next case's: until the node's disk reads
+        stop moving for 50 ms, at most `timeout_s`."""
+        deadline_s = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline_s:
+            now = self.client.stats()["node"]["disk_bytes_read"]  # sends the touches first
+            if now == last:
+                return
+            last = now
+            time.sleep(0.05)
+
     def disk_reads(self) -> tuple[int, float]:
-        """The node's disk reads so far: (bytes, seconds its batched reads took)."""
+        """The disk reads so far, the node's and the engine's client's own (a get reads the
+        node's slab files itself: cluster/disk_direct.py): (bytes, seconds they took)."""
         node = self.client.stats()["node"]
-        return int(node["disk_bytes_read"]), float(node["disk_read_s"])
+        counters = self.client.view.counters
+        direct_bytes = counters["disk_direct_pages"] * self.client.geometry.page_bytes
+        return (int(node["disk_bytes_read"]) + direct_bytes,
+                float(node["disk_read_s"]) + counters["disk_direct_us"] / 1e6)
 
     def cache(self, text: str) -> None:
         """Store the first CACHED_TOKENS tokens' pages (a full prefill, untimed)."""
