@@ -40,3 +40,33 @@ def test_ratios_pair_repetitions_and_fail_when_a_tier_was_not_exercised():
         ttft.add_ratios(report, ttft_ms, checks)
         assert set(report["not_exercised"]) == {f"ttft_{failed}_vs_ideal",
                                                 f"ttft_speedup_{failed}"}
+
+
+class _Node:
+    """A client whose node's disk reads move for the first `moving` stats calls (a read-up
+    the request set off), then stand still."""
+
+    def __init__(self, moving: int) -> None:
+        self.calls, self.moving = 0, moving
+        self.view = type("View", (), {"counters": {"disk_direct_pages": 3,
+                                                   "disk_direct_us": 2500}})()
+        self.geometry = type("Geometry", (), {"page_bytes": 1000})()
+
+    def stats(self) -> dict:
+        self.calls += 1
+        moved = min(self.calls, self.moving)
+        return {"node": {"disk_bytes_read": 4096 * moved, "disk_read_s": 0.001 * moved}}
+
+
+def test_quiesce_waits_for_the_node_s_disk_reads_to_stand_still():
+    client = _Node(moving=3)
+    bench = ttft.Bench(None, client)
+    try:
+        bench.quiesce(timeout_s=5.0)
+        assert client.calls == 4  # three that moved, then one that matched the last
+        assert bench.disk_reads() == (3 * 4096 + 3 * 1000, (0.0025, 0.003))
+        still = _Node(moving=10**6)  # never still: gives up at the timeout
+        ttft.Bench(None, still).quiesce(timeout_s=0.2)
+        assert 2 <= still.calls <= 6
+    finally:
+        bench.close()
