@@ -5,17 +5,20 @@ files itself (cluster/fetch.py, step 1b).
     client:  DiskDirect.located(keys)  the leading run of keys[...] in it -> disk slots
              DiskDirect.read(...)      those slots, in runs (tiers/disk_reader.py), into
                                        pooled aligned staging; each page's header checked
-                                       (its key the one wanted, raw codec, a whole page, its
-                                       checksum); the leading good pages copied into `out`
+                                       (its key the one wanted, a whole page in a known
+                                       codec, its checksum); the leading good pages decoded
+                                       if encoded, and copied into `out`
 
 Why: through the node, a get of a disk prefix is a call, the node's read into host slots,
-and the client's copy out of them; the read is the same, the call and its hops are not
-(about 3 of the 6 ms of a 30-page, 128 KiB-page read on this machine). The node still hears
-of the reads (the client's touches) and moves the pages up as it does for an acquire.
+and the client's copy out of them; the read is the same, the call and its hops are not. A
+30-page prefix of 128 KiB pages took 9.5 ms through the node on this machine, 3.5 ms here
+(docs/benchmarks.md, tiers). The node still hears of the reads (the client's touches) and
+moves the pages up as it does for an acquire.
 
 A page that fails any check ends the run: the caller asks the node from there, as it does
-when a hint went stale. Pages the node encoded (a disk codec) are asked for too: the node
-decodes them. Nothing here raises on I/O: a read that fails is a miss.
+when a hint went stale. Pages the node encoded (CacheConfig.disk_codec int8 or fp8) are
+decoded here, as the node decodes them on a read-up. Nothing here raises on I/O: a read that
+fails is a miss.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from cluster.core import quant
 from cluster.core.copies import Pair, copy_pages
 from cluster.core.geometry import DISK, PageGeometry
 from cluster.core.kvcheck import page_rows, slab_order
@@ -89,23 +93,28 @@ class DiskDirect:
             except (OSError, ValueError) as error:  # closed, or slabs gone: a miss
                 log.warning("reading this node's disk tier failed (a miss): %s", error)
                 return 0
-            good = _leading_good(metas, keys, self.geometry.page_bytes)
+            good = _leading_good(metas, keys, self.geometry)
             if good:
-                copy_pages([self._pair(staging, good, out, first_page)])
+                copy_pages([self._pair(staging, metas[:good], out, first_page)])
             return good
         finally:
             self._give(staging)
 
-    def _pair(self, staging: np.ndarray, count: int, out: torch.Tensor,
+    def _pair(self, staging: np.ndarray, metas: list, out: torch.Tensor,
               first_page: int) -> Pair:
-        """(out's pages first_page.., the staged pages) as one block for copies.copy_pages."""
-        shape, page_bytes = self.geometry.shape, self.geometry.page_bytes
-        rows = np.reshape(staging[: count * self._stride], (count, self._stride))[:, :page_bytes]
-        block = torch.from_numpy(np.ascontiguousarray(rows) if self._stride != page_bytes
-                                 else rows)
-        block = block.view(self.geometry.torch_dtype()).view(count, *shape)
+        """(out's pages first_page.., the staged pages) as one block for copies.copy_pages;
+        pages the node stored encoded (int8, fp8) are decoded first, a stretch at a time."""
+        count, shape, dtype = len(metas), self.geometry.shape, self.geometry.torch_dtype()
+        rows = torch.from_numpy(np.reshape(staging[: count * self._stride],
+                                           (count, self._stride)))
         dst = page_rows(out, shape[3])[:, :, :, first_page : first_page + count]
-        return dst, slab_order(block)
+        if self._stride == self.geometry.page_bytes and all(m.codec == 0 for m in metas):
+            return dst, slab_order(rows.view(dtype).view(count, *shape))  # no pass over them
+        pages = torch.empty(count, *shape, dtype=dtype)
+        for start, stop, codec in _stretches([meta.codec for meta in metas]):
+            quant.decode_pages(rows[start:stop], quant.codec_name(codec), shape,
+                               pages[start:stop])
+        return dst, slab_order(pages)
 
     def _take(self, count: int) -> np.ndarray:
         nbytes = count * self._stride
@@ -132,11 +141,28 @@ class DiskDirect:
         self._held.close()
 
 
-def _leading_good(metas: list, keys: list, page_bytes: int) -> int:
+def _leading_good(metas: list, keys: list, geometry: PageGeometry) -> int:
     """How many leading pages read back as the very pages wanted: their header's key the
-    key asked for, raw (codec 0: the node decodes others), a whole page."""
+    key asked for, and a whole page in a codec this client knows (raw, int8 or fp8)."""
     for index, (meta, key) in enumerate(zip(metas, keys, strict=True)):
-        if meta is None or meta.key != bytes(key) or meta.codec != 0 \
-                or meta.payload_bytes != page_bytes:
+        if meta is None or meta.key != bytes(key) or \
+                meta.payload_bytes != _payload_bytes(geometry, meta.codec):
             return index
     return len(metas)
+
+
+def _payload_bytes(geometry: PageGeometry, codec: int) -> int | None:
+    """A whole page's payload in that codec; None for a codec this client does not know."""
+    if codec not in quant.CODECS_BY_ID:
+        return None
+    return quant.payload_bytes(geometry.shape, geometry.torch_dtype(), quant.codec_name(codec))
+
+
+def _stretches(codecs: list[int]) -> list[tuple[int, int, int]]:
+    """(start, stop, codec) of each run of equal codecs."""
+    stretches, start = [], 0
+    for index in range(1, len(codecs) + 1):
+        if index == len(codecs) or codecs[index] != codecs[start]:
+            stretches.append((start, index, codecs[start]))
+            start = index
+    return stretches

@@ -61,10 +61,8 @@ def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps
     on_disk = (view.slabs.on_disk(keys[len(hints):])
                if view.local is not None and len(hints) < len(keys) else _NO_SLOTS)
     known = len(hints) + len(on_disk)
-    if out is None and known and known < len(keys):
-        hints, on_disk, known = hints[:0], _NO_SLOTS, 0  # out's size depends on the answers
-    if out is None and known:
-        out = view.empty(len(keys) * view.page_tokens)
+    if out is None and known:  # as large as the pages known here: _answer grows it if need be
+        out = view.empty(known * view.page_tokens)
     reading = (view.slabs.start_disk_read(keys[len(hints) : known], on_disk, out, len(hints))
                if len(on_disk) else None)  # first: the calls below go out while it reads
     asked = _ask(view, keys, known) if known < len(keys) else None
@@ -73,12 +71,15 @@ def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps
     if reading is not None:  # waited for even after a stale hint: it writes into out
         read = yield from _read_disk(view, keys[len(hints) : known], reading)
         good += read if good == len(hints) else 0
-    if asked is None and good == len(keys):
-        view.note_demand(keys)  # served whole here, with no call: the directory hears later
-        return good, out
-    if asked is None or good < known:  # a hint went stale: ask from there on
-        if asked is not None:
-            yield from _drop(view, asked)
+    if good < known:  # a hint went stale during the copy: the node's disk, from there on
+        good += yield from _read_disk_from(view, keys, good, out)
+    if asked is not None and asked.start != good:  # asked past a page that did not come
+        yield from _drop(view, asked)
+        asked = None
+    if asked is None:
+        if good == len(keys):
+            view.note_demand(keys)  # served whole here, with no call: the directory hears
+            return good, out
         asked = _ask(view, keys, good)
     num_pages, out = yield from _answer(view, keys, asked, out)
     return (num_pages, out) if num_pages else (0, None)
@@ -144,6 +145,18 @@ def _read_disk(view: CacheView, run_keys: list, reading: Future) -> Steps[int]:
     return good
 
 
+def _read_disk_from(view: CacheView, keys: list, first_page: int, out: torch.Tensor
+                    ) -> Steps[int]:
+    """The pages from keys[first_page] on that the node's disk-held index lists, read into
+    out with no call (a hint that went stale as its page was demoted, say); how many."""
+    slots = view.slabs.on_disk(keys[first_page:])
+    if not len(slots):
+        return 0
+    run_keys = keys[first_page : first_page + len(slots)]
+    return (yield from _read_disk(view, run_keys,
+                                  view.slabs.start_disk_read(run_keys, slots, out, first_page)))
+
+
 def copy_pairs(slabs: LocalSlabs, places: np.ndarray, out: torch.Tensor,
                first_page: int) -> tuple[list, int]:
     """The (destination, source) blocks that copy the pages at `places` into out's pages
@@ -206,8 +219,7 @@ def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None
     total = start + len(places) + len(sources)
     if total == start:  # nothing past the hinted pages (and so no lease was taken)
         return start, out
-    if out is None:
-        out = view.empty(total * view.page_tokens)
+    out = _room_for(view, out, total, start)
     arrived = np.zeros(total, dtype=bool)
     arrived[:start] = True
     yield from _copy_local(view, (stamp, lease_id, places), keys, out, arrived)
@@ -219,6 +231,20 @@ def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None
     view.note_remote(view.counters["remote_pages"] - remote_before, view.fetch_s)
     misses = np.flatnonzero(~arrived)
     return (int(misses[0]) if misses.size else total), out
+
+
+def _room_for(view: CacheView, out: torch.Tensor | None, num_pages: int,
+              kept_pages: int) -> torch.Tensor:
+    """`out`, or a tensor of num_pages pages when it has fewer (one the get made for the
+    pages it knew of before the answers: their first kept_pages copied over)."""
+    num_tokens = num_pages * view.page_tokens
+    if out is not None and out.shape[3] >= num_tokens:
+        return out
+    grown = view.empty(num_tokens)
+    if out is not None and kept_pages:
+        kept = kept_pages * view.page_tokens
+        grown[:, :, :, :kept].copy_(out[:, :, :, :kept])
+    return grown
 
 
 def _located(view: CacheView, rest: list, asked: _Asked, answers: list) -> Steps[list]:

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from cluster.core import quant
 from cluster.core.geometry import DISK, HOST
 from cluster.core.tiers.aligned import aligned_empty
 from cluster.core.tiers.disk import DiskArena, DiskPageMeta
 from cluster.core.tiers.disk_format import MANIFEST_NAME
 from cluster.core.tiers.disk_reader import DiskReader
 from cluster.core.tiers.held_index import HeldView
-from cluster.disk_direct import DiskDirect, _leading_good
+from cluster.disk_direct import DiskDirect, _leading_good, _stretches
 from tests.unit._pages import GEOMETRY, PAGE_BYTES, flip_disk_byte, key, page, page_bytes
 from tests.unit._pool_harness import put_each, run, store_put_each, tiers
 
@@ -173,14 +174,37 @@ def test_a_page_that_is_not_the_one_wanted_ends_the_run(on_disk):
     assert torch.equal(out_pages(out, 0, 1)[0], page(ids[0]))
 
 
-def test_only_raw_whole_pages_count():
-    meta = DiskPageMeta(key(1), PAGE_BYTES, 0, 0)
-    encoded = DiskPageMeta(key(2), PAGE_BYTES // 2, 1, 0)  # fp8: the node decodes those
+def test_only_whole_pages_in_a_known_codec_count():
+    fp8_bytes = quant.payload_bytes(GEOMETRY.shape, torch.float32, "fp8")
+    raw = DiskPageMeta(key(1), PAGE_BYTES, 0, 0)
+    fp8 = DiskPageMeta(key(2), fp8_bytes, 1, 0)
     short = DiskPageMeta(key(2), PAGE_BYTES - 4, 0, 0)
-    assert _leading_good([meta, meta], [key(1), key(1)], PAGE_BYTES) == 2
-    assert _leading_good([meta, encoded], [key(1), key(2)], PAGE_BYTES) == 1
-    assert _leading_good([meta, short], [key(1), key(2)], PAGE_BYTES) == 1
-    assert _leading_good([None, meta], [key(1), key(1)], PAGE_BYTES) == 0
+    unknown = DiskPageMeta(key(2), fp8_bytes, 9, 0)  # a codec of a later version
+    assert _leading_good([raw, fp8], [key(1), key(2)], GEOMETRY) == 2
+    assert _leading_good([raw, short], [key(1), key(2)], GEOMETRY) == 1
+    assert _leading_good([raw, unknown], [key(1), key(2)], GEOMETRY) == 1
+    assert _leading_good([None, raw], [key(1), key(1)], GEOMETRY) == 0
+    assert _stretches([0, 0, 1, 1, 1, 0]) == [(0, 2, 0), (2, 5, 1), (5, 6, 0)]
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+def test_encoded_pages_are_decoded_as_the_node_decodes_them(harness, codec):
+    pool = harness.make(codec=codec)
+    run(put_each(pool, range(7)))
+    ids = disk_ids(pool)
+    keys = [key(i) for i in ids]
+    assert {pool.index[k].codec for k in keys} == {quant.codec_id(codec)}
+    reader = direct(pool)
+    try:
+        out = empty_out(len(keys))
+        assert reader.read(keys, reader.located(keys), out, 0) == len(keys)
+        for got, i in zip(out_pages(out, 0, len(keys)), ids, strict=True):
+            node_would = quant.decode_page(quant.encode_page(page(i), codec), codec,
+                                           GEOMETRY.shape, torch.float32)
+            assert torch.equal(got, node_would)
+            assert (got - page(i)).norm() / page(i).norm() < 0.1  # and near the page put
+    finally:
+        reader.close()
 
 
 def test_a_touch_of_disk_pages_reads_them_up(stores):
