@@ -61,8 +61,12 @@ def fetch_prefix(view: CacheView, keys: list, out: torch.Tensor | None) -> Steps
     on_disk = (view.slabs.on_disk(keys[len(hints):])
                if view.local is not None and len(hints) < len(keys) else _NO_SLOTS)
     known = len(hints) + len(on_disk)
-    if out is None and known:  # as large as the pages known here: _answer grows it if need be
-        out = view.empty(known * view.page_tokens)
+    if out is None and known and known < len(keys):
+        # out's size depends on the answers: no copy before them. The ask then starts at the
+        # first page, and so the directory hears of the request's whole prefix.
+        hints, on_disk, known = hints[:0], _NO_SLOTS, 0
+    if out is None and known:
+        out = view.empty(len(keys) * view.page_tokens)
     reading = (view.slabs.start_disk_read(keys[len(hints) : known], on_disk, out, len(hints))
                if len(on_disk) else None)  # first: the calls below go out while it reads
     asked = _ask(view, keys, known) if known < len(keys) else None
@@ -219,7 +223,8 @@ def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None
     total = start + len(places) + len(sources)
     if total == start:  # nothing past the hinted pages (and so no lease was taken)
         return start, out
-    out = _room_for(view, out, total, start)
+    if out is None:
+        out = view.empty(total * view.page_tokens)
     arrived = np.zeros(total, dtype=bool)
     arrived[:start] = True
     yield from _copy_local(view, (stamp, lease_id, places), keys, out, arrived)
@@ -231,20 +236,6 @@ def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None
     view.note_remote(view.counters["remote_pages"] - remote_before, view.fetch_s)
     misses = np.flatnonzero(~arrived)
     return (int(misses[0]) if misses.size else total), out
-
-
-def _room_for(view: CacheView, out: torch.Tensor | None, num_pages: int,
-              kept_pages: int) -> torch.Tensor:
-    """`out`, or a tensor of num_pages pages when it has fewer (one the get made for the
-    pages it knew of before the answers: their first kept_pages copied over)."""
-    num_tokens = num_pages * view.page_tokens
-    if out is not None and out.shape[3] >= num_tokens:
-        return out
-    grown = view.empty(num_tokens)
-    if out is not None and kept_pages:
-        kept = kept_pages * view.page_tokens
-        grown[:, :, :, :kept].copy_(out[:, :, :, :kept])
-    return grown
 
 
 def _located(view: CacheView, rest: list, asked: _Asked, answers: list) -> Steps[list]:

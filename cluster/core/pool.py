@@ -212,10 +212,15 @@ class Pool(ReservedPuts, PinnedGets, TierMoves, DiskLoads, LeasedSlots, DemoteAh
                 yield
 
     def beat_held(self) -> None:
-        """Stamp the held-pages indexes: readers trust them a while after this."""
+        """Stamp the held-pages indexes: readers trust them a while after this. Not the disk
+        pages' while a test injects disk faults (cluster/core/faults.py): clients then ask for
+        those pages, and the node's reads, which the faults slow or fail, serve them."""
         self.held_index.beat()
         if self.disk_held is not None:
-            self.disk_held.beat()
+            if self.disk is not None and self.disk.faults is not None:
+                self.disk_held.expire()
+            else:
+                self.disk_held.beat()
 
     def close(self) -> None:
         self.held_index.close()

@@ -154,6 +154,7 @@ class NodeStore:
         for pool in self.pools.values():
             if pool.disk is not None:
                 pool.disk.faults = faults
+            pool.beat_held()  # clients read the disk pages themselves again only without
 
     def recover_disk(self) -> int:
         """Re-open every pool found on disk and index its verified pages."""

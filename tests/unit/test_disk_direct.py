@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cluster.core import quant
+from cluster.core.faults import DiskFaults
 from cluster.core.geometry import DISK, HOST
 from cluster.core.tiers.aligned import aligned_empty
 from cluster.core.tiers.disk import DiskArena, DiskPageMeta
@@ -217,3 +218,22 @@ def test_a_touch_of_disk_pages_reads_them_up(stores):
     assert store.counters["hits_disk"] - before == len(on_disk)
     moved_up = [i for i in on_disk if pool.index[key(i)].tier != DISK]
     assert len(moved_up) == 2  # as many as the host tier holds (2 pages), as an acquire reads
+
+
+def test_injected_disk_faults_send_the_clients_to_the_node(stores):
+    """A test's disk faults slow or fail the node's reads: while they are on, the node's disk
+    index reads as stale, so clients ask the node for those pages (and meet the faults)."""
+    store = stores.make()
+    run(store_put_each(store, range(7)))
+    pool = store.pool(GEOMETRY)
+    view = HeldView(pool.disk_held.path, 1.0)
+    try:
+        assert view.alive()
+        store.set_disk_faults(DiskFaults(delay_s=0.01))
+        assert not view.alive()
+        store.beat()  # the node's periodic stamp leaves it so
+        assert not view.alive()
+        store.set_disk_faults(None)
+        assert view.alive() and len(view.prefix([key(i) for i in disk_ids(pool)])) == 3
+    finally:
+        view.close()

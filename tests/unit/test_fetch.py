@@ -325,22 +325,6 @@ def test_hinted_pages_are_copied_while_the_rest_is_asked_for(world):
     assert world.transport.reads[-1].keys == (KEYS[3],)
 
 
-def test_with_no_out_the_hinted_pages_are_copied_and_the_tensor_grows_for_the_rest(world):
-    """A get with no `out` copies the pages it knows of into a tensor of their size while the
-    rest is asked for; when more arrive, the tensor grows (the known pages kept)."""
-    world.put_local(range(2))
-    world.get()
-    world.put_local(range(2, 3))
-    world.put_remote(range(4))
-    num_pages, got = world.get()
-    assert num_pages == 4 and torch.equal(got, KV)
-    assert world.view.counters["optimistic_pages"] == 2
-    world.put_local(range(4))  # now all here, all hinted after the get that finds them
-    world.get()
-    num_pages, got = world.get()
-    assert num_pages == 4 and got.shape == KV.shape and torch.equal(got, KV)
-
-
 def test_a_stale_hint_is_a_miss_of_that_slot_and_the_node_is_asked(world):
     world.put_local(range(3))
     world.get()

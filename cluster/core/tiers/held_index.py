@@ -114,6 +114,10 @@ class HeldIndex:
         """Stamp the header: readers trust the index for max_age_s after this."""
         self._header[H_ALIVE] = time.monotonic_ns()
 
+    def expire(self) -> None:
+        """Readers stop trusting the index now (until the next beat)."""
+        self._header[H_ALIVE] = 0
+
     @contextlib.contextmanager
     def batched(self):
         """Within it, this thread's publishes and withdraws are held back and written at its
