@@ -36,7 +36,7 @@ from cluster.core.copies import Pair, copy_pages
 from cluster.core.geometry import DISK, PageGeometry
 from cluster.core.kvcheck import page_rows, slab_order
 from cluster.core.tiers.aligned import aligned_empty, round_up
-from cluster.core.tiers.disk_reader import DiskReader
+from cluster.core.tiers.disk_reader import READER_THREADS, DiskReader
 from cluster.core.tiers.held_index import HeldView
 from cluster.core.tiers.slot_table import SLOT, TIER
 
@@ -49,11 +49,12 @@ class DiskDirect:
     docstring). Thread-safe."""
 
     def __init__(self, geometry: PageGeometry, held_path: str, disk_dir: str,
-                 max_age_s: float) -> None:
+                 max_age_s: float, num_threads: int = READER_THREADS) -> None:
+        """`num_threads`: the reads in flight, as many as the node's disk tier keeps."""
         self.geometry = geometry
         self._held = HeldView(held_path, max_age_s)
         try:
-            self._reader = DiskReader(disk_dir)
+            self._reader = DiskReader(disk_dir, num_threads or READER_THREADS)
         except BaseException:
             self._held.close()
             raise
@@ -130,10 +131,6 @@ class DiskDirect:
             if len(self._staging) > MAX_STAGING:  # keep the largest
                 self._staging.sort(key=lambda staged: staged.nbytes)
                 self._staging.pop(0)
-
-    @property
-    def bytes_read(self) -> int:
-        return self._reader.bytes_read
 
     def close(self) -> None:
         self._starter.shutdown(wait=True)

@@ -147,7 +147,7 @@ class LocalSlabs:
         if found is not None:
             try:
                 self._disk = DiskDirect(self.geometry, found.disk_held_path, found.disk_dir,
-                                        HELD_MAX_AGE_S)
+                                        HELD_MAX_AGE_S, found.disk_threads)
             except (OSError, ValueError, KeyError) as error:
                 log.warning("could not open the node's disk tier for reads (its disk pages "
                             "are asked for): %s", error)
@@ -167,16 +167,14 @@ class LocalSlabs:
         arrived whole in out's pages first_page.., the seconds it took)."""
         with self._lock:
             disk = self._disk
-        if disk is None:  # remapped away meanwhile: a miss
-            done: Future = Future()
-            done.set_result((0, 0.0))
-            return done
         try:
-            return disk.start(keys, slots, out, first_page)
-        except RuntimeError:  # closed by a remap, or the interpreter is exiting: a miss
-            done = Future()
-            done.set_result((0, 0.0))
-            return done
+            if disk is not None:
+                return disk.start(keys, slots, out, first_page)
+        except RuntimeError:  # closed by a remap, or the interpreter is exiting
+            pass
+        missed: Future = Future()  # remapped away meanwhile, or closed: a miss
+        missed.set_result((0, 0.0))
+        return missed
 
     def fault_in(self, places: np.ndarray) -> int:
         """Fault in the chunks of `places` (a slot table) that this client has not touched

@@ -154,7 +154,7 @@ class NodeStore:
         for pool in self.pools.values():
             if pool.disk is not None:
                 pool.disk.faults = faults
-            pool.beat_held()  # clients read the disk pages themselves again only without
+            pool.beat_held()  # with faults on, the disk index reads as stale from now on
 
     def recover_disk(self) -> int:
         """Re-open every pool found on disk and index its verified pages."""
@@ -175,7 +175,8 @@ class NodeStore:
         """What a same-node client maps: each memory tier, with the pool's held-pages index."""
         pool = self.pool(geometry)
         disk = {} if pool.disk_held is None else {"disk_held_path": pool.disk_held.path,
-                                                    "disk_dir": pool.disk.dir_path}
+                                                    "disk_dir": pool.disk.dir_path,
+                                                    "disk_threads": pool.disk.num_threads}
         return [dataclasses.replace(arena.descriptor(), held_path=pool.held_index.path, **disk)
                 for arena in pool.memory]
 

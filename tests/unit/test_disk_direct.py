@@ -237,3 +237,15 @@ def test_injected_disk_faults_send_the_clients_to_the_node(stores):
         assert view.alive() and len(view.prefix([key(i) for i in disk_ids(pool)])) == 3
     finally:
         view.close()
+
+
+def test_the_clients_read_with_as_many_threads_as_the_node(stores):
+    store = stores.make()  # disk_threads=2 (the harness's StoreConfig)
+    run(store_put_each(store, range(7)))
+    found = store.descriptors(GEOMETRY)[0]
+    assert found.disk_threads == store.pool(GEOMETRY).disk.num_threads == 2
+    reader = DiskDirect(GEOMETRY, found.disk_held_path, found.disk_dir, 1.0, found.disk_threads)
+    try:
+        assert reader._reader.num_threads == 2
+    finally:
+        reader.close()

@@ -44,8 +44,6 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 from cluster.core.faults import DiskFaults
 from cluster.core.keys import KEY_BYTES as KEY_BYTES
 from cluster.core.tiers.aligned import ALIGN_BYTES as ALIGN_BYTES
@@ -75,6 +73,7 @@ from cluster.core.tiers.disk_reads import _checksum as _checksum
 from cluster.core.tiers.disk_runs import DiskRuns
 from cluster.core.tiers.disk_scan import SCAN_CHUNK_SLOTS as SCAN_CHUNK_SLOTS
 from cluster.core.tiers.disk_scan import DiskScan
+from cluster.core.tiers.disk_slots import SlabSlots, open_slabs, slab_path
 from cluster.core.tiers.disk_writes import DiskWrites
 
 logger = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ def _open_file(path: str, flags: int) -> int:
     return open_private(path, flags)
 
 
-class DiskArena(DiskReads, DiskScan, DiskWrites, DiskRuns):
+class DiskArena(DiskReads, DiskScan, DiskWrites, DiskRuns, SlabSlots):
     """Fixed-size page slots in slab files under `dir_path`, addressed by slot id.
 
     Thread-safe: alloc/free and the counters take a lock, and batches may run concurrently
@@ -172,18 +171,10 @@ class DiskArena(DiskReads, DiskScan, DiskWrites, DiskRuns):
     def _open_slabs(self) -> list[int]:
         if not _O_DIRECT:
             self._fall_back("this platform has no O_DIRECT")
-        fds: list[int] = []
-        try:
-            for index in range(self.num_files):
-                fds.append(self._open_slab(index))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return fds
+        return open_slabs(self.num_files, self._open_slab)
 
     def _open_slab(self, index: int) -> int:
-        path = os.path.join(self.dir_path, f"slab-{index:05d}.bin")
+        path = slab_path(self.dir_path, index)
         fd = self._open_fd(path)
         size_bytes = self._slab_size_bytes(index)
         if os.fstat(fd).st_size < size_bytes:
@@ -210,10 +201,6 @@ class DiskArena(DiskReads, DiskScan, DiskWrites, DiskRuns):
             self.direct_io = False
             warnings.warn(f"{reason}; the disk tier uses buffered I/O", RuntimeWarning,
                           stacklevel=2)
-
-    def _locate(self, slot: int) -> tuple[int, int]:
-        file_index, index_in_file = divmod(slot, self.slots_per_file)
-        return self._fds[file_index], index_in_file * self.slot_bytes
 
     def alloc(self) -> int | None:
         """A free slot; None when the budget (or the filesystem) has no room for one."""
@@ -311,10 +298,6 @@ class DiskArena(DiskReads, DiskScan, DiskWrites, DiskRuns):
             self.bytes_read += read_bytes
             self.bytes_written += written_bytes
             self.checksum_failures += checksum_failures
-
-    def _check_slot(self, slot: int) -> None:
-        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot {slot!r} is not in [0, {self.num_slots})")
 
     def _run(self, func: Callable, args_list: list[tuple]) -> list:
         """func(*args) for each args: inline for one, across the thread pool for more."""

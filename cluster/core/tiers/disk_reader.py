@@ -24,18 +24,17 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 from cluster.core.tiers.aligned import AlignedBufferPool, direct_reads_work, round_up
 from cluster.core.tiers.disk_format import HEADER_BYTES, MANIFEST_NAME
 from cluster.core.tiers.disk_reads import DiskReads
 from cluster.core.tiers.disk_runs import DiskRuns
+from cluster.core.tiers.disk_slots import SlabSlots, open_slabs, slab_path
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-READER_THREADS = 4  # the service's default disk_threads: as many reads in flight as its own
+READER_THREADS = 4  # the default; a client passes its node's disk_threads (store.descriptors)
 
 
-class DiskReader(DiskReads, DiskRuns):
+class DiskReader(DiskReads, DiskRuns, SlabSlots):
     """read_pages(slots, outs) over the slab files of the arena in `dir_path` (see the module
     docstring); thread-safe. `faults` is always None here (the node's arena has the hooks)."""
 
@@ -56,22 +55,12 @@ class DiskReader(DiskReads, DiskRuns):
         self.bytes_read = 0
         self.checksum_failures = 0
         self._lock = threading.Lock()
-        self._fds = self._open_slabs(int(geometry["num_files"]))
+        self._fds = open_slabs(int(geometry["num_files"]),
+                               lambda index: self._open_slab(slab_path(dir_path, index)))
         self._small = AlignedBufferPool(2 * HEADER_BYTES, max_buffers=2 * num_threads)
         self._staging = AlignedBufferPool(self._span_bytes, max_buffers=2 * num_threads)
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="raykv-disk-read")
         self._closed = False
-
-    def _open_slabs(self, num_files: int) -> list[int]:
-        fds: list[int] = []
-        try:
-            for index in range(num_files):
-                fds.append(self._open_slab(os.path.join(self.dir_path, f"slab-{index:05d}.bin")))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return fds
 
     @staticmethod
     def _open_slab(path: str) -> int:
@@ -89,14 +78,6 @@ class DiskReader(DiskReads, DiskRuns):
                     pass
                 os.close(fd)
         return os.open(path, flags)  # buffered, as the arena falls back on such a filesystem
-
-    def _locate(self, slot: int) -> tuple[int, int]:
-        file_index, index_in_file = divmod(slot, self.slots_per_file)
-        return self._fds[file_index], index_in_file * self.slot_bytes
-
-    def _check_slot(self, slot: int) -> None:
-        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot {slot!r} is not in [0, {self.num_slots})")
 
     def _count(self, read_bytes: int = 0, written_bytes: int = 0,
                checksum_failures: int = 0) -> None:

@@ -59,6 +59,7 @@ class ArenaDescriptor:
     held_path: str | None = None  # the pool's held-pages index (held_index.py), if any
     disk_held_path: str | None = None  # its disk pages' index, if it has a disk tier
     disk_dir: str | None = None  # ... and where their slab files are (disk_reader.py)
+    disk_threads: int = 0  # ... and how many reads the node keeps in flight on them
 
     @property
     def layout_version(self) -> int:
