@@ -29,15 +29,19 @@ from cluster.core.tiers.aligned import aligned_empty
 class DiskLoads:
     """Pool's disk-to-host reads. Uses the pool's index, tiers, loads claims and make_room."""
 
-    async def load_from_disk(self, keys: list[PageKey]) -> None:
-        """Read the disk-resident pages among `keys` up into host, in one batched read."""
+    async def load_from_disk(self, keys: list[PageKey], keep_unmoved: bool = False) -> None:
+        """Read the disk-resident pages among `keys` up into host, in one batched read.
+
+        `keep_unmoved`: a read-up that no request waits on (a touch's, a prefetch's) takes
+        only the room the host's victims leave by going down to disk; it drops none of them
+        (a failing disk, say), and the pages that find no room stay on disk (demote)."""
         wanted = [k for k in keys if k in self._loads or self._on_disk_ready(k)]
         todo, waits, done = self._loads.claim(wanted)
         for key in todo:
             self.index[key].state = State.MOVING
         try:
             if todo:
-                await self._read_disk_batch(todo)
+                await self._read_disk_batch(todo, keep_unmoved)
         finally:
             for key in todo:
                 if key in self.index:
@@ -49,7 +53,7 @@ class DiskLoads:
         entry = self.index.get(key)
         return entry is not None and entry.tier == DISK and entry.state == State.READY
 
-    async def _read_disk_batch(self, keys: list[PageKey]) -> None:
+    async def _read_disk_batch(self, keys: list[PageKey], keep_unmoved: bool) -> None:
         keys = keys[: self._num_slots(HOST)]
         self.note_host_batch(len(keys))  # before it takes free room: demote_ahead.py
         if self._free_slots(HOST) < len(keys):  # room with no write: unused leased slots
@@ -69,7 +73,7 @@ class DiskLoads:
         staging = [block[i * slot_bytes : (i + 1) * slot_bytes] for i in range(len(keys))]
         reading = asyncio.ensure_future(self._read_pages(keys, staging))
         try:
-            await self.make_room(HOST, len(keys))
+            await self.make_room(HOST, len(keys), keep_unmoved=keep_unmoved)
         finally:
             metas = await reading
         fits = min(len(keys), self._free_slots(HOST))

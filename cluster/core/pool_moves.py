@@ -31,13 +31,14 @@ class TierMoves:
     (put_leases.py, demote_ahead.py, checksums_ahead.py)."""
 
 
-    async def make_room(self, tier: int, num_pages: int, namespace: str = "") -> bool:
+    async def make_room(self, tier: int, num_pages: int, namespace: str = "",
+                        keep_unmoved: bool = False) -> bool:
         """Free up to `num_pages` slots in `tier`: first by revoking unused leased slots
         (put_leases.py), then by taking chunks the node's budget can give (from other pools,
         per the quotas), then by demoting this pool's own unpinned victims, as the namespace
         quotas allow; the memory of new chunks is faulted in off the event loop (ready_held).
-        True when all of it is free."""
-        room = await self._free_room(tier, num_pages, namespace)
+        True when all of it is free. `keep_unmoved`: see demote."""
+        room = await self._free_room(tier, num_pages, namespace, keep_unmoved)
         if tier != DISK:
             await self.ready_held(tier, num_pages)
         return room
@@ -61,7 +62,8 @@ class TierMoves:
             arena.slots.open_ahead(chunk)
             arena.note_ready_on_path(time.perf_counter() - started_s)
 
-    async def _free_room(self, tier: int, num_pages: int, namespace: str) -> bool:
+    async def _free_room(self, tier: int, num_pages: int, namespace: str,
+                         keep_unmoved: bool) -> bool:
         if tier == DISK:  # slots freed since the last flush come back once their headers are zeroed
             await self.flush_disk_frees()
         elif tier == HOST:
@@ -77,12 +79,18 @@ class TierMoves:
             return True
         victims = guarded_victims(self, tier, shortfall, namespace)
         if victims:
-            await self.demote(victims, tier)
+            await self.demote(victims, tier, keep_unmoved)
         return self._free_slots(tier) >= num_pages
 
-    async def demote(self, keys: list[PageKey], tier: int) -> None:
+    async def demote(self, keys: list[PageKey], tier: int,
+                     keep_unmoved: bool = False) -> list[PageKey]:
         """Move pages down: into the next tier with room (skipping a full or absent one),
-        dropping only what no lower tier can take."""
+        dropping only what no lower tier can take; returns the keys not moved.
+
+        `keep_unmoved`: what no lower tier takes (a failing disk, say) stays where it is
+        instead. Dropping a page is worth it only to store a new one, which exists nowhere
+        else (a put); room for a page that is safe where it is (a read-up from disk, a
+        promotion, room kept ahead of need) is not worth a page lost."""
         self.evictions[tier] += len(keys)
         for key in keys:
             self.index[key].state = State.MOVING
@@ -91,17 +99,21 @@ class TierMoves:
         try:
             for below in range(tier + 1, DISK + 1):
                 if remaining and self._num_slots(below):
-                    remaining = await self._move_down(remaining, below, pins)
+                    remaining = await self._move_down(remaining, below, pins, keep_unmoved)
         finally:
             for key in keys:
                 if key in self.index:
                     self.index[key].state = State.READY
+        if keep_unmoved:
+            self.evictions[tier] -= len(remaining)
+            return remaining
         with self.held_batched():
             for key in remaining:  # a page a reader pinned while moving stays where it is
                 if key in self.index and self.index[key].pins == 0:
                     self.drop(key)
         if tier == DISK:  # so that the room (or a chunk) they held is free at once
             await self.flush_disk_frees()
+        return remaining
 
     async def flush_disk_frees(self) -> int:
         """Zero the headers of the disk slots freed since the last flush (in a thread), so
@@ -110,10 +122,13 @@ class TierMoves:
             return 0
         return await asyncio.to_thread(self.disk.flush_freed)
 
-    async def _move_down(self, keys: list[PageKey], below: int,
-                         pins: dict[PageKey, int]) -> list[PageKey]:
+    async def _move_down(self, keys: list[PageKey], below: int, pins: dict[PageKey, int],
+                         keep_unmoved: bool) -> list[PageKey]:
         """Move what fits into `below`; returns the keys left over."""
-        await self.make_room(below, min(len(keys), self._num_slots(below)))
+        # The bottom tier makes room as always (its coldest pages give way to warmer ones);
+        # keep_unmoved is about writes that fail, not about a disk at capacity.
+        await self.make_room(below, min(len(keys), self._num_slots(below)),
+                             keep_unmoved=keep_unmoved and below != DISK)
         room = self._free_slots(below)
         batch, rest = keys[:room], keys[room:]
         if below == DISK:
@@ -218,7 +233,8 @@ class TierMoves:
             self.index[key].state = State.MOVING
         pins = {key: self.index[key].pins for key in movable}  # before make_room's awaits
         try:
-            await self.make_room(DEVICE, min(len(movable), self._num_slots(DEVICE)))
+            await self.make_room(DEVICE, min(len(movable), self._num_slots(DEVICE)),
+                                 keep_unmoved=True)
             await self._move_memory(movable[: self._free_slots(DEVICE)], DEVICE, pins)
         finally:
             for key in movable:

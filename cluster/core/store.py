@@ -337,7 +337,7 @@ class NodeStore:
             return 0
         tiers = pool.touch(keys)
         if DISK in tiers:
-            await pool.load_from_disk(keys)
+            await pool.load_from_disk(keys, keep_unmoved=True)
         await pool.promote_many(keys)
         for tier in tiers:
             self.counters[f"hits_{TIER_NAMES[tier]}"] += 1
@@ -382,7 +382,7 @@ class NodeStore:
         """Promote the local prefix toward the top tier; returns pages now in memory."""
         pool = self.pool(geometry)
         count = pool.local_prefix(keys)
-        await pool.load_from_disk(keys[:count])
+        await pool.load_from_disk(keys[:count], keep_unmoved=True)
         await pool.promote_many(keys[:count])
         return sum(1 for k in keys[:count] if k in pool.index and pool.index[k].tier < DISK)
 

@@ -112,11 +112,15 @@ def _answers(client) -> bool:
 def test_a_full_disk_degrades_to_dropped_pages_and_the_service_lives(client, clear_faults):
     ray.get(node(client).inject_fault("full_disk"), timeout=30)
     before = node_stats(client)["disk_bytes_written"]
-    put_all(client, range(200, 240))  # every put is stored: demotions drop instead
+    for index in range(200, 240):  # every put is stored: demotions drop older pages instead
+        put_all(client, [index])
+        assert check_gets(client, [index])["full"] == 1, f"prompt {index} just put"
     stats = node_stats(client)
     assert stats["disk_bytes_written"] == before and stats["reservations"] == 0
-    counts = check_gets(client, range(200, 240))
-    assert counts["full"] >= 5, counts  # the newest pages are in memory
+    # Which older ones are left is the eviction policy's choice (pages read before rank above
+    # pages put once); that none comes back wrong is not, and the last put's is still here:
+    # room kept ahead of need drops nothing (cluster/core/demote_ahead.py).
+    assert check_gets(client, range(200, 240))["full"] >= 1
     ray.get(node(client).inject_fault("clear"), timeout=30)
     put_all(client, range(240, 260))
     assert node_stats(client)["disk_bytes_written"] > before  # the disk takes pages again

@@ -4,11 +4,13 @@ fits it writes nothing on its own path. Pure asyncio pools, no Ray."""
 
 from __future__ import annotations
 
+import errno
 import time
 
 import torch
 
-from cluster.core.demote_ahead import MAX_FRACTION, WINDOW_S, RecentPeak
+from cluster.core.demote_ahead import MAX_FRACTION, RETRY_S, WINDOW_S, RecentPeak
+from cluster.core.faults import DiskFaults
 from cluster.core.geometry import HOST
 from cluster.core.store import NodeStore
 from tests.unit._pages import key, page
@@ -76,9 +78,9 @@ def test_the_counters_move_together_while_the_demotion_writes_run(harness):
     evicted, seen = pool.evictions[HOST], []
     move_down = pool._move_down
 
-    async def watched(keys, below, pins):
+    async def watched(keys, below, pins, keep_unmoved):
         seen.append((pool.evictions[HOST] - evicted, pool.demoted_ahead))
-        return await move_down(keys, below, pins)
+        return await move_down(keys, below, pins, keep_unmoved)
 
     pool._move_down = watched
     assert run(pool.demote_ahead()) == 2
@@ -160,3 +162,50 @@ def test_without_a_disk_tier_a_short_lease_demotes_nothing(harness):
     assert pool.lease_free(HOST, 2) == []
     assert pool.headroom_pages() == 0 and run(pool.demote_ahead()) == 0
     assert tiers(pool)["host"] == [0, 1, 2, 3]
+
+
+def _full_host_with_headroom(harness):
+    pool = harness.make(device_pages=0, host_pages=8, disk_pages=16, eviction="lru")
+    run(put_each(pool, range(8)))
+    run(put(pool, [8, 9, 10, 11]))  # leaned on the host: 2 pages are to be kept free
+    assert pool.headroom_short() == 2
+    return pool
+
+
+def test_a_disk_that_fails_its_writes_costs_no_page_for_headroom(harness):
+    """Room kept ahead is not worth a page: the victims the disk refuses stay in host, and
+    the loop waits RETRY_S before it tries again (it used to drop them, pass after pass)."""
+    pool = _full_host_with_headroom(harness)
+    host, evicted = tiers(pool)["host"], pool.evictions[HOST]
+    pool.disk.faults = DiskFaults(write_errno=errno.ENOSPC)
+    assert run(pool.demote_ahead()) == 0
+    assert tiers(pool)["host"] == host and pool.demoted_ahead == 0
+    assert pool.evictions[HOST] == evicted  # nothing left the tier
+    assert pool.ahead_retry_s > time.monotonic() + RETRY_S - 1
+    pool.disk.faults = None
+    assert run(pool.demote_ahead()) == 0  # within RETRY_S: no pass, however short
+    pool.ahead_retry_s = 0.0  # RETRY_S later
+    assert run(pool.demote_ahead()) == 2 and pool.demoted_ahead == 2
+    for i in range(4, 12):
+        got = run(read(pool, [i]))
+        assert got[0].view(torch.uint8).equal(page(i).view(torch.uint8)), f"page {i}"
+    assert_slots_consistent(pool)
+
+
+def test_a_read_up_no_request_waits_on_drops_nothing_when_the_disk_fails_writes(harness):
+    """A touch's or a prefetch's read-up: its pages are safe on disk, so it takes room only
+    where the victims can be written; a read-up for an acquire still makes its room."""
+    pool = harness.make(device_pages=0, host_pages=8, disk_pages=16, eviction="lru")
+    run(put_each(pool, range(12)))  # 0-3 on disk, 4-11 in host
+    pool.disk.faults = DiskFaults(write_errno=errno.ENOSPC)
+    run(pool.load_from_disk([key(0), key(1)], keep_unmoved=True))
+    assert tiers(pool)["host"] == list(range(4, 12)) and tiers(pool)["disk"] == [0, 1, 2, 3]
+    run(pool.load_from_disk([key(2)]))  # an acquire's: the coldest host page is dropped
+    assert sorted(tiers(pool)["host"]) == [2, *range(5, 12)] and 4 not in tiers(pool)["disk"]
+    pool.disk.faults = None
+    run(pool.load_from_disk([key(0), key(1)], keep_unmoved=True))  # the disk takes victims
+    assert sorted(tiers(pool)["host"]) == [0, 1, 2, 7, 8, 9, 10, 11]
+    for i in [0, 1, 2, 3, *range(5, 12)]:
+        got = run(read(pool, [i]))
+        assert got[0].view(torch.uint8).equal(page(i).view(torch.uint8)), f"page {i}"
+    assert_slots_consistent(pool)

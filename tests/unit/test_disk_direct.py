@@ -209,7 +209,7 @@ def test_encoded_pages_are_decoded_as_the_node_decodes_them(harness, codec):
 
 
 def test_a_touch_of_disk_pages_reads_them_up(stores):
-    store = stores.make()
+    store = stores.make(disk_pages=5)  # 3 of 5 disk slots used: room for host's victims
     run(store_put_each(store, range(7)))
     pool = store.pool(GEOMETRY)
     on_disk = disk_ids(pool)
@@ -218,6 +218,18 @@ def test_a_touch_of_disk_pages_reads_them_up(stores):
     assert store.counters["hits_disk"] - before == len(on_disk)
     moved_up = [i for i in on_disk if pool.index[key(i)].tier != DISK]
     assert len(moved_up) == 2  # as many as the host tier holds (2 pages), as an acquire reads
+    assert len(pool.index) == 7  # the host pages they replaced went down to disk
+
+
+def test_a_read_up_drops_no_page_to_make_its_room(stores):
+    """A disk with no slot to spare but those being read up: the host's victims have nowhere
+    to go, so the pages stay on disk (still read from there) and no page is lost."""
+    store = stores.make()  # 3 disk slots, all used
+    run(store_put_each(store, range(7)))
+    pool = store.pool(GEOMETRY)
+    on_disk = disk_ids(pool)
+    assert run(store.touch(GEOMETRY, [key(i) for i in on_disk])) == len(on_disk)
+    assert len(pool.index) == 7 and disk_ids(pool) == on_disk
 
 
 def test_injected_disk_faults_send_the_clients_to_the_node(stores):

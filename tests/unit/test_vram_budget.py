@@ -147,9 +147,9 @@ def test_a_page_pinned_while_its_move_makes_room_stays_where_its_reader_found_it
     host_slot = pool.index[key(1)].slot
     made_room = pool.make_room
 
-    async def make_room_pinned_meanwhile(tier, num_pages, namespace=""):
+    async def make_room_pinned_meanwhile(tier, num_pages, namespace="", **options):
         pool.index[key(1)].pins += 1  # a reader pins the page while room is being made
-        return await made_room(tier, num_pages, namespace)
+        return await made_room(tier, num_pages, namespace, **options)
 
     pool.make_room = make_room_pinned_meanwhile
     asyncio.run(pool.promote_many([key(1)]))
