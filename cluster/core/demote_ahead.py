@@ -18,7 +18,8 @@ that never sees such batches (one that is not full, or has no disk below it) kee
 free, so the capacity this costs is only what the workload's own batches need.
 
 Room kept ahead is never worth a page: a victim the disk does not take (a full or failing
-disk) stays in host, and the loop tries again only RETRY_S later. Before, each pass dropped
+disk) stays in host, and no pass runs until DISK_RETRY_S after the failed write
+(pool_moves.py). Before, each pass dropped
 the coldest pages (a put's newest, under the putdepth policy) for room no batch had asked
 for yet, and the loop ran again at once: a full disk emptied the host tier in seconds.
 """
@@ -33,7 +34,6 @@ from cluster.core.geometry import HOST
 
 WINDOW_S = 60.0  # how long a batch's size is kept in mind after the last one like it
 MAX_FRACTION = 0.25  # of the host tier's slots, the most that is kept free
-RETRY_S = 5.0  # after a pass whose writes failed (a full or failing disk): the next pass
 
 
 @dataclass(slots=True)
@@ -56,11 +56,11 @@ class RecentPeak:
 
 
 class DemoteAhead:
-    """Pool's host headroom. Uses the pool's tiers, policies, room lock and demote."""
+    """Pool's host headroom. Uses the pool's tiers, policies, room lock, demote and
+    disk_failing (pool_moves.py)."""
 
     host_peak: RecentPeak
     demoted_ahead: int
-    ahead_retry_s: float  # monotonic time before which no pass runs (0: none waits)
 
     def headroom_pages(self, now_s: float | None = None) -> int:
         """Host slots kept free now: the recent peak batch, capped; 0 without a disk tier."""
@@ -98,8 +98,8 @@ class DemoteAhead:
     async def demote_ahead(self) -> int:
         """Demote the host tier's coldest unpinned pages to disk until the headroom is free
         (the node's loop, between requests); returns how many were demoted. Pages the disk
-        does not take stay in host, and no pass runs for RETRY_S after."""
-        if time.monotonic() < self.ahead_retry_s or not self.headroom_short():
+        does not take stay in host, and no pass runs while the disk fails its writes."""
+        if self.disk_failing() or not self.headroom_short():
             return 0
         async with self.room_lock:  # a put's own room is not split with this pass
             shortfall = self.headroom_short()
@@ -111,6 +111,4 @@ class DemoteAhead:
                 self.demoted_ahead += len(victims)
                 kept = await self.demote(victims, HOST, keep_unmoved=True)
                 self.demoted_ahead -= len(kept)
-            if kept:
-                self.ahead_retry_s = time.monotonic() + RETRY_S
         return len(victims) - len(kept)

@@ -122,7 +122,7 @@ class Pool(ReservedPuts, PinnedGets, TierMoves, DiskLoads, LeasedSlots, DemoteAh
         # them between requests (demote_ahead.py).
         self.host_peak = RecentPeak()
         self.demoted_ahead = 0
-        self.ahead_retry_s = 0.0
+        self.disk_retry_s = 0.0  # a failed disk write's wait (pool_moves.DISK_RETRY_S)
         self._init_checksums()  # host pages hashed between requests (checksums_ahead.py)
 
     def _on_event(self, key: PageKey, tier: int | None) -> None:

@@ -24,6 +24,11 @@ from cluster.core.keys import PageKey
 from cluster.core.pool_entry import Entry, State
 from cluster.core.tiers.device_copy import tier_copies
 
+# After a disk write failed (a full or failing disk), for this long: no disk page is evicted to
+# make room for writes that would likely fail too, and no demotion runs ahead of need. Writes
+# into free disk slots are still tried; one that lands ends the wait.
+DISK_RETRY_S = 5.0
+
 
 class TierMoves:
     """Pool's demotions, promotions and drops. Uses the pool's index, tiers, policies, codec,
@@ -115,6 +120,10 @@ class TierMoves:
             await self.flush_disk_frees()
         return remaining
 
+    def disk_failing(self) -> bool:
+        """Whether a disk write failed within DISK_RETRY_S (none has landed since)."""
+        return time.monotonic() < self.disk_retry_s
+
     async def flush_disk_frees(self) -> int:
         """Zero the headers of the disk slots freed since the last flush (in a thread), so
         their pages do not come back after a restart, and hand the slots out again."""
@@ -126,9 +135,13 @@ class TierMoves:
                          keep_unmoved: bool) -> list[PageKey]:
         """Move what fits into `below`; returns the keys left over."""
         # The bottom tier makes room as always (its coldest pages give way to warmer ones);
-        # keep_unmoved is about writes that fail, not about a disk at capacity.
-        await self.make_room(below, min(len(keys), self._num_slots(below)),
-                             keep_unmoved=keep_unmoved and below != DISK)
+        # keep_unmoved is about writes that fail, not about a disk at capacity. Not while the
+        # disk fails its writes: the pages evicted for them would be lost for nothing.
+        if below != DISK or not self.disk_failing():
+            await self.make_room(below, min(len(keys), self._num_slots(below)),
+                                 keep_unmoved=keep_unmoved and below != DISK)
+        else:  # the slots freed since the last flush, and no more: a write that lands ends it
+            await self.flush_disk_frees()
         room = self._free_slots(below)
         batch, rest = keys[:room], keys[room:]
         if below == DISK:
@@ -199,9 +212,13 @@ class TierMoves:
         self.inline_checksums += sums.count(None)
         # Durable mode: the batch is fdatasynced before this returns, so the page is on disk
         # for good before _relocate tells anyone so.
+        if not items:
+            return []
         metas = await asyncio.to_thread(self.disk.write_or_free, items, namespaces, sums)
-        if metas is None:
-            return []  # a full or failing disk: these pages are dropped instead
+        if metas is None:  # a full or failing disk: these pages are dropped (or kept) instead
+            self.disk_retry_s = time.monotonic() + DISK_RETRY_S
+            return []
+        self.disk_retry_s = 0.0
         with self.held_batched():
             for (slot, _, codec, _), key, entry, meta in zip(items, moved, entries, metas,
                                                             strict=True):

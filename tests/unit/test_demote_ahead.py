@@ -9,9 +9,10 @@ import time
 
 import torch
 
-from cluster.core.demote_ahead import MAX_FRACTION, RETRY_S, WINDOW_S, RecentPeak
+from cluster.core.demote_ahead import MAX_FRACTION, WINDOW_S, RecentPeak
 from cluster.core.faults import DiskFaults
 from cluster.core.geometry import HOST
+from cluster.core.pool_moves import DISK_RETRY_S
 from cluster.core.store import NodeStore
 from tests.unit._pages import key, page
 from tests.unit._pool_harness import (
@@ -174,17 +175,18 @@ def _full_host_with_headroom(harness):
 
 def test_a_disk_that_fails_its_writes_costs_no_page_for_headroom(harness):
     """Room kept ahead is not worth a page: the victims the disk refuses stay in host, and
-    the loop waits RETRY_S before it tries again (it used to drop them, pass after pass)."""
+    the loop waits DISK_RETRY_S before it tries again (it used to drop them, pass after
+    pass)."""
     pool = _full_host_with_headroom(harness)
     host, evicted = tiers(pool)["host"], pool.evictions[HOST]
     pool.disk.faults = DiskFaults(write_errno=errno.ENOSPC)
     assert run(pool.demote_ahead()) == 0
     assert tiers(pool)["host"] == host and pool.demoted_ahead == 0
     assert pool.evictions[HOST] == evicted  # nothing left the tier
-    assert pool.ahead_retry_s > time.monotonic() + RETRY_S - 1
+    assert pool.disk_failing() and pool.disk_retry_s > time.monotonic() + DISK_RETRY_S - 1
     pool.disk.faults = None
-    assert run(pool.demote_ahead()) == 0  # within RETRY_S: no pass, however short
-    pool.ahead_retry_s = 0.0  # RETRY_S later
+    assert run(pool.demote_ahead()) == 0  # within DISK_RETRY_S: no pass, however short
+    pool.disk_retry_s = 0.0  # DISK_RETRY_S later
     assert run(pool.demote_ahead()) == 2 and pool.demoted_ahead == 2
     for i in range(4, 12):
         got = run(read(pool, [i]))
@@ -206,6 +208,29 @@ def test_a_read_up_no_request_waits_on_drops_nothing_when_the_disk_fails_writes(
     run(pool.load_from_disk([key(0), key(1)], keep_unmoved=True))  # the disk takes victims
     assert sorted(tiers(pool)["host"]) == [0, 1, 2, 7, 8, 9, 10, 11]
     for i in [0, 1, 2, 3, *range(5, 12)]:
+        got = run(read(pool, [i]))
+        assert got[0].view(torch.uint8).equal(page(i).view(torch.uint8)), f"page {i}"
+    assert_slots_consistent(pool)
+
+
+def test_a_failing_disk_loses_no_disk_page_to_make_room_for_writes(harness):
+    """Puts into a full host over a full disk that fails its writes: each put is stored (host
+    victims are dropped for it), and no disk page is evicted for writes that would fail; once
+    a write lands again, the disk takes pages as always."""
+    pool = harness.make(device_pages=0, host_pages=4, disk_pages=4, eviction="lru")
+    run(put_each(pool, range(8)))  # 0-3 on disk (full), 4-7 in host (full)
+    assert tiers(pool)["disk"] == [0, 1, 2, 3]
+    pool.disk.faults = DiskFaults(write_errno=errno.EIO)
+    run(put(pool, [8]))  # the first write fails: the disk had evicted page 0 for it
+    assert pool.disk_failing() and tiers(pool)["disk"] == [1, 2, 3]
+    run(put(pool, [9, 10]))  # two victims, one free disk slot: none evicted for the other
+    assert tiers(pool)["disk"] == [1, 2, 3]
+    assert {8, 9, 10} <= set(tiers(pool)["host"])  # every put stored
+    pool.disk.faults = None
+    pool.disk_retry_s = 0.0  # DISK_RETRY_S later
+    run(put(pool, [11]))
+    assert not pool.disk_failing() and len(tiers(pool)["disk"]) == 4  # the disk takes pages
+    for i in tiers(pool)["host"]:
         got = run(read(pool, [i]))
         assert got[0].view(torch.uint8).equal(page(i).view(torch.uint8)), f"page {i}"
     assert_slots_consistent(pool)
