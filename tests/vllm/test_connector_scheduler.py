@@ -320,7 +320,12 @@ def test_a_load_estimated_past_the_budget_runs_in_the_background(client, monkeyp
     connector = timed_scheduler(client, monkeypatch, step_s=0.5)
     connector._budget.remaining_s = 0.0005  # less than the 1 ms the last such load took
     connector._lookups.lookup_s = 0.0
-    assert connector.get_num_new_matched_tokens(request("b"), 0) == (96, True)
+    req = request("b")
+    matched = connector.get_num_new_matched_tokens(req, 0)
+    if matched == (None, False):  # the lookup outran the 0.5 ms wait (a busy machine): vLLM
+        connector._lookups._pending["b"][0].result(timeout=5)  # asks again in this step
+        matched = connector.get_num_new_matched_tokens(req, 0)
+    assert matched == (96, True)
     assert connector.num_sync_loads == 0
     connector.shutdown()
 
