@@ -19,9 +19,9 @@ free, so the capacity this costs is only what the workload's own batches need.
 
 Room kept ahead is never worth a page: a victim the disk does not take (a full or failing
 disk) stays in host, and no pass runs until DISK_RETRY_S after the failed write
-(pool_moves.py). Before, each pass dropped
-the coldest pages (a put's newest, under the putdepth policy) for room no batch had asked
-for yet, and the loop ran again at once: a full disk emptied the host tier in seconds.
+(pool_moves.py). Before, each pass dropped the coldest pages (a put's newest, under the
+putdepth policy) for room no batch had asked for yet, and the next pass, a loop tick later,
+dropped more.
 """
 
 from __future__ import annotations

@@ -71,6 +71,8 @@ class TierMoves:
                          keep_unmoved: bool) -> bool:
         if tier == DISK:  # slots freed since the last flush come back once their headers are zeroed
             await self.flush_disk_frees()
+            if self.disk_failing():  # no page evicted for writes that would likely fail too
+                return self._free_slots(DISK) >= num_pages
         elif tier == HOST:
             self.note_host_batch(num_pages)
         shortfall = num_pages - self._free_slots(tier)
@@ -134,14 +136,11 @@ class TierMoves:
     async def _move_down(self, keys: list[PageKey], below: int, pins: dict[PageKey, int],
                          keep_unmoved: bool) -> list[PageKey]:
         """Move what fits into `below`; returns the keys left over."""
-        # The bottom tier makes room as always (its coldest pages give way to warmer ones);
-        # keep_unmoved is about writes that fail, not about a disk at capacity. Not while the
-        # disk fails its writes: the pages evicted for them would be lost for nothing.
-        if below != DISK or not self.disk_failing():
-            await self.make_room(below, min(len(keys), self._num_slots(below)),
-                                 keep_unmoved=keep_unmoved and below != DISK)
-        else:  # the slots freed since the last flush, and no more: a write that lands ends it
-            await self.flush_disk_frees()
+        # The bottom tier makes room as always (its coldest pages give way to warmer ones):
+        # keep_unmoved is about writes that fail, not about a disk at capacity (and while its
+        # writes fail, the disk evicts nothing: _free_room).
+        await self.make_room(below, min(len(keys), self._num_slots(below)),
+                             keep_unmoved=keep_unmoved and below != DISK)
         room = self._free_slots(below)
         batch, rest = keys[:room], keys[room:]
         if below == DISK:
@@ -204,6 +203,8 @@ class TierMoves:
             payload = self._encode(self.index[key])
             items.append((slot, bytes(key), self.codec_id, payload))
             moved.append(key)
+        if not items:  # no free slot: nothing tried, so the disk's state is not learned
+            return []
         entries = [self.index[key] for key in moved]
         namespaces = [entry.namespace for entry in entries]  # restored after a restart
         # Raw pages hashed when they came in are written with that checksum: no pass over
@@ -212,8 +213,6 @@ class TierMoves:
         self.inline_checksums += sums.count(None)
         # Durable mode: the batch is fdatasynced before this returns, so the page is on disk
         # for good before _relocate tells anyone so.
-        if not items:
-            return []
         metas = await asyncio.to_thread(self.disk.write_or_free, items, namespaces, sums)
         if metas is None:  # a full or failing disk: these pages are dropped (or kept) instead
             self.disk_retry_s = time.monotonic() + DISK_RETRY_S
