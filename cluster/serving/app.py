@@ -33,7 +33,12 @@ from cluster.serving.access import (
 )
 from cluster.serving.deployments import EngineDeployment
 from cluster.serving.engine import EngineConfig
-from cluster.serving.ingress import Ingress, IngressSettings, serve_bind_host
+from cluster.serving.ingress import (
+    Ingress,
+    IngressSettings,
+    serve_bind_host,
+    serve_proxy_location,
+)
 from cluster.serving.local_cache import LocalCacheSettings
 from cluster.serving.model import SHAPES
 from policies.admission import AdmissionLimits, TenantLimits
@@ -125,6 +130,10 @@ class AppArgs(BaseModel):
                                   "key of the admin endpoints (/v1/raykv/admin/pin, unpin, "
                                   "warm; default: RAYKV_ADMIN_KEY); without it they answer "
                                   "404. Only its digest is kept")
+    ingress_placement: Literal["auto", "head", "any"] = Field(
+        "auto", description="where the HTTP ingress runs: 'head' pins it to the head node; "
+        "'any' leaves it to Serve; 'auto' is 'head' when Serve's proxies run only there "
+        "(proxy_location HeadOnly), else 'any'")
 
     @model_validator(mode="after")
     def _router_has_its_cache(self):
@@ -180,4 +189,21 @@ def build_app(args: dict | None = None):
     require_keys(front_door, settings)
     ingress = IngressSettings(settings.max_context_tokens, settings.default_max_tokens,
                               settings.admission.limits(), front_door, local)
-    return Ingress.bind(engine, ModelSpec.preset(settings.model), ingress)
+    placed = Ingress.options(**ingress_options(settings.ingress_placement))
+    return placed.bind(engine, ModelSpec.preset(settings.model), ingress)
+
+
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's own resource of the head node
+
+
+def ingress_options(placement: str) -> dict:
+    """The ingress deployment's options for `placement` (AppArgs.ingress_placement).
+
+    Behind a proxy on the head only, an ingress replica on another node is a hop out and
+    back, and a node's death fails every request that replica holds with Serve's own HTTP
+    500 (not an OpenAI error: the proxy answers, not the ingress). On the head it lives as
+    long as the proxy that feeds it. It takes no CPU, so the head need not offer any."""
+    head = placement == "head" or (placement == "auto" and serve_proxy_location() == "HeadOnly")
+    if not head:
+        return {}
+    return {"ray_actor_options": {"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001}}}

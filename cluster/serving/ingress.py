@@ -132,6 +132,20 @@ def _namespace(request: Request) -> str:
 def serve_bind_host(timeout_s: float = 10.0) -> str | None:
     """The host Serve's HTTP proxies bind, as Serve's controller holds it (its http_options),
     or None where it cannot be read: no Ray, no Serve controller, no answer in time."""
+    http = _controller_answer("get_http_config", timeout_s)
+    return None if http is None else http.host
+
+
+def serve_proxy_location(timeout_s: float = 10.0) -> str | None:
+    """Where Serve runs its HTTP proxies ("HeadOnly", "EveryNode", ...), as its controller
+    holds it, or None where it cannot be read (as serve_bind_host)."""
+    location = _controller_answer("get_proxy_location", timeout_s)
+    return None if location is None else getattr(location, "value", str(location))
+
+
+def _controller_answer(method: str, timeout_s: float):
+    """What Serve's controller answers to `method` (no arguments), or None where it cannot
+    be read: no Ray, no Serve controller, no answer in time."""
     import ray
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
@@ -142,9 +156,9 @@ def serve_bind_host(timeout_s: float = 10.0) -> str | None:
     except ValueError:  # no Serve on this cluster (yet)
         return None
     try:
-        return ray.get(controller.get_http_config.remote(), timeout=timeout_s).host
-    except Exception:  # unknown, which the callers take as non-loopback
-        log.warning("could not read Serve's HTTP options", exc_info=True)
+        return ray.get(getattr(controller, method).remote(), timeout=timeout_s)
+    except Exception:  # unknown, which the callers take as the cautious answer
+        log.warning("could not read Serve's %s", method, exc_info=True)
         return None
 
 

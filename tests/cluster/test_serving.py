@@ -126,6 +126,17 @@ def engine_replicas() -> list:
             and "EngineDeployment" in a.get("ActorClassName", "")]
 
 
+def test_the_ingress_runs_on_the_head_beside_serve_s_only_proxy(url):
+    """A worker node's death must not take the ingress (and every request it holds) with
+    it: behind a HeadOnly proxy, the ingress is pinned to the head (ingress_options)."""
+    from ray._private.state import actors
+
+    ingresses = [a for a in actors().values() if a["State"] == "ALIVE"
+                 and a.get("ActorClassName", "").endswith(":Ingress")]
+    head_id = ray.get_runtime_context().get_node_id()  # the driver runs on the head
+    assert ingresses and {a["Address"]["NodeID"] for a in ingresses} == {head_id}
+
+
 def test_a_replica_killed_under_load_gives_no_wrong_text(client):
     prompts = [f"{SYSTEM} customer {i}: my kettle whistles" for i in range(6)]
     expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=8)
