@@ -202,8 +202,12 @@ def ingress_options(placement: str) -> dict:
     Behind a proxy on the head only, an ingress replica on another node is a hop out and
     back, and a node's death fails every request that replica holds with Serve's own HTTP
     500 (not an OpenAI error: the proxy answers, not the ingress). On the head it lives as
-    long as the proxy that feeds it. It takes no CPU, so the head need not offer any."""
+    long as the proxy that feeds it. It takes no CPU, so the head need not offer any.
+    Serve's options replace the deployment's ray_actor_options whole: the ingress's own are
+    kept, the head's resource added."""
     head = placement == "head" or (placement == "auto" and serve_proxy_location() == "HeadOnly")
     if not head:
         return {}
-    return {"ray_actor_options": {"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001}}}
+    actor = dict(Ingress.ray_actor_options or {})
+    actor["resources"] = {**actor.get("resources", {}), HEAD_RESOURCE: 0.001}
+    return {"ray_actor_options": actor}
