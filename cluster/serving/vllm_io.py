@@ -133,6 +133,16 @@ class KVMover:
                 client = client.bounded(spec.sync_timeout_s)
             num_tokens, kv = client.get(spec.token_ids[first:],
                                         out=self._out(end - first, in_step))
+            if in_step and num_tokens < end - first \
+                    and time.perf_counter() - start_s >= spec.sync_timeout_s:
+                # The bounded client answers what it had when the deadline passed (no
+                # error): a cut like the one below, which must be measured too, or the next
+                # estimate repeats it (vllm-serve's slowed disk: 16 such cuts in a row).
+                cut_tokens = end - first
+                self._buffers.pop(True, None)
+                log.warning("raykv load of %s in the step passed its deadline (%.3f s) with "
+                            "%d of %d tokens", spec.request_id, spec.sync_timeout_s,
+                            num_tokens, end - first)
         except Exception as error:  # a miss, whatever the reason: vLLM recomputes
             if in_step:  # a late reply must not land in the next load's staging
                 self._buffers.pop(True, None)
@@ -159,7 +169,7 @@ class KVMover:
         with self._lock:
             self._samples.extend(samples)
             if in_step and (num_tokens or cut_tokens):
-                self._in_step.append((self.spec.page_bytes(num_tokens or cut_tokens), load_s))
+                self._in_step.append((self.spec.page_bytes(cut_tokens or num_tokens), load_s))
         if failed:
             log.warning("raykv held %d of %d tokens of %s; recomputing the rest", filled, end,
                         spec.request_id)

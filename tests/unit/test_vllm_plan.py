@@ -389,6 +389,34 @@ def test_a_load_in_the_step_past_its_deadline_is_a_miss_and_drops_its_staging():
     mover.close()
 
 
+def test_a_load_in_the_step_answered_short_past_its_deadline_is_measured_as_cut():
+    """The real bounded client does not raise at its deadline: it answers what it had (a
+    miss). That cut must be measured like a raised one, or every next load is estimated to
+    fit the step again and cut again; and its staging is dropped as well."""
+    class Slow(ChainClient):
+        def get(self, tokens, out=None):
+            time.sleep(0.03)
+            return 0, None
+
+    mover = KVMover(Slow(), caches(), LAYOUT, SPEC)
+    mover._out(8, in_step=True)
+    spec = LoadSpec("r", list(range(16)), [7, 8, 9, 10], 4, sync_timeout_s=0.01)
+    assert mover.load_now(spec) == {8, 9, 10}
+    assert True not in mover._buffers
+    (cut,) = mover.take_samples()[1]
+    assert cut[0] == SPEC.page_bytes(16) and cut[1] >= 0.01
+    mover.close()
+
+
+def test_a_load_in_the_step_that_misses_before_its_deadline_measures_nothing():
+    """A quick miss (raykv holds none of it) says nothing of the rate: no sample."""
+    mover = KVMover(ChainClient(), caches(), LAYOUT, SPEC)
+    spec = LoadSpec("r", list(range(16)), [7, 8, 9, 10], 4, sync_timeout_s=5.0)
+    assert mover.load_now(spec) == {8, 9, 10}
+    assert mover.take_samples()[1] == []
+    mover.close()
+
+
 def test_saves_copy_the_blocks_and_put_in_the_background():
     client, layers = ChainClient(), filled_caches()
     mover = KVMover(client, layers, LAYOUT, SPEC)
