@@ -66,6 +66,16 @@ class PathRate:
         per_byte_s = ewma(1.0 / self.bytes_per_s, moving_s / num_bytes, self.num_samples)
         return replace(self, bytes_per_s=1.0 / per_byte_s, num_samples=self.num_samples + 1)
 
+    def at_least(self, num_bytes: int, seconds: float) -> PathRate:
+        """This path after a transfer of `num_bytes` that was cut at `seconds` (a deadline):
+        it would have taken longer, so the estimate for those bytes is raised to at least
+        `seconds` at once. A bound is not a sample: blended into the EWMA it would leave the
+        estimate below it, and the next transfer of that size would be tried, and cut, again."""
+        moving_s = seconds - self.latency_s
+        if num_bytes <= 0 or moving_s <= 0 or self.seconds(num_bytes) >= seconds:
+            return self
+        return replace(self, bytes_per_s=num_bytes / moving_s, num_samples=self.num_samples + 1)
+
 
 @dataclass(frozen=True, slots=True)
 class RateEstimates:

@@ -199,10 +199,12 @@ class EngineMeter:
         per_token_s = self.prefill.per_token_s()
         return 0.0 if per_token_s is None else max(0, num_tokens) * per_token_s
 
-    def loaded_in_step(self, samples: Iterable[tuple[int, float]]) -> None:
-        """The (bytes, seconds) of the worker's loads made in the step."""
-        for num_bytes, seconds in samples:
-            self.in_step = self.in_step.observed(num_bytes, seconds)
+    def loaded_in_step(self, samples: Iterable[tuple[int, float, bool]]) -> None:
+        """The (bytes, seconds, cut) of the worker's loads made in the step: a load cut at
+        its deadline is a bound (PathRate.at_least), the others samples."""
+        for num_bytes, seconds, cut in samples:
+            self.in_step = self.in_step.at_least(num_bytes, seconds) if cut \
+                else self.in_step.observed(num_bytes, seconds)
 
     def load_s(self, num_tokens: int) -> float:
         """What a load of `num_tokens` (whole pages) made in the step should take: at the rate
@@ -212,7 +214,7 @@ class EngineMeter:
         GIL), and a load of 19 pages that took 215 to 390 ms in the loader thread took 6 to 9
         ms in the step (docs/benchmarks.md, vllm: loads in the step). A load past its
         estimate is cut at its deadline (step_budget.sync_deadline_s: its recompute time, at
-        least one step), and measured all the same."""
+        least one step), and counts as a bound: the estimate rises to at least its time."""
         if num_tokens <= 0:
             return 0.0
         num_bytes = -(-num_tokens // self.page_tokens) * self.page_bytes

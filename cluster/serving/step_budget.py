@@ -20,7 +20,9 @@ vLLM held but for its last 48 tokens took 35 ms against 14 without the connector
 The scheduler side waits for a lookup whose measured time fits what is left, and makes a load
 whose estimate fits in the step (vLLM's synchronous load: the worker fills the blocks before
 the forward reads them), bounded by what recomputing its tokens would take, and at least one
-step (`sync_deadline_s`): a load past it is a miss, recomputed, never a stall. Nothing is
+step (`sync_deadline_s`): a load past it is a miss, recomputed, never a stall, and its time
+a bound that the next estimate of its size does not go below, so a load estimated past its
+deadline runs in the background instead (`may_load_in_step`). Nothing is
 waited for before the engine has timed a step; a lookup is waited for once one was timed,
 and a load is estimated from the loads made in the step (before any, the host copy prior).
 
@@ -107,6 +109,14 @@ class StepBudget:
             return self.mode == "sync"
         return self.num_steps > 0 and estimate_s is not None \
             and 0.0 <= estimate_s <= self.remaining_s
+
+    def may_load_in_step(self, estimate_s: float | None, deadline_s: float) -> bool:
+        """may_wait, and ("auto") the load is estimated to end before its deadline
+        (sync_deadline_s): one estimated past it would be cut there, a miss that costs the
+        step the wait and the request its load; in the background it ends."""
+        if self.mode == "auto" and estimate_s is not None and estimate_s >= deadline_s:
+            return False
+        return self.may_wait(estimate_s)
 
     def may_wait_for_lookup(self, estimate_s: float | None) -> bool:
         """may_wait, and always in an idle engine ("auto"): a lookup waited for there costs

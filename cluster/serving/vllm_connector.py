@@ -313,18 +313,18 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
 
     def _load_mode(self, request_id: str, num_tokens: int) -> tuple[int, bool]:
         """get_num_new_matched_tokens' answer for a hit of `num_tokens` to load: in the step
-        (False: vLLM's synchronous load) when its estimate fits the step's budget, else in
-        the background (True)."""
+        (False: vLLM's synchronous load) when its estimate fits the step's budget and ends
+        before its deadline, else in the background (True)."""
         self._sync_loads.pop(request_id, None)
         if num_tokens <= 0:
             return 0, False
         estimate_s = self._meter.load_s(num_tokens) if self._meter is not None else None
-        if not self._budget.may_wait(estimate_s):
+        recompute_s = self._meter.recompute_s(num_tokens) if self._meter is not None else 0.0
+        deadline_s = self._budget.sync_deadline_s(self._link.call_timeout_s(), recompute_s)
+        if not self._budget.may_load_in_step(estimate_s, deadline_s):
             return num_tokens, True
         self._budget.spend(estimate_s or 0.0)
-        recompute_s = self._meter.recompute_s(num_tokens) if self._meter is not None else 0.0
-        self._sync_loads[request_id] = self._budget.sync_deadline_s(
-            self._link.call_timeout_s(), recompute_s)
+        self._sync_loads[request_id] = deadline_s
         self.num_sync_loads += 1
         return num_tokens, False
 

@@ -93,7 +93,8 @@ class KVMover:
         self._lock = threading.Lock()
         self._finished: list[tuple[str, set[int]]] = []
         self._samples: list[tuple[str, int, float]] = []  # loads' rate samples, not taken yet
-        self._in_step: list[tuple[int, float]] = []  # loads made in the step: bytes, seconds
+        # loads made in the step: bytes, seconds, whether cut at the deadline
+        self._in_step: list[tuple[int, float, bool]] = []
         self._pinned = torch.cuda.is_available() and bool(getattr(self.layers[0], "is_cuda",
                                                                    False))
 
@@ -169,15 +170,17 @@ class KVMover:
         with self._lock:
             self._samples.extend(samples)
             if in_step and (num_tokens or cut_tokens):
-                self._in_step.append((self.spec.page_bytes(cut_tokens or num_tokens), load_s))
+                self._in_step.append((self.spec.page_bytes(cut_tokens or num_tokens), load_s,
+                                      bool(cut_tokens)))
         if failed:
             log.warning("raykv held %d of %d tokens of %s; recomputing the rest", filled, end,
                         spec.request_id)
         return failed
 
-    def take_samples(self) -> tuple[list[tuple[str, int, float]], list[tuple[int, float]]]:
+    def take_samples(self) -> tuple[list[tuple[str, int, float]],
+                                    list[tuple[int, float, bool]]]:
         """The loads' rate samples since the last call (engine_rates.load_samples), and the
-        (bytes, seconds) of those made in the step."""
+        (bytes, seconds, cut at the deadline) of those made in the step."""
         with self._lock:
             samples, self._samples = self._samples, []
             in_step, self._in_step = self._in_step, []

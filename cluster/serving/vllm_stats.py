@@ -4,7 +4,8 @@ vLLM carries a connector's KVConnectorStats from each worker, with the step's ou
 scheduler's connector (`update_connector_output`) and on to its stat loggers, which log
 `reduce()` with the engine's throughput. The samples are engine_rates.load_samples':
 (source, bytes, seconds) per source a load read from; and, apart, (bytes, seconds) of each
-load made in the step (step_budget.py), the scheduler side's estimate for the next ones.
+load made in the step (step_budget.py), and whether it was cut at its deadline: the scheduler
+side's estimate for the next ones.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ IN_STEP = "in_step"
 
 @dataclass
 class RaykvLoadStats(KVConnectorStats):
-    """{"loads": [[source, bytes, seconds], ...], "in_step": [[bytes, seconds], ...]}: plain
-    lists, so it crosses processes."""
+    """{"loads": [[source, bytes, seconds], ...], "in_step": [[bytes, seconds, cut], ...]}:
+    plain lists, so it crosses processes."""
 
     def __post_init__(self) -> None:
         self.data.setdefault(LOADS, [])
@@ -31,9 +32,9 @@ class RaykvLoadStats(KVConnectorStats):
         return [(str(s), int(b), float(t)) for s, b, t in self.data[LOADS]]
 
     @property
-    def in_step(self) -> list[tuple[int, float]]:
-        """The loads made in the step: (bytes, seconds) each."""
-        return [(int(b), float(t)) for b, t in self.data[IN_STEP]]
+    def in_step(self) -> list[tuple[int, float, bool]]:
+        """The loads made in the step: (bytes, seconds, cut at the deadline) each."""
+        return [(int(b), float(t), bool(c)) for b, t, c in self.data[IN_STEP]]
 
     def reset(self) -> None:
         self.data = {LOADS: [], IN_STEP: []}

@@ -134,11 +134,12 @@ def test_a_load_in_the_step_is_estimated_from_those_made_in_the_step_and_steps_r
     assert meter.load_s(4 * PAGE) == pytest.approx(4 * 2048 / host_bytes_per_s)  # the prior
     meter.loaded([(HOST, 4 * 2048, 0.2)])  # a background load, slowed by the engine's thread
     assert meter.load_s(4 * PAGE) == pytest.approx(4 * 2048 / host_bytes_per_s)  # no guide
-    meter.loaded_in_step([(4 * 2048, 0.002)])
+    meter.loaded_in_step([(4 * 2048, 0.002, False)])
     assert meter.load_s(4 * PAGE) == pytest.approx(0.002)
     assert meter.load_s(PAGE + 1) == pytest.approx(0.001)  # whole pages
     assert meter.load_s(0) == 0.0
-    meter.loaded_in_step([(2 * 2048, 0.004), (0, 1.0)])  # 2 ms a page now; nothing from 0 bytes
+    # 2 ms a page now; nothing from 0 bytes
+    meter.loaded_in_step([(2 * 2048, 0.004, False), (0, 1.0, False)])
     assert meter.load_s(PAGE) == pytest.approx(0.8 * 0.0005 + 0.2 * 0.002)
     assert meter.in_step.num_samples == 2
     assert meter.recompute_s(100) == 0.0  # no prefill timed yet
@@ -150,6 +151,21 @@ def test_a_load_in_the_step_is_estimated_from_those_made_in_the_step_and_steps_r
     meter.clock.scheduled(Step(3, False, 1.0))
     assert meter.step_done(1.02) == pytest.approx(0.02)
     assert meter.step_done(2.0) is None  # none pending
+
+
+def test_a_load_cut_at_its_deadline_raises_the_estimate_to_at_least_its_time():
+    """A cut is a bound, not a sample: blended into the EWMA of fast loads (20 ms a page
+    here), a 0.2 s cut would leave the next estimate at 0.09 s, under the deadline, and the
+    next load of that size would be tried in the step and cut again."""
+    meter = EngineMeter(PAGE, 2048)
+    for _ in range(10):
+        meter.loaded_in_step([(10 * 2048, 0.02, False)])
+    meter.loaded_in_step([(10 * 2048, 0.2, True)])
+    assert meter.load_s(10 * PAGE) == pytest.approx(0.2)
+    meter.loaded_in_step([(10 * 2048, 0.1, True)])  # a lower bound never lowers it
+    assert meter.load_s(10 * PAGE) == pytest.approx(0.2)
+    meter.loaded_in_step([(10 * 2048, 0.02, False)])  # loads that land bring it back down
+    assert meter.load_s(10 * PAGE) == pytest.approx(0.8 * 0.2 + 0.2 * 0.02)
 
 
 def test_busy_seconds_per_request_share_the_steps_between_finishes():

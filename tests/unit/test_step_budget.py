@@ -111,3 +111,14 @@ def test_sync_saves_wait_in_their_own_step_and_async_ones_never():
     assert never.save_waits({}, {"r"}, 5.0, lambda n: 1.0) == (None, None)
     with pytest.raises(ValueError, match="raykv.save_mode"):
         StepBudget(save_mode="eager")
+
+
+def test_a_load_estimated_past_its_deadline_is_not_made_in_the_step():
+    budget = StepBudget()
+    budget.step_timed(0.3)  # a long step: the budget alone would afford a 0.2 s load
+    budget.step_started(1)
+    assert budget.may_load_in_step(0.1, deadline_s=0.2)
+    assert not budget.may_load_in_step(0.2, deadline_s=0.2)  # it would be cut there
+    assert not budget.may_load_in_step(0.25, deadline_s=0.2)
+    assert StepBudget(mode="sync").may_load_in_step(5.0, deadline_s=0.2)  # sync always waits
+    assert not StepBudget(mode="async").may_load_in_step(0.0, deadline_s=0.2)

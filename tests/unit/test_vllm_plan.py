@@ -367,7 +367,7 @@ def test_a_load_in_the_step_fills_the_blocks_before_returning_in_the_callers_thr
     assert mover.finished() == []  # vLLM hears of it through the step's load errors only
     assert mover.stats.loaded_tokens == 16
     _, in_step = mover.take_samples()  # its time, for the next load's estimate
-    assert [num_bytes for num_bytes, _ in in_step] == [SPEC.page_bytes(16)]
+    assert [(num_bytes, cut) for num_bytes, _, cut in in_step] == [(SPEC.page_bytes(16), False)]
     mover.start_load(LoadSpec("bg", list(range(16)), [1, 2, 3, 4], 0))
     wait_for_loads(mover)
     assert mover.take_samples()[1] == []  # a background load is not one made in the step
@@ -385,7 +385,7 @@ def test_a_load_in_the_step_past_its_deadline_is_a_miss_and_drops_its_staging():
     assert mover.load_now(spec) == {8, 9, 10}  # tokens 4..15: vLLM recomputes them
     assert True not in mover._buffers  # a late reply cannot land in the next load's staging
     (cut,) = mover.take_samples()[1]  # its 16 tokens took at least this long: measured
-    assert cut[0] == SPEC.page_bytes(16) and cut[1] > 0
+    assert cut[0] == SPEC.page_bytes(16) and cut[1] > 0 and cut[2]
     mover.close()
 
 
@@ -404,7 +404,7 @@ def test_a_load_in_the_step_answered_short_past_its_deadline_is_measured_as_cut(
     assert mover.load_now(spec) == {8, 9, 10}
     assert True not in mover._buffers
     (cut,) = mover.take_samples()[1]
-    assert cut[0] == SPEC.page_bytes(16) and cut[1] >= 0.01
+    assert cut[0] == SPEC.page_bytes(16) and cut[1] >= 0.01 and cut[2]
     mover.close()
 
 

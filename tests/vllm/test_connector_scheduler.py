@@ -282,7 +282,7 @@ def timed_scheduler(client, monkeypatch, step_s, mode="auto"):
     connector.update_connector_output(SimpleNamespace(
         finished_recving=None, invalid_block_ids=None,
         kv_connector_stats=RaykvLoadStats({"in_step": [
-            [3 * connector._link.spec.page_bytes(PAGE), 0.001]]})))
+            [3 * connector._link.spec.page_bytes(PAGE), 0.001, 0]]})))
     connector.get_kv_connector_stats()  # the step is done: timed
     connector.build_connector_meta(step_output({"first": 1}, False))  # the next one, 1 request
     return connector
@@ -324,6 +324,30 @@ def test_a_load_estimated_past_the_budget_runs_in_the_background(client, monkeyp
     matched = connector.get_num_new_matched_tokens(req, 0)
     if matched == (None, False):  # the lookup outran the 0.5 ms wait (a busy machine): vLLM
         connector._lookups._pending["b"][0].result(timeout=5)  # asks again in this step
+        matched = connector.get_num_new_matched_tokens(req, 0)
+    assert matched == (96, True)
+    assert connector.num_sync_loads == 0
+    connector.shutdown()
+
+
+def test_a_load_cut_at_its_deadline_sends_the_next_of_its_size_to_the_background(
+        client, monkeypatch):
+    """A load of 3 pages cut at 13 s (its deadline: 96 tokens' recompute at 4 tokens a 0.5 s
+    step is 12 s) would be cut again: the next one, though the long step's budget affords
+    it, runs in the background."""
+    from cluster.serving.vllm_stats import RaykvLoadStats
+
+    connector = timed_scheduler(client, monkeypatch, step_s=0.5)
+    connector._budget.remaining_s = 100.0  # the budget alone would wait for anything
+    connector._lookups.lookup_s = 0.0
+    connector.update_connector_output(SimpleNamespace(
+        finished_recving=None, invalid_block_ids=None,
+        kv_connector_stats=RaykvLoadStats({"in_step": [
+            [3 * connector._link.spec.page_bytes(PAGE), 13.0, 1]]})))
+    req = request("b")
+    matched = connector.get_num_new_matched_tokens(req, 0)
+    if matched == (None, False):  # the lookup outran its wait (a busy machine): vLLM asks
+        connector._lookups._pending["b"][0].result(timeout=5)  # again in this step
         matched = connector.get_num_new_matched_tokens(req, 0)
     assert matched == (96, True)
     assert connector.num_sync_loads == 0

@@ -180,13 +180,14 @@ def test_load_stats_aggregate_across_workers_and_reduce_for_vllm_s_log():
     from cluster.serving.vllm_connector import RaykvConnector
     from cluster.serving.vllm_stats import RaykvLoadStats
 
-    one = RaykvLoadStats({"loads": [["host", 2_000_000, 0.001]], "in_step": [[2_000_000, 0.001]]})
+    one = RaykvLoadStats({"loads": [["host", 2_000_000, 0.001]],
+                          "in_step": [[2_000_000, 0.001, 1]]})
     two = RaykvConnector.build_kv_connector_stats({"loads": [["disk", 1_000_000, 0.01],
                                                               ["host", 2_000_000, 0.003]]})
     merged = one.aggregate(two)
     assert merged.samples == [("host", 2_000_000, 0.001), ("disk", 1_000_000, 0.01),
                               ("host", 2_000_000, 0.003)]
-    assert merged.in_step == [(2_000_000, 0.001)]
+    assert merged.in_step == [(2_000_000, 0.001, True)]
     assert merged.reduce() == {"raykv disk loads": 1, "raykv disk MB/s": 100.0,
                                "raykv host loads": 2, "raykv host MB/s": 1000.0,
                                "raykv loads in the step": 1}
