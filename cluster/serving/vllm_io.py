@@ -138,7 +138,8 @@ class KVMover:
                     and time.perf_counter() - start_s >= spec.sync_timeout_s:
                 # The bounded client answers what it had when the deadline passed (no
                 # error): a cut like the one below, which must be measured too, or the next
-                # estimate repeats it (vllm-serve's slowed disk: 16 such cuts in a row).
+                # estimate repeats it (docs/benchmarks.md, vllm-serve: loads cut at their
+                # deadline).
                 cut_tokens = end - first
                 self._buffers.pop(True, None)
                 log.warning("raykv load of %s in the step passed its deadline (%.3f s) with "
