@@ -125,7 +125,7 @@ class KVMover:
         start_s, end = time.perf_counter(), len(spec.token_ids)
         block_size = block_tokens(self.layers)
         first, kv = self._first_page(spec.start), None
-        in_step, cut_tokens = spec.sync_timeout_s is not None, 0
+        in_step, cut_tokens, raised = spec.sync_timeout_s is not None, 0, False
         reads = self._reads()
         reads.clear()  # what this load reads, nothing older
         try:  # the pages from the one holding token `start` on
@@ -134,28 +134,27 @@ class KVMover:
                 client = client.bounded(spec.sync_timeout_s)
             num_tokens, kv = client.get(spec.token_ids[first:],
                                         out=self._out(end - first, in_step))
-            if in_step and num_tokens < end - first \
-                    and time.perf_counter() - start_s >= spec.sync_timeout_s:
-                # The bounded client answers what it had when the deadline passed (no
-                # error): a cut like the one below, which must be measured too, or the next
-                # estimate repeats it (docs/benchmarks.md, vllm-serve: loads cut at their
-                # deadline).
-                cut_tokens = end - first
-                self._buffers.pop(True, None)
-                log.warning("raykv load of %s in the step passed its deadline (%.3f s) with "
-                            "%d of %d tokens", spec.request_id, spec.sync_timeout_s,
-                            num_tokens, end - first)
         except Exception as error:  # a miss, whatever the reason: vLLM recomputes
-            if in_step:  # a late reply must not land in the next load's staging
-                self._buffers.pop(True, None)
+            if in_step:
                 log.warning("raykv load of %s in the step (deadline %.3f s) failed: %s; "
                             "recomputing %d tokens", spec.request_id, spec.sync_timeout_s,
                             type(error).__name__, end - spec.start)
             else:
                 log.exception("raykv get failed; recomputing %d tokens", end - spec.start)
-            # In the step, a load cut at its deadline still measured a rate: its bytes took
-            # at least that long (the next estimate must not repeat the miss).
-            num_tokens, cut_tokens = 0, end - first
+            num_tokens, raised = 0, True
+        if in_step and (raised or (num_tokens < end - first
+                                   and time.perf_counter() - start_s >= spec.sync_timeout_s)):
+            # Cut at its deadline: raised, or answered short once it passed (the bounded
+            # client answers what it had, with no error). It still measured a rate: its bytes
+            # took at least that long, and the next estimate must not repeat the miss
+            # (docs/benchmarks.md, vllm-serve: loads cut at their deadline). A late reply
+            # must not land in the next load's staging.
+            cut_tokens = end - first
+            self._buffers.pop(True, None)
+            if not raised:
+                log.warning("raykv load of %s in the step passed its deadline (%.3f s) with "
+                            "%d of %d tokens", spec.request_id, spec.sync_timeout_s,
+                            num_tokens, end - first)
         filled = first + num_tokens // block_size * block_size
         if kv is not None and filled > spec.start:
             kv_to_blocks(kv, self.layers, self.layout, spec.block_ids[first // block_size:],
