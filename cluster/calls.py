@@ -42,6 +42,29 @@ def failed(result: object) -> bool:
     return isinstance(result, BaseException)
 
 
+def timed_out(result: object) -> bool:
+    """A Wait's result for a call that did not answer in time: the call may still run, and
+    land, after its waiter has gone on (see when_answered)."""
+    return isinstance(result, TimeoutError)
+
+
+def when_answered(ref: Any, handle: Callable[[Any], None]) -> None:
+    """Call `handle(value)` once the call behind `ref` answers, for a waiter that gave up on
+    it: an acquire past its timeout still pins its pages when it lands, and its lease must be
+    let go then, not left to lapse. Nothing happens if the call fails. `handle` runs in Ray's
+    callback thread (or here, if the answer is in already): it must be quick, thread-safe and
+    make no call of its own."""
+
+    def done(future) -> None:
+        try:
+            value = future.result()
+        except BaseException:  # noqa: BLE001 - a failed call holds nothing to let go
+            return
+        handle(value)
+
+    ref.future().add_done_callback(done)
+
+
 def run_sync(steps: Steps[T], timeout_s: float) -> T:
     """Drive `steps` in this thread, blocking on each Wait for at most `timeout_s`."""
     reply = None

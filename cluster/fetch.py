@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from actors.handles import merge_shard_prefixes
-from cluster.calls import Steps, Wait, Work, failed
+from cluster.calls import Steps, Wait, Work, failed, timed_out
 from cluster.core.copies import copy_pages
 from cluster.core.dataplane.endpoint import PageRead, TensorPages, tensor_buffers
 from cluster.core.kvcheck import page_slices
@@ -197,8 +197,16 @@ def _ask(view: CacheView, keys: list, start: int) -> _Asked:
 def _drop(view: CacheView, asked: _Asked) -> Steps[None]:
     """Let go of answers we will not use (release a lease they took)."""
     replies = yield Wait(asked.acquired)
+    _let_go_late(view, asked, replies)
     if replies and not failed(replies[0]) and replies[0][1]:
         view.release_later(replies[0][1])
+
+
+def _let_go_late(view: CacheView, asked: _Asked, replies: list) -> None:
+    """An acquire that timed out still runs on the node, and pins the prefix when it lands:
+    its lease is let go then (view.release_when_answered)."""
+    if asked.acquired and timed_out(replies[0]):
+        view.release_when_answered(asked.acquired[0])
 
 
 # ---- 3. their answers: this node's slots, then other nodes -------------------------------------
@@ -209,6 +217,7 @@ def _answer(view: CacheView, keys: list, asked: _Asked, out: torch.Tensor | None
     start, rest = asked.start, keys[asked.start:]
     replies = yield Wait(asked.acquired + asked.prefix_refs)
     answered_s = time.perf_counter() - asked.sent_s
+    _let_go_late(view, asked, replies)
     stamp, lease_id, places, num_disk = _acquired(view, replies[: len(asked.acquired)])
     view.note_disk(num_disk, answered_s)
     sources = []

@@ -9,7 +9,7 @@ import torch
 
 from actors.handles import DirectoryHandle, NodeHandle, PeerCache
 from actors.metrics import Metrics
-from cluster.calls import Steps, Wait, Work, failed
+from cluster.calls import Steps, Wait, Work, failed, when_answered
 from cluster.core.dataplane.auth import Authority
 from cluster.core.dataplane.endpoint import Endpoint
 from cluster.core.dataplane.transport import TcpTransport, Transport
@@ -124,6 +124,14 @@ class CacheView:
     def release_later(self, lease_id: int) -> None:
         """Done with a lease of this node's: it goes with the next call (touches.py)."""
         self.touches.release(lease_id)
+
+    def release_when_answered(self, acquire_ref) -> None:
+        """An acquire this client stopped waiting for (past its timeout, a bounded client's
+        deadline say): the node still pins the prefix when it answers, so the lease it
+        answers with goes with the next call, as any lease this client is done with.
+        Left alone, those pages stayed pinned until the lease lapsed (pin_lease_s, 30 s),
+        where no eviction could take them: a host tier's worth, under a slowed disk."""
+        when_answered(acquire_ref, lambda reply: reply[1] and self.release_later(reply[1]))
 
     def take_released(self) -> list[int]:
         return self.touches.take_released() if self.touches is not None else []

@@ -136,6 +136,20 @@ def test_a_slow_disk_gives_correct_pages_within_the_timeout(client, clear_faults
     assert 0.05 <= elapsed_s < 10 * client.timeout_s, elapsed_s
 
 
+def test_a_get_that_gave_up_on_its_acquire_lets_go_of_what_it_pinned(client, clear_faults):
+    # The node's acquire goes on after the client's wait ran out, and pins the prefix when it
+    # lands. Its lease must be let go then: held to its deadline (pin_lease_s, 30 s here) it
+    # kept those pages from eviction, a whole host tier of them under a slowed disk.
+    put_all(client, range(600, 640))  # 160 pages: the first prompts' on disk
+    ray.get(node(client).inject_fault("slow_disk", delay_s=0.05), timeout=30)
+    read_s = node_stats(client)["disk_read_s"]
+    num_tokens, _ = client.bounded(0.02).get(prompt(600))  # its read-up takes 0.2 s or more
+    assert num_tokens == 0
+    wait_until(lambda: node_stats(client)["disk_read_s"] > read_s, 10, "the read-up to end")
+    wait_until(lambda: node_stats(client)["leases"] == 0, 5, "its lease to be let go")
+    assert check_gets(client, [600])["full"] == 1  # read up by the acquire it gave up on
+
+
 def test_lost_and_reordered_event_batches_still_converge(ray_cluster, client):
     writer = replica_on(node_id_of("node_a"), TINY)
     node_a = NodeHandle.lookup(node_id_of("node_a"), CacheConfig())

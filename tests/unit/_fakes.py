@@ -4,6 +4,7 @@ value or an exception, and `drive` answers each Wait with them."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from actors.handles import split_by_shard
@@ -20,9 +21,16 @@ from cluster.core.tiers.slot_table import as_places
 @dataclass
 class FakeRef:
     value: object = None
+    late: object = None  # what a call that timed out (value: a TimeoutError) answers after
 
     def result(self) -> object:
         return self.value
+
+    def future(self) -> Future:
+        """As ObjectRef.future(): done with the call's answer (when_answered's hook)."""
+        answer = Future()
+        answer.set_result(self.late if isinstance(self.value, TimeoutError) else self.value)
+        return answer
 
 
 def drive(steps, before_work=None):
@@ -63,9 +71,13 @@ class FakeNode:
         return SlabStamp(self.epoch, sum(a.layout_version for a in self.arenas))
 
     def _call(self, name: str, value: object) -> FakeRef:
+        """`name` in `fail`: the call raised; f"{name} late" in it: it timed out, and answers
+        `value` after."""
         self.calls.append(name)
         if name in self.fail:
             return FakeRef(RuntimeError(f"{self.node_id} {name} failed"))
+        if f"{name} late" in self.fail:
+            return FakeRef(TimeoutError(f"{self.node_id} {name}: no answer in time"), value)
         return FakeRef(value)
 
     def acquire(self, geometry: PageGeometry, keys: list, released: list = ()):

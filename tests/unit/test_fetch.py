@@ -230,6 +230,25 @@ def test_a_dead_local_node_with_pages_only_there_is_a_miss(world):
     assert world.get() == (0, None)
 
 
+def test_an_acquire_that_answers_past_the_timeout_has_its_lease_let_go(world):
+    # The node pinned the prefix for a get that had given up on it: left alone, those pages
+    # stayed pinned, beyond eviction, until the lease lapsed (pin_lease_s).
+    world.put_local(range(4))
+    world.local.fail = {"acquire late"}
+    assert world.get() == (0, None)
+    assert world.view.counters["failed_calls"] == 1
+    world.view.flush_touched()
+    assert world.local.released == [7]  # the fake's lease id, sent with the next touch
+
+
+def test_an_acquire_that_fails_outright_leaves_nothing_to_let_go(world):
+    world.put_local(range(4))
+    world.local.fail = {"acquire"}
+    assert world.get() == (0, None)
+    world.view.flush_touched()
+    assert getattr(world.local, "released", []) == []
+
+
 def test_a_dead_directory_leaves_the_local_pages(world):
     world.put_local(range(2))
     world.put_remote(range(4))
