@@ -264,6 +264,8 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
                 handoff = handoff_params(Handoff(
                     self._planner.saved_tokens(request.request_id), self._link.spec.name,
                     self._link.settings.namespace))
+            else:  # what its loads filled, for the client (vllm_plan.LOADED_KEY)
+                handoff = self._planner.load_outcome(request.request_id)
             self._planner.finished(request.request_id)
         if self._meter is not None:
             self._meter.finished()

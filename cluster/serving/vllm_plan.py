@@ -42,6 +42,13 @@ HIT_KEY = "raykv_hit_tokens"
 # prefix; more than the prompt: load all raykv holds). It changes only what the request's
 # own engine loads of pages raykv holds under its own keys, as the router's cut does.
 FORCE_KEY = "raykv_force_max_fetch_tokens"
+# The connector's, in the kv_transfer_params of a finished request it loaded pages for (the
+# completion's response carries them): the prompt tokens its loads filled, and those it was
+# to fill and did not. A load that falls short is recomputed from its first unfilled block,
+# and vLLM's `cached_tokens` still counts what the load was to fill (the prefill's stats are
+# taken when the request is first scheduled): the unfilled tokens are to be taken off it.
+LOADED_KEY = "raykv_loaded_tokens"
+UNFILLED_KEY = "raykv_unfilled_tokens"
 
 
 def _tokens_param(kv_transfer_params: Any, key: str) -> int | None:
@@ -196,6 +203,9 @@ class StepPlanner:
     loading: dict[str, LoadSpec] = field(default_factory=dict)  # id -> its load, until done
     tracked: dict[str, _Tracked] = field(default_factory=dict)
     producers: set[str] = field(default_factory=set)  # prefills for a remote decode (P/D)
+    # id -> (vLLM's own cached tokens, their end with raykv's as vLLM counts them, the end of
+    # what its loads filled: cut back to the first block a worker could not fill)
+    filled: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
     def asked_tokens(self, prompt_len: int) -> int:
         return asked_tokens(self.block_size, prompt_len)
@@ -236,6 +246,17 @@ class StepPlanner:
                         sync_timeout_s)
         self.loads.append(load)
         self.loading[request_id] = load
+        self.filled[request_id] = (local, local + num_external_tokens, end)
+
+    def load_outcome(self, request_id: str) -> dict[str, int] | None:
+        """What the request's loads filled of the prompt, and what vLLM counts as cached of
+        it that they did not fill, under LOADED_KEY and UNFILLED_KEY (None: no load)."""
+        filled = self.filled.get(request_id)
+        if filled is None:
+            return None
+        local, counted_end, end = filled
+        return {LOADED_KEY: max(min(end, counted_end) - local, 0),
+                UNFILLED_KEY: max(counted_end - end, 0)}
 
     def reported(self, finished: set[str], failed_block_ids: set[int]) -> None:
         """The workers finished the loads of `finished`; `failed_block_ids` they could not
@@ -248,6 +269,10 @@ class StepPlanner:
                       if load.block_ids[index] in failed_block_ids]
             if failed:
                 self._held_up_to(request_id, failed[0] * self.block_size)
+                if request_id in self.filled:
+                    local, counted_end, end = self.filled[request_id]
+                    self.filled[request_id] = (local, counted_end,
+                                               min(end, failed[0] * self.block_size))
             if request_id in finished:
                 del self.loading[request_id]
 
@@ -259,7 +284,7 @@ class StepPlanner:
         return loads, saves
 
     def finished(self, request_id: str) -> None:
-        for table in (self.hits, self.salts, self.tracked, self.loading):
+        for table in (self.hits, self.salts, self.tracked, self.loading, self.filled):
             table.pop(request_id, None)
         self.producers.discard(request_id)
         self.loads = [load for load in self.loads if load.request_id != request_id]

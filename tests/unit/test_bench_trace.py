@@ -22,6 +22,7 @@ from cluster.core.trace_scale import (
     scale_trace,
 )
 from cluster.serving import tokenizer
+from cluster.serving.vllm_plan import LOADED_KEY, UNFILLED_KEY
 from cluster.tools.bench import trace, trace_sim
 from cluster.tools.bench.harness import Report
 
@@ -221,3 +222,17 @@ def test_a_run_whose_raykv_caches_never_evicted_or_answered_too_little_is_not_ex
     report = Report("trace", "", {}, trace.GOALS)
     trace.fill_ratios(report, never, {})
     assert report.ratios["sim_vs_live_hit_error"] is None
+
+
+def test_an_answer_s_cached_tokens_leave_out_what_raykv_s_loads_did_not_fill():
+    usage = {"prompt_tokens": 200, "prompt_tokens_details": {"cached_tokens": 160}}
+    cut = trace.Sent(0)
+    trace._read_answer(cut, {"usage": usage, "kv_transfer_params": {
+        LOADED_KEY: 32, UNFILLED_KEY: 128}})
+    assert (cut.cached_tokens, cut.unfilled_tokens) == (32, 128)
+    plain = trace.Sent(1)  # another router's engine: no word from raykv's connector
+    trace._read_answer(plain, {"usage": usage, "kv_transfer_params": None})
+    assert (plain.cached_tokens, plain.unfilled_tokens) == (160, 0)
+    odd = trace.Sent(2)
+    trace._read_answer(odd, {"usage": usage, "kv_transfer_params": {UNFILLED_KEY: "128"}})
+    assert odd.cached_tokens == 160

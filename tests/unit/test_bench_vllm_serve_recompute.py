@@ -26,6 +26,21 @@ def probe(routed_cached=(HELD,) * 3, fetch_ms=(10.0, 11.0, 30.0),
         "recompute": [Run(200, ms, recompute_cached) for ms in recompute_ms]}, HELD)
 
 
+def test_a_forced_fetch_counts_by_what_the_connector_says_it_filled_not_vllm_s_count():
+    # vLLM counts a load cut short at its deadline whole; the connector says it filled 0.
+    cut = Probe("slow-disk", 0, {
+        "routed": [Run(200, 15.0, 0)] * 3,
+        "fetch": [Run(200, 900.0, HELD, 0), Run(200, 20.0, HELD, HELD),
+                  Run(200, 21.0, HELD, HELD)],
+        "recompute": [Run(200, 30.0, 0)] * 3}, HELD)
+    assert "under 75%" in cut.why_not_counted() and cut.decisions() == []
+    said_whole = Probe("slow-disk", 0, {**cut.runs, "fetch": [Run(200, 20.0, HELD, HELD)] * 3},
+                       HELD)
+    assert said_whole.why_not_counted() == ""
+    unsaid = Probe("slow-disk", 0, {**cut.runs, "fetch": [Run(200, 20.0, HELD)] * 3}, HELD)
+    assert unsaid.why_not_counted() == ""  # no word from the connector: vLLM's count
+
+
 def test_each_routed_run_is_right_when_it_chose_the_faster_by_the_medians():
     # Medians: fetch 11 ms, recompute 20 ms (one run each way is an outlier).
     assert probe().decisions() == [True, True, True]

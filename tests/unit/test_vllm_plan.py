@@ -13,6 +13,8 @@ from cluster.core.spec import ModelSpec
 from cluster.serving.vllm_io import KVMover
 from cluster.serving.vllm_layout import BlockLayout, blocks_to_kv
 from cluster.serving.vllm_plan import (
+    LOADED_KEY,
+    UNFILLED_KEY,
     LoadSpec,
     NewRequest,
     RunningRequest,
@@ -163,6 +165,20 @@ def test_a_load_that_failed_is_not_offered_again():
     plan.allocated("s", prompt, [5, 6, 7, 8], 12)
     plan.reported({"s"}, {5, 6, 7})  # nothing came: vLLM asks again and is told 0
     assert plan.rematched("s", 0, 13) == 0
+
+
+def test_a_load_s_outcome_is_what_it_filled_and_what_vllm_counts_that_it_did_not():
+    plan = planner()
+    prompt = list(range(13))
+    plan.keyed("r", b"")
+    plan.matched("r", 4, 12, 13)  # vLLM's own cache holds the first block
+    plan.allocated("r", prompt, [1, 2, 3, 4], 8)
+    assert plan.load_outcome("r") == {LOADED_KEY: 8, UNFILLED_KEY: 0}
+    plan.reported(set(), {3})  # the block of tokens 8..11 never came
+    assert plan.load_outcome("r") == {LOADED_KEY: 4, UNFILLED_KEY: 4}
+    plan.finished("r")
+    assert plan.load_outcome("r") is None
+    assert plan.load_outcome("never") is None
 
 
 def test_a_load_that_fell_short_saves_the_pages_it_did_not_fill():

@@ -21,7 +21,13 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # n
 
 from cluster.serving import vllm_service  # noqa: E402
 from cluster.serving.vllm_connector import RaykvConnector, RaykvMetadata  # noqa: E402
-from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, HIT_KEY, LoadSpec  # noqa: E402
+from cluster.serving.vllm_plan import (  # noqa: E402
+    FETCH_LIMIT_KEY,
+    HIT_KEY,
+    LOADED_KEY,
+    UNFILLED_KEY,
+    LoadSpec,
+)
 from tests.waiting import wait_until  # noqa: E402
 
 BLOCK = 16
@@ -116,6 +122,26 @@ def test_a_slow_lookup_answers_none_then_the_hit_loaded_asynchronously(client):
     assert isinstance(metadata, RaykvMetadata)
     assert metadata.loads == [LoadSpec("r", list(range(96)), list(range(10, 17)), 32,
                                        client.salts[0])]
+    connector.shutdown()
+
+
+def test_a_finished_request_says_what_its_loads_filled_and_what_they_did_not(client):
+    """The completion's kv_transfer_params carry it: vLLM's cached_tokens counts a load cut
+    short whole (its prefill's stats are taken when it is first scheduled)."""
+    client.gate.set()
+    connector = scheduler()
+    whole, short, plain = request("whole"), request("short"), request("plain")
+    for req, first_block in ((whole, 0), (short, 10)):
+        assert ask_until_answered(connector, req) == (96, True)
+        allocated_then_built(connector, req, list(range(first_block, first_block + 7)), 96)
+    # The worker filled the short one's first block only (16 of 96 tokens)
+    connector.update_connector_output(SimpleNamespace(
+        finished_recving={"whole", "short"}, invalid_block_ids={11}, kv_connector_stats=None))
+    assert connector.request_finished(whole, []) == (
+        False, {LOADED_KEY: 96, UNFILLED_KEY: 0})
+    assert connector.request_finished(short, []) == (
+        False, {LOADED_KEY: 16, UNFILLED_KEY: 80})
+    assert connector.request_finished(plain, []) == (False, None)  # no load: nothing said
     connector.shutdown()
 
 

@@ -16,6 +16,7 @@ from ray import serve  # noqa: E402
 
 from cluster import ModelSpec, connect, stop  # noqa: E402
 from cluster.serving.vllm_app import VllmAppArgs, build_vllm_app  # noqa: E402
+from cluster.serving.vllm_plan import LOADED_KEY, UNFILLED_KEY  # noqa: E402
 from tests.vllm.serve_setup import (  # noqa: E402
     MODEL_ID,
     cache_config,
@@ -85,6 +86,9 @@ def test_second_request_loads_the_prefix_from_raykv(base_url):
     cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
     # The second request loaded them (vLLM's own prefix cache is off).
     assert cached is not None and cached >= 5 * 128, second["usage"]
+    # and the connector says so in the response: all it was to load, filled
+    said = second.get("kv_transfer_params") or {}
+    assert said.get(LOADED_KEY, 0) >= 5 * 128 and said.get(UNFILLED_KEY) == 0, said
 
 
 def test_with_raykv_s_router_each_replica_advertises_its_engine_s_kv_events(base_url):

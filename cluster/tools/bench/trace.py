@@ -49,6 +49,7 @@ from cluster.core.trace_scale import (
     scale_trace,
 )
 from cluster.serving import tokenizer
+from cluster.serving.vllm_plan import UNFILLED_KEY
 from cluster.tools.bench import common, serve, trace_sim
 from cluster.tools.bench.harness import Report, interleave
 from cluster.tools.redis_server import free_port
@@ -155,6 +156,7 @@ class Sent:
     # in it), first scheduled to first token (the prefill's steps).
     engine_queue_ms: float | None = None
     engine_prefill_ms: float | None = None
+    unfilled_tokens: int = 0  # counted cached by vLLM, not filled by raykv's loads
 
 
 def replay(url: str, requests: list[ScaledRequest]) -> list[Sent]:
@@ -194,13 +196,24 @@ def replay(url: str, requests: list[ScaledRequest]) -> list[Sent]:
 
 
 def _read_answer(sent: Sent, answer: dict) -> None:
-    """Fill `sent` from a completion's answer: its usage, and the engine's own timings."""
+    """Fill `sent` from a completion's answer: its usage, and the engine's own timings. Its
+    cached tokens are vLLM's count less what raykv's connector says its loads did not fill
+    (vllm_plan.UNFILLED_KEY): vLLM counts a load cut short whole."""
     usage = answer["usage"]
     sent.prompt_tokens = usage["prompt_tokens"]
-    sent.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+    sent.unfilled_tokens = connector_said(answer, UNFILLED_KEY) or 0
+    sent.cached_tokens = max(cached - sent.unfilled_tokens, 0)
     metrics = answer.get("metrics") or {}
     sent.engine_queue_ms = metrics.get("queue_time_ms")
     sent.engine_prefill_ms = metrics.get("time_to_first_token_ms")
+
+
+def connector_said(answer: dict, key: str) -> int | None:
+    """A count raykv's connector put in a completion's kv_transfer_params (None: none)."""
+    params = answer.get("kv_transfer_params")
+    value = params.get(key) if isinstance(params, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def warm_up(url: str, plan: Plan) -> None:

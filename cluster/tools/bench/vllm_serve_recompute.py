@@ -38,7 +38,10 @@ Each routed run is one decision. It was right when it fetched and the probe's fo
 were faster than its forced recomputes (the medians of their TTFTs; max_tokens 1: the client's
 time), or it recomputed and they were not. A probe counts only when every run succeeded, each
 forced fetch loaded at least MIN_HELD_SHARE of the prefix (raykv held most of it) and no forced
-recompute loaded anything (the force reached the engine); none counted: not exercised.
+recompute loaded anything (the force reached the engine); none counted: not exercised. What a
+run loaded is what the connector reports its loads filled (LOADED_KEY in the response's
+kv_transfer_params): vLLM's cached_tokens counts what a load was to fill, so a load cut at
+its deadline, or short of pages, counted whole there.
 
 The router weighs the rates the replica measured and publishes (cluster/serving/
 engine_rates.py): its loads from each tier and its prefill rate, updated online. It learns a
@@ -58,7 +61,8 @@ from dataclasses import asdict, dataclass, replace
 
 from cluster.core.config import MiB
 from cluster.core.trace_scale import ALPHABET, block_text
-from cluster.serving.vllm_plan import FORCE_KEY
+from cluster.serving.vllm_plan import FORCE_KEY, LOADED_KEY
+from cluster.tools.bench.trace import connector_said
 from cluster.touches import TOUCH_EVERY_S
 
 KINDS = ("routed", "fetch", "recompute")
@@ -88,6 +92,16 @@ class Run:
     status: int
     ttft_ms: float
     cached_tokens: int
+    # What raykv's loads filled, as the connector reports it (vllm_plan.LOADED_KEY; None: no
+    # load was made, or the response did not say): vLLM's cached_tokens counts what a load
+    # was to fill, and one cut short at its deadline still counts whole there.
+    loaded_tokens: int | None = None
+
+    @property
+    def held_tokens(self) -> int:
+        """The prefix tokens this run took from a cache: what raykv's loads filled where the
+        connector said, else vLLM's count."""
+        return self.cached_tokens if self.loaded_tokens is None else self.loaded_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +118,11 @@ class Probe:
         failed = sorted({k for k, runs in self.runs.items() for r in runs if r.status != 200})
         if failed:
             return f"failed: {failed}"
-        held = min(r.cached_tokens for r in self.runs["fetch"])
+        held = min(r.held_tokens for r in self.runs["fetch"])
         if held < MIN_HELD_SHARE * self.prefix_tokens:
             return (f"a forced fetch loaded under {MIN_HELD_SHARE:.0%} of the prefix: raykv "
                     f"did not hold most of it")
-        if any(r.cached_tokens > 0 for r in self.runs["recompute"]):
+        if any(r.cached_tokens > 0 or r.held_tokens > 0 for r in self.runs["recompute"]):
             return "a forced recompute loaded tokens: the force did not reach the engine"
         return ""
 
@@ -212,8 +226,10 @@ def send(url: str, model: str, prompt: str, forced: int | None) -> Run:
     ttft_ms = (time.perf_counter() - began_s) * 1e3
     if reply.status_code != 200:
         return Run(reply.status_code, ttft_ms, 0)
-    details = reply.json()["usage"].get("prompt_tokens_details") or {}
-    return Run(200, ttft_ms, details.get("cached_tokens") or 0)
+    answer = reply.json()
+    details = answer["usage"].get("prompt_tokens_details") or {}
+    return Run(200, ttft_ms, details.get("cached_tokens") or 0,
+               connector_said(answer, LOADED_KEY))
 
 
 def set_disk_delay(delay_s: float | None) -> list[dict]:
