@@ -62,6 +62,13 @@ def _tokens_param(kv_transfer_params: Any, key: str) -> int | None:
     return value
 
 
+def load_outcome_of(kv_transfer_params: Any) -> tuple[int | None, int]:
+    """From a finished request's kv_transfer_params: the tokens raykv's loads filled (None:
+    the connector said nothing) and those vLLM counts as cached that they did not fill."""
+    return (_tokens_param(kv_transfer_params, LOADED_KEY),
+            _tokens_param(kv_transfer_params, UNFILLED_KEY) or 0)
+
+
 def fetch_limit(kv_transfer_params: Any) -> int | None:
     """The router's cut, if the request carries one: load at most this many prompt tokens and
     recompute the rest (the router found fetching them slower). None: load the whole hit.

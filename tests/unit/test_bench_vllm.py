@@ -74,3 +74,11 @@ def test_each_back_to_back_read_is_recorded_with_its_writer_and_what_it_got():
     assert [row["raykv"]["writer"] for row in rows] == [0, 1, 0]
     assert rows[2]["raykv"] == {"writer": 0, "cached": 1024, "loadable": 2048, "ttft_s": 0.1,
                                 "writer_seconds": 0.3}
+
+
+def test_an_engine_s_cached_tokens_leave_out_what_raykv_s_loads_did_not_fill():
+    short = vllm.served({"cached": 160, "kv_transfer_params": {
+        "raykv_loaded_tokens": 32, "raykv_unfilled_tokens": 128}})
+    assert (short["cached"], short["vllm_cached"]) == (32, 160)
+    lmcache = vllm.served({"cached": 160, "kv_transfer_params": None})  # says nothing
+    assert (lmcache["cached"], lmcache["vllm_cached"]) == (160, 160)

@@ -20,6 +20,7 @@ from cluster.serving.vllm_plan import (
     RunningRequest,
     SaveSpec,
     StepPlanner,
+    load_outcome_of,
     loadable_tokens,
     page_misfit,
 )
@@ -179,6 +180,14 @@ def test_a_load_s_outcome_is_what_it_filled_and_what_vllm_counts_that_it_did_not
     plan.finished("r")
     assert plan.load_outcome("r") is None
     assert plan.load_outcome("never") is None
+
+
+def test_a_response_s_load_outcome_is_read_back_and_odd_values_are_nothing():
+    assert load_outcome_of({LOADED_KEY: 32, UNFILLED_KEY: 96, "other": 1}) == (32, 96)
+    assert load_outcome_of({LOADED_KEY: 32}) == (32, 0)
+    assert load_outcome_of(None) == (None, 0)
+    assert load_outcome_of({LOADED_KEY: "32", UNFILLED_KEY: True}) == (None, 0)
+    assert load_outcome_of({LOADED_KEY: -1, UNFILLED_KEY: -5}) == (None, 0)
 
 
 def test_a_load_that_fell_short_saves_the_pages_it_did_not_fill():

@@ -49,7 +49,7 @@ from cluster.core.trace_scale import (
     scale_trace,
 )
 from cluster.serving import tokenizer
-from cluster.serving.vllm_plan import UNFILLED_KEY
+from cluster.serving.vllm_plan import load_outcome_of
 from cluster.tools.bench import common, serve, trace_sim
 from cluster.tools.bench.harness import Report, interleave
 from cluster.tools.redis_server import free_port
@@ -202,18 +202,11 @@ def _read_answer(sent: Sent, answer: dict) -> None:
     usage = answer["usage"]
     sent.prompt_tokens = usage["prompt_tokens"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
-    sent.unfilled_tokens = connector_said(answer, UNFILLED_KEY) or 0
+    _, sent.unfilled_tokens = load_outcome_of(answer.get("kv_transfer_params"))
     sent.cached_tokens = max(cached - sent.unfilled_tokens, 0)
     metrics = answer.get("metrics") or {}
     sent.engine_queue_ms = metrics.get("queue_time_ms")
     sent.engine_prefill_ms = metrics.get("time_to_first_token_ms")
-
-
-def connector_said(answer: dict, key: str) -> int | None:
-    """A count raykv's connector put in a completion's kv_transfer_params (None: none)."""
-    params = answer.get("kv_transfer_params")
-    value = params.get(key) if isinstance(params, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def warm_up(url: str, plan: Plan) -> None:

@@ -47,6 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cluster.serving.vllm_plan import load_outcome_of
 from cluster.tools.bench import common, harness
 from cluster.tools.bench.vllm_workload import (
     PAGE_TOKENS,
@@ -77,6 +78,16 @@ GOALS = {"ttft_vs_lmcache": {"max": 0.9}, "ttft_p99_vs_lmcache": {"max": 1.0},
          "cross_engine_hit_ratio": {"min": 0.9}, "same_output": {"min": 1.0}}
 
 
+def served(answer: dict) -> dict:
+    """An engine's answer, its `cached` the tokens a cache served: vLLM's count (kept as
+    `vllm_cached`) less what raykv's connector says its loads did not fill. vLLM counts a
+    load that fell short whole; LMCache's connector says nothing, so its count stays vLLM's."""
+    _, unfilled = load_outcome_of(answer.get("kv_transfer_params"))
+    answer["vllm_cached"] = answer["cached"]
+    answer["cached"] = max(answer["cached"] - unfilled, 0)
+    return answer
+
+
 class Engine:
     """One engine process: JSON requests on stdin, "RESULT" lines on stdout."""
 
@@ -93,7 +104,7 @@ class Engine:
     def ask(self, prompt: list[int]) -> dict:
         self.process.stdin.write(json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS}) + "\n")
         self.process.stdin.flush()
-        return json.loads(self._read_until("RESULT ", REQUEST_TIMEOUT_S)[len("RESULT "):])
+        return served(json.loads(self._read_until("RESULT ", REQUEST_TIMEOUT_S)[len("RESULT "):]))
 
     def _read_until(self, prefix: str, timeout_s: float) -> str:
         deadline_s = time.monotonic() + timeout_s

@@ -4,7 +4,8 @@ repository root:
     python -m cluster.tools.bench.vllm_engine MODEL_DIR KV_TRANSFER_JSON   ("null": none)
 
 It reads one JSON request a line on stdin, {"prompt": [ids], "max_tokens": n}, and answers
-each with one stdout line "RESULT {"ids": [...], "cached": n, "ttft_s": s, "seconds": s}":
+each with one stdout line "RESULT {"ids": [...], "cached": n, "ttft_s": s, "seconds": s,
+"kv_transfer_params": {...} or null}" (the connector's word on what its loads filled):
 greedy decoding (temperature 0, EOS ignored); ttft_s is the wall time in this process from
 adding the request to vLLM's engine until its first output token came back, seconds the time
 until the last. It prints "READY" once the model is loaded and exits at end of input. It
@@ -35,7 +36,8 @@ def generate(engine, request_id: str, request: dict) -> dict:
                 final = output
     seconds = time.perf_counter() - start_s
     return {"ids": list(final.outputs[0].token_ids), "cached": final.num_cached_tokens or 0,
-            "ttft_s": ttft_s, "seconds": seconds}
+            "ttft_s": ttft_s, "seconds": seconds,
+            "kv_transfer_params": getattr(final, "kv_transfer_params", None)}
 
 
 def main() -> None:

@@ -61,8 +61,7 @@ from dataclasses import asdict, dataclass, replace
 
 from cluster.core.config import MiB
 from cluster.core.trace_scale import ALPHABET, block_text
-from cluster.serving.vllm_plan import FORCE_KEY, LOADED_KEY
-from cluster.tools.bench.trace import connector_said
+from cluster.serving.vllm_plan import FORCE_KEY, load_outcome_of
 from cluster.touches import TOUCH_EVERY_S
 
 KINDS = ("routed", "fetch", "recompute")
@@ -228,8 +227,8 @@ def send(url: str, model: str, prompt: str, forced: int | None) -> Run:
         return Run(reply.status_code, ttft_ms, 0)
     answer = reply.json()
     details = answer["usage"].get("prompt_tokens_details") or {}
-    return Run(200, ttft_ms, details.get("cached_tokens") or 0,
-               connector_said(answer, LOADED_KEY))
+    loaded_tokens, _ = load_outcome_of(answer.get("kv_transfer_params"))
+    return Run(200, ttft_ms, details.get("cached_tokens") or 0, loaded_tokens)
 
 
 def set_disk_delay(delay_s: float | None) -> list[dict]:
