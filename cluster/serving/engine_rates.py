@@ -54,6 +54,12 @@ from policies.cost_routing import (
 
 log = logging.getLogger("raykv.vllm")
 MAX_PENDING_STEPS = 64  # steps scheduled and not yet done (a batch queue holds a few)
+# A load cut at its deadline took longer than the deadline by an unknown amount: its bound is
+# taken as this many times its time, as a retransmission timer doubles on a loss. Taken at
+# its time, the next load of its size met a deadline a little later (the deadline follows
+# the measured prefill rate) and was cut again: three in a row in 02fa445's bench vllm-serve,
+# at 0.478, 0.483 and 0.496 s (the forced fetches of that slowed disk took 0.6 to 0.7 s).
+CUT_BOUND_FACTOR = 2.0
 
 
 def load_samples(transfers: Iterable[tuple[str, int, float]],
@@ -201,10 +207,11 @@ class EngineMeter:
 
     def loaded_in_step(self, samples: Iterable[tuple[int, float, bool]]) -> None:
         """The (bytes, seconds, cut) of the worker's loads made in the step: a load cut at
-        its deadline is a bound (PathRate.at_least), the others samples."""
+        its deadline is a bound (PathRate.at_least, at CUT_BOUND_FACTOR times its time), the
+        others samples."""
         for num_bytes, seconds, cut in samples:
-            self.in_step = self.in_step.at_least(num_bytes, seconds) if cut \
-                else self.in_step.observed(num_bytes, seconds)
+            self.in_step = self.in_step.at_least(num_bytes, CUT_BOUND_FACTOR * seconds) \
+                if cut else self.in_step.observed(num_bytes, seconds)
 
     def load_s(self, num_tokens: int) -> float:
         """What a load of `num_tokens` (whole pages) made in the step should take: at the rate
@@ -214,7 +221,7 @@ class EngineMeter:
         GIL), and a load of 19 pages that took 215 to 390 ms in the loader thread took 6 to 9
         ms in the step (docs/benchmarks.md, vllm: loads in the step). A load past its
         estimate is cut at its deadline (step_budget.sync_deadline_s: its recompute time, at
-        least one step), and counts as a bound: the estimate rises to at least its time."""
+        least one step), and counts as a bound: the estimate rises to at least twice its time."""
         if num_tokens <= 0:
             return 0.0
         num_bytes = -(-num_tokens // self.page_tokens) * self.page_bytes

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from cluster.serving.engine_rates import (
+    CUT_BOUND_FACTOR,
     EngineMeter,
     PrefillFit,
     RatesFile,
@@ -24,6 +25,7 @@ from cluster.serving.engine_rates import (
     remove_published,
     write_published,
 )
+from cluster.serving.step_budget import StepBudget
 from policies.cost_routing import DISK, HOST, PRIOR_PATHS, REMOTE, pooled, prior_rates
 from tests.unit.test_engine_routing import KEYS, PAGE, PROMPT, Follower, make_router
 from tests.unit.test_routing import AsyncFakeDirectory, pending_tokens
@@ -153,19 +155,22 @@ def test_a_load_in_the_step_is_estimated_from_those_made_in_the_step_and_steps_r
     assert meter.step_done(2.0) is None  # none pending
 
 
-def test_a_load_cut_at_its_deadline_raises_the_estimate_to_at_least_its_time():
+def test_a_load_cut_at_its_deadline_raises_the_estimate_to_at_least_twice_its_time():
     """A cut is a bound, not a sample: blended into the EWMA of fast loads (20 ms a page
     here), a 0.2 s cut would leave the next estimate at 0.09 s, under the deadline, and the
-    next load of that size would be tried in the step and cut again."""
+    next load of that size would be tried in the step and cut again. At the cut's time
+    alone, a deadline a little later (it follows the prefill rate) let the next one in."""
     meter = EngineMeter(PAGE, 2048)
     for _ in range(10):
         meter.loaded_in_step([(10 * 2048, 0.02, False)])
     meter.loaded_in_step([(10 * 2048, 0.2, True)])
-    assert meter.load_s(10 * PAGE) == pytest.approx(0.2)
+    assert meter.load_s(10 * PAGE) == pytest.approx(CUT_BOUND_FACTOR * 0.2)
+    budget = StepBudget(num_steps=1, remaining_s=1.0)  # it would wait for anything under 1 s
+    assert not budget.may_load_in_step(meter.load_s(10 * PAGE), 0.21)  # a later deadline
     meter.loaded_in_step([(10 * 2048, 0.1, True)])  # a lower bound never lowers it
-    assert meter.load_s(10 * PAGE) == pytest.approx(0.2)
+    assert meter.load_s(10 * PAGE) == pytest.approx(CUT_BOUND_FACTOR * 0.2)
     meter.loaded_in_step([(10 * 2048, 0.02, False)])  # loads that land bring it back down
-    assert meter.load_s(10 * PAGE) == pytest.approx(0.8 * 0.2 + 0.2 * 0.02)
+    assert meter.load_s(10 * PAGE) == pytest.approx(0.8 * 0.4 + 0.2 * 0.02)
 
 
 def test_busy_seconds_per_request_share_the_steps_between_finishes():
