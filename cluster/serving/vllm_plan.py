@@ -69,6 +69,13 @@ def load_outcome_of(kv_transfer_params: Any) -> tuple[int | None, int]:
             _tokens_param(kv_transfer_params, UNFILLED_KEY) or 0)
 
 
+def served_tokens(vllm_cached_tokens: int, kv_transfer_params: Any) -> int:
+    """The prompt tokens a cache served a finished request: vLLM's count less what raykv's
+    loads did not fill (a connector that says nothing leaves vLLM's count)."""
+    _, unfilled = load_outcome_of(kv_transfer_params)
+    return max(vllm_cached_tokens - unfilled, 0)
+
+
 def fetch_limit(kv_transfer_params: Any) -> int | None:
     """The router's cut, if the request carries one: load at most this many prompt tokens and
     recompute the rest (the router found fetching them slower). None: load the whole hit.

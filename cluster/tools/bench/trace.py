@@ -49,7 +49,7 @@ from cluster.core.trace_scale import (
     scale_trace,
 )
 from cluster.serving import tokenizer
-from cluster.serving.vllm_plan import load_outcome_of
+from cluster.serving.vllm_plan import load_outcome_of, served_tokens
 from cluster.tools.bench import common, serve, trace_sim
 from cluster.tools.bench.harness import Report, interleave
 from cluster.tools.redis_server import free_port
@@ -202,8 +202,9 @@ def _read_answer(sent: Sent, answer: dict) -> None:
     usage = answer["usage"]
     sent.prompt_tokens = usage["prompt_tokens"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
-    _, sent.unfilled_tokens = load_outcome_of(answer.get("kv_transfer_params"))
-    sent.cached_tokens = max(cached - sent.unfilled_tokens, 0)
+    params = answer.get("kv_transfer_params")
+    _, sent.unfilled_tokens = load_outcome_of(params)
+    sent.cached_tokens = served_tokens(cached, params)
     metrics = answer.get("metrics") or {}
     sent.engine_queue_ms = metrics.get("queue_time_ms")
     sent.engine_prefill_ms = metrics.get("time_to_first_token_ms")

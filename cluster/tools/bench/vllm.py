@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cluster.serving.vllm_plan import load_outcome_of
+from cluster.serving.vllm_plan import served_tokens
 from cluster.tools.bench import common, harness
 from cluster.tools.bench.vllm_workload import (
     PAGE_TOKENS,
@@ -82,9 +82,8 @@ def served(answer: dict) -> dict:
     """An engine's answer, its `cached` the tokens a cache served: vLLM's count (kept as
     `vllm_cached`) less what raykv's connector says its loads did not fill. vLLM counts a
     load that fell short whole; LMCache's connector says nothing, so its count stays vLLM's."""
-    _, unfilled = load_outcome_of(answer.get("kv_transfer_params"))
     answer["vllm_cached"] = answer["cached"]
-    answer["cached"] = max(answer["cached"] - unfilled, 0)
+    answer["cached"] = served_tokens(answer["cached"], answer.get("kv_transfer_params"))
     return answer
 
 
