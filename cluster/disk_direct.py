@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from cluster.core import quant
+from cluster.core import cpu_sets, quant
 from cluster.core.copies import Pair, copy_pages
 from cluster.core.geometry import DISK, PageGeometry
 from cluster.core.kvcheck import page_rows, slab_order
@@ -62,7 +62,8 @@ class DiskDirect:
         self._staging: list[np.ndarray] = []
         self._lock = threading.Lock()
         # Reads are started here, so that a get's calls go out while its disk read runs.
-        self._starter = ThreadPoolExecutor(2, thread_name_prefix="raykv-disk-direct")
+        self._starter = ThreadPoolExecutor(2, thread_name_prefix="raykv-disk-direct",
+                                           initializer=cpu_sets.follow)
 
     def located(self, keys: list) -> np.ndarray:
         """Disk slots (int64 [N]) of the longest prefix of `keys` the node holds on disk."""

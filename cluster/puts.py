@@ -34,6 +34,7 @@ from collections.abc import Callable
 import numpy as np
 
 from cluster.calls import Steps, Wait, failed, run_sync
+from cluster.core import cpu_sets
 from cluster.core.geometry import HOST
 from cluster.core.lease_pool import LeasePool
 from cluster.core.put_leases import LeaseRequest
@@ -154,6 +155,7 @@ class LeasedPuts:
         return None
 
     def _run(self) -> None:
+        cpu_sets.follow()
         while True:
             with self._cond:
                 while (wait_s := self._wait_s()) != 0.0:

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
+from cluster.core import cpu_sets
 from cluster.core.keys import PageKey
 
 log = logging.getLogger("raykv.client")
@@ -71,6 +72,7 @@ class _Sender:
             self._cond.notify()
 
     def _run(self) -> None:
+        cpu_sets.follow()
         while True:
             with self._cond:
                 while not self._due or (wait_s := self._due[0][0] - time.monotonic()) > 0:

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from cluster.core import cpu_sets
+
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 PARALLEL_MIN_BYTES = 8 << 20  # below this, handing work to threads costs more than it saves
 
@@ -124,5 +126,6 @@ def _executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="raykv-copy")
+            _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="raykv-copy",
+                                       initializer=cpu_sets.follow)
         return _pool

@@ -68,6 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from cluster.core import cpu_sets
 from cluster.serving.engine_rates import EngineMeter, RatesFile, Step
 from cluster.serving.step_budget import StepBudget
 from cluster.serving.vllm_checks import unsupported_groups
@@ -152,7 +153,10 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
             return
         self._link = ServiceLink(settings, spec)
         self._gate = DecodeGate(settings.pd_wait_s, spec.name, settings.namespace)
-        client = self._link.client()  # connect while the engine starts, not on its first request
+        if role == KVConnectorRole.WORKER:  # off the cores vLLM's CPU build bound it to
+            cpu_sets.run_threads_on(cpu_sets.spare_cpus())
+        with cpu_sets.widened():  # Ray's threads, started at the connect, go there too
+            client = self._link.client()  # connect while the engine starts, not on its first
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = Lookups(self._link)
             if client is not None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.core import cpu_sets
 from cluster.core.spec import ModelSpec
 from cluster.serving.engine_rates import load_samples
 from cluster.serving.vllm_layout import (
@@ -86,8 +87,10 @@ class KVMover:
 
     def __post_init__(self) -> None:
         self._buffers: dict[bool, torch.Tensor] = {}  # staging: the loader's, the step's
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="raykv-load")
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="raykv-save")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="raykv-load",
+                                          initializer=cpu_sets.follow)
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="raykv-save",
+                                         initializer=cpu_sets.follow)
         self._pending = 0
         self._unsettled: list[Future] = []  # saves handed over since the last settle_saves
         self._lock = threading.Lock()

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+from cluster.core import cpu_sets
 from cluster.core.spec import DTYPE_BYTES, ModelSpec, canonical_dtype
 from cluster.serving.step_budget import StepBudget, checked_load_mode
 from policies.cost_routing import ewma
@@ -168,6 +169,7 @@ class ServiceLink:
             return 0
 
     def _connect_in_background(self) -> None:
+        cpu_sets.follow()  # Ray's threads, started here at the first connect, inherit it
         try:
             self.client()
         finally:
@@ -226,7 +228,8 @@ class Lookups:
 
     def __init__(self, link: ServiceLink):
         self._link = link
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="raykv-lookup")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="raykv-lookup",
+                                        initializer=cpu_sets.follow)
         self._pending: dict[str, tuple[Future, float]] = {}
         self._due_s: dict[str, float] = {}  # id -> when its retried lookup may start
         self.num_in_flight_answers = 0  # polls answered None: how often a request waited

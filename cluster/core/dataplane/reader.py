@@ -20,6 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from cluster.core import cpu_sets
 from cluster.core.dataplane import wire
 from cluster.core.dataplane.connections import ConnectionPool
 from cluster.core.dataplane.endpoint import PageRead
@@ -84,7 +85,8 @@ def _lane_threads() -> ThreadPoolExecutor:
     global _threads
     with _threads_lock:
         if _threads is None:
-            _threads = ThreadPoolExecutor(2 * LANES, thread_name_prefix="raykv-lane")
+            _threads = ThreadPoolExecutor(2 * LANES, thread_name_prefix="raykv-lane",
+                                          initializer=cpu_sets.follow)
         return _threads
 
 

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from cluster.core import cpu_sets
 from cluster.core.tiers.aligned import AlignedBufferPool, direct_reads_work, round_up
 from cluster.core.tiers.disk_format import HEADER_BYTES, MANIFEST_NAME
 from cluster.core.tiers.disk_reads import DiskReads
@@ -59,7 +60,8 @@ class DiskReader(DiskReads, DiskRuns, SlabSlots):
                                lambda index: self._open_slab(slab_path(dir_path, index)))
         self._small = AlignedBufferPool(2 * HEADER_BYTES, max_buffers=2 * num_threads)
         self._staging = AlignedBufferPool(self._span_bytes, max_buffers=2 * num_threads)
-        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="raykv-disk-read")
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="raykv-disk-read",
+                                            initializer=cpu_sets.follow)
         self._closed = False
 
     @staticmethod
