@@ -71,6 +71,20 @@ class Engine:
         return {} if mover is None else {f.name: getattr(mover.stats, f.name)
                                          for f in dataclasses.fields(mover.stats)}
 
+    def worker_thread_cpus(self) -> list[tuple[str, list[int]]]:
+        """(name, CPUs it may run on) of each thread of the engine's worker process (vLLM's
+        "VLLM::Worker": its multiprocessing engine), the main thread first."""
+        import os
+
+        import psutil
+
+        (worker,) = [child for child in psutil.Process().children(recursive=True)
+                     if child.name().startswith("VLLM::Worker")]
+        threads = sorted(thread.id for thread in worker.threads())
+        threads.remove(worker.pid)
+        return [(_thread_name(worker.pid, tid), sorted(os.sched_getaffinity(tid)))
+                for tid in [worker.pid, *threads]]
+
     def scheduler_connector(self, path: str):
         """A dotted attribute of the scheduler's connector (None when it has none)."""
         value = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
@@ -116,11 +130,19 @@ class Engine:
         return self.num_preemptions
 
 
+def _thread_name(pid: int, tid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+            return comm.read().strip()
+    except OSError:  # gone since
+        return ""
+
+
 def engine_on(resource: str | None, model_dir: str, connector: dict | None = CONNECTOR,
-              engine_kwargs: dict | None = None):
+              engine_kwargs: dict | None = None, env: dict | None = None):
     """An Engine on the node that offers `resource` (None: anywhere), started (its model
-    loaded)."""
-    options = {"runtime_env": {"env_vars": ENGINE_ENV}}
+    loaded); `env`: more of the engine's environment variables."""
+    options = {"runtime_env": {"env_vars": {**ENGINE_ENV, **(env or {})}}}
     if resource is not None:
         options["resources"] = {resource: 1}
     engine = Engine.options(**options).remote(model_dir, connector, engine_kwargs)
