@@ -40,7 +40,12 @@ save also flushes (KVClient.flush: committed, and the directory told), and a ste
 most what recomputing the saved tokens would take (the reader's loss when it misses them) and
 at least one step, so the request's first token is not delayed and its pages are in the
 directory before its next one; only for requests still running (one that finished as it
-saved, as a max_tokens 1 prefill does, has its output out: waiting cannot help it);
+saved, as a max_tokens 1 prefill does, has its output out: waiting cannot help it), and only
+for the save that ends a prefill: a chunk of a long prompt whose prefill goes on in the next
+step has no output to come before (its flush runs in the background, and the wait after the
+last chunk's save waits for it too). Waiting after each chunk cost a 1,024-token prompt
+prefilled in 4 chunks 5 % of its TTFT on an idle CPU engine, and more under load
+(docs/benchmarks.md, vllm-serve);
 "sync", the saving step itself waits, at most the call timeout (before its first token);
 "async", no step waits, and a save is visible when its commit lands.
 """
@@ -148,18 +153,23 @@ class StepBudget:
         return settle_bound_s(self.step_s, recompute_s)
 
     def save_waits(self, saving: dict[str, int], running: Container[str],
-                   call_timeout_s: float, recompute_s: Callable[[int], float]
-                   ) -> tuple[float | None, float | None]:
+                   call_timeout_s: float, recompute_s: Callable[[int], float],
+                   ending: Container[str] | None = None) -> tuple[float | None, float | None]:
         """For a step whose saves hand the worker `saving` (request id -> tokens): (how long
         the worker waits in it for the saves of the step before, how long for its own), None
         for no wait (module doc: "auto", "sync", "async"). `running`: the requests not
-        finished yet; `recompute_s(n)`: what computing n tokens takes this engine.
+        finished yet; `recompute_s(n)`: what computing n tokens takes this engine; `ending`:
+        the requests of `saving` whose save holds their prompt's last full page, no chunk of
+        a longer prefill (None: all of them).
 
         "auto" waits only for the saves of requests still running. One that finished in the
         step that saved it (a prefill with max_tokens 1, a stop token) has its output out
         already: a wait could not put its pages in the directory before that, and would only
-        hold up the other requests of the step."""
-        last, self.last_saves = self.last_saves, dict(saving)
+        hold up the other requests of the step. Nor for a save whose prefill goes on (a chunk
+        of a long prompt): no output of its request comes before the next chunk's."""
+        last = self.last_saves
+        self.last_saves = {request_id: tokens for request_id, tokens in saving.items()
+                           if ending is None or request_id in ending}
         if self.save_mode == "sync":
             return None, call_timeout_s if any(saving.values()) else None
         waited = sum(tokens for request_id, tokens in last.items() if request_id in running)

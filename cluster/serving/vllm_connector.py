@@ -229,7 +229,8 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         before_s, after_s = self._budget.save_waits(
             {spec.request_id: len(spec.token_ids) - spec.start for spec in saves},  # one each
             self._planner.tracked, self._link.call_timeout_s(),
-            meter.recompute_s if meter is not None else lambda _: 0.0)
+            meter.recompute_s if meter is not None else lambda _: 0.0,
+            ending={spec.request_id for spec in saves if spec.final})
         return RaykvMetadata(loads, saves, before_s, after_s)
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -142,6 +142,7 @@ class SaveSpec:
     start: int = 0
     salt: bytes = b""
     keep: bool = False  # a prefill's pages for a remote decode: never dropped when busy
+    final: bool = True  # it holds the prompt's last full page: no later save of its prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +346,8 @@ class StepPlanner:
         tracked.saved_tokens = end
         blocks = tracked.block_ids[start // self.block_size: -(-end // self.block_size)]
         return SaveSpec(request_id, tracked.prompt[:end], blocks, start, tracked.salt,
-                        request_id in self.producers)
+                        request_id in self.producers,
+                        end == len(tracked.prompt) // self.page_tokens * self.page_tokens)
 
     def saved_tokens(self, request_id: str) -> int:
         """The request's prompt tokens raykv holds or is being handed (its hit and its saves

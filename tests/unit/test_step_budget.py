@@ -102,6 +102,20 @@ def test_auto_saves_are_waited_for_in_the_next_step_bounded_by_their_recompute()
     assert budget.save_waits({}, running, 5.0, recompute_s) == (None, None)
 
 
+def test_auto_waits_for_no_chunk_of_a_prefill_that_goes_on_only_for_its_last_save():
+    budget = timed(0.040, 1)
+    recompute_s = {768: 0.2, 1024: 0.25}.__getitem__
+    running = {"r"}
+    budget.save_waits({"r": 768}, running, 5.0, recompute_s, ending=set())  # a chunk
+    # the next chunk's step: no wait (no output of "r" comes before it); its save is the last
+    assert budget.save_waits({"r": 256}, running, 5.0, recompute_s, ending={"r"}) == (None, None)
+    assert budget.save_waits({}, running, 5.0, {256: 0.1}.__getitem__) == (pytest.approx(0.1),
+                                                                             None)
+    # "sync" still waits in the step of every save, a chunk's too
+    sync = StepBudget(save_mode="sync")
+    assert sync.save_waits({"r": 768}, running, 5.0, recompute_s, ending=set()) == (None, 5.0)
+
+
 def test_sync_saves_wait_in_their_own_step_and_async_ones_never():
     sync = StepBudget(save_mode="sync")
     assert sync.save_waits({"r": 128}, {"r"}, 5.0, lambda n: 1.0) == (None, 5.0)

@@ -101,12 +101,14 @@ def test_chunked_prefill_saves_only_the_new_pages_of_each_step():
     prompt = list(range(27))
     plan.keyed("r", b"")
     plan.matched("r", 0, 0, 13)
+    # Only the save that holds the prompt's last full page (24) is final: the step after a
+    # chunk's save does not wait for it (step_budget.save_waits).
     _, saves = plan.step([NewRequest("r", prompt, [3, 5, 6], 0, 10)], [])
-    assert saves == [SaveSpec("r", prompt[:8], [3, 5], 0, b"")]
+    assert saves == [SaveSpec("r", prompt[:8], [3, 5], 0, b"", final=False)]
     _, saves = plan.step([], [RunningRequest("r", [9, 2], False, 10, 10)])  # tokens 10..19
-    assert saves == [SaveSpec("r", prompt[:16], [6, 9], 8, b"")]
+    assert saves == [SaveSpec("r", prompt[:16], [6, 9], 8, b"", final=False)]
     _, saves = plan.step([], [RunningRequest("r", [4, 11], False, 20, 7)])  # tokens 20..26
-    assert saves == [SaveSpec("r", prompt[:24], [2, 4], 16, b"")]
+    assert saves == [SaveSpec("r", prompt[:24], [2, 4], 16, b"", final=True)]
     _, saves = plan.step([], [RunningRequest("r", None, False, 27, 1)])  # decoding
     assert saves == []
     plan.finished("r")
