@@ -82,3 +82,9 @@ def test_an_engine_s_cached_tokens_leave_out_what_raykv_s_loads_did_not_fill():
     assert (short["cached"], short["vllm_cached"]) == (32, 160)
     lmcache = vllm.served({"cached": 160, "kv_transfer_params": None})  # says nothing
     assert (lmcache["cached"], lmcache["vllm_cached"]) == (160, 160)
+
+
+def test_every_mode_s_engine_gets_the_same_cpu_binding(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    env = vllm.engine_env()  # the one environment of every mode's Engine process
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from cluster.serving.vllm_plan import served_tokens
 from cluster.tools.bench import common, harness
+from cluster.tools.bench.vllm_serve_setups import ENGINE_CPU_ENV
 from cluster.tools.bench.vllm_workload import (
     PAGE_TOKENS,
     HitAccount,
@@ -87,11 +88,20 @@ def served(answer: dict) -> dict:
     return answer
 
 
+def engine_env() -> dict[str, str]:
+    """Every mode's engine environment. The same CPU binding for all (ENGINE_CPU_ENV): left
+    to vLLM, an engine with a KV connector (raykv's, LMCache's) reserved one core more, and on
+    2 cores that gave it 2 OpenMP threads on both cores, against 1 on core 0 for the engine
+    with none: `ttft_vs_no_connector` compared the cores, not the connector (runs before
+    this change)."""
+    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT), **ENGINE_CPU_ENV)
+
+
 class Engine:
     """One engine process: JSON requests on stdin, "RESULT" lines on stdout."""
 
     def __init__(self, python: str, model_dir: str, transfer: dict | None, log_path: str):
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT))
+        env = engine_env()
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(
             [python, "-m", ENGINE_MODULE, model_dir, json.dumps(transfer)], env=env, cwd=ROOT,
