@@ -20,7 +20,7 @@ from cluster import CacheConfig, ModelSpec, connect, start, stop  # noqa: E402
 from cluster.core.tiers.memory import remove_stale_shm  # noqa: E402
 from cluster.core.tiers.node_slot import slot_shm_prefix  # noqa: E402
 from tests.vllm.conftest import prompt_tokens  # noqa: E402
-from tests.vllm.engine import engine_on  # noqa: E402
+from tests.vllm.engine import CONNECTOR, engine_on  # noqa: E402
 
 BLOCK_TOKENS = 128
 CPUS = set(os.sched_getaffinity(0))
@@ -39,7 +39,12 @@ def engine(model_dir):
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
     start(CacheConfig(page_tokens=BLOCK_TOKENS, device_bytes=0, host_bytes=64 << 20,
                       disk_bytes=0, disk_dir=disk_dir, call_timeout_s=5.0))
-    yield engine_on(None, model_dir, engine_kwargs={"max_model_len": 1024}, env=ENV)
+    # The worker, a process outside Ray's, joins this cluster by its address: "auto" would
+    # take the newest cluster on the machine, another test tier's when CI runs two at once.
+    extra = {**CONNECTOR["kv_connector_extra_config"],
+             "raykv.ray_address": ray.get_runtime_context().gcs_address}
+    yield engine_on(None, model_dir, {**CONNECTOR, "kv_connector_extra_config": extra},
+                    engine_kwargs={"max_model_len": 1024}, env=ENV)
     stop()
     ray.shutdown()
     remove_stale_shm(slot_shm_prefix(disk_dir))
