@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -62,8 +62,7 @@ class DiskDirect:
         self._staging: list[np.ndarray] = []
         self._lock = threading.Lock()
         # Reads are started here, so that a get's calls go out while its disk read runs.
-        self._starter = ThreadPoolExecutor(2, thread_name_prefix="raykv-disk-direct",
-                                           initializer=cpu_sets.follow)
+        self._starter = cpu_sets.thread_pool(2, "raykv-disk-direct")
 
     def located(self, keys: list) -> np.ndarray:
         """Disk slots (int64 [N]) of the longest prefix of `keys` the node holds on disk."""

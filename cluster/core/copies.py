@@ -126,6 +126,5 @@ def _executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="raykv-copy",
-                                       initializer=cpu_sets.follow)
+            _pool = cpu_sets.thread_pool(COPY_THREADS, "raykv-copy")
         return _pool

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 log = logging.getLogger("raykv")
@@ -63,6 +64,11 @@ def follow() -> None:
     """Move the calling thread to the named CPUs, if any (a raykv thread's first step)."""
     if _named:
         _set(_named)
+
+
+def thread_pool(num_threads: int, name: str) -> ThreadPoolExecutor:
+    """A pool of raykv threads (named `name`_N): each follows the named CPUs as it starts."""
+    return ThreadPoolExecutor(num_threads, thread_name_prefix=name, initializer=follow)
 
 
 @contextmanager

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -87,10 +87,8 @@ class KVMover:
 
     def __post_init__(self) -> None:
         self._buffers: dict[bool, torch.Tensor] = {}  # staging: the loader's, the step's
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="raykv-load",
-                                          initializer=cpu_sets.follow)
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="raykv-save",
-                                         initializer=cpu_sets.follow)
+        self._loader = cpu_sets.thread_pool(1, "raykv-load")
+        self._saver = cpu_sets.thread_pool(1, "raykv-save")
         self._pending = 0
         self._unsettled: list[Future] = []  # saves handed over since the last settle_saves
         self._lock = threading.Lock()

@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from cluster.core import cpu_sets
@@ -228,8 +228,7 @@ class Lookups:
 
     def __init__(self, link: ServiceLink):
         self._link = link
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="raykv-lookup",
-                                        initializer=cpu_sets.follow)
+        self._pool = cpu_sets.thread_pool(1, "raykv-lookup")
         self._pending: dict[str, tuple[Future, float]] = {}
         self._due_s: dict[str, float] = {}  # id -> when its retried lookup may start
         self.num_in_flight_answers = 0  # polls answered None: how often a request waited

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -53,7 +52,7 @@ def _in_thread(body) -> None:
 
 
 def _in_pool(body) -> None:
-    with ThreadPoolExecutor(1, initializer=cpu_sets.follow) as pool:
+    with cpu_sets.thread_pool(1, "raykv-test") as pool:  # as raykv's pools are made
         pool.submit(body).result()
 
 

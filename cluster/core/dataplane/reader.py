@@ -85,8 +85,7 @@ def _lane_threads() -> ThreadPoolExecutor:
     global _threads
     with _threads_lock:
         if _threads is None:
-            _threads = ThreadPoolExecutor(2 * LANES, thread_name_prefix="raykv-lane",
-                                          initializer=cpu_sets.follow)
+            _threads = cpu_sets.thread_pool(2 * LANES, "raykv-lane")
         return _threads
 
 

@@ -22,7 +22,6 @@ import json
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from cluster.core import cpu_sets
 from cluster.core.tiers.aligned import AlignedBufferPool, direct_reads_work, round_up
@@ -60,8 +59,7 @@ class DiskReader(DiskReads, DiskRuns, SlabSlots):
                                lambda index: self._open_slab(slab_path(dir_path, index)))
         self._small = AlignedBufferPool(2 * HEADER_BYTES, max_buffers=2 * num_threads)
         self._staging = AlignedBufferPool(self._span_bytes, max_buffers=2 * num_threads)
-        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="raykv-disk-read",
-                                            initializer=cpu_sets.follow)
+        self._executor = cpu_sets.thread_pool(num_threads, "raykv-disk-read")
         self._closed = False
 
     @staticmethod
