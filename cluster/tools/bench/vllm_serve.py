@@ -148,6 +148,8 @@ def build(setup: str, plan: Plan, model_dir: str):
         return setups.raykv_app(model_dir, MODEL, plan.engine, NUM_NODES)
     if setup == "raykv-async":
         return setups.raykv_app(model_dir, MODEL, plan.engine, NUM_NODES, load_mode="async")
+    if setup == "raykv-save-async":
+        return setups.raykv_app(model_dir, MODEL, plan.engine, NUM_NODES, save_mode="async")
     if setup == "raykv-direct":
         return setups.raykv_direct_app(model_dir, MODEL, plan.engine, NUM_NODES)
     config = setups.baseline_config(setup, model_dir, MODEL, plan.engine, NUM_NODES)

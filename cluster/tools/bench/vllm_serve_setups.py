@@ -27,8 +27,9 @@ SETUPS = ("raykv", "kv-aware", "prefix", "pow2")
 # Run only when named (`--setups`): raykv's app with Ray's direct streaming (vllm_direct.py),
 # raykv's router behind HAProxy as kv-aware's is; raykv's app with its connector's
 # `raykv.load_mode` "async" (every lookup and load off the engine's step, as before
-# step_budget.py), to measure what waiting in the step gives.
-EXTRA_SETUPS = ("raykv-direct", "raykv-async")
+# step_budget.py), to measure what waiting in the step gives; and raykv's app with its
+# `raykv.save_mode` "async" (no step waits for a save's flush), to measure what those waits cost.
+EXTRA_SETUPS = ("raykv-direct", "raykv-async", "raykv-save-async")
 KV_AWARE_ROUTER = "ray.serve.llm.request_router:KVAwareRouter"
 PORTED_SERVER = "cluster.tools.bench.vllm_serve_server:PortedLLMServer"
 ENGINE_SLOT = "engine_slot"  # one per simulated node: one replica per node
@@ -116,11 +117,12 @@ def baseline_config(setup: str, model_source: str, model_id: str, shape: EngineS
 
 
 def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas: int,
-              bundle: dict | None = None, load_mode: str | None = None):
+              bundle: dict | None = None, load_mode: str | None = None,
+              save_mode: str | None = None):
     """raykv's set-up: `build_vllm_app`'s app (RaykvConnector, raykv's router over the running
     service, the keyed ingress), its engines placed one per node like the baselines' (or by
-    `bundle`, each engine's placement-group bundle); `load_mode`: the connector's
-    `raykv.load_mode` (None: its default)."""
+    `bundle`, each engine's placement-group bundle); `load_mode`, `save_mode`: the
+    connector's `raykv.load_mode` and `raykv.save_mode` (None: its defaults)."""
     import ray
     from ray.serve.llm import build_openai_app
 
@@ -138,9 +140,10 @@ def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas
     config.runtime_env = {**(config.runtime_env or {}),
                           "env_vars": {**(config.runtime_env or {}).get("env_vars", {}),
                                        **engine_env(1)}}
-    if load_mode is not None:
-        config.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"][
-            "raykv.load_mode"] = load_mode
+    extra = config.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+    for name, mode in (("raykv.load_mode", load_mode), ("raykv.save_mode", save_mode)):
+        if mode is not None:
+            extra[name] = mode
     return build_openai_app({"llm_configs": [config], "ingress_cls_config": keyed_ingress(args)})
 
 
