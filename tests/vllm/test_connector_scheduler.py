@@ -396,3 +396,61 @@ def test_an_unknown_load_mode_is_refused(client):
     config.kv_transfer_config.kv_connector_extra_config["raykv.load_mode"] = "eager"
     with pytest.raises(ValueError, match="load_mode"):
         scheduler(config)
+
+
+def prefill_of(req, num_computed_tokens: int, block_ids: list[int]):
+    """A SchedulerOutput that schedules `req`'s prefill from `num_computed_tokens` (what vLLM's
+    own cache held) to its end."""
+    prompt = list(req.prompt_token_ids)
+    num_scheduled = len(prompt) - num_computed_tokens
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, prompt_token_ids=prompt,
+                                            block_ids=(block_ids,),
+                                            num_computed_tokens=num_computed_tokens)],
+        num_scheduled_tokens={req.request_id: num_scheduled},
+        total_num_scheduled_tokens=num_scheduled,
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                              resumed_req_ids=set(), num_computed_tokens=[]))
+
+
+def test_a_rest_that_recomputes_faster_than_a_lookup_is_not_asked_about_but_saved(
+        client, monkeypatch):
+    """A conversation's next turn on the replica that served the last: vLLM's own cache holds
+    64 of its 100 tokens, and raykv could add at most 32 (two blocks). At the timed prefill
+    rate those take 0.4 s to recompute; raykv's lookups measured 1 s: no lookup, nothing
+    loaded, and the new pages are saved under the request's salt."""
+    from cluster.serving.vllm_keys import request_salt
+
+    connector = timed_scheduler(client, monkeypatch, step_s=0.05)  # 4 tokens in 50 ms
+    connector._lookups.lookup_s = 1.0
+    num_lookups = len(client.salts)
+    req = request("next-turn", num_tokens=100, cache_salt="tenant")
+    assert connector.get_num_new_matched_tokens(req, 64) == (0, False)
+    assert len(client.salts) == num_lookups and connector.num_unasked == 1
+    (save,) = connector.build_connector_meta(prefill_of(req, 64, list(range(7)))).saves
+    assert (save.start, len(save.token_ids), save.block_ids) == (64, 96, [4, 5])
+    assert save.salt == request_salt(req) != b""
+    connector.shutdown()
+
+
+def test_a_rest_worth_more_than_a_lookup_is_asked_about(client, monkeypatch):
+    """The same prompt where raykv's lookups measured 0.1 ms (or none was timed yet, or the
+    engine timed no prefill): raykv is asked."""
+    connector = timed_scheduler(client, monkeypatch, step_s=0.05)
+    connector._lookups.lookup_s = 1e-4
+    num_lookups = len(client.salts)
+    asked_about(connector, request("asked", num_tokens=100), 64)
+    assert len(client.salts) == num_lookups + 1 and connector.num_unasked == 0
+    connector.shutdown()
+    untimed = scheduler()  # no prefill timed yet: its rate is unknown
+    client.gate.set()
+    asked_about(untimed, request("first-ever", num_tokens=100), 64)
+    assert len(client.salts) == num_lookups + 2 and untimed.num_unasked == 0
+    untimed.shutdown()
+
+
+def asked_about(connector, req, num_computed_tokens: int, timeout_s: float = 5.0):
+    deadline_s = time.monotonic() + timeout_s
+    while connector.get_num_new_matched_tokens(req, num_computed_tokens)[0] is None:
+        assert time.monotonic() < deadline_s
+        time.sleep(0.01)
