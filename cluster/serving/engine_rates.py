@@ -202,12 +202,8 @@ class EngineMeter:
     def recompute_s(self, num_tokens: int) -> float:
         """What prefilling `num_tokens` adds to a step, at the fitted prefill rate (0 before
         any prefill was timed)."""
-        return self.measured_recompute_s(num_tokens) or 0.0
-
-    def measured_recompute_s(self, num_tokens: int) -> float | None:
-        """recompute_s, None before any prefill was timed."""
         per_token_s = self.prefill.per_token_s()
-        return None if per_token_s is None else max(0, num_tokens) * per_token_s
+        return 0.0 if per_token_s is None else max(0, num_tokens) * per_token_s
 
     def loaded_in_step(self, samples: Iterable[tuple[int, float, bool]]) -> None:
         """The (bytes, seconds, cut) of the worker's loads made in the step: a load cut at

@@ -67,19 +67,6 @@ def checked_load_mode(mode: str, setting: str = "raykv.load_mode") -> str:
     return mode
 
 
-def worth_asking(lookup_s: float | None, recompute_s: float | None) -> bool:
-    """Whether to ask raykv about the tokens of a prompt past what vLLM's own cache holds
-    ("auto"). The most a hit of them can save the request is recomputing them (`recompute_s`,
-    at the engine's measured prefill rate), and asking costs it at least the lookup's measured
-    time (`lookup_s`; more when the lookup is not waited for: an engine step). So a prompt
-    whose rest recomputes faster than a lookup answers is not asked about: a conversation's
-    next turn on the replica that served the last, whose new tokens raykv has never seen.
-    Either figure unmeasured (None): ask."""
-    if lookup_s is None or recompute_s is None:
-        return True
-    return recompute_s > lookup_s
-
-
 def settle_bound_s(step_s: float, recompute_s: float) -> float:
     """How long a step waits on raykv at most, outside "sync": what recomputing the tokens
     concerned would take, and at least one step's measured time (and 1 ms)."""

@@ -17,9 +17,7 @@ has a load made in the step (vLLM's synchronous load), when its measured cost fi
 step can afford: the step's measured time over its requests (cluster/serving/step_budget.py,
 `raykv.load_mode`). A request that raykv's router placed
 carries the hit the router's own directory lookup found (kv_transfer_params, vllm_plan.HIT_KEY):
-that is its answer at the first ask, with no lookup. Nor is a request asked about whose rest,
-past what vLLM's own cache holds, recomputes faster than a lookup answers (both measured:
-step_budget.worth_asking). An "ask again" costs a request a whole
+that is its answer at the first ask, with no lookup. An "ask again" costs a request a whole
 engine step: vLLM asks again only after the step it runs meanwhile, and under load the wait
 for raykv's answer was the step (0.65 s at the median, where the lookup took 0.05 s:
 docs/benchmarks.md, vllm-serve).
@@ -72,7 +70,7 @@ from vllm.logger import init_logger
 
 from cluster.core import cpu_sets
 from cluster.serving.engine_rates import EngineMeter, RatesFile, Step
-from cluster.serving.step_budget import StepBudget, worth_asking
+from cluster.serving.step_budget import StepBudget
 from cluster.serving.vllm_checks import unsupported_groups
 from cluster.serving.vllm_handoff import DecodeGate
 from cluster.serving.vllm_io import KVMover
@@ -140,7 +138,6 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         self._meter: EngineMeter | None = None  # scheduler side, once the page size is known
         self._rates: RatesFile | None = None  # scheduler side, with the meter
         self.num_routed_answers = 0  # requests answered by the router's hit, no lookup
-        self.num_unasked = 0  # requests whose rest recomputes faster than a lookup answers
         # What a step may wait on raykv
         self._budget = StepBudget(settings.load_mode, save_mode=settings.save_mode)
         self._sync_loads: dict[str, float] = {}  # id -> deadline of its load in the step
@@ -189,8 +186,6 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
             planner.matched(request_id, num_computed_tokens, num_computed_tokens, len(prompt))
             return 0, False
         answer = self._routed_answer(request, params, num_asked)
-        if answer is None and not producing:
-            answer = self._unasked(request, num_computed_tokens, num_loadable)
         if answer is None:
             answer = self._lookups.poll(request_id, prompt[:num_asked],
                                         lambda: request_salt(request), self._budget)
@@ -302,19 +297,6 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
             return None
         self.num_routed_answers += 1
         return Answer(b"", min(hit, num_asked), self._planner.page_tokens)
-
-    def _unasked(self, request: Request, num_computed_tokens: int,
-                 num_loadable: int) -> Answer | None:
-        """The answer for a request not worth a lookup ("auto": step_budget.worth_asking):
-        raykv is taken to hold what vLLM's own cache does, so nothing is loaded, and the
-        request is keyed, so that its new pages are saved. None: ask raykv."""
-        if self._budget.mode != "auto" or self._planner is None or self._meter is None:
-            return None
-        rest_s = self._meter.measured_recompute_s(num_loadable - num_computed_tokens)
-        if worth_asking(self._lookups.lookup_s, rest_s):
-            return None
-        self.num_unasked += 1
-        return Answer(request_salt(request), num_computed_tokens, self._planner.page_tokens)
 
     def _awaits_handoff(self, request_id: str, answer: Answer, params: Any,
                         num_asked: int) -> bool:

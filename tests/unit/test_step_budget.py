@@ -4,7 +4,7 @@ and loads made in the step; "async" never waits and "sync" always does."""
 
 import pytest
 
-from cluster.serving.step_budget import StepBudget, worth_asking
+from cluster.serving.step_budget import StepBudget
 
 
 def timed(step_s=0.040, num_requests=4, mode="auto"):
@@ -136,11 +136,3 @@ def test_a_load_estimated_past_its_deadline_is_not_made_in_the_step():
     assert not budget.may_load_in_step(0.25, deadline_s=0.2)
     assert StepBudget(mode="sync").may_load_in_step(5.0, deadline_s=0.2)  # sync always waits
     assert not StepBudget(mode="async").may_load_in_step(0.0, deadline_s=0.2)
-
-
-def test_raykv_is_asked_about_a_rest_unless_it_recomputes_faster_than_a_lookup_answers():
-    assert worth_asking(lookup_s=0.005, recompute_s=0.02)  # a hit could save 20 ms
-    assert not worth_asking(lookup_s=0.005, recompute_s=0.004)  # at most 4 ms, for 5 ms
-    assert not worth_asking(lookup_s=0.005, recompute_s=0.0)  # nothing past vLLM's cache
-    assert worth_asking(lookup_s=None, recompute_s=0.004)  # no lookup timed yet
-    assert worth_asking(lookup_s=0.005, recompute_s=None)  # no prefill timed yet
