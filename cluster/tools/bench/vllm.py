@@ -48,8 +48,7 @@ import time
 from pathlib import Path
 
 from cluster.serving.vllm_plan import served_tokens
-from cluster.tools.bench import common, harness
-from cluster.tools.bench.vllm_serve_setups import ENGINE_CPU_ENV
+from cluster.tools.bench import common, harness, vllm_serve_setups
 from cluster.tools.bench.vllm_workload import (
     PAGE_TOKENS,
     HitAccount,
@@ -89,12 +88,13 @@ def served(answer: dict) -> dict:
 
 
 def engine_env() -> dict[str, str]:
-    """Every mode's engine environment. The same CPU binding for all (ENGINE_CPU_ENV): left
+    """Every mode's engine environment, as bench vllm-serve gives its engines (its
+    engine_env: 1 GiB of KV space, the same CPU binding for all). Left
     to vLLM, an engine with a KV connector (raykv's, LMCache's) reserved one core more, and on
     2 cores that gave it 2 OpenMP threads on both cores, against 1 on core 0 for the engine
     with none: `ttft_vs_no_connector` compared the cores, not the connector (runs before
     this change)."""
-    return dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(ROOT), **ENGINE_CPU_ENV)
+    return dict(os.environ, PYTHONPATH=str(ROOT), **vllm_serve_setups.engine_env(1))
 
 
 class Engine:
