@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from cluster.serving.lookup_worth import LookupWorth
 from policies.cost_routing import (
     DISK,
     HOST,
@@ -178,6 +179,7 @@ class EngineMeter:
         # Loads made in the step (step_budget.py); before any, this node's host copy prior.
         self.in_step = PathRate(PRIOR_PATHS[HOST][0])
         self._busy_s = 0.0  # step seconds since the last request finished
+        self.lookups = LookupWorth()  # what raykv's lookups were worth to this engine
 
     def loaded(self, samples: Iterable[tuple[str, int, float]]) -> None:
         """The worker's load samples (load_samples), as its KVConnectorStats brought them."""
@@ -202,8 +204,12 @@ class EngineMeter:
     def recompute_s(self, num_tokens: int) -> float:
         """What prefilling `num_tokens` adds to a step, at the fitted prefill rate (0 before
         any prefill was timed)."""
+        return self.measured_recompute_s(num_tokens) or 0.0
+
+    def measured_recompute_s(self, num_tokens: int) -> float | None:
+        """recompute_s, None before any prefill was timed."""
         per_token_s = self.prefill.per_token_s()
-        return 0.0 if per_token_s is None else max(0, num_tokens) * per_token_s
+        return None if per_token_s is None else max(0, num_tokens) * per_token_s
 
     def loaded_in_step(self, samples: Iterable[tuple[int, float, bool]]) -> None:
         """The (bytes, seconds, cut) of the worker's loads made in the step: a load cut at
@@ -243,7 +249,7 @@ class EngineMeter:
                        prefill_samples=self.prefill.num_samples,
                        step_overhead_s=self.prefill.fixed_s())
         out.update(page_tokens=self.page_tokens, page_bytes=self.page_bytes,
-                   busy_s_per_request=self.busy_s_per_request)
+                   busy_s_per_request=self.busy_s_per_request, **self.lookups.published())
         return out
 
 

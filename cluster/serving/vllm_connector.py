@@ -17,7 +17,10 @@ has a load made in the step (vLLM's synchronous load), when its measured cost fi
 step can afford: the step's measured time over its requests (cluster/serving/step_budget.py,
 `raykv.load_mode`). A request that raykv's router placed
 carries the hit the router's own directory lookup found (kv_transfer_params, vllm_plan.HIT_KEY):
-that is its answer at the first ask, with no lookup. An "ask again" costs a request a whole
+that is its answer at the first ask, with no lookup. Nor is a prompt asked about that vLLM's
+own cache holds part of, when lookups of such prompts rarely found more than vLLM held, for
+the wait they cost (both measured on this engine: cluster/serving/lookup_worth.py; its
+figures are in the published rates). An "ask again" costs a request a whole
 engine step: vLLM asks again only after the step it runs meanwhile, and under load the wait
 for raykv's answer was the step (0.65 s at the median, where the lookup took 0.05 s:
 docs/benchmarks.md, vllm-serve).
@@ -138,6 +141,7 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         self._meter: EngineMeter | None = None  # scheduler side, once the page size is known
         self._rates: RatesFile | None = None  # scheduler side, with the meter
         self.num_routed_answers = 0  # requests answered by the router's hit, no lookup
+        self._first_asked_s: dict[str, float] = {}  # id -> when its lookup was first polled
         # What a step may wait on raykv
         self._budget = StepBudget(settings.load_mode, save_mode=settings.save_mode)
         self._sync_loads: dict[str, float] = {}  # id -> deadline of its load in the step
@@ -186,9 +190,12 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
             planner.matched(request_id, num_computed_tokens, num_computed_tokens, len(prompt))
             return 0, False
         answer = self._routed_answer(request, params, num_asked)
+        if answer is None and params is None:
+            answer = self._unasked(request, num_computed_tokens, num_loadable)
         if answer is None:
             answer = self._lookups.poll(request_id, prompt[:num_asked],
                                         lambda: request_salt(request), self._budget)
+            self._timed_lookup(request_id, params, num_computed_tokens, answer)
         if answer is None:
             return None, False  # in flight: vLLM asks again next step
         limit = fetch_limit(params)
@@ -276,6 +283,7 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
             self._meter.finished()
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
+        self._first_asked_s.pop(request.request_id, None)
         if self._gate is not None:
             self._gate.forget(request.request_id)
         self._sync_loads.pop(request.request_id, None)
@@ -297,6 +305,34 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
             return None
         self.num_routed_answers += 1
         return Answer(b"", min(hit, num_asked), self._planner.page_tokens)
+
+    def _unasked(self, request: Request, num_computed_tokens: int,
+                 num_loadable: int) -> Answer | None:
+        """The answer for a request not worth a lookup (lookup_worth.py: what lookups of
+        prompts vLLM held part of found past its cache, against their delay): raykv is taken
+        to hold what vLLM's own cache does, so nothing is loaded, and the request is keyed,
+        so that its new pages are saved. None: ask raykv (always under "sync", which asks
+        about every request, as LMCache's connector does)."""
+        if self._planner is None or self._meter is None or self._budget.mode == "sync":
+            return None
+        rest_s = self._meter.measured_recompute_s(num_loadable - num_computed_tokens)
+        if self._meter.lookups.worth_asking(num_computed_tokens, rest_s):
+            return None
+        return Answer(request_salt(request), num_computed_tokens, self._planner.page_tokens)
+
+    def _timed_lookup(self, request_id: str, params: Any, num_computed_tokens: int,
+                      answer: Answer | None) -> None:
+        """A plain request's lookup, from its first ask to its answer, for lookup_worth."""
+        if params is not None:
+            return
+        asked_s = self._first_asked_s.get(request_id)
+        if asked_s is None:
+            asked_s = self._first_asked_s[request_id] = _now_s()
+        if answer is not None:
+            del self._first_asked_s[request_id]
+            if self._meter is not None:
+                self._meter.lookups.asked(num_computed_tokens, answer.num_tokens,
+                                          _now_s() - asked_s)
 
     def _awaits_handoff(self, request_id: str, answer: Answer, params: Any,
                         num_asked: int) -> bool:
@@ -374,6 +410,8 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
     # ---- both sides -----------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        if self._meter is not None:
+            log.info("raykv lookups: %s", self._meter.lookups.published())
         if self._rates is not None:
             self._rates.close()
         if self._lookups is not None:

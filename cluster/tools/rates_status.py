@@ -61,7 +61,7 @@ def rates_tables(rates: dict) -> list[Table]:
                       str(path["num_samples"]))
     replicas = Table(title="routing: engine replicas (measured online)")
     for column in ("replica", "node", "prefill tokens/s", "samples", "step overhead",
-                   "compute s/request"):
+                   "compute s/request", "lookups past vLLM", "lookup delay", "lookups skipped"):
         replicas.add_column(column, justify="left" if column in ("replica", "node")
                             else "right")
     for name, row in rates["replicas"].items():
@@ -70,5 +70,14 @@ def rates_tables(rates: dict) -> list[Table]:
                          str(row.get("prefill_samples", 0)),
                          f"{row['step_overhead_s'] * 1e3:.1f} ms" if "step_overhead_s" in row
                          else "",
-                         f"{row.get('busy_s_per_request', 0.0):.3f}")
+                         f"{row.get('busy_s_per_request', 0.0):.3f}", *_lookup_cells(row))
     return [paths, replicas]
+
+
+def _lookup_cells(row: dict) -> list[str]:
+    """A vLLM engine's lookups (cluster/serving/lookup_worth.py): how often raykv held more
+    than vLLM's own cache, their delay, and the prompts not asked about; blank for others."""
+    if "lookups_timed" not in row:
+        return ["", "", ""]
+    return [f"{row['lookups_beyond_vllm']:.0%}", f"{row['lookup_delay_ms']:.1f} ms",
+            f"{row['lookups_skipped']:,} of {row['lookups_skipped'] + row['lookups_timed']:,}"]

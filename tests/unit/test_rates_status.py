@@ -22,7 +22,8 @@ def test_status_shows_each_replicas_rates_and_the_pooled_paths(monkeypatch):
     published = {"node_id": "node-a" * 4, "requests": 3, "rates": {
         "paths": {"remote": [5e8, 0.0, 4]}, "prefill_tokens_per_s": 1234.0,
         "prefill_samples": 3, "page_tokens": 16, "page_bytes": 1 << 20,
-        "busy_s_per_request": 0.25}}
+        "busy_s_per_request": 0.25, "lookups_beyond_vllm": 0.25, "lookup_delay_ms": 4.5,
+        "lookups_timed": 40, "lookups_skipped": 60}}
     table = {"1": {"State": "ALIVE", "ActorClassName": "ServeReplica:raykv:EngineDeployment",
                    "Name": "SERVE_REPLICA::raykv#EngineDeployment#abc"},
              "2": {"State": "DEAD", "ActorClassName": "ServeReplica:raykv:EngineDeployment",
@@ -49,5 +50,5 @@ def test_status_shows_each_replicas_rates_and_the_pooled_paths(monkeypatch):
         console.print(shown)
     text = console.export_text()
     for expected in ("routing: fetch paths", "476.8 MiB/s", "free", "1,234", "0.250",
-                     "node-anode-a"):
+                     "node-anode-a", "25%", "4.5 ms", "60 of 100"):
         assert expected in text, (expected, text)

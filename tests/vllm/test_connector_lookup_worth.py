@@ -1,0 +1,105 @@
+"""RaykvConnector's scheduler side, with vLLM's classes, learning whether lookups are worth
+their wait (cluster/serving/lookup_worth.py): once lookups of follow-up turns found nothing
+past vLLM's own cache, the next follow-up is not looked up, loads nothing and is saved under
+its salt; a new prompt still is, so is one where raykv held more, and the figures are in the
+engine's published rates."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this "
+                                   "tier in .venv-vllm")
+
+from cluster.serving import vllm_connector, vllm_service  # noqa: E402
+from cluster.serving.lookup_worth import EXPLORE_EVERY, MIN_OUTCOMES  # noqa: E402
+from cluster.serving.vllm_keys import request_salt  # noqa: E402
+from tests.vllm.test_connector_scheduler import (  # noqa: E402
+    SlowClient,
+    request,
+    timed_scheduler,
+)
+
+PROMPT_TOKENS, HELD_TOKENS = 100, 64  # a follow-up turn: vLLM's own cache holds 64
+
+
+@pytest.fixture
+def client(monkeypatch):
+    client = SlowClient()
+    monkeypatch.setattr(vllm_service.ServiceLink, "_connect", lambda self: client)
+    return client
+
+
+def learning(client, monkeypatch, raykv_tokens: int):
+    """A timed scheduler side (4 tokens prefilled in 50 ms) whose raykv answers
+    `raykv_tokens` of any prompt, on a clock where each lookup's answer comes 5 ms after its
+    first ask, after MIN_OUTCOMES lookups of follow-up turns."""
+    connector = timed_scheduler(client, monkeypatch, step_s=0.05)
+    client.prefetch = lambda tokens: min(raykv_tokens, len(tokens))
+    ticks = itertools.count()
+    monkeypatch.setattr(vllm_connector, "_now_s", lambda: 1.0 + 0.005 * next(ticks))
+    for i in range(MIN_OUTCOMES):
+        looked_up(connector, request(f"turn-{i}", PROMPT_TOKENS), HELD_TOKENS)
+    return connector
+
+
+def looked_up(connector, req, num_computed_tokens: int, timeout_s: float = 5.0):
+    deadline_s = time.monotonic() + timeout_s
+    while (answer := connector.get_num_new_matched_tokens(req, num_computed_tokens))[0] is None:
+        assert time.monotonic() < deadline_s
+        time.sleep(0.01)
+    connector.request_finished(req, [])
+    return answer
+
+
+def prefill_of(req, num_computed_tokens: int, block_ids: list[int]):
+    """A SchedulerOutput that schedules `req`'s prefill from `num_computed_tokens` to its end."""
+    prompt = list(req.prompt_token_ids)
+    num_scheduled = len(prompt) - num_computed_tokens
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, prompt_token_ids=prompt,
+                                            block_ids=(block_ids,),
+                                            num_computed_tokens=num_computed_tokens)],
+        num_scheduled_tokens={req.request_id: num_scheduled},
+        total_num_scheduled_tokens=num_scheduled,
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                              resumed_req_ids=set(), num_computed_tokens=[]))
+
+
+def test_a_follow_up_turn_is_not_looked_up_once_lookups_found_nothing_past_vllms_cache(
+        client, monkeypatch):
+    connector = learning(client, monkeypatch, raykv_tokens=HELD_TOKENS)
+    num_lookups = len(client.salts)
+    req = request("next-turn", PROMPT_TOKENS, cache_salt="tenant")
+    assert connector.get_num_new_matched_tokens(req, HELD_TOKENS) == (0, False)
+    assert len(client.salts) == num_lookups  # no lookup
+    (save,) = connector.build_connector_meta(prefill_of(req, HELD_TOKENS, list(range(7)))).saves
+    assert (save.start, len(save.token_ids), save.block_ids) == (64, 96, [4, 5])
+    assert save.salt == request_salt(req) != b""
+    # a new prompt is looked up all the same: only raykv can have it
+    looked_up(connector, request("new-prompt", PROMPT_TOKENS), 0)
+    assert len(client.salts) == num_lookups + 1
+    published = connector._meter.published()
+    assert published["lookups_skipped"] == 1 and published["lookups_beyond_vllm"] == 0.0
+    assert published["lookup_delay_ms"] >= 5.0  # a tick of the clock at least
+    connector.shutdown()
+
+
+def test_follow_up_turns_are_looked_up_where_raykv_held_more_and_one_skip_in_eight_anyway(
+        client, monkeypatch):
+    held_more = learning(client, monkeypatch, raykv_tokens=96)
+    num_lookups = len(client.salts)
+    assert looked_up(held_more, request("more", PROMPT_TOKENS), HELD_TOKENS)[0] == 32
+    assert len(client.salts) == num_lookups + 1 and held_more._meter.lookups.num_skipped == 0
+    held_more.shutdown()
+    nothing_more = learning(client, monkeypatch, raykv_tokens=HELD_TOKENS)
+    num_lookups = len(client.salts)
+    for i in range(2 * EXPLORE_EVERY):
+        looked_up(nothing_more, request(f"later-{i}", PROMPT_TOKENS), HELD_TOKENS)
+    assert len(client.salts) == num_lookups + 2  # the explorations
+    assert nothing_more._meter.lookups.num_skipped == 2 * EXPLORE_EVERY - 2
+    nothing_more.shutdown()
