@@ -193,9 +193,10 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         if answer is None and params is None:
             answer = self._unasked(request, num_computed_tokens, num_loadable)
         if answer is None:
+            asked_s = _now_s()  # before the poll: a lookup waited for in the step costs that
             answer = self._lookups.poll(request_id, prompt[:num_asked],
                                         lambda: request_salt(request), self._budget)
-            self._timed_lookup(request_id, params, num_computed_tokens, answer)
+            self._timed_lookup(request_id, params, num_computed_tokens, answer, asked_s)
         if answer is None:
             return None, False  # in flight: vLLM asks again next step
         limit = fetch_limit(params)
@@ -313,7 +314,8 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         to hold what vLLM's own cache does, so nothing is loaded, and the request is keyed,
         so that its new pages are saved. None: ask raykv (always under "sync", which asks
         about every request, as LMCache's connector does)."""
-        if self._planner is None or self._meter is None or self._budget.mode == "sync":
+        if self._planner is None or self._meter is None or self._budget.mode == "sync" \
+                or request.request_id in self._first_asked_s:  # its lookup is out: wait on
             return None
         rest_s = self._meter.measured_recompute_s(num_loadable - num_computed_tokens)
         if self._meter.lookups.worth_asking(num_computed_tokens, rest_s):
@@ -321,13 +323,12 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         return Answer(request_salt(request), num_computed_tokens, self._planner.page_tokens)
 
     def _timed_lookup(self, request_id: str, params: Any, num_computed_tokens: int,
-                      answer: Answer | None) -> None:
-        """A plain request's lookup, from its first ask to its answer, for lookup_worth."""
+                      answer: Answer | None, asked_s: float) -> None:
+        """A plain request's lookup, from its first ask (`asked_s` the first time) to its
+        answer, for lookup_worth."""
         if params is not None:
             return
-        asked_s = self._first_asked_s.get(request_id)
-        if asked_s is None:
-            asked_s = self._first_asked_s[request_id] = _now_s()
+        asked_s = self._first_asked_s.setdefault(request_id, asked_s)
         if answer is not None:
             del self._first_asked_s[request_id]
             if self._meter is not None:
