@@ -14,24 +14,15 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this "
                                    "tier in .venv-vllm")
 
-from cluster.serving import vllm_connector, vllm_service  # noqa: E402
+from cluster.serving import vllm_connector  # noqa: E402
 from cluster.serving.lookup_worth import EXPLORE_EVERY, MIN_OUTCOMES  # noqa: E402
 from cluster.serving.vllm_keys import request_salt  # noqa: E402
-from tests.vllm.test_connector_scheduler import (  # noqa: E402
-    SlowClient,
-    request,
-    timed_scheduler,
-)
+from tests.vllm import test_connector_scheduler as scheduler_tests  # noqa: E402
+from tests.vllm.test_connector_scheduler import request, timed_scheduler  # noqa: E402
 
 PROMPT_TOKENS, HELD_TOKENS = 100, 64  # a follow-up turn: vLLM's own cache holds 64
 LOOKUP_S = 0.005
-
-
-@pytest.fixture
-def client(monkeypatch):
-    client = SlowClient()
-    monkeypatch.setattr(vllm_service.ServiceLink, "_connect", lambda self: client)
-    return client
+client = scheduler_tests.client  # the fixture: a connected raykv client, its lookups faked
 
 
 def learning(client, monkeypatch, raykv_tokens: int):
@@ -50,11 +41,10 @@ def learning(client, monkeypatch, raykv_tokens: int):
     return connector
 
 
-def looked_up(connector, req, num_computed_tokens: int, timeout_s: float = 5.0):
-    deadline_s = time.monotonic() + timeout_s
-    while (answer := connector.get_num_new_matched_tokens(req, num_computed_tokens))[0] is None:
-        assert time.monotonic() < deadline_s
-        time.sleep(0.01)
+def looked_up(connector, req, num_computed_tokens: int):
+    """The connector's answer about `req` once it has one; then the request is done."""
+    answer = scheduler_tests.ask_until_answered(connector, req,
+                                                num_computed_tokens=num_computed_tokens)
     connector.request_finished(req, [])
     return answer
 

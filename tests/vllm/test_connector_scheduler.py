@@ -88,9 +88,9 @@ def scheduler(config=None, kv_cache_config=None):
                           kv_cache_config or groups(FullAttentionSpec))
 
 
-def ask_until_answered(connector, req, timeout_s=5.0):
+def ask_until_answered(connector, req, timeout_s=5.0, num_computed_tokens=0):
     deadline_s = time.monotonic() + timeout_s
-    while (answer := connector.get_num_new_matched_tokens(req, 0))[0] is None:
+    while (answer := connector.get_num_new_matched_tokens(req, num_computed_tokens))[0] is None:
         assert time.monotonic() < deadline_s
         time.sleep(0.01)
     return answer
