@@ -72,14 +72,19 @@ class DiskLoads:
         block = aligned_empty(len(keys) * slot_bytes)  # one mapping for the batch
         staging = [block[i * slot_bytes : (i + 1) * slot_bytes] for i in range(len(keys))]
         reading = asyncio.ensure_future(self._read_pages(keys, staging))
-        try:
-            await self.make_room(HOST, len(keys), keep_unmoved=keep_unmoved)
-        finally:
-            metas = await reading
-        fits = min(len(keys), self._free_slots(HOST))
-        with self.held_batched():
-            for key, out, meta in zip(keys[:fits], staging, metas, strict=False):
-                self._place(key, self.memory[HOST].alloc(), out, meta, copy=True)
+        # Under the room lock, as a put's reserve and demotion ahead: the victims this makes
+        # room from are MOVING until their writes land, and a reserve meanwhile found only
+        # the rest (a failing disk's write let a put store 2 of its 4 pages). Held until the
+        # pages are placed, so the room made is this read-up's own.
+        async with self.room_lock:
+            try:
+                await self.make_room(HOST, len(keys), keep_unmoved=keep_unmoved)
+            finally:
+                metas = await reading
+            fits = min(len(keys), self._free_slots(HOST))
+            with self.held_batched():
+                for key, out, meta in zip(keys[:fits], staging, metas, strict=False):
+                    self._place(key, self.memory[HOST].alloc(), out, meta, copy=True)
 
     async def _read_pages(self, keys: list[PageKey], outs: list[np.ndarray]) -> list:
         disk_slots = [self.index[k].slot for k in keys]

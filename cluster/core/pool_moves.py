@@ -249,9 +249,10 @@ class TierMoves:
             self.index[key].state = State.MOVING
         pins = {key: self.index[key].pins for key in movable}  # before make_room's awaits
         try:
-            await self.make_room(DEVICE, min(len(movable), self._num_slots(DEVICE)),
-                                 keep_unmoved=True)
-            await self._move_memory(movable[: self._free_slots(DEVICE)], DEVICE, pins)
+            async with self.room_lock:  # as a read-up's (disk_loads.py): room not split
+                await self.make_room(DEVICE, min(len(movable), self._num_slots(DEVICE)),
+                                     keep_unmoved=True)
+                await self._move_memory(movable[: self._free_slots(DEVICE)], DEVICE, pins)
         finally:
             for key in movable:
                 if key in self.index:

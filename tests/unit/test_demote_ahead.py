@@ -4,6 +4,7 @@ fits it writes nothing on its own path. Pure asyncio pools, no Ray."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import time
 
@@ -11,7 +12,8 @@ import torch
 
 from cluster.core.demote_ahead import MAX_FRACTION, WINDOW_S, RecentPeak
 from cluster.core.faults import DiskFaults
-from cluster.core.geometry import HOST
+from cluster.core.geometry import DEVICE, HOST
+from cluster.core.pool_entry import State
 from cluster.core.pool_moves import DISK_RETRY_S
 from cluster.core.store import NodeStore
 from tests.unit._pages import key, page
@@ -231,6 +233,60 @@ def test_a_failing_disk_loses_no_disk_page_to_make_room_for_writes(harness):
     run(put(pool, [11]))
     assert not pool.disk_failing() and len(tiers(pool)["disk"]) == 4  # the disk takes pages
     for i in tiers(pool)["host"]:
+        got = run(read(pool, [i]))
+        assert got[0].view(torch.uint8).equal(page(i).view(torch.uint8)), f"page {i}"
+    assert_slots_consistent(pool)
+
+
+def test_a_put_during_a_read_up_into_a_full_host_over_a_failing_disk_is_stored_whole(harness):
+    """A touch's read-up of many disk pages marks as many host victims MOVING while their
+    writes to a failing disk run; a put reserving meanwhile found almost no victims left and
+    stored part of its prompt (CI: "32 of 64 tokens stored"). Room is made under the pool's
+    room lock, so the put's room is made after the read-up's, from every host page."""
+    pool = harness.make(device_pages=0, host_pages=8, disk_pages=16, eviction="lru")
+    run(put_each(pool, range(14)))  # 0-5 on disk, 6-13 in host (full)
+    pool.disk.faults = DiskFaults(delay_s=0.05, write_errno=errno.ENOSPC)
+
+    async def read_up_then_put() -> int:
+        reading = asyncio.ensure_future(
+            pool.load_from_disk([key(i) for i in range(6)], keep_unmoved=True))
+        while not any(e.state == State.MOVING and e.tier == HOST for e in pool.index.values()):
+            await asyncio.sleep(0.001)  # the read-up's victims are on their way to disk
+        stored = await put(pool, [20, 21, 22, 23])
+        await reading
+        return stored
+
+    assert run(read_up_then_put()) == 4
+    assert {20, 21, 22, 23} <= set(tiers(pool)["host"])
+    assert tiers(pool)["disk"] == list(range(6))  # the read-up's pages stayed, none lost
+    pool.disk.faults = None
+    pool.disk_retry_s = 0.0  # DISK_RETRY_S later: reads up demote to disk, dropping nothing
+    for i in [20, 21, 22, 23, *range(6)]:
+        got = run(read(pool, [i]))
+        assert got[0].view(torch.uint8).equal(page(i).view(torch.uint8)), f"page {i}"
+    assert_slots_consistent(pool)
+
+
+def test_a_put_during_a_promotion_over_a_failing_disk_is_stored_whole(harness):
+    """A promotion marks its host pages and the device victims MOVING while the victims'
+    writes run: a put reserving meanwhile found no victim in either memory tier. It now
+    makes its room after the promotion's."""
+    pool = harness.make(device_pages=4, host_pages=4, disk_pages=16, eviction="lru")
+    run(put_each(pool, range(12)))  # 0-3 on disk, 4-7 in host, 8-11 in the device tier
+    pool.disk.faults = DiskFaults(delay_s=0.05, write_errno=errno.ENOSPC)
+
+    async def promote_then_put() -> int:
+        promoting = asyncio.ensure_future(pool.promote_many([key(i) for i in range(4, 8)]))
+        while not any(e.state == State.MOVING and e.tier == DEVICE
+                      for e in pool.index.values()):
+            await asyncio.sleep(0.001)
+        stored = await put(pool, [20, 21, 22, 23])
+        await promoting
+        return stored
+
+    assert run(promote_then_put()) == 4
+    assert {20, 21, 22, 23} <= set(tiers(pool)["device"])
+    for i in [20, 21, 22, 23]:
         got = run(read(pool, [i]))
         assert got[0].view(torch.uint8).equal(page(i).view(torch.uint8)), f"page {i}"
     assert_slots_consistent(pool)
