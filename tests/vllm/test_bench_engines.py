@@ -38,3 +38,22 @@ def test_raykvs_engines_and_the_baselines_reserve_the_same_cores(tmp_path):
     for name, env in envs.items():
         assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1", name
         assert env["VLLM_CPU_KVCACHE_SPACE"] == "1", name
+
+
+def test_kv_aware_with_raykvs_connector_differs_from_kv_aware_only_in_the_connector(tmp_path):
+    """The extra set-up kv-aware-raykv: Ray's router, server class and engines as kv-aware's,
+    RaykvConnector added on the running service; it starts raykv's service, kv-aware does not."""
+    model_dir = save_model_dir(os.path.join(tmp_path, "small-llama"))
+    shape = setups.EngineShape()
+    plain = setups.baseline_config("kv-aware", model_dir, "small-llama", shape, 3)
+    both = setups.kv_aware_raykv_config(model_dir, "small-llama", shape, 3, "127.0.0.1:6379")
+    transfer = both.engine_kwargs.pop("kv_transfer_config")
+    assert transfer["kv_connector"] == "RaykvConnector"
+    assert transfer["kv_connector_extra_config"]["raykv.ray_address"] == "127.0.0.1:6379"
+    assert both.engine_kwargs == plain.engine_kwargs
+    assert both.deployment_config == plain.deployment_config
+    assert both.server_cls is plain.server_cls
+    assert both.server_cls.__name__ == setups.PORTED_SERVER.rsplit(":", 1)[1]
+    assert both.runtime_env == plain.runtime_env
+    assert setups.uses_service("kv-aware-raykv") and setups.uses_service("raykv-direct")
+    assert not setups.uses_service("kv-aware")

@@ -70,7 +70,7 @@ from cluster.tools.bench.vllm_serve_plan import (  # noqa: F401 (the plan's name
     plan_for,
 )
 from cluster.tools.bench.vllm_serve_report import notes, print_rounds
-from cluster.tools.bench.vllm_serve_setups import EXTRA_SETUPS, SETUPS
+from cluster.tools.bench.vllm_serve_setups import EXTRA_SETUPS, SETUPS, uses_service
 from cluster.tools.bench.vllm_serve_trace import (
     conversations,
     distinct_blocks,
@@ -152,6 +152,11 @@ def build(setup: str, plan: Plan, model_dir: str):
         return setups.raykv_app(model_dir, MODEL, plan.engine, NUM_NODES, save_mode="async")
     if setup == "raykv-direct":
         return setups.raykv_direct_app(model_dir, MODEL, plan.engine, NUM_NODES)
+    if setup == "kv-aware-raykv":
+        import ray
+
+        return setups.direct_streaming_app(setups.kv_aware_raykv_config(
+            model_dir, MODEL, plan.engine, NUM_NODES, ray.get_runtime_context().gcs_address))
     config = setups.baseline_config(setup, model_dir, MODEL, plan.engine, NUM_NODES)
     if setup != "kv-aware":
         return build_openai_app({"llm_configs": [config]})
@@ -213,7 +218,7 @@ def run_setup(setup: str, plan: Plan, model_dir: str, requests: list[ScaledReque
     disk_dir = tempfile.mkdtemp(prefix=f"raykv-bench-vllm-serve-{setup}-", dir="/tmp")
     began_s = time.monotonic()
     try:
-        if setup.startswith("raykv"):
+        if uses_service(setup):
             start(cache_config(plan, disk_dir))
         serve.run(build(setup, plan, model_dir), name=setup, route_prefix="/",
                   blocking=False)
@@ -232,7 +237,7 @@ def run_setup(setup: str, plan: Plan, model_dir: str, requests: list[ScaledReque
                 "start_s": started_s, "error_samples": errors, "requests": columns(sent)}
     finally:
         serve.delete(setup)
-        if setup.startswith("raykv"):
+        if uses_service(setup):
             stop()
         shutil.rmtree(disk_dir, ignore_errors=True)
 

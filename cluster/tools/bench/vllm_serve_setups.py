@@ -28,8 +28,11 @@ SETUPS = ("raykv", "kv-aware", "prefix", "pow2")
 # raykv's router behind HAProxy as kv-aware's is; raykv's app with its connector's
 # `raykv.load_mode` "async" (every lookup and load off the engine's step, as before
 # step_budget.py), to measure what waiting in the step gives; and raykv's app with its
-# `raykv.save_mode` "async" (no step waits for a save's flush), to measure what those waits cost.
-EXTRA_SETUPS = ("raykv-direct", "raykv-async", "raykv-save-async")
+# `raykv.save_mode` "async" (no step waits for a save's flush), to measure what those waits cost;
+# and kv-aware's app with RaykvConnector on its engines (Ray's router, raykv's tiers behind
+# it, as an offload connector runs behind Ray's router), to measure what raykv's router adds
+# over its connector, and the connector's lookups behind a router that gives it no hit.
+EXTRA_SETUPS = ("raykv-direct", "raykv-async", "raykv-save-async", "kv-aware-raykv")
 KV_AWARE_ROUTER = "ray.serve.llm.request_router:KVAwareRouter"
 PORTED_SERVER = "cluster.tools.bench.vllm_serve_server:PortedLLMServer"
 ENGINE_SLOT = "engine_slot"  # one per simulated node: one replica per node
@@ -114,6 +117,25 @@ def baseline_config(setup: str, model_source: str, model_id: str, shape: EngineS
     return LLMConfig(model_loading_config={"model_id": model_id, "model_source": model_source},
                      engine_kwargs=shape.engine_kwargs(), deployment_config=deployment,
                      **options)
+
+
+def uses_service(setup: str) -> bool:
+    """Whether the set-up's engines run RaykvConnector (the run starts raykv's service)."""
+    return setup.startswith("raykv") or setup == "kv-aware-raykv"
+
+
+def kv_aware_raykv_config(model_source: str, model_id: str, shape: EngineShape,
+                          num_replicas: int, ray_address: str):
+    """kv-aware's LLMConfig with RaykvConnector on its engines (the running service at
+    `ray_address`): Ray's KVAwareRouter over vLLM's own cache, with no hit from a router,
+    so the connector looks each request up itself (lookup_worth.py decides)."""
+    from cluster.serving.vllm_app import kv_transfer_config
+
+    config = baseline_config("kv-aware", model_source, model_id, shape, num_replicas)
+    config.engine_kwargs = {**config.engine_kwargs,
+                            "kv_transfer_config": kv_transfer_config(model_id, "default",
+                                                                     ray_address)}
+    return config
 
 
 def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas: int,
