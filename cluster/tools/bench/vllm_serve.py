@@ -56,6 +56,7 @@ from pathlib import Path
 
 from cluster.core.trace_format import read_trace
 from cluster.core.trace_scale import Scale, ScaledRequest, check_distinct
+from cluster.serving.engine_rates import read_published, remove_published
 from cluster.tools.bench import common
 from cluster.tools.bench.harness import Report, interleave
 from cluster.tools.bench.vllm_serve_bound import fill_ttft_bounds
@@ -216,7 +217,8 @@ def run_setup(setup: str, plan: Plan, model_dir: str, requests: list[ScaledReque
     from cluster.tools.bench.trace import replay, summarize
 
     disk_dir = tempfile.mkdtemp(prefix=f"raykv-bench-vllm-serve-{setup}-", dir="/tmp")
-    began_s = time.monotonic()
+    began_s, began_wall_s = time.monotonic(), time.time()
+    rates_files: list[str] = []
     try:
         if uses_service(setup):
             start(cache_config(plan, disk_dir))
@@ -231,6 +233,8 @@ def run_setup(setup: str, plan: Plan, model_dir: str, requests: list[ScaledReque
         time.sleep(METRICS_SETTLE_S)
         summary = summarize(sent, requests)
         summary["replica_shares"] = shares(before, replica_requests())
+        rates_files = rates_files_since(began_wall_s) if uses_service(setup) else []
+        summary["engine_rates"] = [read_published(path) for path in rates_files]
         errors = sorted({s.error[:120] for s in sent if s.status != 200})[:3]
         return {"summary": summary, "ttft_ms": sorted(s.ttft_s * 1e3 for s in sent
                                                       if s.status == 200),
@@ -239,7 +243,23 @@ def run_setup(setup: str, plan: Plan, model_dir: str, requests: list[ScaledReque
         serve.delete(setup)
         if uses_service(setup):
             stop()
+        for path in rates_files:  # kv-aware-raykv's server class leaves its files behind
+            remove_published(path)
         shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+def rates_files_since(since_wall_s: float) -> list[str]:
+    """The rates files RaykvConnector's engines wrote since `since_wall_s` (engine_rates.py:
+    lookups asked and skipped, how often raykv held more than vLLM, the lookup delay, the
+    prefill rate): this set-up's engines, read before Serve takes them down."""
+    from cluster.serving.engine_rates import rates_path
+
+    directory = os.path.dirname(rates_path("any"))
+    if not os.path.isdir(directory):
+        return []
+    paths = [os.path.join(directory, name) for name in sorted(os.listdir(directory))
+             if name.endswith(".json")]
+    return [path for path in paths if os.path.getmtime(path) >= since_wall_s]
 
 
 # ---- ratios ---------------------------------------------------------------------------------
