@@ -57,3 +57,30 @@ def test_kv_aware_with_raykvs_connector_differs_from_kv_aware_only_in_the_connec
     assert both.runtime_env == plain.runtime_env
     assert setups.uses_service("kv-aware-raykv") and setups.uses_service("raykv-direct")
     assert not setups.uses_service("kv-aware")
+
+
+def test_the_ported_server_changes_reach_the_engine_config_the_builder_cached(tmp_path):
+    """The builder makes and caches the engine config (placement reads it) and the engine
+    starts from that cache: the ports and kv-aware-raykv's rates file must land there too
+    (assigning engine_kwargs lost the rates file in the first run)."""
+    from cluster.tools.bench.vllm_serve_server import port_config
+
+    model_dir = save_model_dir(os.path.join(tmp_path, "small-llama"))
+    config = setups.kv_aware_raykv_config(model_dir, "small-llama", setups.EngineShape(), 3,
+                                          "127.0.0.1:6379")
+    config.update_engine_kwargs(kv_events_config={"enable_kv_cache_events": True,
+                                                  "publisher": "zmq",
+                                                  "endpoint": "tcp://*:5557",
+                                                  "replay_endpoint": "tcp://*:6557"})
+    cached = config.get_engine_config()
+    port_config(config, 1, (7001, 7002, 7003), "/tmp/rates/engine.json")
+    for kwargs in (config.engine_kwargs, cached.engine_kwargs):
+        assert kwargs["kv_events_config"]["endpoint"] == "tcp://*:7000"  # Ray adds the rank
+        assert kwargs["kv_events_config"]["replay_endpoint"] == "tcp://*:7001"
+        extra = kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+        assert extra["raykv.rates_file"] == "/tmp/rates/engine.json"
+    assert config.experimental_configs[setups.KV_TOKEN_PORT_BASE_KEY] == 7002
+    plain = setups.baseline_config("kv-aware", model_dir, "small-llama", setups.EngineShape(), 3)
+    plain.get_engine_config()
+    port_config(plain, 0, (7001, 7002, 7003), "/tmp/rates/other.json")
+    assert "kv_transfer_config" not in plain.get_engine_config().engine_kwargs  # no connector
