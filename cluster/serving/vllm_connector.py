@@ -88,6 +88,7 @@ from cluster.serving.vllm_plan import (
     fetch_limit,
     handoff_of,
     handoff_params,
+    is_plain_params,
     is_producer,
     loadable_tokens,
     page_misfit,
@@ -190,7 +191,7 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
             planner.matched(request_id, num_computed_tokens, num_computed_tokens, len(prompt))
             return 0, False
         answer = self._routed_answer(request, params, num_asked)
-        if answer is None and params is None:
+        if answer is None and is_plain_params(params):  # Ray's KVAwareRouter's too
             answer = self._unasked(request, num_computed_tokens, num_loadable)
         if answer is None:
             asked_s = _now_s()  # before the poll: a lookup waited for in the step costs that
@@ -326,7 +327,7 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
                       answer: Answer | None, asked_s: float) -> None:
         """A plain request's lookup, from its first ask (`asked_s` the first time) to its
         answer, for lookup_worth."""
-        if params is not None:
+        if not is_plain_params(params):
             return
         asked_s = self._first_asked_s.setdefault(request_id, asked_s)
         if answer is not None:

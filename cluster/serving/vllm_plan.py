@@ -381,6 +381,19 @@ class Handoff:
     namespace: str
 
 
+# What a router other than raykv's adds to every request it routes, for its own scoring and
+# nothing the connector acts on: Ray's KVAwareRouter forwards the prompt's token ids
+# (ray.llm's kv_aware prompt_token_forwarding).
+ROUTING_ONLY_KEYS = frozenset({"prompt_token_ids"})
+
+
+def is_plain_params(kv_transfer_params: Any) -> bool:
+    """Whether the request carries no kv_transfer_params the connector acts on (none, or only
+    another router's own keys): no hit or cut from raykv's router, no P/D role or handoff."""
+    return kv_transfer_params is None or (isinstance(kv_transfer_params, dict)
+                                          and set(kv_transfer_params) <= ROUTING_ONLY_KEYS)
+
+
 def is_producer(kv_transfer_params: Any) -> bool:
     """Whether the request is a prefill for a remote decode (Ray Serve LLM's P/D shaping)."""
     return isinstance(kv_transfer_params, dict) and \

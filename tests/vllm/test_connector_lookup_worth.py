@@ -17,6 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 from cluster.serving import vllm_connector  # noqa: E402
 from cluster.serving.lookup_worth import EXPLORE_EVERY, MIN_OUTCOMES  # noqa: E402
 from cluster.serving.vllm_keys import request_salt  # noqa: E402
+from cluster.serving.vllm_plan import FORCE_KEY  # noqa: E402
 from tests.vllm import test_connector_scheduler as scheduler_tests  # noqa: E402
 from tests.vllm.test_connector_scheduler import request, timed_scheduler  # noqa: E402
 
@@ -97,3 +98,37 @@ def test_follow_up_turns_are_looked_up_where_raykv_held_more_and_one_skip_in_eig
     assert len(client.salts) == num_lookups + 2  # the explorations
     assert nothing_more._meter.lookups.num_skipped == 2 * EXPLORE_EVERY - 2
     nothing_more.shutdown()
+
+
+def test_behind_rays_kv_aware_router_a_follow_up_is_decided_on_as_a_plain_one(
+        client, monkeypatch):
+    """Ray's KVAwareRouter puts the prompt's token ids in every request's kv_transfer_params
+    (for its own scoring): such a request is timed and decided on as a plain one. It had
+    been taken for one the connector must ask about, and a quick run behind that router
+    timed 6 lookups in 9 engine-rounds."""
+    connector = timed_scheduler(client, monkeypatch, step_s=0.05)
+
+    def prefetch(tokens):
+        time.sleep(LOOKUP_S)
+        return min(HELD_TOKENS, len(tokens))
+
+    client.prefetch = prefetch
+    monkeypatch.setattr(vllm_connector, "_now_s", time.monotonic)
+
+    def routed(name: str):
+        req = request(name, PROMPT_TOKENS)
+        req.kv_transfer_params = {"prompt_token_ids": list(req.prompt_token_ids)}
+        return req
+
+    for i in range(MIN_OUTCOMES):
+        looked_up(connector, routed(f"turn-{i}"), HELD_TOKENS)
+    assert connector._meter.lookups.num_outcomes == MIN_OUTCOMES  # timed, as plain ones
+    num_lookups = len(client.salts)
+    assert connector.get_num_new_matched_tokens(routed("next"), HELD_TOKENS) == (0, False)
+    assert len(client.salts) == num_lookups and connector._meter.lookups.num_skipped == 1
+    # raykv's own keys still make a request the connector must ask about
+    req = routed("forced")
+    req.kv_transfer_params[FORCE_KEY] = 96
+    looked_up(connector, req, HELD_TOKENS)
+    assert len(client.salts) == num_lookups + 1
+    connector.shutdown()
