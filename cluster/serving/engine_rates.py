@@ -297,6 +297,17 @@ def rates_path(engine_id: str) -> str:
     return os.path.join(directory, f"{engine_id}.json")
 
 
+def rates_files_since(since_wall_s: float) -> list[str]:
+    """The rates files engines wrote since `since_wall_s` (wall-clock seconds), in name
+    order: those of the engines started since then, on this host."""
+    directory = os.path.dirname(rates_path("any"))
+    if not os.path.isdir(directory):
+        return []
+    paths = [os.path.join(directory, name) for name in sorted(os.listdir(directory))
+             if name.endswith(".json")]
+    return [path for path in paths if os.path.getmtime(path) >= since_wall_s]
+
+
 def write_published(path: str, rates: dict) -> None:
     """Replace the file at `path` with `rates` at once (a reader never sees half of it)."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)

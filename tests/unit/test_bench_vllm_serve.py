@@ -222,23 +222,3 @@ def test_every_set_ups_engines_bind_their_threads_alike():
     assert env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     assert setups.engine_env(2)["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
-
-def test_the_engine_rates_read_are_the_files_written_since_the_set_up_began(tmp_path, monkeypatch):
-    """A set-up's engines' rates files (one per RaykvConnector engine) are those written
-    after it began; an earlier set-up's files are left out."""
-    import os
-    import time
-
-    from cluster.serving import engine_rates
-
-    monkeypatch.setattr(engine_rates, "rates_path", lambda engine_id: str(tmp_path / "rates" /
-                                                                          f"{engine_id}.json"))
-    assert vllm_serve.rates_files_since(0.0) == []  # no directory yet
-    engine_rates.write_published(engine_rates.rates_path("old"), {"lookups_skipped": 1})
-    began_s = time.time()
-    os.utime(engine_rates.rates_path("old"), (began_s - 60, began_s - 60))
-    for name in ("a", "b"):
-        engine_rates.write_published(engine_rates.rates_path(name), {"lookups_skipped": 2})
-    found = vllm_serve.rates_files_since(began_s)
-    assert [os.path.basename(p) for p in found] == ["a.json", "b.json"]
-    assert [engine_rates.read_published(p)["lookups_skipped"] for p in found] == [2, 2]

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from cluster.serving import engine_rates
 from cluster.serving.engine_rates import (
     CUT_BOUND_FACTOR,
     EngineMeter,
@@ -249,3 +250,19 @@ def test_without_measured_rates_the_router_fetches_a_slow_disk_s_pages():
     all (the replica publishes no page size), so the whole prefix is fetched."""
     router = decide_on_disk_prompt(None)
     assert router.last_decision is None and router.counters["recomputed"] == 0
+
+
+def test_the_rates_files_read_are_those_written_since_a_time(tmp_path, monkeypatch):
+    """A bench set-up's engines' rates files (one per RaykvConnector engine) are those
+    written after it began; an earlier set-up's files are left out."""
+    monkeypatch.setattr(engine_rates, "rates_path", lambda engine_id: str(tmp_path / "rates" /
+                                                                          f"{engine_id}.json"))
+    assert engine_rates.rates_files_since(0.0) == []  # no directory yet
+    engine_rates.write_published(engine_rates.rates_path("old"), {"lookups_skipped": 1})
+    began_s = time.time()
+    os.utime(engine_rates.rates_path("old"), (began_s - 60, began_s - 60))
+    for name in ("a", "b"):
+        engine_rates.write_published(engine_rates.rates_path(name), {"lookups_skipped": 2})
+    found = engine_rates.rates_files_since(began_s)
+    assert [os.path.basename(p) for p in found] == ["a.json", "b.json"]
+    assert [engine_rates.read_published(p)["lookups_skipped"] for p in found] == [2, 2]

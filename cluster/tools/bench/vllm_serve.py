@@ -56,7 +56,7 @@ from pathlib import Path
 
 from cluster.core.trace_format import read_trace
 from cluster.core.trace_scale import Scale, ScaledRequest, check_distinct
-from cluster.serving.engine_rates import read_published, remove_published
+from cluster.serving.engine_rates import rates_files_since, read_published, remove_published
 from cluster.tools.bench import common
 from cluster.tools.bench.harness import Report, interleave
 from cluster.tools.bench.vllm_serve_bound import fill_ttft_bounds
@@ -154,10 +154,7 @@ def build(setup: str, plan: Plan, model_dir: str):
     if setup == "raykv-direct":
         return setups.raykv_direct_app(model_dir, MODEL, plan.engine, NUM_NODES)
     if setup == "kv-aware-raykv":
-        import ray
-
-        return setups.direct_streaming_app(setups.kv_aware_raykv_config(
-            model_dir, MODEL, plan.engine, NUM_NODES, ray.get_runtime_context().gcs_address))
+        return setups.kv_aware_raykv_app(model_dir, MODEL, plan.engine, NUM_NODES)
     config = setups.baseline_config(setup, model_dir, MODEL, plan.engine, NUM_NODES)
     if setup != "kv-aware":
         return build_openai_app({"llm_configs": [config]})
@@ -233,6 +230,8 @@ def run_setup(setup: str, plan: Plan, model_dir: str, requests: list[ScaledReque
         time.sleep(METRICS_SETTLE_S)
         summary = summarize(sent, requests)
         summary["replica_shares"] = shares(before, replica_requests())
+        # this set-up's RaykvConnector engines (lookups, loads, prefill rate), before Serve
+        # takes them down
         rates_files = rates_files_since(began_wall_s) if uses_service(setup) else []
         summary["engine_rates"] = [read_published(path) for path in rates_files]
         errors = sorted({s.error[:120] for s in sent if s.status != 200})[:3]
@@ -247,19 +246,6 @@ def run_setup(setup: str, plan: Plan, model_dir: str, requests: list[ScaledReque
             remove_published(path)
         shutil.rmtree(disk_dir, ignore_errors=True)
 
-
-def rates_files_since(since_wall_s: float) -> list[str]:
-    """The rates files RaykvConnector's engines wrote since `since_wall_s` (engine_rates.py:
-    lookups asked and skipped, how often raykv held more than vLLM, the lookup delay, the
-    prefill rate): this set-up's engines, read before Serve takes them down."""
-    from cluster.serving.engine_rates import rates_path
-
-    directory = os.path.dirname(rates_path("any"))
-    if not os.path.isdir(directory):
-        return []
-    paths = [os.path.join(directory, name) for name in sorted(os.listdir(directory))
-             if name.endswith(".json")]
-    return [path for path in paths if os.path.getmtime(path) >= since_wall_s]
 
 
 # ---- ratios ---------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ def port_config(config, rank: int, ports: tuple[int, int, int], rates_file: str)
     of kv-aware-raykv's first run was lost that way."""
     engine, experimental = ported_engine_kwargs(
         config.engine_kwargs, dict(config.experimental_configs or {}), rank, ports)
-    changed = {key: engine[key] for key in ("kv_events_config",) if key in engine}
+    changed = {"kv_events_config": engine["kv_events_config"]} \
+        if "kv_events_config" in engine else {}
     kv_transfer = with_rates_file(engine.get("kv_transfer_config"), rates_file)
     if kv_transfer is not None:
         changed["kv_transfer_config"] = kv_transfer

@@ -138,6 +138,16 @@ def kv_aware_raykv_config(model_source: str, model_id: str, shape: EngineShape,
     return config
 
 
+def kv_aware_raykv_app(model_source: str, model_id: str, shape: EngineShape,
+                       num_replicas: int):
+    """kv-aware's app (direct streaming, Ray's KVAwareRouter) over engines that run
+    RaykvConnector on the running service (kv_aware_raykv_config)."""
+    import ray
+
+    return direct_streaming_app(kv_aware_raykv_config(
+        model_source, model_id, shape, num_replicas, ray.get_runtime_context().gcs_address))
+
+
 def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas: int,
               bundle: dict | None = None, load_mode: str | None = None,
               save_mode: str | None = None):
