@@ -238,6 +238,12 @@ def test_a_failing_disk_loses_no_disk_page_to_make_room_for_writes(harness):
     assert_slots_consistent(pool)
 
 
+async def until_moving(pool, tier: int) -> None:
+    """Until a page of `tier` is MOVING (a move's victims, their writes under way)."""
+    while not any(e.state == State.MOVING and e.tier == tier for e in pool.index.values()):
+        await asyncio.sleep(0.001)
+
+
 def test_a_put_during_a_read_up_into_a_full_host_over_a_failing_disk_is_stored_whole(harness):
     """A touch's read-up of many disk pages marks as many host victims MOVING while their
     writes to a failing disk run; a put reserving meanwhile found almost no victims left and
@@ -250,8 +256,7 @@ def test_a_put_during_a_read_up_into_a_full_host_over_a_failing_disk_is_stored_w
     async def read_up_then_put() -> int:
         reading = asyncio.ensure_future(
             pool.load_from_disk([key(i) for i in range(6)], keep_unmoved=True))
-        while not any(e.state == State.MOVING and e.tier == HOST for e in pool.index.values()):
-            await asyncio.sleep(0.001)  # the read-up's victims are on their way to disk
+        await until_moving(pool, HOST)  # the read-up's victims are on their way to disk
         stored = await put(pool, [20, 21, 22, 23])
         await reading
         return stored
@@ -277,9 +282,7 @@ def test_a_put_during_a_promotion_over_a_failing_disk_is_stored_whole(harness):
 
     async def promote_then_put() -> int:
         promoting = asyncio.ensure_future(pool.promote_many([key(i) for i in range(4, 8)]))
-        while not any(e.state == State.MOVING and e.tier == DEVICE
-                      for e in pool.index.values()):
-            await asyncio.sleep(0.001)
+        await until_moving(pool, DEVICE)
         stored = await put(pool, [20, 21, 22, 23])
         await promoting
         return stored

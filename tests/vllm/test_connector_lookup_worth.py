@@ -26,9 +26,10 @@ LOOKUP_S = 0.005
 client = scheduler_tests.client  # the fixture: a connected raykv client, its lookups faked
 
 
-def learning(client, monkeypatch, raykv_tokens: int):
+def learning(client, monkeypatch, raykv_tokens: int, make_request=request):
     """A timed scheduler side (4 tokens prefilled in 50 ms) whose raykv answers
-    `raykv_tokens` of any prompt in 5 ms, after MIN_OUTCOMES lookups of follow-up turns."""
+    `raykv_tokens` of any prompt in 5 ms, after MIN_OUTCOMES lookups of follow-up turns
+    (`make_request(name, num_tokens)` each)."""
     connector = timed_scheduler(client, monkeypatch, step_s=0.05)
 
     def prefetch(tokens):
@@ -38,7 +39,7 @@ def learning(client, monkeypatch, raykv_tokens: int):
     client.prefetch = prefetch
     monkeypatch.setattr(vllm_connector, "_now_s", time.monotonic)  # the steps are timed
     for i in range(MIN_OUTCOMES):
-        looked_up(connector, request(f"turn-{i}", PROMPT_TOKENS), HELD_TOKENS)
+        looked_up(connector, make_request(f"turn-{i}", PROMPT_TOKENS), HELD_TOKENS)
     return connector
 
 
@@ -100,34 +101,27 @@ def test_follow_up_turns_are_looked_up_where_raykv_held_more_and_one_skip_in_eig
     nothing_more.shutdown()
 
 
+def routed(name: str, num_tokens: int):
+    """A request as Ray's KVAwareRouter sends it: its token ids in kv_transfer_params."""
+    req = request(name, num_tokens)
+    req.kv_transfer_params = {"prompt_token_ids": list(req.prompt_token_ids)}
+    return req
+
+
 def test_behind_rays_kv_aware_router_a_follow_up_is_decided_on_as_a_plain_one(
         client, monkeypatch):
     """Ray's KVAwareRouter puts the prompt's token ids in every request's kv_transfer_params
     (for its own scoring): such a request is timed and decided on as a plain one. It had
     been taken for one the connector must ask about, and a quick run behind that router
     timed 6 lookups in 9 engine-rounds."""
-    connector = timed_scheduler(client, monkeypatch, step_s=0.05)
-
-    def prefetch(tokens):
-        time.sleep(LOOKUP_S)
-        return min(HELD_TOKENS, len(tokens))
-
-    client.prefetch = prefetch
-    monkeypatch.setattr(vllm_connector, "_now_s", time.monotonic)
-
-    def routed(name: str):
-        req = request(name, PROMPT_TOKENS)
-        req.kv_transfer_params = {"prompt_token_ids": list(req.prompt_token_ids)}
-        return req
-
-    for i in range(MIN_OUTCOMES):
-        looked_up(connector, routed(f"turn-{i}"), HELD_TOKENS)
+    connector = learning(client, monkeypatch, HELD_TOKENS, make_request=routed)
     assert connector._meter.lookups.num_outcomes == MIN_OUTCOMES  # timed, as plain ones
     num_lookups = len(client.salts)
-    assert connector.get_num_new_matched_tokens(routed("next"), HELD_TOKENS) == (0, False)
+    assert connector.get_num_new_matched_tokens(routed("next", PROMPT_TOKENS),
+                                                HELD_TOKENS) == (0, False)
     assert len(client.salts) == num_lookups and connector._meter.lookups.num_skipped == 1
     # raykv's own keys still make a request the connector must ask about
-    req = routed("forced")
+    req = routed("forced", PROMPT_TOKENS)
     req.kv_transfer_params[FORCE_KEY] = 96
     looked_up(connector, req, HELD_TOKENS)
     assert len(client.salts) == num_lookups + 1
