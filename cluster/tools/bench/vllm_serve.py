@@ -247,7 +247,6 @@ def run_setup(setup: str, plan: Plan, model_dir: str, requests: list[ScaledReque
         shutil.rmtree(disk_dir, ignore_errors=True)
 
 
-
 # ---- ratios ---------------------------------------------------------------------------------
 
 
