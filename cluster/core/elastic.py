@@ -134,7 +134,9 @@ async def release_chunks(pool: ElasticPool, tier: int, num_chunks: int,
         return 0
     if tier != DISK:  # leased, unwritten slots are room to give before any page moves
         pool.revoke_leased(tier, slots.num_used)
-    released = slots.release_empty()
+    # Bounded: chunks emptied meanwhile (by the demotion ahead, or a revoked lease) are not
+    # all given back, or an idle pool would drop below its min.
+    released = slots.release_empty(num_chunks)
     by_chunk: dict[int, list[PageKey]] = {}
     for key, entry in pool.index.items():
         if entry.tier == tier:
@@ -149,7 +151,7 @@ async def release_chunks(pool: ElasticPool, tier: int, num_chunks: int,
         if any(pool.is_pinned(k) for k in keys):
             continue
         await pool.demote(keys, tier)
-        released += slots.release_empty()
+        released += slots.release_empty(num_chunks - released)
     return released
 
 

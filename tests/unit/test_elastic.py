@@ -143,6 +143,19 @@ def test_an_idle_model_shrinks(stores):
     assert store.stats()["memory"]["idle_released_chunks"] == 3
 
 
+def test_an_idle_model_keeps_its_min_when_its_chunks_are_already_empty(stores):
+    # CI on 7cc4f4f: the node's demotion ahead had emptied the idle model's host chunks, and
+    # the shrink gave back every empty chunk at once, its min with them (0 bytes held).
+    store = elastic_store(stores, small=Quota(min_bytes=2 * PAGE_BYTES), disk_pages=32)
+    put(store, SMALL, range(8))
+    pool = store.pool(SMALL)
+    run(pool.demote([k for k, e in pool.index.items() if e.tier == HOST], HOST))
+    pool.last_access_s -= 10
+    assert run(store.shrink_idle(idle_s=5)) == 3  # 4 empty chunks held, down to its min: 1
+    assert held(store) == {SMALL.name: 2 * PAGE_BYTES}
+    assert put(store, SMALL, range(8, 10)) == 2  # and the chunk kept is usable
+
+
 def test_a_namespace_at_its_max_evicts_its_own_pages(stores):
     quotas = {"x": Quota(max_bytes=4 * PAGE_BYTES), "y": Quota()}
     store = elastic_store(stores, namespaces=quotas, small=Quota(max_bytes=8 * PAGE_BYTES))

@@ -223,9 +223,11 @@ class ChunkedSlots:
         self.on_release(chunk)
         self.budget.give(self.holder, self.chunk_bytes)
 
-    def release_empty(self) -> int:
-        """Give back every held chunk with no used slot; returns how many."""
-        empty = [c for c, used in self._used_per_chunk.items() if used == 0]
+    def release_empty(self, max_chunks: int | None = None) -> int:
+        """Give back held chunks with no used slot, at most `max_chunks` (None: every one);
+        returns how many."""
+        limit = None if max_chunks is None else max(0, max_chunks)
+        empty = [c for c, used in self._used_per_chunk.items() if used == 0][:limit]
         for chunk in empty:
             self.release(chunk)
         return len(empty)
