@@ -114,9 +114,9 @@ class Pool(ReservedPuts, PinnedGets, TierMoves, DiskLoads, LeasedSlots, DemoteAh
 
     def _init_room(self) -> None:
         """How room is made: one maker at a time, ahead of need, and pages hashed ahead."""
-        # Held by a reserve and a lease's top-up from making room to taking the slots, so that
-        # two of them (one client's lease top-up and its own put's reserve) never split the
-        # room made between them and both come up short.
+        # Held by whoever makes room (a reserve, a read-up, a promotion, the pass ahead) from
+        # making it to taking the slots, so that no one else takes the room made meanwhile
+        # and both come up short; a lease top-up takes no slot while it is held.
         self.room_lock = asyncio.Lock()
         # Batches that leaned on the host tier's free room, and the pages demoted ahead of
         # them between requests (demote_ahead.py).

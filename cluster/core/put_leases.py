@@ -24,11 +24,12 @@ with leased, uncommitted slots loses them to the node (the kernel drops its lock
 
 A lease is spare room, never used room:
 - a lease takes only slots that are free (or that the node's budget grants); it never
-  demotes a stored page, nor evicts one under a namespace's max, to get them. A top-up that
-  finds the host tier full is remembered as a batch that found it full: the node's loop
-  then keeps that much room free between requests by demoting the coldest pages to disk
-  (demote_ahead.py), as it does for puts and read-ups, and the client's next top-up (its
-  short retry) takes it. So a steady stream of puts into a full host tier stays leased;
+  demotes a stored page, nor evicts one under a namespace's max, to get them, and takes
+  none while anyone makes room under the pool's room lock (the slots freed are theirs).
+  A top-up that finds the host tier full is remembered as a batch that found it full: the
+  node's loop then keeps that much room free between requests by demoting the coldest
+  pages to disk (demote_ahead.py), as it does for puts and read-ups, and the client's next
+  top-up (its short retry) takes it. So a steady stream of puts into a full host tier stays leased;
 - a node that needs room (a put, a promotion, a demotion into the tier, another model's
   claim on a chunk) revokes leased slots before it demotes anything (Pool.make_room,
   elastic.release_chunks): highest slot first, since a client writes its lowest first.
@@ -79,14 +80,16 @@ class LeasedSlots:
                          namespace: str = "") -> list[tuple[int, int]]:
         """Up to `count` free slots of `tier` (None: the top tier), taken out of the free list
         but indexed under no key: (tier, slot) each. Only free slots of chunks already held
-        are leased: no page is demoted, and no chunk faulted in, for a lease."""
+        are leased: no page is demoted, and no chunk faulted in, for a lease. None while
+        someone makes room under the room lock: the slots its victims free are its own (a
+        top-up that took them left a read-up or a put part of its room)."""
         self.last_access_s = time.monotonic()
         level = self.top_tier if tier is None else tier
         room = namespace_room_pages(self, level, namespace)
         if room is not None:
             count = min(count, room)
         leased: list[tuple[int, int]] = []
-        for _ in range(max(0, count)):
+        for _ in range(0 if self.room_lock.locked() else max(0, count)):
             slot = self.memory[level].slots.alloc_held()
             if slot is None:  # no chunk is grown (faulted in) on the call's path for a
                 break         # lease: the node readies chunks ahead (NodeStore.grow_ahead)

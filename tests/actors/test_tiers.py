@@ -82,7 +82,9 @@ def test_prefetch_promotes_disk_pages(service):
     assert client.prefetch(prompt(0)) == 32
     deadline_s = time.monotonic() + 20  # not a speed check: a loaded 2-core CI runner
     while tiers(client)["disk"] != 8 or _tier_of(client, prompt(0)) != {1}:
-        assert time.monotonic() < deadline_s, "prefetch did not promote within 20 s"
+        assert time.monotonic() < deadline_s, (
+            f"prefetch did not promote within 20 s: pages {tiers(client)}, prompt 0 in tiers "
+            f"{_tier_of(client, prompt(0))}")
         time.sleep(0.05)
 
 

@@ -293,3 +293,31 @@ def test_a_put_during_a_promotion_over_a_failing_disk_is_stored_whole(harness):
         got = run(read(pool, [i]))
         assert got[0].view(torch.uint8).equal(page(i).view(torch.uint8)), f"page {i}"
     assert_slots_consistent(pool)
+
+
+def test_a_lease_top_up_takes_none_of_the_room_a_read_up_is_making(harness):
+    """A read-up into a full host frees its room by demoting victims, then places its pages.
+    A lease top-up between the two took the freed slots, and the read-up placed part of its
+    pages (CI: a prefetch left one page of two on disk for good; a put into a full disk stored
+    48 of 64 tokens). Room made under the pool's room lock belongs to whoever made it: a
+    lease takes free slots only when no one is making room."""
+    pool = harness.make(device_pages=0, host_pages=8, disk_pages=16, eviction="lru")
+    run(put_each(pool, range(12)))  # 0-3 on disk, 4-11 in host (full)
+    pool.disk.faults = DiskFaults(delay_s=0.05)  # slow, not failing: the victims go down
+
+    async def read_up_beside_a_top_up() -> list:
+        reading = asyncio.ensure_future(
+            pool.load_from_disk([key(i) for i in range(2)], keep_unmoved=True))
+        leased: list = []
+        while not reading.done():
+            if pool._free_slots(HOST) > 0:  # the victims' slots, freed before the placing
+                leased += pool.lease_free(HOST, 2)
+            await asyncio.sleep(0)
+        await reading
+        return leased
+
+    assert run(read_up_beside_a_top_up()) == []
+    assert {0, 1} <= set(tiers(pool)["host"])  # both pages read up, none left on disk
+    assert pool.lease_free(HOST, 2) == []  # afterwards: the host is full again, as before
+    assert_slots_consistent(pool)
+
