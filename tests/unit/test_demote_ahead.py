@@ -298,9 +298,9 @@ def test_a_put_during_a_promotion_over_a_failing_disk_is_stored_whole(harness):
 def test_a_lease_top_up_takes_none_of_the_room_a_read_up_is_making(harness):
     """A read-up into a full host frees its room by demoting victims, then places its pages.
     A lease top-up between the two took the freed slots, and the read-up placed part of its
-    pages (CI: a prefetch left one page of two on disk for good; a put into a full disk stored
-    48 of 64 tokens). Room made under the pool's room lock belongs to whoever made it: a
-    lease takes free slots only when no one is making room."""
+    pages (CI on 5761892: a prefetch left one page of two on disk for good, 3 pages in the
+    host's 4 slots). Room made under the pool's room lock belongs to whoever made it: a lease
+    takes free slots only when no one is making room."""
     pool = harness.make(device_pages=0, host_pages=8, disk_pages=16, eviction="lru")
     run(put_each(pool, range(12)))  # 0-3 on disk, 4-11 in host (full)
     pool.disk.faults = DiskFaults(delay_s=0.05)  # slow, not failing: the victims go down
