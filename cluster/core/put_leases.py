@@ -84,12 +84,16 @@ class LeasedSlots:
         someone makes room under the room lock: the slots its victims free are its own (a
         top-up that took them left a read-up or a put part of its room)."""
         self.last_access_s = time.monotonic()
+        if self.room_lock.locked():
+            # Not noted as a short lease: the tier was not found full, only busy; the
+            # client's short retry asks again and is noted then if it finds it full.
+            return []
         level = self.top_tier if tier is None else tier
         room = namespace_room_pages(self, level, namespace)
         if room is not None:
             count = min(count, room)
         leased: list[tuple[int, int]] = []
-        for _ in range(0 if self.room_lock.locked() else max(0, count)):
+        for _ in range(max(0, count)):
             slot = self.memory[level].slots.alloc_held()
             if slot is None:  # no chunk is grown (faulted in) on the call's path for a
                 break         # lease: the node readies chunks ahead (NodeStore.grow_ahead)

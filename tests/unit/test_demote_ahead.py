@@ -321,3 +321,19 @@ def test_a_lease_top_up_takes_none_of_the_room_a_read_up_is_making(harness):
     assert pool.lease_free(HOST, 2) == []  # afterwards: the host is full again, as before
     assert_slots_consistent(pool)
 
+
+
+def test_a_top_up_turned_away_by_a_room_maker_is_not_noted_as_a_full_tier(harness):
+    """A top-up that finds the room lock held comes back empty without noting a short lease:
+    the tier was busy, not found full, and noting it would widen the kept headroom for a
+    batch that never came. A top-up that finds the tier full is noted."""
+    pool = harness.make(device_pages=0, host_pages=8, disk_pages=16, eviction="lru")
+    run(put_each(pool, range(8)))  # host full
+
+    async def top_up_while_locked() -> list:
+        async with pool.room_lock:
+            return pool.lease_free(HOST, 5)
+
+    assert run(top_up_while_locked()) == []
+    assert pool.host_peak.pages == 0
+    assert pool.lease_free(HOST, 5) == [] and pool.host_peak.pages == 5
