@@ -134,18 +134,24 @@ def _checked_sequence_array(tokens: list | tuple | range) -> np.ndarray:
 def chain_keys(tokens: np.ndarray, root: PageKey, page_tokens: int) -> list[PageKey]:
     """Keys of the full pages of `tokens` (already canonical), chained from `root`.
 
-    This runs once per page of every get and put, so it makes one blake3 call per page over
-    the key and the page's bytes joined (80 bytes at 16-token pages): the same digest as
-    page_hash(previous, page), at about two thirds of its cost (0.7 against 1.1 us a page)."""
+    This runs once per page of every get and put, so it keeps one blake3 hasher and resets it
+    for each page, feeding it the key before and the page's bytes: the same digest as
+    page_hash(previous, page) (blake3 of their concatenation), without a new hasher object
+    and a joined bytes object a page (0.40 against 0.65 us a page at 16-token pages, where a
+    fresh page_hash costs about 1.1)."""
     num_pages = len(tokens) // page_tokens
     data = tokens[: num_pages * page_tokens].tobytes()
     stride = page_tokens * 4
-    hasher = blake3.blake3
+    hasher = blake3.blake3()
+    reset, update, digest = hasher.reset, hasher.update, hasher.digest
     keys: list[PageKey] = []
     append = keys.append
     previous = root
     for start in range(0, num_pages * stride, stride):
-        previous = hasher(previous + data[start : start + stride]).digest(KEY_BYTES)
+        reset()
+        update(previous)
+        update(data[start : start + stride])
+        previous = digest(KEY_BYTES)
         append(previous)
     return keys
 

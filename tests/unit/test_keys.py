@@ -9,11 +9,14 @@ import blake3
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cluster.core.keys import (
     KEY_BYTES,
     MAX_TOKEN_ID,
     canonical_tokens,
+    chain_keys,
     namespace_key,
     page_hash,
     page_keys,
@@ -224,3 +227,19 @@ def test_a_list_of_tokens_converts_fast_but_still_refuses_what_is_not_a_token_id
         canonical_tokens([5, 2**70])
     with pytest.raises(ValueError, match="lie in"):
         canonical_tokens([5, -1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**31 - 1), max_size=200),
+       page_tokens=st.sampled_from([1, 3, 4, 16]))
+def test_the_chain_is_page_hash_of_the_key_before_and_the_page(tokens, page_tokens):
+    """chain_keys reuses one hasher across pages; each key must stay page_hash(previous key,
+    the page's canonical bytes), the formula every node, client and disk header relies on."""
+    root = namespace_key(SPEC, "default", page_tokens)
+    canonical = np.asarray(tokens, dtype="<u4")
+    expected, previous = [], root
+    for start in range(0, len(tokens) // page_tokens * page_tokens, page_tokens):
+        previous = page_hash(previous, canonical[start : start + page_tokens].tobytes())
+        expected.append(previous)
+    assert chain_keys(canonical, root, page_tokens) == expected
+    assert page_keys(SPEC, "default", page_tokens, tokens) == expected
