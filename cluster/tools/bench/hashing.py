@@ -7,8 +7,11 @@ each round's figure the median of a few calls, in ns per token:
                         vLLM connector run on the token ids they hold (Python lists):
                         validate + canonicalise to little-endian uint32 + chained blake3 per page
     keys (numpy ids)    the same from a numpy int64 array
-    blake3 chain        the design's floor: blake3(prev | page bytes) per page in a bare loop
-    xxh3_128 chain      the same chain with xxh3-128 (the design's other allowed hash)
+    blake3 chain        the design's floor: blake3(prev | page bytes) per page in a bare loop,
+                        one hasher reset per page (the leanest loop: a fresh hasher a page
+                        costs 0.65 against 0.40 us at 16-token pages)
+    xxh3_128 chain      the same chain with xxh3-128 (the design's other allowed hash), one
+                        xxh3_128_digest call a page (leaner than a reused xxh3 hasher)
 
 at page_tokens 256 and 16, and over the whole prompt: canonical_tokens from a list and from
 numpy, and one blake3 call over all the bytes (hash throughput, no per-page cost). Outside the
@@ -62,6 +65,20 @@ def _blake3_16(data: bytes) -> bytes:
     return blake3.blake3(data).digest(KEY_BYTES)
 
 
+def _blake3_chain(data: bytes, root: bytes, page_tokens: int) -> list[bytes]:
+    """The blake3 chain's leanest Python loop: one hasher, reset for each page."""
+    stride = page_tokens * 4
+    hasher = blake3.blake3()
+    keys, previous = [], root
+    for offset in range(0, len(data) - stride + 1, stride):
+        hasher.reset()
+        hasher.update(previous)
+        hasher.update(data[offset : offset + stride])
+        previous = hasher.digest(KEY_BYTES)
+        keys.append(previous)
+    return keys
+
+
 def calls_of(num_tokens: int, page_tokens_list: tuple[int, ...]) -> dict[str, Callable]:
     """name -> a call over the same prompt: "<call>_pt<page tokens>" per page size, and the
     whole-prompt calls."""
@@ -73,8 +90,8 @@ def calls_of(num_tokens: int, page_tokens_list: tuple[int, ...]) -> dict[str, Ca
         chain = KeyChain.of(SPEC, NAMESPACE, pt, SECRET)
         calls.update({f"keys_list_pt{pt}": lambda c=chain: c.keys(ids_list),
                       f"keys_numpy_pt{pt}": lambda c=chain: c.keys(ids),
-                      f"blake3_chain_pt{pt}": lambda c=chain, p=pt: _chain(_blake3_16, data,
-                                                                            c.root, p),
+                      f"blake3_chain_pt{pt}": lambda c=chain, p=pt: _blake3_chain(data, c.root,
+                                                                                   p),
                       f"xxh3_128_chain_pt{pt}": lambda c=chain, p=pt: _chain(
                           xxhash.xxh3_128_digest, data, c.root, p)})
     calls.update({"canonical_tokens_list": lambda: canonical_tokens(ids_list),
