@@ -22,7 +22,8 @@ from cluster.core.tiers.memory import SharedMemoryTooSmall, check_shm_room
 from policies.quota import Quota
 
 log = logging.getLogger("raykv")
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 120.0  # the default wait for each step of start() and for other answers
+START_TIMEOUT_ENV = "RAYKV_START_TIMEOUT_S"
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 _TOLD: set[str] = set()  # the addresses whose refusal this process has logged already
 
@@ -136,6 +137,35 @@ def _check_local_shm(config: CacheConfig) -> None:
         check_shm_room(shm_bytes_per_node(limits))
 
 
+def start_timeout_s() -> float:
+    """How long start() waits for each of its steps: RAYKV_START_TIMEOUT_S seconds if set,
+    else START_TIMEOUT_S (120). ValueError for a value that is not a positive number."""
+    raw = os.environ.get(START_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return START_TIMEOUT_S
+    try:
+        value_s = float(raw)
+    except ValueError:
+        value_s = float("nan")
+    if not 0 < value_s < float("inf"):
+        raise ValueError(f"{START_TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return value_s
+
+
+def _start_step(ref, step: str):
+    """ray.get of one step of start(), within start_timeout_s(); a step that does not answer
+    in time is a TimeoutError that names it and the setting, not Ray's bare GetTimeoutError."""
+    timeout_s = start_timeout_s()
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"raykv start: {step} did not answer within {timeout_s:g} s. A busy machine, or a "
+            f"cluster still starting its nodes, can take longer: set {START_TIMEOUT_ENV} to "
+            f"more seconds and start again (start is idempotent: what came up is kept)."
+        ) from None
+
+
 def start(config: CacheConfig | None = None) -> dict:
     """Ensure the directory shards, one node actor per kv node and (with
     `config.rebalance`) the control loop exist; idempotent.
@@ -147,17 +177,18 @@ def start(config: CacheConfig | None = None) -> dict:
     _ensure_ray(config)
     _check_local_shm(config)
     directory = spawn_directory(config)
-    running = CacheConfig.model_validate_json(ray.get(directory.get_config(),
-                                                      timeout=START_TIMEOUT_S))
+    running = CacheConfig.model_validate_json(
+        _start_step(directory.get_config(), "the directory's first shard"))
     if running != config:
         raise ValueError("a raykv service with a different CacheConfig is already running on this "
                          f"Ray cluster: {running.model_dump()}; call stop() first")
-    shards = ray.get(directory.ready(), timeout=START_TIMEOUT_S)
+    shards = _start_step(directory.ready(), "the directory's shards")
     controller = spawn_controller(config)
-    members = ray.get(controller.sync_members(), timeout=START_TIMEOUT_S)
+    members = _start_step(controller.sync_members(),
+                          "the controller, starting a node actor on each kv node,")
     _raise_node_failures(members["failures"])
     if config.rebalance:
-        ray.get(spawn_control_loop(config).start(), timeout=START_TIMEOUT_S)
+        _start_step(spawn_control_loop(config).start(), "the control loop")
     return {"nodes": members["members"], "directory": shards}
 
 

@@ -43,7 +43,8 @@ def start_command(
                                                 "takes the first free of 16); 0: any")] = 7460,
 ) -> None:
     """Start the cache service (directory, node actors, controller) on a running Ray cluster
-    and return. Idempotent; a service already running with another config is an error."""
+    and return. Idempotent; a service already running with another config is an error. Each
+    step waits RAYKV_START_TIMEOUT_S seconds (default 120) for its answer."""
     from cluster import start
 
     try:
@@ -55,7 +56,11 @@ def start_command(
     except ValueError as error:  # a bad size, or a setting CacheConfig refuses
         raise typer.BadParameter(str(error)) from None
     _attach(address)
-    started = start(config)
+    try:
+        started = start(config)
+    except TimeoutError as error:  # a step that did not answer: what and what to set
+        Console(stderr=True).print(f"[red]{error}[/red]")
+        raise typer.Exit(1) from None
     Console().print(f"raykv running on {len(started['nodes'])} node(s); "
                     f"`raykv status` shows it")
 
