@@ -170,10 +170,13 @@ def start(config: CacheConfig | None = None) -> dict:
     """Ensure the directory shards, one node actor per kv node and (with
     `config.rebalance`) the control loop exist; idempotent.
 
-    Raises ValueError when a service with another config runs, and SharedMemoryTooSmall
-    (a RuntimeError) when a node's /dev/shm cannot hold the configured tiers.
+    Raises ValueError when a service with another config runs (or RAYKV_START_TIMEOUT_S is
+    not a positive number), SharedMemoryTooSmall (a RuntimeError) when a node's /dev/shm
+    cannot hold the configured tiers, and TimeoutError naming a step that did not answer
+    within start_timeout_s().
     """
     config = config or CacheConfig()
+    start_timeout_s()  # a bad RAYKV_START_TIMEOUT_S is refused before anything starts
     _ensure_ray(config)
     _check_local_shm(config)
     directory = spawn_directory(config)

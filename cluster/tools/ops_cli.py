@@ -46,14 +46,16 @@ def start_command(
     and return. Idempotent; a service already running with another config is an error. Each
     step waits RAYKV_START_TIMEOUT_S seconds (default 120) for its answer."""
     from cluster import start
+    from cluster.api import start_timeout_s
 
     try:
+        start_timeout_s()  # RAYKV_START_TIMEOUT_S, refused before anything starts
         config = start_config(dict(host_bytes=host_bytes, device_bytes=device_bytes,
                                    disk_bytes=disk_bytes, disk_dir=disk_dir,
                                    redis_url=redis_url, page_tokens=page_tokens,
                                    shards=shards, namespaces=namespaces,
                                    page_port=page_port))
-    except ValueError as error:  # a bad size, or a setting CacheConfig refuses
+    except ValueError as error:  # a bad size, a setting CacheConfig refuses, a bad timeout
         raise typer.BadParameter(str(error)) from None
     _attach(address)
     try:

@@ -71,3 +71,18 @@ def test_raykv_start_prints_a_timeout_and_exits_1_with_no_traceback(monkeypatch)
     assert result.exception is None or isinstance(result.exception, SystemExit)
     help_text = CliRunner().invoke(app, ["start", "--help"], env={"COLUMNS": "200"}).output
     assert "RAYKV_START_TIMEOUT_S" in " ".join(help_text.split())
+
+
+def test_a_bad_timeout_is_refused_before_anything_starts(monkeypatch):
+    touched = []
+    monkeypatch.setenv(api.START_TIMEOUT_ENV, "soon")
+    monkeypatch.setattr(api, "_ensure_ray", touched.append)
+    monkeypatch.setattr(api, "spawn_directory", touched.append)
+    with pytest.raises(ValueError, match=api.START_TIMEOUT_ENV):
+        api.start(api.CacheConfig())
+    assert touched == []
+    monkeypatch.setattr(ops_cli, "_attach", touched.append)
+    result = CliRunner().invoke(app, ["start"], env={"COLUMNS": "200",
+                                                     api.START_TIMEOUT_ENV: "-1"})
+    assert result.exit_code == 2 and api.START_TIMEOUT_ENV in " ".join(result.output.split())
+    assert touched == []
