@@ -152,10 +152,10 @@ def start_timeout_s() -> float:
     return value_s
 
 
-def _start_step(ref, step: str):
-    """ray.get of one step of start(), within start_timeout_s(); a step that does not answer
-    in time is a TimeoutError that names it and the setting, not Ray's bare GetTimeoutError."""
-    timeout_s = start_timeout_s()
+def _start_step(ref, step: str, timeout_s: float):
+    """ray.get of one step of start(), within `timeout_s` (start_timeout_s()); a step that
+    does not answer in time is a TimeoutError that names it and the setting, not Ray's bare
+    GetTimeoutError."""
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -176,22 +176,22 @@ def start(config: CacheConfig | None = None) -> dict:
     within start_timeout_s().
     """
     config = config or CacheConfig()
-    start_timeout_s()  # a bad RAYKV_START_TIMEOUT_S is refused before anything starts
+    timeout_s = start_timeout_s()  # a bad value is refused before anything starts
     _ensure_ray(config)
     _check_local_shm(config)
     directory = spawn_directory(config)
     running = CacheConfig.model_validate_json(
-        _start_step(directory.get_config(), "the directory's first shard"))
+        _start_step(directory.get_config(), "the directory's first shard", timeout_s))
     if running != config:
         raise ValueError("a raykv service with a different CacheConfig is already running on this "
                          f"Ray cluster: {running.model_dump()}; call stop() first")
-    shards = _start_step(directory.ready(), "the directory's shards")
+    shards = _start_step(directory.ready(), "the directory's shards", timeout_s)
     controller = spawn_controller(config)
     members = _start_step(controller.sync_members(),
-                          "the controller, starting a node actor on each kv node,")
+                          "the controller, starting a node actor on each kv node,", timeout_s)
     _raise_node_failures(members["failures"])
     if config.rebalance:
-        _start_step(spawn_control_loop(config).start(), "the control loop")
+        _start_step(spawn_control_loop(config).start(), "the control loop", timeout_s)
     return {"nodes": members["members"], "directory": shards}
 
 

@@ -322,7 +322,6 @@ def test_a_lease_top_up_takes_none_of_the_room_a_read_up_is_making(harness):
     assert_slots_consistent(pool)
 
 
-
 def test_a_top_up_turned_away_by_a_room_maker_is_not_noted_as_a_full_tier(harness):
     """A top-up that finds the room lock held comes back empty without noting a short lease:
     the tier was busy, not found full, and noting it would widen the kept headroom for a

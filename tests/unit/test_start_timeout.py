@@ -39,7 +39,8 @@ def test_a_step_that_answers_in_time_gives_its_answer(monkeypatch):
         return {"members": ref}
 
     monkeypatch.setattr(api.ray, "get", get)
-    assert api._start_step("node-a", "the controller") == {"members": "node-a"}
+    assert api._start_step("node-a", "the controller", api.start_timeout_s()) == {
+        "members": "node-a"}
     assert waited == [7.5]
 
 
@@ -51,7 +52,7 @@ def test_a_step_that_does_not_answer_names_itself_and_the_setting(monkeypatch):
 
     monkeypatch.setattr(api.ray, "get", get)
     with pytest.raises(TimeoutError) as raised:
-        api._start_step(object(), "the directory's shards")
+        api._start_step(object(), "the directory's shards", api.start_timeout_s())
     message = str(raised.value)
     assert "the directory's shards did not answer within 2 s" in message
     assert api.START_TIMEOUT_ENV in message and "start again" in message
