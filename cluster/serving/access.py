@@ -4,8 +4,9 @@ API keys, each naming the namespace its caller may use.
     Authorization: Bearer <key>   ->  the request runs in the namespace that key belongs to;
                                       an x-raykv-namespace header naming another is a 403
     a body over max_request_bytes ->  413: a declared Content-Length is checked before any
-                                      of the body is read; a chunked body is read (at most
-                                      the limit) before the app sees it
+                                      of the body is read; a chunked body (or one that names
+                                      a Transfer-Encoding beside its length) is read, at most
+                                      the limit, before the app sees it
 
 The operator's admin endpoints (ADMIN_PREFIX: pin, unpin, warm) answer only to the admin key
 (RAYKV_ADMIN_KEY or the app's admin_key), never to a tenant's: 401 without a key, 403 with
@@ -197,33 +198,60 @@ class AccessMiddleware:
         if route_path(scope).startswith(ADMIN_PREFIX):
             refusal = admin_refusal(self.access, headers.get("authorization"))
             if refusal is not None:
-                return await _reply(send, *refusal)
+                return await reply_error(send, *refusal)
             scope.setdefault("state", {})[ADMIN_PASSED_KEY] = True
         elif self.access.keyed:
             namespace = self.access.namespace_of(headers.get("authorization"))
             if namespace is None:
-                return await _reply(send, 401, "Incorrect API key provided: pass "
+                return await reply_error(send, 401, "Incorrect API key provided: pass "
                                     "'Authorization: Bearer <key>'.", "invalid_request_error",
                                     "invalid_api_key")
             scope.setdefault("state", {})[NAMESPACE_KEY] = namespace
-        limit = self.access.max_request_bytes
-        declared = headers.get("content-length", "")
-        if declared.isdigit():
-            if int(declared) > limit:
-                return await reply_too_large(send, limit)
-            return await self.app(scope, receive, send)
-        # No (or an odd) length: take the body in first, at most `limit` bytes, then replay it.
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay([message]), send)
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > limit:
-                return await reply_too_large(send, limit)
-        await self.app(scope, _replay([{"type": "http.request", "body": body,
-                                         "more_body": False}], receive), send)
+        await pass_capped(self.app, scope, receive, send, self.access.max_request_bytes,
+                          headers)
+
+
+async def pass_capped(app, scope, receive, send, limit: int, headers: dict[str, str]) -> None:
+    """Call `app` with the request's body, or answer 413 once it is over `limit` bytes.
+
+    A declared Content-Length over the limit is refused before any of the body is read; one
+    within it is trusted (the HTTP server reads no more than it declares), unless the request
+    also names a Transfer-Encoding, which then decides the body's length (RFC 9112, 6.3):
+    such a body, or one with no length, is taken in first, at most `limit` bytes, and
+    replayed to the app."""
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return await reply_too_large(send, limit)
+    if declared.isdigit() and "transfer-encoding" not in headers:
+        return await app(scope, receive, send)
+    body, more = b"", True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return await app(scope, _replay([message]), send)
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+        if len(body) > limit:
+            return await reply_too_large(send, limit)
+    await app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}],
+                             receive), send)
+
+
+def namespace_refusal(access: Access, namespace: str, authorization: str | None
+                      ) -> tuple[int, str, str, str] | None:
+    """Why a request to an app that serves one `namespace` is refused, as (status, message,
+    kind, code): 401 without a known key, 403 with another namespace's; None: it may go on
+    (or the app is keyless)."""
+    if not access.keyed:
+        return None
+    owner = access.namespace_of(authorization)
+    if owner is None:
+        return (401, "Incorrect API key provided: pass 'Authorization: Bearer <key>'.",
+                "invalid_request_error", "invalid_api_key")
+    if owner != namespace:
+        return (403, f"this key is for namespace {owner!r}; this app serves {namespace!r}",
+                "permission_error", "namespace_forbidden")
+    return None
 
 
 def route_path(scope) -> str:
@@ -268,11 +296,11 @@ def _replay(messages: list, then=None):
 
 async def reply_too_large(send, limit: int) -> None:
     """The 413 for a body over `limit` bytes (also a direct-streaming replica's)."""
-    await _reply(send, 413, f"The request body is over the limit of {limit} bytes.",
+    await reply_error(send, 413, f"The request body is over the limit of {limit} bytes.",
                  "invalid_request_error", "request_too_large")
 
 
-async def _reply(send, status: int, message: str, kind: str, code: str) -> None:
+async def reply_error(send, status: int, message: str, kind: str, code: str) -> None:
     body = json.dumps(protocol.error_body(message, kind, code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),

@@ -63,6 +63,7 @@ class VllmAppArgs:
     kv_cache_gib          vLLM's own KV space per replica on CPU (VLLM_CPU_KVCACHE_SPACE)
     api_keys              bearer key -> namespace (default: RAYKV_API_KEYS); without keys the
                           app starts only on a loopback bind (cluster/serving/vllm_ingress.py)
+    max_request_bytes     a request body's limit at the ingress (413 beyond it; 32 MiB)
     """
 
     model_source: str
@@ -75,10 +76,14 @@ class VllmAppArgs:
     accelerator: str = "cpu"
     kv_cache_gib: int = 1
     api_keys: dict = field(default_factory=api_keys_from_env)
+    max_request_bytes: int = 32 << 20
 
     def __post_init__(self):
         if self.accelerator not in ENGINE_DTYPES:
             raise ValueError(f"accelerator must be 'cpu' or 'gpu', got {self.accelerator!r}")
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be an integer of at least 1024, got "
+                             f"{self.max_request_bytes!r}")
 
     @property
     def dtype(self) -> str:
@@ -271,7 +276,8 @@ def keyed_ingress(args: VllmAppArgs) -> dict:
         require_keys_for_bind(access, bind_host)
     return {"ingress_cls": KeyedOpenAiIngress,
             "ingress_extra_kwargs": {"key_digests": access.key_digests,
-                                     "namespace": args.namespace}}
+                                     "namespace": args.namespace,
+                                     "max_request_bytes": args.max_request_bytes}}
 
 
 def router_settings(router: str, model_source: str, model_id: str, namespace: str,

@@ -43,7 +43,13 @@ import json
 from collections.abc import Collection
 from typing import Any
 
-from cluster.serving.access import Access, is_loopback, reply_too_large, require_keys_for_bind
+from cluster.serving.access import (
+    Access,
+    is_loopback,
+    reply_too_large,
+    require_keys_for_bind,
+)
+from cluster.serving.access import namespace_refusal as refusal
 from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, HIT_KEY
 
 # Serve's router-owned header prefix (ray.serve._private.constants.
@@ -97,21 +103,6 @@ def with_routed_params(body: bytes, params: dict[str, int]) -> bytes | None:
     own = data.get("kv_transfer_params")
     data["kv_transfer_params"] = {**(own if isinstance(own, dict) else {}), **params}
     return json.dumps(data).encode()
-
-
-def refusal(access: Access, namespace: str, authorization: str | None
-            ) -> tuple[int, str, str, str] | None:
-    """Why a request is refused, as (status, message, kind, code); None: it may go on."""
-    if not access.keyed:
-        return None
-    owner = access.namespace_of(authorization)
-    if owner is None:
-        return (401, "Incorrect API key provided: pass 'Authorization: Bearer <key>'.",
-                "invalid_request_error", "invalid_api_key")
-    if owner != namespace:
-        return (403, f"this key is for namespace {owner!r}; this app serves {namespace!r}",
-                "permission_error", "namespace_forbidden")
-    return None
 
 
 class DirectMiddleware:
@@ -169,6 +160,8 @@ async def capped_body(request, limit_bytes: int) -> bytes | None:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit_bytes:
         return None
+    # The bytes are counted whatever the length says: a Transfer-Encoding beside it decides
+    # the body's length (RFC 9112, 6.3), so a declared length alone is never trusted.
     body = bytearray()
     async for chunk in request.stream():
         body += chunk

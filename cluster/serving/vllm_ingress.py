@@ -6,6 +6,10 @@ same rules as raykv's own app (cluster/serving/access.py):
 
 - a request without a known key gets 401, one whose key belongs to another namespace 403:
   the app serves the one namespace its engines' connector keys pages under;
+- the key is checked before any of the body is read (`KeyFirstMiddleware`, put in front of
+  the replica's app when Serve hands it over), and a body over `max_request_bytes` is a 413:
+  FastAPI would otherwise read and parse any body, of any size, before a route could look at
+  the key. Each route checks the key again, should the middleware ever be missing;
 - keys are kept as digests only;
 - a replica refuses to start without keys when Serve's HTTP binds a non-loopback (or an
   unknown) host, as raykv's ingress does (the builder checks first where Serve already runs).
@@ -31,35 +35,70 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 from starlette.responses import JSONResponse, Response
 
-from cluster.serving.access import Access, require_keys_for_bind
+from cluster.serving.access import (
+    Access,
+    namespace_refusal,
+    pass_capped,
+    reply_error,
+    require_keys_for_bind,
+)
+
+MAX_REQUEST_BYTES = 32 << 20  # a body's default limit (VllmAppArgs'): long prompts, images
+
+
+class KeyFirstMiddleware:
+    """ASGI middleware in front of the keyed ingress's app: the key (401, 403), then the
+    body's size (413), before FastAPI reads or parses anything."""
+
+    def __init__(self, app, *, access: Access, namespace: str):
+        self.app, self.access, self.namespace = app, access, namespace
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", [])}
+        refused = namespace_refusal(self.access, self.namespace, headers.get("authorization"))
+        if refused is not None:
+            return await reply_error(send, *refused)
+        await pass_capped(self.app, scope, receive, send, self.access.max_request_bytes,
+                          headers)
 
 
 class KeyedOpenAiIngress(OpenAiIngress):
     """OpenAiIngress behind bearer keys: `key_digests` maps key_digest(key) -> namespace
-    ({}: no key needed, for a loopback bind only); `namespace` is the one the app serves."""
+    ({}: no key needed, for a loopback bind only); `namespace` is the one the app serves;
+    `max_request_bytes` a body's limit."""
 
     def __init__(self, llm_deployments: dict, model_cards: dict, *,
                  key_digests: dict[bytes, str] | None = None, namespace: str = "default",
-                 **kwargs: Any):
+                 max_request_bytes: int = MAX_REQUEST_BYTES, **kwargs: Any):
         from cluster.serving.ingress import serve_bind_host
 
-        self._access = Access(dict(key_digests or {}))
+        self._access = Access(dict(key_digests or {}), max_request_bytes)
         self._namespace = namespace
         require_keys_for_bind(self._access, serve_bind_host())  # raises: the replica fails
         super().__init__(llm_deployments, model_cards, **kwargs)
 
+    def _set_asgi_app(self, app) -> None:
+        """Serve's replica wrapper (ray.serve's ASGIAppReplicaWrapper, after this class in the
+        replica class's MRO) hands over the replica's own copy of the FastAPI app here: the
+        key's middleware goes in front of it before it serves anything."""
+        from ray.llm._internal.serve.core.server.llm_server import _add_middleware_to_built_app
+
+        _add_middleware_to_built_app(app, KeyFirstMiddleware, access=self._access,
+                                     namespace=self._namespace)
+        super()._set_asgi_app(app)
+
     def _refused(self, request: Request) -> Response | None:
         """The error reply for a request without this app's key, or None to go on."""
-        if not self._access.keyed:
+        refused = namespace_refusal(self._access, self._namespace,
+                                    request.headers.get("authorization"))
+        if refused is None:
             return None
-        namespace = self._access.namespace_of(request.headers.get("authorization"))
-        if namespace is None:
-            return _error(401, "Incorrect API key provided: pass 'Authorization: Bearer "
-                               "<key>'.", "invalid_api_key")
-        if namespace != self._namespace:
-            return _error(403, f"this key is for namespace {namespace!r}; this app serves "
-                               f"{self._namespace!r}", "namespace_forbidden")
-        return None
+        status, message, kind, code = refused
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                       "code": code}}, status_code=status)
 
     async def models(self, request: Request) -> ModelList:
         return self._refused(request) or await super().models()
@@ -89,9 +128,3 @@ class KeyedOpenAiIngress(OpenAiIngress):
     async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
         return self._refused(request) or await super().detokenize(body, request)
 
-
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    """OpenAI's error shape, as raykv's own app answers."""
-    kind = "invalid_request_error" if status == 401 else "permission_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": code}}, status_code=status)
