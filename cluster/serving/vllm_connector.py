@@ -136,6 +136,7 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         self._layout: BlockLayout | None = None
         self._failed_blocks: set[int] = set()
         self._unloaded: list[tuple[str, set[int]]] = []  # loads with no mover to run them
+        self._loads_failed_in_step, self.skipped_saves = False, 0
         self._link: ServiceLink | None = None
         self._lookups: Lookups | None = None
         self._gate: DecodeGate | None = None  # P/D decodes' waits, with the link

@@ -58,6 +58,8 @@ class WorkerSide:
     _layout: BlockLayout | None
     _failed_blocks: set[int]
     _unloaded: list[tuple[str, set[int]]]
+    _loads_failed_in_step: bool  # a load in this step left blocks unfilled: no saves in it
+    skipped_saves: int  # saves not made for that reason
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe this worker's caches by their strides (any KVCacheLayout member, CPU or
@@ -94,6 +96,7 @@ class WorkerSide:
                  view.layout.block_size, view.layout.dtype, view.device)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._loads_failed_in_step = False
         if not self.has_connector_metadata():
             return
         metadata = self._get_connector_metadata()
@@ -107,14 +110,16 @@ class WorkerSide:
             if mover is None:  # no raykv here: a miss of every block, reported at once
                 failed = blocks_of((spec.start, len(spec.token_ids)), spec.block_ids,
                                    self._block_size)
-                if in_step:
-                    self._failed_blocks |= failed
-                else:
-                    self._unloaded.append((spec.request_id, failed))
             elif in_step:  # before the forward reads the blocks; vLLM recomputes the misses
-                self._failed_blocks |= mover.load_now(spec)
+                failed = mover.load_now(spec)
             else:
                 mover.start_load(spec)
+                continue
+            if in_step:
+                self._failed_blocks |= failed
+                self._loads_failed_in_step |= bool(failed)
+            else:
+                self._unloaded.append((spec.request_id, failed))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # A load in the step finished in start_load_kv; the others finish before vLLM
@@ -132,7 +137,16 @@ class WorkerSide:
         if not isinstance(metadata, RaykvMetadata) or not metadata.saves:
             return
         mover = self._worker_mover()
-        if mover is not None:  # no raykv: nothing saved, a future miss
+        if mover is not None and self._loads_failed_in_step:
+            # This step's forward ran over blocks a load left unfilled: what it computed
+            # after them is wrong until vLLM recomputes it (it learns of the blocks only after
+            # this, from get_block_ids_with_load_errors), and a page once stored is never
+            # replaced. Prefix caching can share a block between requests, so none of the
+            # step's pages is saved: a future miss, never a wrong page.
+            self.skipped_saves += len(metadata.saves)
+            log.warning("raykv: a load in this step left blocks unfilled; not making the "
+                        "step's %d saves", len(metadata.saves))
+        elif mover is not None:  # no raykv: nothing saved, a future miss
             for spec in metadata.saves:
                 mover.save(spec)
             if metadata.settle_after_s is not None:

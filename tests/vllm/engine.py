@@ -92,6 +92,15 @@ class Engine:
             value = getattr(value, attribute, None)
         return value
 
+    def worker_connector(self, path: str):
+        """A dotted attribute of the worker's connector (None when it has none)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        value = get_kv_transfer_group()
+        for attribute in path.split("."):
+            value = getattr(value, attribute, None)
+        return value
+
     def set_scheduler_connector(self, path: str, value) -> None:
         """Set a dotted attribute of the scheduler's connector (e.g. "_budget.mode")."""
         target = self.llm.llm_engine.engine_core.engine_core.scheduler.connector

@@ -261,6 +261,29 @@ def test_a_load_made_in_the_step_gives_the_tokens_computed_and_a_failed_one_reco
     assert settled_stats(engine)["failed_tokens"] == failed_before + full
 
 
+def test_a_step_whose_load_failed_saves_nothing_so_raykv_never_holds_its_wrong_pages(engine):
+    """A load in the step that fails leaves its blocks unfilled, and the same step's forward
+    computes the next tokens over them; vLLM learns of the blocks only after the step's saves,
+    then recomputes. Those pages must never reach raykv (a stored page is never replaced):
+    a later request that loads the prompt gets the tokens the recomputed prefill gave."""
+    prompt = prompt_tokens(700, seed=42)
+    generate(engine, prompt[:300])
+    saved(engine, prompt, 2 * BLOCK_TOKENS)  # the first two pages, shared with `prompt`
+    ray.get(engine.set_scheduler_connector.remote("_budget.mode", "sync"))
+    try:
+        skipped_before = ray.get(engine.worker_connector.remote("skipped_saves"))
+        ray.get(engine.fail_loads.remote(1))
+        # The hit (2 pages) fails in the step, whose forward computes pages 2 and 3 over it.
+        recomputed, _ = generate(engine, prompt)
+        assert ray.get(engine.worker_connector.remote("skipped_saves")) > skipped_before
+        settled_stats(engine)
+        held = connect(SMALL_LLAMA).lookup(prompt)
+        again, cached = generate(engine, prompt)  # loads all raykv holds of it, in the step
+        assert cached == held >= 2 * BLOCK_TOKENS and again == recomputed
+    finally:
+        ray.get(engine.set_scheduler_connector.remote("_budget.mode", "auto"))
+
+
 def test_two_lora_adapters_on_one_prompt_never_share_pages(engine, adapters):
     prompt = prompt_tokens(640, seed=13)
     full = 640 - 1  # 5 whole pages, held whole: all but the last token, which vLLM computes
