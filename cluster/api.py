@@ -170,11 +170,14 @@ def start(config: CacheConfig | None = None) -> dict:
     """Ensure the directory shards, one node actor per kv node and (with
     `config.rebalance`) the control loop exist; idempotent.
 
-    Raises ValueError when a service with another config runs (or RAYKV_START_TIMEOUT_S is
-    not a positive number), SharedMemoryTooSmall (a RuntimeError) when a node's /dev/shm
-    cannot hold the configured tiers, and TimeoutError naming a step that did not answer
-    within start_timeout_s().
+    Raises TypeError for a config that is not a CacheConfig, ValueError when a service with
+    another config runs (or RAYKV_START_TIMEOUT_S is not a positive number),
+    SharedMemoryTooSmall (a RuntimeError) when a node's /dev/shm cannot hold the configured
+    tiers, and TimeoutError naming a step that did not answer within start_timeout_s().
     """
+    if config is not None and not isinstance(config, CacheConfig):
+        raise TypeError(f"config must be a CacheConfig (or None for the defaults), got "
+                        f"{type(config).__name__}; e.g. CacheConfig(**settings)")
     config = config or CacheConfig()
     timeout_s = start_timeout_s()  # a bad value is refused before anything starts
     _ensure_ray(config)
@@ -237,8 +240,9 @@ def connect(spec: ModelSpec, namespace: str = "default"):
     """A client for one model and tenant namespace on the running service.
 
     Raises TypeError/ValueError for a bad spec or an unknown namespace (add one with
-    add_namespace), ValueError when the node refuses the model's page geometry (past
-    max_geometries), RuntimeError when raykv is not running. A model not registered yet is
+    add_namespace), ValueError for a spec whose name is registered with another geometry, or
+    when the node refuses the model's page geometry (past max_geometries, or a page larger
+    than every tier), RuntimeError when raykv is not running. A model not registered yet is
     registered with the default quota.
     """
     from cluster.client import KVClient
@@ -249,7 +253,7 @@ def connect(spec: ModelSpec, namespace: str = "default"):
     config = running_config()
     registry = _registry(config)
     registry.check_namespace(namespace)
-    if spec.name not in registry.models:  # a new model: registered with the default quota
+    if not registry.is_registered(spec):  # a new model: registered with the default quota
         _unwrap(_controller(config).register_model(spec, None))
     home = _home_node(config)
     _unwrap(home.open_pool(PageGeometry.of(spec, config.page_tokens)))

@@ -297,7 +297,11 @@ class KVClient:
         places = puts.take(len(keys))
         if places is None:
             return None
-        blocks, mapped = slabs.kv_blocks(places, kv, 0)
+        try:
+            blocks, mapped = slabs.kv_blocks(places, kv, 0)
+        except BaseException:
+            puts.give_back(places)  # nothing written: the lease keeps its slots
+            raise
         if mapped < len(keys):  # the committer keeps only mapped slots: a torn mapping
             puts.give_back(places)
             return None

@@ -90,6 +90,8 @@ def canonical_tokens(tokens: object) -> np.ndarray:
 
 def _as_array(tokens: object) -> np.ndarray:
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor
+        if getattr(tokens, "is_meta", False):
+            raise TypeError("tokens is a tensor on the meta device: it holds no values")
         return tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):
         return tokens

@@ -25,9 +25,15 @@ def slab_order(block: torch.Tensor) -> torch.Tensor:
     return block.permute(1, 2, 3, 0, 4, 5)
 
 
+KV_DEVICES = ("cpu", "cuda")  # where raykv's copies can read and write a KV tensor
+
+
 def _check_layout(kv: object, spec: ModelSpec, what: str) -> None:
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.device.type not in KV_DEVICES:
+        raise TypeError(f"{what} is on device {str(kv.device)!r}; raykv copies KV to and from "
+                        f"CPU or CUDA tensors only")
     if kv.dtype != spec.torch_dtype():
         raise TypeError(f"{what} dtype {kv.dtype} does not match model {spec.name!r} "
                         f"dtype {spec.torch_dtype()}")

@@ -22,14 +22,21 @@ class Registry:
     namespaces: dict[str, Quota] = field(default_factory=dict)
     version: int = 0
 
+    def is_registered(self, spec: ModelSpec) -> bool:
+        """Whether the model is registered (False: not yet); ValueError when its name is
+        registered with another geometry or dtype (its pages would go to a pool of their own,
+        outside the model's quota, and never meet the model's)."""
+        known = self.models.get(spec.name)
+        if known is not None and known[0] != spec:
+            raise ValueError(f"model {spec.name!r} is registered with another geometry: "
+                             f"{known[0]}, not {spec}")
+        return known is not None
+
     def register_model(self, spec: ModelSpec, quota: Quota | None = None) -> None:
         """Add a model, or change its quota (None keeps the one it has, or the default)."""
         if not isinstance(spec, ModelSpec):
             raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
-        known = self.models.get(spec.name)
-        if known is not None and known[0] != spec:
-            raise ValueError(f"model {spec.name!r} is registered with another geometry: "
-                             f"{known[0]}")
+        known = self.models.get(spec.name) if self.is_registered(spec) else None
         self.models[spec.name] = (spec, quota or (known[1] if known else Quota()))
         self.version += 1
 

@@ -109,12 +109,27 @@ class NodeStore:
         pool = self.pools.get(geometry)
         if pool is None:
             geometry.validate()
+            self._check_fits(geometry)
             if len(self.pools) >= self.config.max_geometries:
                 raise ValueError(
                     f"this node already holds {len(self.pools)} page geometries (the "
                     f"max_geometries limit); refusing {geometry.name}")
             pool = self.pools[geometry] = self._make_pool(geometry)
         return pool
+
+    def _check_fits(self, geometry: PageGeometry) -> None:
+        """ValueError when one page of `geometry` fits in none of this node's tiers (and any
+        has room at all): every put of that model would store nothing."""
+        limits = self.config.limits
+        capacities = {"device": limits.device_bytes, "host": limits.host_bytes,
+                      "disk": limits.disk_bytes - 4096}  # a disk slot has a 4 KiB header
+        if not any(capacities.values()) or any(
+                capacity >= geometry.slot_bytes for capacity in capacities.values()):
+            return
+        held = ", ".join(f"{tier} {max(0, capacity):,}" for tier, capacity in capacities.items())
+        raise ValueError(f"a page of {geometry.name} is {geometry.slot_bytes:,} bytes, more "
+                         f"than any tier of this node holds ({held} bytes): nothing of it "
+                         f"could be stored; use fewer page_tokens or larger tiers")
 
     def _make_pool(self, geometry: PageGeometry) -> Pool:
         limits, holder = self.config.limits, geometry.name

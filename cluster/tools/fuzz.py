@@ -181,8 +181,9 @@ def run_api_fuzz(max_examples: int, random_seed: int = 0) -> int:
     @given(namespace=names, layers=dims, heads=dims, head_dim=dims, dtype=dtypes)
     def case(namespace, layers, heads, head_dim, dtype):
         ran[0] += 1
-        try:
-            spec = ModelSpec("fuzz-spec", layers, heads, head_dim, dtype)
+        try:  # a name per geometry: one name registered with two is refused at connect
+            spec = ModelSpec(f"fuzz-{layers}x{heads}x{head_dim}-{dtype}", layers, heads,
+                             head_dim, dtype)
         except REFUSED:
             spec = ModelSpec("fuzz-spec", 1, 1, 8, "float16")
         try:

@@ -62,6 +62,24 @@ def test_two_models_share_one_budget_by_weight(service):
         register_model(ModelSpec("model-a", 4, 2, 16, "float32"))
 
 
+def test_connect_refuses_a_registered_name_with_another_geometry_and_a_page_no_tier_holds(
+        service):
+    """A spec whose name is registered with another geometry would get a pool of its own,
+    outside the model's quota, whose pages the model never sees; a page larger than every
+    tier would make every put store nothing. Both are refused at connect."""
+    service(device_bytes=0, host_bytes=32 * PAGE, disk_bytes=0, chunk_bytes=4 * PAGE)
+    connect(A)
+    for other in (ModelSpec("model-a", 4, 2, 16, "float32"),
+                  ModelSpec("model-a", 2, 2, 16, "bfloat16")):
+        with pytest.raises(ValueError, match="registered with another geometry"):
+            connect(other)
+    huge = ModelSpec("model-huge", 64, 8, 128, "float32")  # 4 MiB pages, 256 KiB of host
+    with pytest.raises(ValueError, match="more than any tier of this node holds"):
+        connect(huge)
+    client = connect(A)
+    assert client.lookup(list(range(32))) == 0  # the service is as it was
+
+
 def test_an_idle_model_gives_its_memory_back(service):
     service(device_bytes=0, host_bytes=32 * PAGE, disk_bytes=1 << 20, chunk_bytes=4 * PAGE,
             idle_shrink_s=1.0)

@@ -139,6 +139,7 @@ def test_same_page_content_at_different_positions_gets_different_keys():
     {1, 2, 3, 4},
     None,
     np.int64(3),
+    torch.tensor([1, 2, 3, 4], device="meta"),  # no values: torch raised NotImplementedError
 ])
 def test_non_integer_tokens_raise_type_error(tokens):
     with pytest.raises(TypeError, match="tokens"):

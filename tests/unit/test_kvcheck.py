@@ -82,3 +82,12 @@ def test_check_out_names_out_in_errors():
 def test_page_slices():
     assert page_slices(0, 4) == slice(0, 4)
     assert page_slices(3, 16) == slice(48, 64)
+
+
+def test_a_tensor_on_a_device_raykv_cannot_copy_is_a_type_error_naming_it():
+    """Found by a probe: a meta kv got torch's own error, after a leased put had taken its
+    slots; now it is refused first, by name."""
+    with pytest.raises(TypeError, match="kv is on device 'meta'"):
+        check_kv(kv(8).to("meta"), SPEC, 8)
+    with pytest.raises(TypeError, match="out is on device 'meta'"):
+        check_out(kv(8).to("meta"), SPEC, 8, 4)

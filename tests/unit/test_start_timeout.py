@@ -87,3 +87,13 @@ def test_a_bad_timeout_is_refused_before_anything_starts(monkeypatch):
                                                      api.START_TIMEOUT_ENV: "-1"})
     assert result.exit_code == 2 and api.START_TIMEOUT_ENV in " ".join(result.output.split())
     assert touched == []
+
+
+@pytest.mark.parametrize("config", [{"page_tokens": 16}, "page_tokens=16", 16])
+def test_a_config_that_is_not_a_cache_config_is_a_type_error_before_anything_starts(
+        monkeypatch, config):
+    touched = []
+    monkeypatch.setattr(api, "_ensure_ray", touched.append)
+    with pytest.raises(TypeError, match="config must be a CacheConfig"):
+        api.start(config)
+    assert touched == []

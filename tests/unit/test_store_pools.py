@@ -166,6 +166,19 @@ def test_max_geometries_refuses_a_new_geometry_and_creates_nothing(stores):
     assert store.pool(G) is store.pools[G]  # a known geometry is still served
 
 
+def test_a_geometry_whose_page_no_tier_holds_is_refused_and_creates_nothing(stores):
+    """Every put of such a model would store nothing, silently: refused by name instead."""
+    store = stores.make()
+    limits = store.config.limits
+    tier_bytes = max(limits.device_bytes, limits.host_bytes, limits.disk_bytes)
+    huge = PageGeometry((1, 2, 1, tier_bytes // 64 + 1, 16), "float32")
+    assert huge.slot_bytes > tier_bytes
+    with pytest.raises(ValueError, match="more than any tier of this node holds"):
+        store.pool(huge)
+    assert huge not in store.pools
+    store.pool(G)  # a page that fits is served
+
+
 @pytest.mark.parametrize("geometry", [
     PageGeometry((2, 2, 16, 16), "float32"),  # 4 dims
     PageGeometry((2, 2, 0, 16, 16), "float32"),  # zero
