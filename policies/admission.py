@@ -28,11 +28,13 @@ SERVICE_EWMA_WEIGHT = 0.2  # weight of the newest request in the mean service ti
 
 @dataclass(frozen=True, slots=True)
 class TenantLimits:
-    """One tenant's bucket (requests per second, refilled continuously) and default class."""
+    """One tenant's bucket (requests per second, refilled continuously), default class, and
+    the most urgent class its requests may ask for (a higher one is lowered to it)."""
 
     rate_per_s: float = math.inf
     burst: float = math.inf  # the bucket's size: requests a tenant may send at once
     priority: str = "normal"
+    max_priority: str = "high"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +125,9 @@ class AdmissionQueue:
     def arrive(self, tenant: str, priority: str | None, now_s: float) -> Decision:
         """Decide one request; `priority` None takes the tenant's default class."""
         limits = self.limits.tenant(tenant)
-        rank = priority_rank(priority or limits.priority)
+        # The header is the caller's, the ceiling the operator's: no tenant jumps its class.
+        rank = max(priority_rank(priority or limits.priority),
+                   priority_rank(limits.max_priority))
         wait_s, self.buckets[tenant] = take_token(self.buckets.get(tenant), limits, now_s)
         if wait_s > 0:
             self.counters[RATE_LIMITED] += 1

@@ -35,6 +35,8 @@ import secrets
 
 import blake3
 
+from cluster.core.tiers.aligned import make_private_dir
+
 log = logging.getLogger("raykv.secrets")
 SECRET_BYTES = 32
 ENV_VAR = "RAYKV_KEY_SECRET"
@@ -59,7 +61,8 @@ def from_passphrase(value: str) -> bytes:
 
 def load_master(disk_dir: str, environ: dict | None = None) -> tuple[bytes, str]:
     """(the service's master secret, where it came from: "env", "env-file" or "file").
-    ValueError for a RAYKV_KEY_SECRET_FILE that cannot be read or is empty."""
+    ValueError for a RAYKV_KEY_SECRET_FILE that cannot be read or is empty; PermissionError
+    for a made secret (or its directory) that another user owns, OSError for a link there."""
     environ = os.environ if environ is None else environ
     if environ.get(ENV_VAR):
         return from_passphrase(environ[ENV_VAR]), "env"
@@ -100,14 +103,23 @@ def _from_operator_file(path: str) -> bytes:
 
 
 def _from_file(path: str) -> bytes:
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    # The directory and the file must be this user's: in a directory another user made first
+    # (the default one under /tmp is predictable), they could read or swap the secret.
+    make_private_dir(os.path.dirname(path))
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        if os.stat(path).st_mode & 0o077:  # readable by others: make it private again
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # checked on what was opened
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid():
+            os.close(fd)
+            raise PermissionError(f"{path} belongs to uid {info.st_uid}, not to this user "
+                                  f"({os.getuid()}); refusing to use it as the master secret"
+                                  ) from None
+        if info.st_mode & 0o077:  # readable by others: make it private again
             log.warning("%s was readable by other users; made it 0600", path)
-            os.chmod(path, 0o600)
-        with open(path, "rb") as file:
+            os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "rb") as file:
             value = file.read()
         if len(value) != SECRET_BYTES:
             raise ValueError(f"{path} is not a {SECRET_BYTES}-byte secret; remove it to make "

@@ -41,7 +41,7 @@ from cluster.serving.ingress import (
 )
 from cluster.serving.local_cache import LocalCacheSettings
 from cluster.serving.model import SHAPES
-from policies.admission import AdmissionLimits, TenantLimits
+from policies.admission import AdmissionLimits, TenantLimits, priority_rank
 
 ROUTERS = {
     "raykv": "cluster.serving.router:RaykvRouter",
@@ -62,12 +62,22 @@ class TenantArgs(BaseModel):
                                 "max(1, rate_per_s))")
     priority: Literal["high", "normal", "low"] = Field("normal", description="the class of "
                                                        "requests without x-raykv-priority")
+    max_priority: Literal["high", "normal", "low"] = Field(
+        "high", description="the most urgent class its requests may ask for with "
+                            "x-raykv-priority (a higher one is lowered to it)")
+
+    @model_validator(mode="after")
+    def _default_within_ceiling(self) -> TenantArgs:
+        if priority_rank(self.priority) < priority_rank(self.max_priority):
+            raise ValueError(f"priority {self.priority!r} is above max_priority "
+                             f"{self.max_priority!r}")
+        return self
 
     def limits(self) -> TenantLimits:
         if self.rate_per_s is None:
-            return TenantLimits(priority=self.priority)
+            return TenantLimits(priority=self.priority, max_priority=self.max_priority)
         return TenantLimits(self.rate_per_s, self.burst or max(1.0, self.rate_per_s),
-                            self.priority)
+                            self.priority, self.max_priority)
 
 
 class AdmissionArgs(BaseModel):

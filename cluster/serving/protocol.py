@@ -24,7 +24,7 @@ class _Request(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 63) - 1)  # torch's generator: int64
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
@@ -59,15 +59,25 @@ class CompletionRequest(_Request):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content: the text ones are kept (images and the rest are
+    accepted and ignored, as this app serves text)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = ""
+    content: str | list[ContentPart] | None = ""
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            return "".join(p.text or "" for p in self.content if p.type == "text")
         return self.content or ""
 
 

@@ -97,6 +97,20 @@ def test_default_class_per_tenant_and_unknown_class_is_an_error():
         queue.arrive("x", "urgent", 0.0)
 
 
+def test_a_request_never_asks_above_its_tenants_ceiling():
+    """x-raykv-priority is the caller's; max_priority is the operator's. A tenant held to
+    "low" that sends "high" waits as "low"; lower classes than the default are granted."""
+    limits = AdmissionLimits(max_in_flight=1, tenants={
+        "batch": TenantLimits(priority="low", max_priority="low"),
+        "std": TenantLimits(max_priority="normal")})
+    queue = AdmissionQueue(limits)
+    queue.arrive("x", None, 0.0)  # takes the slot: the rest queue with their rank
+    assert queue.arrive("batch", "high", 0.0).ticket.rank == 2
+    assert queue.arrive("std", "high", 0.0).ticket.rank == 1
+    assert queue.arrive("std", "low", 0.0).ticket.rank == 2
+    assert queue.arrive("x", "high", 0.0).ticket.rank == 0  # no ceiling set: as asked
+
+
 def test_cancel_withdraws_only_waiting_tickets():
     queue = AdmissionQueue(AdmissionLimits(max_in_flight=1))
     running = queue.arrive("t", None, 0.0).ticket
@@ -211,3 +225,7 @@ def test_app_admission_args_become_limits():
     assert AppArgs().admission.limits().max_in_flight == 256
     with pytest.raises(ValueError):
         AdmissionArgs(tenants={"acme": {"priority": "urgent"}})
+    capped = AdmissionArgs(tenants={"acme": {"priority": "low", "max_priority": "low"}})
+    assert capped.limits().tenant("acme") == TenantLimits(priority="low", max_priority="low")
+    with pytest.raises(ValueError, match="above max_priority"):
+        AdmissionArgs(tenants={"acme": {"priority": "normal", "max_priority": "low"}})

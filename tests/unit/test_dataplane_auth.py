@@ -339,3 +339,42 @@ def test_the_page_port_is_a_setting_and_a_start_option():
             CacheConfig(page_port=bad)
     result = CliRunner().invoke(app, ["start", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0 and "--page-port" in result.output
+
+
+def test_a_handshake_that_trickles_bytes_is_cut_at_its_deadline_not_twice_it():
+    """Found by a probe: one byte every 1.9 s kept a 2 s handshake open 3.8 s (each receive
+    waited the socket's whole timeout, the deadline was checked only between them)."""
+    ours, theirs = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.6):
+            try:
+                theirs.send(b"x")
+            except OSError:
+                return
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
+    try:
+        ours.settimeout(0.7)  # each byte arrives inside it
+        start_s = time.monotonic()
+        with pytest.raises(TimeoutError):
+            auth._recv(ours, 64, start_s + 0.8)
+        assert time.monotonic() - start_s < 1.05  # the old loop: at the second byte, 1.2 s
+        assert ours.gettimeout() == 0.7  # the socket's own timeout is back
+    finally:
+        stop.set()
+        ours.close()
+        theirs.close()
+        sender.join(2)
+
+
+def test_no_key_shows_in_the_repr_of_what_a_client_holds():
+    """A traceback or log line that prints an Authority or ClientSecrets leaks no secret."""
+    authority = Authority.of_namespace(PEER, "tenant-a", SECRETS["tenant-a"])
+    secrets = auth.ClientSecrets(SECRETS["tenant-a"], PEER)
+    for shown in (repr(authority), repr(secrets), repr(secrets.authority("tenant-a"))):
+        for secret in (PEER, SECRETS["tenant-a"], authority.key):
+            assert repr(secret)[2:-1] not in shown and secret.hex() not in shown
+    assert "tenant-a" in repr(authority)

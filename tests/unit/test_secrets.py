@@ -85,6 +85,30 @@ def test_the_file_master_is_private_and_kept(tmp_path):
         load_master(str(tmp_path / "disk"), {})
 
 
+def test_a_master_file_or_directory_of_another_user_or_a_link_is_refused(tmp_path):
+    """The default directory is predictable (under /tmp): another user who made it, or the
+    file, first could read or swap the secret. Neither is used; nor is a symbolic link."""
+    master, _ = load_master(str(tmp_path / "disk"), {})
+    path = tmp_path / "disk" / FILE_NAME
+    path.unlink()
+    target = tmp_path / "elsewhere"
+    target.write_bytes(master)
+    path.symlink_to(target)
+    with pytest.raises(OSError):
+        load_master(str(tmp_path / "disk"), {})
+    path.unlink()
+    if os.getuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    load_master(str(tmp_path / "disk"), {})
+    os.chown(path, 65534, 65534)
+    with pytest.raises(PermissionError, match="belongs to uid 65534"):
+        load_master(str(tmp_path / "disk"), {})
+    (tmp_path / "other").mkdir()
+    os.chown(tmp_path / "other", 65534, 65534)
+    with pytest.raises(PermissionError, match="belongs to uid 65534"):
+        load_master(str(tmp_path / "other"), {})
+
+
 def test_a_master_an_older_raykv_kept_in_redis_is_deleted_never_used(tmp_path):
     url = os.environ.get("RAYKV_TEST_REDIS_URL")
     if not url:

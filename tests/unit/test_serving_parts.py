@@ -85,6 +85,24 @@ def test_requests_validate_like_openai():
     assert chat.messages[0].text() == "a"
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[])
+    # Found by a probe: each of these was a 500 (a TypeError in text(), or torch's seed
+    # overflow after the prefill); now each is a request error (400).
+    for text in (5, None, ["a"]):
+        if text is None:
+            assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
+                {"type": "text", "text": text}]}]).messages[0].text() == ""
+            continue
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
+                {"type": "text", "text": text}]}])
+    for part in ("a", 3, {"text": "no type"}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [part]}])
+    for seed in (1 << 63, -(1 << 63) - 1, 1 << 64):
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt="x", seed=seed)
+    assert CompletionRequest(model="m", prompt="x", seed=-1).seed == -1
+    assert CompletionRequest(model="m", prompt="x", seed=(1 << 63) - 1).sampling(4).seed
 
 
 def test_usage_reports_cached_tokens():

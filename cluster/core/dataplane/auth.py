@@ -26,7 +26,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import blake3
 
@@ -80,10 +80,11 @@ class Authority:
     """What a reader proves: the peer key to connect, and the key its requests are MACed
     with, for `namespace` (KIND_NAMESPACE) or for any namespace (KIND_NODE, namespace "")."""
 
-    peer_key: bytes
+    # Keys stay out of repr: a traceback or log line that prints the object shows no secret.
+    peer_key: bytes = field(repr=False)
     kind: int
     namespace: str
-    key: bytes
+    key: bytes = field(repr=False)
 
     @staticmethod
     def of_namespace(peer: bytes, namespace: str, namespace_secret: bytes) -> Authority:
@@ -132,14 +133,24 @@ def server_handshake(sock: socket.socket, peer: bytes, deadline_s: float) -> byt
 
 
 def _recv(sock: socket.socket, num_bytes: int, deadline_s: float | None = None) -> bytes:
-    buffer = bytearray()
-    while len(buffer) < num_bytes:
-        if deadline_s is not None and time.monotonic() > deadline_s:
-            raise TimeoutError("the handshake ran past its deadline")
-        chunk = sock.recv(num_bytes - len(buffer))
-        if not chunk:
-            raise AuthFailed(f"closed during the handshake after {len(buffer)} bytes")
-        buffer += chunk
+    """num_bytes from sock; with a deadline, each receive waits only for the time left (a
+    peer that sends a byte just inside each socket timeout is closed at the deadline, not
+    at twice it). The socket's own timeout is restored after."""
+    buffer, timeout_s = bytearray(), sock.gettimeout()
+    try:
+        while len(buffer) < num_bytes:
+            if deadline_s is not None:
+                left_s = deadline_s - time.monotonic()
+                if left_s <= 0:
+                    raise TimeoutError("the handshake ran past its deadline")
+                sock.settimeout(left_s if timeout_s is None else min(left_s, timeout_s))
+            chunk = sock.recv(num_bytes - len(buffer))
+            if not chunk:
+                raise AuthFailed(f"closed during the handshake after {len(buffer)} bytes")
+            buffer += chunk
+    finally:
+        if deadline_s is not None:
+            sock.settimeout(timeout_s)
     return bytes(buffer)
 
 
@@ -206,8 +217,8 @@ class ClientSecrets:
     """What a client holds: its namespace's key-chain secret and the service's peer key
     (connect() gets both from the controller; b"" when unknown: its remote reads miss)."""
 
-    namespace_secret: bytes = b""
-    peer_key: bytes = b""
+    namespace_secret: bytes = field(default=b"", repr=False)
+    peer_key: bytes = field(default=b"", repr=False)
 
     def authority(self, namespace: str) -> Authority | None:
         """The client's authority for data-plane reads; None without a peer key."""
