@@ -60,6 +60,7 @@ connector sets kv_load_failure_policy to "recompute": a cache miss must never fa
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -147,6 +148,7 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         # What a step may wait on raykv
         self._budget = StepBudget(settings.load_mode, save_mode=settings.save_mode)
         self._sync_loads: dict[str, float] = {}  # id -> deadline of its load in the step
+        self._epoch = b""  # in every key's salt after a cache reset (reset_cache)
         self.num_sync_loads = 0
         self._live: set[str] = set()  # requests scheduled and not finished (the idle budget)
         self.why_off = unsupported_groups(kv_cache_config)
@@ -197,7 +199,7 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         if answer is None:
             asked_s = _now_s()  # before the poll: a lookup waited for in the step costs that
             answer = self._lookups.poll(request_id, prompt[:num_asked],
-                                        lambda: request_salt(request), self._budget)
+                                        lambda: self._salt(request), self._budget)
             self._timed_lookup(request_id, params, num_computed_tokens, answer, asked_s)
         if answer is None:
             return None, False  # in flight: vLLM asks again next step
@@ -270,6 +272,34 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
                                  ) -> RaykvLoadStats | None:
         return RaykvLoadStats(dict(data) if data else {})
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False (vLLM's default is True for kv_both): a save copies its blocks out within
+        its step (wait_for_save), so a preemption frees nothing a save still reads, and a
+        save that never lands is a future miss. True would have vLLM recompute the tokens a
+        preempted request had in flight under async scheduling, for nothing."""
+        return False
+
+    def reset_cache(self) -> bool:
+        """vLLM's reset of external caches (reset_prefix_cache(reset_connector=True), which
+        pause_generation(clear_cache=True) asks for around a weight update). raykv's pages
+        are other engines' too, so none is deleted: this engine keys its pages anew instead,
+        under a fresh random epoch in every key's salt. It never loads a page computed
+        before (with other weights, say), nor saves one under the old keys, and the router's
+        hits, keyed without the epoch, are looked up again. Requests known to the scheduler
+        side are forgotten and asked afresh, but for those whose load is already under way."""
+        self._epoch = os.urandom(16)
+        forgotten = self._planner.forget_unloading() if self._planner is not None else 0
+        if self._lookups is not None:
+            self._lookups.forget_all()
+        self._first_asked_s.clear()
+        log.info("raykv connector: cache reset; this engine's pages are keyed anew (%d "
+                 "requests asked afresh)", forgotten)
+        return True
+
+    def _salt(self, request: Request) -> bytes | None:
+        return request_salt(request, self._epoch)
+
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         handoff = None
@@ -304,7 +334,7 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         is no P/D handoff (a decode waits for its prefill's pages)."""
         hit = routed_hit(params)
         if hit is None or self._planner is None or handoff_of(params) is not None \
-                or not is_plain(request):
+                or not is_plain(request) or self._epoch:
             return None
         self.num_routed_answers += 1
         return Answer(b"", min(hit, num_asked), self._planner.page_tokens)
@@ -322,7 +352,7 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         rest_s = self._meter.measured_recompute_s(num_loadable - num_computed_tokens)
         if self._meter.lookups.worth_asking(num_computed_tokens, rest_s):
             return None
-        return Answer(request_salt(request), num_computed_tokens, self._planner.page_tokens)
+        return Answer(self._salt(request), num_computed_tokens, self._planner.page_tokens)
 
     def _timed_lookup(self, request_id: str, params: Any, num_computed_tokens: int,
                       answer: Answer | None, asked_s: float) -> None:

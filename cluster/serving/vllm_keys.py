@@ -20,12 +20,12 @@ FILE_CHUNK_BYTES = 8 << 20
 _adapters: dict[tuple, bytes] = {}  # (path, files' names, sizes and mtimes) -> identity
 
 
-def request_salt(request) -> bytes | None:
+def request_salt(request, epoch: bytes = b"") -> bytes | None:
     """Canonical bytes naming what sets `request`'s KV apart (b"" for nothing); None when
-    raykv cannot key it."""
+    raykv cannot key it. `epoch`: the engine's since its last cache reset (b"": none)."""
     if getattr(request, "prompt_embeds", None) is not None:
         return None
-    fields: list[tuple[bytes, bytes]] = []
+    fields: list[tuple[bytes, bytes]] = [(b"epoch", epoch)] if epoch else []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         fields.append((b"lora", adapter_identity(lora.lora_path or "", lora.lora_name or "")))

@@ -298,6 +298,15 @@ class StepPlanner:
         saves += [save for request in running if (save := self._track_running(request))]
         return loads, saves
 
+    def forget_unloading(self) -> int:
+        """Forget every request but those whose load is planned or under way (a cache reset:
+        the rest are asked, keyed and saved afresh); how many were forgotten."""
+        busy = set(self.loading) | {load.request_id for load in self.loads}
+        known = set(self.hits) | set(self.salts) | set(self.tracked) | set(self.filled)
+        for request_id in known - busy:
+            self.finished(request_id)
+        return len(known - busy)
+
     def finished(self, request_id: str) -> None:
         for table in (self.hits, self.salts, self.tracked, self.loading, self.filled):
             table.pop(request_id, None)

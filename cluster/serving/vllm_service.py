@@ -282,6 +282,11 @@ class Lookups:
         self._pending.pop(request_id, None)
         self._due_s.pop(request_id, None)
 
+    def forget_all(self) -> None:
+        """Every lookup's answer is dropped (their keys are stale: a cache reset)."""
+        self._pending.clear()
+        self._due_s.clear()
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -204,3 +204,12 @@ def test_a_process_that_had_joined_ray_keeps_its_error_listener(monkeypatch):
     link, worker = fake_driver(monkeypatch, initialized=True)  # e.g. a user's own driver
     assert link.client().page_tokens == 16
     assert not worker.threads_stopped.is_set()
+
+
+def test_an_epoch_after_a_cache_reset_sets_every_key_apart():
+    """RaykvConnector.reset_cache: a fresh epoch in the salt of every request, plain or not."""
+    old = [request_salt(request()), request_salt(request(cache_salt="s1"))]
+    new = [request_salt(request(), b"e1"), request_salt(request(cache_salt="s1"), b"e1")]
+    again = [request_salt(request(), b"e2"), request_salt(request(cache_salt="s1"), b"e2")]
+    assert len(set(old + new + again)) == 6
+    assert request_salt(request(), b"") == b""  # no reset: the model's own chain

@@ -92,6 +92,11 @@ class Engine:
             value = getattr(value, attribute, None)
         return value
 
+    def reset_caches(self) -> bool:
+        """vLLM's prefix cache and the connector's (reset_connector), as pause_generation(
+        clear_cache=True) resets them around a weight update."""
+        return self.llm.reset_prefix_cache(reset_connector=True)
+
     def worker_connector(self, path: str):
         """A dotted attribute of the worker's connector (None when it has none)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group

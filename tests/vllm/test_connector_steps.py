@@ -284,6 +284,27 @@ def test_a_step_whose_load_failed_saves_nothing_so_raykv_never_holds_its_wrong_p
         ray.get(engine.set_scheduler_connector.remote("_budget.mode", "auto"))
 
 
+def test_after_a_cache_reset_the_engine_loads_nothing_saved_before_and_saves_anew(engine):
+    """vLLM's reset_prefix_cache(reset_connector=True), asked around a weight update: pages
+    raykv holds from before (other weights, for all raykv knows) are never loaded again by
+    this engine, which keys its pages anew; it still saves and loads its new ones. The old
+    pages stay for other engines."""
+    prompt = prompt_tokens(520, seed=43)
+    full = 520 // BLOCK_TOKENS * BLOCK_TOKENS
+    ids, _ = generate(engine, prompt)
+    saved(engine, prompt, full)
+    assert generate(engine, prompt)[1] == full  # loaded from raykv
+    assert ray.get(engine.reset_caches.remote())
+    after, cached = generate(engine, prompt)
+    assert cached == 0 and after == ids  # computed again: nothing of before was loaded
+    assert connect(SMALL_LLAMA).lookup(prompt) == full  # still there, for other engines
+    deadline_s = time.monotonic() + 30
+    while (cached := generate(engine, prompt)[1]) == 0:  # its new pages, keyed anew
+        assert time.monotonic() < deadline_s, "the engine never loaded its new pages"
+        time.sleep(0.5)
+    assert cached == full
+
+
 def test_two_lora_adapters_on_one_prompt_never_share_pages(engine, adapters):
     prompt = prompt_tokens(640, seed=13)
     full = 640 - 1  # 5 whole pages, held whole: all but the last token, which vLLM computes
