@@ -88,7 +88,8 @@ class RaykvSettings:
 
 def spec_of(vllm_config, model_name: str | None) -> ModelSpec:
     """The KV geometry one vLLM worker holds: layers of its pipeline stage, KV heads per
-    tensor-parallel rank, head size and the cache dtype ("auto" is the model's dtype).
+    tensor-parallel rank, head size (for MLA, half the latent: vllm_layout.py) and the cache
+    dtype ("auto" is the model's dtype).
 
     Each TP rank and PP stage holds other KV: their pages are keyed apart (the rank and stage
     are in the name, hence in every key's root). UnsupportedConfig for a cache dtype raykv has
@@ -100,8 +101,14 @@ def spec_of(vllm_config, model_name: str | None) -> ModelSpec:
         name = f"{name}|tp{parallel.rank % tp_size}of{tp_size}"
     if pp_size > 1:
         name = f"{name}|pp{parallel.rank // tp_size % pp_size}of{pp_size}"
+    head_size = model.get_head_size()
+    if getattr(model, "use_mla", False):  # one latent a token: its halves are K's and V's planes
+        if head_size % 2:
+            raise UnsupportedConfig(f"MLA latent of {head_size} values: raykv's page holds it "
+                                    f"as two equal halves")
+        head_size //= 2
     return ModelSpec(name, model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
-                     model.get_head_size(), cache_dtype_of(vllm_config))
+                     head_size, cache_dtype_of(vllm_config))
 
 
 def cache_dtype_of(vllm_config) -> str:

@@ -80,11 +80,12 @@ def test_prompt_embeddings_are_not_keyed():
     assert request_salt(request(prompt_embeds=torch.zeros(4, 8))) is None
 
 
-def vllm_config(cache_dtype="auto", tp=1, pp=1, rank=0, layers=4):
+def vllm_config(cache_dtype="auto", tp=1, pp=1, rank=0, layers=4, mla_latent=None):
     model = SimpleNamespace(dtype=torch.bfloat16, served_model_name="m",
                             get_num_layers=lambda parallel: layers // pp,
-                            get_num_kv_heads=lambda parallel: 8 // tp,
-                            get_head_size=lambda: 64)
+                            get_num_kv_heads=lambda parallel: 1 if mla_latent else 8 // tp,
+                            get_head_size=lambda: mla_latent or 64,
+                            use_mla=mla_latent is not None)
     return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(
         cache_dtype=cache_dtype), parallel_config=SimpleNamespace(
         tensor_parallel_size=tp, pipeline_parallel_size=pp, rank=rank))
@@ -97,6 +98,16 @@ def test_fp8_caches_map_to_raykvs_fp8_and_others_are_refused_not_raised_through(
     for unsupported in ("fp8_e5m2", "fp8_inc", "fp8_ds_mla"):
         with pytest.raises(UnsupportedConfig, match=unsupported):
             spec_of(vllm_config(unsupported), None)
+
+
+def test_an_mla_latent_is_two_planes_of_half_its_size():
+    """vLLM's head size for MLA is the whole latent (576 for DeepSeek-V3); the connector's
+    page holds its halves as K's and V's planes. The spec used the whole latent, so every
+    MLA worker turned itself off (its caches fill [L, 2, 1, N, 288], the spec said 576)."""
+    spec = spec_of(vllm_config(mla_latent=576), None)
+    assert (spec.num_kv_heads, spec.head_dim) == (1, 288)
+    with pytest.raises(UnsupportedConfig, match="latent of 575"):
+        spec_of(vllm_config(mla_latent=575), None)
 
 
 def test_tp_ranks_and_pp_stages_key_apart():

@@ -39,6 +39,7 @@ from cluster.core.spec import ModelSpec  # noqa: E402
 from cluster.serving import vllm_worker_side  # noqa: E402
 from cluster.serving.vllm_connector import RaykvConnector  # noqa: E402
 from cluster.serving.vllm_layout import blocks_to_kv, kv_to_blocks  # noqa: E402
+from cluster.serving.vllm_service import spec_of  # noqa: E402
 
 L, H, D, N, NUM_BLOCKS = 3, 2, 16, 16, 12
 BLOCK_IDS = [11, 3, 7, 0, 9, 5, 1, 10, 2, 8]
@@ -140,9 +141,15 @@ def test_mla_latents(monkeypatch):
     latent = 72
     spec = MLAAttentionSpec(block_size=N, num_kv_heads=1, head_size=latent, dtype=torch.bfloat16)
     caches = vllm_caches(KVCacheLayout.BLNHC, spec)
+    model = SimpleNamespace(served_model_name="m", dtype=torch.bfloat16, use_mla=True,
+                            get_num_layers=lambda parallel: L,
+                            get_num_kv_heads=lambda parallel: 1, get_head_size=lambda: latent)
+    config = SimpleNamespace(model_config=model, cache_config=SimpleNamespace(
+        cache_dtype="auto"), parallel_config=SimpleNamespace(
+        tensor_parallel_size=1, pipeline_parallel_size=1, rank=0))
     connector = registered(monkeypatch, FlashAttentionBackend, caches,
                            SimpleNamespace(cache_dtype="auto", head_size=latent, use_mla=True),
-                           ModelSpec("m", L, 1, latent // 2, "bfloat16"))
+                           spec_of(config, None))  # the service's spec, as the connector's
     assert connector._layers
     kv = torch.randn(L, 2, 1, len(BLOCK_IDS) * N, latent // 2).to(torch.bfloat16)
     out = round_trip(connector, kv)
