@@ -93,6 +93,7 @@ from cluster.serving.vllm_plan import (
     is_producer,
     loadable_tokens,
     page_misfit,
+    raykv_can_add,
     routed_hit,
 )
 from cluster.serving.vllm_service import (
@@ -194,6 +195,11 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
             planner.matched(request_id, num_computed_tokens, num_computed_tokens, len(prompt))
             return 0, False
         answer = self._routed_answer(request, params, num_asked)
+        if answer is None and is_plain_params(params) and planner is not None \
+                and not raykv_can_add(num_asked, planner.page_tokens, num_computed_tokens):
+            # No whole page past vLLM's hit to ask for: keyed (its new pages are saved), no
+            # lookup, nothing loaded
+            answer = Answer(self._salt(request), num_computed_tokens, planner.page_tokens)
         if answer is None and is_plain_params(params):  # Ray's KVAwareRouter's too
             answer = self._unasked(request, num_computed_tokens, num_loadable)
         if answer is None:

@@ -190,6 +190,14 @@ def asked_tokens(block_size: int, prompt_len: int) -> int:
     return prompt_len // block_size * block_size
 
 
+def raykv_can_add(num_asked: int, page_tokens: int, num_local_tokens: int) -> bool:
+    """Whether raykv could hold more of the asked prefix than vLLM's own cache does: it
+    answers in whole pages, so not when the asked prefix's whole pages end within vLLM's hit
+    (a prompt shorter than a page, say: 17 to 255 tokens at 16-token blocks and 256-token
+    pages would each cost a lookup, and maybe an engine step, for an answer of 0)."""
+    return num_asked // page_tokens * page_tokens > num_local_tokens
+
+
 def handed_tokens(hit_end: int, prompt_len: int) -> int:
     """The prompt tokens vLLM takes as computed from a hit of `hit_end` tokens: at most all
     but the last, whose logits vLLM needs."""

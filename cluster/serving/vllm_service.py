@@ -240,6 +240,7 @@ class Lookups:
         self._due_s: dict[str, float] = {}  # id -> when its retried lookup may start
         self.num_in_flight_answers = 0  # polls answered None: how often a request waited
         self.num_waited_answers = 0  # lookups answered in the step that asked, by waiting
+        self.num_started = 0  # lookups sent to raykv
         self.lookup_s: float | None = None  # EWMA of the lookups' own seconds
         self._num_timed = 0
 
@@ -258,6 +259,7 @@ class Lookups:
         pending = self._pending.get(request_id)
         if pending is None:
             future = self._pool.submit(self._lookup, tokens, salt_of)
+            self.num_started += 1
             self._pending[request_id] = (future, time.monotonic() + self._link.call_timeout_s())
             pending = self._pending[request_id]
         future, deadline_s = pending

@@ -23,6 +23,7 @@ from cluster.serving.vllm_plan import (
     load_outcome_of,
     loadable_tokens,
     page_misfit,
+    raykv_can_add,
 )
 
 B = 4  # tokens per vLLM block
@@ -488,3 +489,13 @@ def test_a_failed_flush_is_counted_and_async_saves_are_not_flushed():
     mover.save(SaveSpec("r", list(range(8)), [5, 0]))
     mover.close()
     assert quiet.flushes == [] and quiet.put_tokens == [8]
+
+
+def test_raykv_is_asked_only_when_a_whole_page_could_end_past_vllms_hit():
+    """16-token blocks, 256-token pages: a 255-token prompt's asked prefix (240) has no whole
+    page, so a lookup could only answer 0; one of 256 could bring a page, unless vLLM holds
+    it already."""
+    assert not raykv_can_add(240, 256, 0)
+    assert raykv_can_add(256, 256, 0) and raykv_can_add(256, 256, 240)
+    assert not raykv_can_add(256, 256, 256) and not raykv_can_add(500, 256, 256)
+    assert raykv_can_add(512, 256, 256) and not raykv_can_add(0, 256, 0)
