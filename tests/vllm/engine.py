@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import ray
 
 CONNECTOR = {"kv_connector": "RaykvConnector",
@@ -162,3 +167,25 @@ def engine_on(resource: str | None, model_dir: str, connector: dict | None = CON
     engine = Engine.options(**options).remote(model_dir, connector, engine_kwargs)
     ray.get(engine.node.remote())
     return engine
+
+
+@contextmanager
+def served_engine(model_dir: str, page_tokens: int, engine_kwargs: dict) -> Iterator:
+    """A local Ray with raykv (host tier only, `page_tokens` a page) and one engine with the
+    connector on it; all of it gone after."""
+    from cluster import CacheConfig, start, stop
+    from cluster.core.tiers.memory import remove_stale_shm
+    from cluster.core.tiers.node_slot import slot_shm_prefix
+
+    disk_dir = tempfile.mkdtemp(prefix="raykv-vllm-", dir="/tmp")
+    ray.init(address="local", num_cpus=4, resources={"kv_node": 1}, include_dashboard=False,
+             logging_level="WARNING")
+    try:
+        start(CacheConfig(page_tokens=page_tokens, device_bytes=0, host_bytes=64 << 20,
+                          disk_bytes=0, disk_dir=disk_dir, call_timeout_s=5.0))
+        yield engine_on(None, model_dir, engine_kwargs=engine_kwargs)
+        stop()
+    finally:
+        ray.shutdown()
+        remove_stale_shm(slot_shm_prefix(disk_dir))
+        shutil.rmtree(disk_dir, ignore_errors=True)

@@ -6,8 +6,6 @@ every cached token a response reports came from raykv."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 
 import pytest
@@ -17,11 +15,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 
 import ray  # noqa: E402
 
-from cluster import CacheConfig, ModelSpec, connect, start, stop  # noqa: E402
-from cluster.core.tiers.memory import remove_stale_shm  # noqa: E402
-from cluster.core.tiers.node_slot import slot_shm_prefix  # noqa: E402
+from cluster import ModelSpec, connect  # noqa: E402
 from tests.vllm.conftest import prompt_tokens  # noqa: E402
-from tests.vllm.engine import engine_on  # noqa: E402
+from tests.vllm.engine import served_engine  # noqa: E402
 
 BLOCK_TOKENS = 128  # vLLM's CPU block, and raykv's page here
 MAX_TOKENS = 8
@@ -36,16 +32,8 @@ ENGINE = {"enable_prefix_caching": False,
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    disk_dir = tempfile.mkdtemp(prefix="raykv-vllm-", dir="/tmp")
-    ray.init(address="local", num_cpus=4, resources={"kv_node": 1}, include_dashboard=False,
-             logging_level="WARNING")
-    start(CacheConfig(page_tokens=BLOCK_TOKENS, device_bytes=0, host_bytes=64 << 20,
-                      disk_bytes=0, disk_dir=disk_dir, call_timeout_s=5.0))
-    yield engine_on(None, model_dir, engine_kwargs=ENGINE)
-    stop()
-    ray.shutdown()
-    remove_stale_shm(slot_shm_prefix(disk_dir))
-    shutil.rmtree(disk_dir, ignore_errors=True)
+    with served_engine(model_dir, BLOCK_TOKENS, ENGINE) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
