@@ -81,6 +81,7 @@ class NodeCacheActor:
         self._pending_flush: asyncio.Future | None = None
         self._pending_grow: asyncio.Future | None = None
         self._started: asyncio.Future | None = None
+        self._closing = False  # shutdown began: calls after the fact are misses (touch)
         self._last_beat_s = 0.0
         self.registry: Registry | None = None
         self.publisher = NodePublisher(Metrics(node_id))
@@ -343,9 +344,19 @@ class NodeCacheActor:
         gets made them (the requests this node served). `released`: leases the client is
         done with."""
         await self.ready()
+        if self._closing:
+            return 0
         for done in released:
             self.store.release(done)
-        return await self.store.touch(geometry, keys, num_reads)
+        try:
+            return await self.store.touch(geometry, keys, num_reads)
+        except Exception:
+            # A shutdown (a purge, a stop) closed the tiers under it: what it would have
+            # moved is gone anyway. Clients send touches without waiting for the answer, so
+            # an error here would only be Ray's "unhandled error" on their console.
+            if self._closing:
+                return 0
+            raise
 
     # ---- other nodes (the data plane) and clients without shared memory (Ray objects) ----
 
@@ -472,6 +483,7 @@ class NodeCacheActor:
     async def shutdown(self) -> None:
         """Stop serving pages, close every data-plane connection, release the shared-memory
         slabs. Disk slabs stay for the next start."""
+        self._closing = True
         self.loops.cancel_all()
         if self.server is not None:
             self.server.close()

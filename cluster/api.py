@@ -12,6 +12,7 @@ from actors.spawn import spawn_control_loop, spawn_controller, spawn_directory
 from cluster.core.config import CacheConfig
 from cluster.core.dataplane.auth import ClientSecrets
 from cluster.core.dataplane.connections import close_shared_pool
+from cluster.core.errors import ServiceNotRunning
 from cluster.core.geometry import PageGeometry
 from cluster.core.keys import KeyChain
 from cluster.core.membership import kv_nodes
@@ -232,7 +233,7 @@ def _raise_node_failures(failures: dict[str, str]) -> None:
 def running_config(ray_namespace: str = "raykv") -> CacheConfig:
     ref = DirectoryHandle.first_shard_config(ray_namespace)
     if ref is None:
-        raise RuntimeError("raykv is not running on this Ray cluster; call start() first")
+        raise ServiceNotRunning("raykv is not running on this Ray cluster; call start() first")
     return CacheConfig.model_validate_json(ray.get(ref, timeout=START_TIMEOUT_S))
 
 
@@ -288,7 +289,7 @@ def _unwrap(ref):
 def _controller(config: CacheConfig) -> ControllerHandle:
     controller = ControllerHandle.lookup(config)
     if controller is None:
-        raise RuntimeError("raykv's controller is not running; call start() first")
+        raise ServiceNotRunning("raykv's controller is not running; call start() first")
     return controller
 
 
@@ -338,7 +339,7 @@ def _home_node(config: CacheConfig) -> NodeHandle:
         remote = NodeHandle.lookup(node_id, config)
         if remote is not None:
             return remote
-    raise RuntimeError("no raykv node actor is running; call start() first")
+    raise ServiceNotRunning("no raykv node actor is running; call start() first")
 
 
 def stop(ray_namespace: str = "raykv") -> None:

@@ -119,6 +119,9 @@ def _wait_sync(refs: list, timeout_s: float) -> list:
 
 async def _wait_async(refs: list, timeout_s: float) -> list:
     async def one(ref):
-        return await asyncio.wait_for(ref, timeout_s)
+        try:
+            return await asyncio.wait_for(ref, timeout_s)
+        except asyncio.TimeoutError:  # asyncio's says nothing: name it as the sync path does
+            raise TimeoutError(f"no answer within {timeout_s} s") from None
 
     return list(await asyncio.gather(*(one(ref) for ref in refs), return_exceptions=True))

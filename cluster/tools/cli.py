@@ -11,7 +11,7 @@ import typer
 
 from cluster.tools.bench.harness import failed
 from cluster.tools.operator_cli import pin_command, unpin_command, warm_command
-from cluster.tools.ops_cli import start_command, status_command, stop_command
+from cluster.tools.ops_cli import service_errors, start_command, status_command, stop_command
 from cluster.tools.quota_cli import quota_app
 from cluster.tools.serve_cli import serve_command
 from cluster.tools.sizing_cli import size_command
@@ -27,12 +27,12 @@ app.add_typer(quota_app, name="quota")
 app.command("size", help="KV bytes per token and sequence, and how many sequences fit.")(
     size_command)
 app.command("serve")(serve_command)
-app.command("start")(start_command)
-app.command("stop")(stop_command)
-app.command("status")(status_command)
-app.command("pin")(pin_command)
-app.command("unpin")(unpin_command)
-app.command("warm")(warm_command)
+app.command("start")(service_errors(start_command))
+app.command("stop")(service_errors(stop_command))
+app.command("status")(service_errors(status_command))
+app.command("pin")(service_errors(pin_command))
+app.command("unpin")(service_errors(unpin_command))
+app.command("warm")(service_errors(warm_command))
 app.command("tax", help="The per-token latency tax of KV pages on disk, measured against "
                         "pages x (latency + bytes / bandwidth), without and with prefetch, with "
                         "fp8 and int8 pages.")(tax_command)

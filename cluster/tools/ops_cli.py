@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -13,6 +15,22 @@ from cluster.core.sizing import format_bytes, parse_bytes
 
 Address = Annotated[str | None, typer.Option(help="Ray cluster address ('auto': the one this "
                                                   "machine is part of; default RAY_ADDRESS)")]
+
+
+def service_errors(command: Callable) -> Callable:
+    """A command that prints why it could not reach Ray or raykv (the hint of what to do
+    included) and exits 1, rather than a traceback."""
+    from cluster.core.errors import ServiceNotRunning
+
+    @functools.wraps(command)
+    def wrapped(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except (ConnectionError, ServiceNotRunning) as error:
+            Console(stderr=True).print(f"[red]{error}[/]", highlight=False)
+            raise typer.Exit(1) from None
+
+    return wrapped
 
 
 def _attach(address: str | None) -> None:

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cluster.core.sizing import format_bytes, parse_bytes
+from cluster.tools.ops_cli import service_errors
 
 quota_app = typer.Typer(help="Register models and namespaces and set their quotas (min, max "
                              "and weight, per tier and node) on the running service; no "
@@ -43,6 +44,7 @@ def _connect(address: str | None) -> None:
 
 
 @quota_app.command("model")
+@service_errors
 def model_command(
     name: Annotated[str, typer.Argument(help="a model preset (see `raykv size --help`)")],
     min_bytes: Min = "0", max_bytes: Max = None, weight: Weight = 1.0,
@@ -60,6 +62,7 @@ def model_command(
 
 
 @quota_app.command("namespace")
+@service_errors
 def namespace_command(
     name: Annotated[str, typer.Argument(help="the namespace (a tenant)")],
     min_bytes: Min = "0", max_bytes: Max = None, weight: Weight = 1.0,
@@ -78,6 +81,7 @@ def namespace_command(
 
 
 @quota_app.command("show")
+@service_errors
 def show_command(address: Address = None, as_json: AsJson = False) -> None:
     """The registered models and namespaces with their quotas."""
     from cluster import quotas

@@ -128,6 +128,20 @@ def test_disk_pages_survive_node_actor_restart(service):
     assert client.lookup(prompt(5)) == 0  # it was in host memory
 
 
+def test_a_touch_after_the_node_shut_down_is_a_miss_not_an_error(service):
+    """Found by a probe: a purge closed the disk while a client's touch (sent without waiting
+    for its answer) read pages up from it; Ray printed the touch's AssertionError ("disk
+    arena is closed") as an unhandled error. Touches of disk pages after a shutdown now
+    answer 0."""
+    service(**SMALL)
+    client = connect(TINY)
+    fill(client, 6)  # prompts 0..3 on disk
+    geometry = PageGeometry.of(TINY, 16)
+    keys = client.chain.keys(prompt(0))
+    ray.get(client.local.actor.shutdown.remote())
+    assert ray.get(client.local.actor.touch.remote(geometry, keys)) == 0
+
+
 # ---- the node's held-pages index: a get of another client's pages with no call ---------------
 
 
