@@ -104,7 +104,7 @@ from cluster.serving.vllm_service import (
     UnsupportedConfig,
     spec_of,
 )
-from cluster.serving.vllm_stats import IN_STEP, LOADS, RaykvLoadStats
+from cluster.serving.vllm_stats import IN_STEP, LOADS, RaykvLoadStats, RaykvWorkerOff
 from cluster.serving.vllm_worker_side import RaykvMetadata, WorkerSide
 
 if TYPE_CHECKING:
@@ -139,6 +139,7 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
         self._unloaded: list[tuple[str, set[int]]] = []  # loads with no mover to run them
         self._loads_failed_in_step, self.skipped_saves = False, 0
+        self._worker_off: str | None = None
         self._link: ServiceLink | None = None
         self._lookups: Lookups | None = None
         self._gate: DecodeGate | None = None  # P/D decodes' waits, with the link
@@ -252,6 +253,10 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         return RaykvMetadata(loads, saves, before_s, after_s)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        note = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(note, RaykvWorkerOff) and not self.why_off:
+            self.why_off = f"a worker turned it off: {note.why_off}"
+            log.error("raykv connector off: %s", self.why_off)
         if self._planner is not None:
             self._planner.reported(set(connector_output.finished_recving or ()),
                                    set(connector_output.invalid_block_ids or ()))

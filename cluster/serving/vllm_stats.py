@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 LOADS = "loads"
@@ -63,3 +64,15 @@ class RaykvLoadStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not self.data[LOADS] and not self.data[IN_STEP]
+
+
+@dataclass
+class RaykvWorkerOff(KVConnectorWorkerMetadata):
+    """Worker -> scheduler side, once: this worker turned the connector off (its caches are
+    not what raykv's pages hold: why_off). The scheduler side then stops asking raykv, which
+    would only delay requests for hits no worker could load."""
+
+    why_off: str
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        return self  # any worker off turns the engine's connector off

@@ -25,6 +25,7 @@ from cluster.serving.vllm_layout import (
     spec_mismatch,
 )
 from cluster.serving.vllm_plan import LoadSpec, SaveSpec
+from cluster.serving.vllm_stats import RaykvWorkerOff
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -60,6 +61,7 @@ class WorkerSide:
     _unloaded: list[tuple[str, set[int]]]
     _loads_failed_in_step: bool  # a load in this step left blocks unfilled: no saves in it
     skipped_saves: int  # saves not made for that reason
+    _worker_off: str | None  # why this worker turned itself off, until the scheduler is told
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe this worker's caches by their strides (any KVCacheLayout member, CPU or
@@ -89,6 +91,7 @@ class WorkerSide:
         if why:
             log.error("raykv connector off for this worker: %s", why)
             self._layers, self._layout = [], None
+            self._worker_off = why  # told to the scheduler side (build_connector_worker_meta)
             return
         self._layers, self._layout = view, view.layout
         log.info("raykv connector: %d layers, %s %s, %d-token blocks, %s on %s",
@@ -162,6 +165,11 @@ class WorkerSide:
         for _, failed in done:
             self._failed_blocks |= failed
         return None, {request_id for request_id, _ in done} or None
+
+    def build_connector_worker_meta(self) -> RaykvWorkerOff | None:
+        """Once, after this worker turned itself off: why, for the scheduler side."""
+        why, self._worker_off = self._worker_off, None
+        return RaykvWorkerOff(why) if why else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -55,7 +55,7 @@ def vllm_config(cache_dtype="auto"):
     model = SimpleNamespace(dtype=torch.float32, served_model_name="m",
                             get_num_layers=lambda parallel: 2,
                             get_num_kv_heads=lambda parallel: 2,
-                            get_head_size=lambda: 8)
+                            get_head_size=lambda: 8, use_mla=False)
     transfer = SimpleNamespace(kv_connector_extra_config={"raykv.ray_address": "local"},
                                kv_load_failure_policy="fail")
     return SimpleNamespace(kv_transfer_config=transfer, model_config=model,
@@ -227,6 +227,36 @@ def test_what_raykv_cannot_key_turns_it_off_with_one_line(client, config,
         assert connector._layers == [] and connector._worker_mover() is None  # never writes
         connector.shutdown()
     assert client.salts == []  # raykv was never asked
+
+
+def test_a_worker_that_turns_itself_off_tells_the_scheduler_side_which_stops_asking(
+        client, monkeypatch):
+    """A worker whose caches raykv's pages do not fit (a drafter's extra layers, kernel
+    blocks smaller than vLLM's) turns itself off; its scheduler side went on looking every
+    request up, delaying each for hits no worker could load. Now it hears of it, once, on
+    vLLM's worker-to-scheduler path, and stops."""
+    import vllm.distributed.kv_transfer.kv_connector.utils as connector_utils
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    monkeypatch.setattr(connector_utils, "get_current_attn_backends",
+                        lambda config, names=None: [CPUAttentionBackend])
+    worker = RaykvConnector(vllm_config(), KVConnectorRole.WORKER, groups(FullAttentionSpec))
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, 4, 2, BLOCK, 8)
+              for i in range(3)}  # three layers: the model has two
+    worker.register_kv_caches(caches)
+    assert worker._layers == []
+    note = worker.build_connector_worker_meta()
+    assert note is not None and worker.build_connector_worker_meta() is None  # told once
+    connector = scheduler()
+    assert connector.why_off is None
+    connector.update_connector_output(SimpleNamespace(
+        finished_recving=None, invalid_block_ids=set(), kv_connector_stats=None,
+        kv_connector_worker_meta=note))
+    assert "a worker turned it off" in connector.why_off
+    assert connector.get_num_new_matched_tokens(request(), 0) == (0, False)
+    assert client.salts == []  # raykv was never asked
+    connector.shutdown()
+    worker.shutdown()
 
 
 def test_pages_that_are_not_whole_blocks_turn_it_off(client):
