@@ -30,6 +30,10 @@ def unsupported_groups(kv_cache_config: Any) -> str | None:
     kind = type(groups[0].kv_cache_spec)
     if kind not in (FullAttentionSpec, MLAAttentionSpec):
         return f"the model's KV cache is {kind.__name__}; raykv supports full attention"
+    if getattr(groups[0].kv_cache_spec, "non_causal", False):
+        # A prefix-LM's prefix attends both ways: its KV depends on the tokens after it, so
+        # no prefix's pages stand for another prompt's (vLLM turns its own prefix cache off)
+        return "the model attends non-causally (a prefix LM); raykv's pages need causal KV"
     return None
 
 

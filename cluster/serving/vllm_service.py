@@ -95,6 +95,11 @@ def spec_of(vllm_config, model_name: str | None) -> ModelSpec:
     are in the name, hence in every key's root). UnsupportedConfig for a cache dtype raykv has
     no page dtype for (fp8_e5m2, fp8_inc...)."""
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    for setting in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, setting, 1) or 1
+        if size > 1:  # a block's tokens are spread over the ranks, not whole on each
+            raise UnsupportedConfig(f"{setting}={size}: context parallelism spreads each "
+                                    f"block's tokens over ranks, which raykv's pages do not")
     name = model_name or _served_name(model.served_model_name)
     tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if tp_size > 1:  # vLLM's layout: rank = (dp x) pp x tp

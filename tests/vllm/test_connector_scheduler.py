@@ -211,10 +211,28 @@ def test_a_lookup_past_the_clients_timeout_is_a_miss(client):
     connector.shutdown()
 
 
+def non_causal_group():
+    """A prefix LM's one group: full attention, tagged non-causal (vLLM turns its own prefix
+    cache off for it)."""
+    spec = FullAttentionSpec.__new__(FullAttentionSpec)
+    object.__setattr__(spec, "non_causal", True)
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+
+
+def context_parallel(setting: str):
+    config = vllm_config()
+    setattr(config.parallel_config, setting, 2)
+    return config
+
+
 @pytest.mark.parametrize("config, kv_cache_config, why", [
     (vllm_config(), groups(FullAttentionSpec, SlidingWindowSpec), "2 KV-cache groups"),
     (vllm_config(), groups(SlidingWindowSpec), "SlidingWindowSpec"),
     (vllm_config("fp8_e5m2"), None, "fp8_e5m2"),
+    (vllm_config(), non_causal_group(), "non-causally"),
+    (context_parallel("decode_context_parallel_size"), None, "decode_context_parallel_size=2"),
+    (context_parallel("prefill_context_parallel_size"), None,
+     "prefill_context_parallel_size=2"),
 ])
 def test_what_raykv_cannot_key_turns_it_off_with_one_line(client, config,
                                                           kv_cache_config, why):
