@@ -172,29 +172,32 @@ def _headers(chunk: Chunk) -> dict:
 
 async def _completion_events(stream, head: Chunk, request_id: str, model: str,
                              include_usage: bool) -> AsyncIterator[dict]:
-    last = head
+    last, created = head, int(time.time())  # one `created` for every chunk of the stream
     async for chunk in stream:
         last = chunk
         if chunk.text or chunk.finish_reason:
             yield protocol.completion_body(request_id, model, chunk.text, chunk.finish_reason,
-                                           None)
+                                           None, created)
     if include_usage:
-        yield {**protocol.completion_body(request_id, model, "", None, _usage(last)),
+        yield {**protocol.completion_body(request_id, model, "", None, _usage(last), created),
                "choices": []}
 
 
 async def _chat_events(stream, head: Chunk, request_id: str, model: str,
                        include_usage: bool) -> AsyncIterator[dict]:
+    created = int(time.time())  # one for every chunk of the stream
     yield protocol.chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None,
-                              None)
+                              None, created)
     last = head
     async for chunk in stream:
         last = chunk
         if chunk.text or chunk.finish_reason:
             delta = {"content": chunk.text} if chunk.text else {}
-            yield protocol.chat_chunk(request_id, model, delta, chunk.finish_reason, None)
+            yield protocol.chat_chunk(request_id, model, delta, chunk.finish_reason, None,
+                                      created)
     if include_usage:
-        yield {**protocol.chat_chunk(request_id, model, {}, None, _usage(last)), "choices": []}
+        yield {**protocol.chat_chunk(request_id, model, {}, None, _usage(last), created),
+               "choices": []}
 
 
 async def _sse(events: AsyncIterator[dict], done: Callable[[], object]) -> AsyncIterator[str]:
@@ -246,8 +249,19 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.spec.name, "object": "model",
-                                            "created": 0, "owned_by": "raykv"}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model}")
+    async def model(self, model: str) -> dict:
+        """The model's card (the openai client's models.retrieve); 404 for another name."""
+        if model != self.spec.name:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                           f"`{self.spec.name}`.", "invalid_request_error", "model_not_found",
+                           "model")
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.spec.name, "object": "model", "created": 0, "owned_by": "raykv"}
 
     @app.get("/v1/raykv/admission")
     async def admission(self) -> dict:
@@ -304,7 +318,8 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, body: protocol.CompletionRequest, request: Request):
-        generation = await self._generation(body, body.text(), request)
+        generation = await self._generation(body, body.text(), request, body.token_ids(),
+                                            "prompt")
         return await self._admitted(generation, body, request, "completion")
 
     @app.post("/v1/chat/completions")
@@ -318,7 +333,7 @@ class Ingress:
         """Run a request once the gate lets it in; its slot is held until the answer (or the
         stream) ends. `kind` names its shapes in RESPONSES."""
         id_prefix, events, whole = RESPONSES[kind]
-        request_id = protocol.new_id(id_prefix)
+        request_id = generation.request_id = protocol.new_id(id_prefix)
         try:
             ticket = await self.gate.enter(generation.namespace, _priority(request))
         except ValueError as error:  # an unknown priority class
@@ -336,23 +351,34 @@ class Ingress:
         return JSONResponse(whole(request_id, body.model, text, last.finish_reason,
                                   _usage(last)), headers=_headers(last))
 
-    async def _generation(self, body, prompt: str, request: Request) -> GenerationRequest:
+    async def _generation(self, body, prompt: str, request: Request,
+                          token_ids: list[int] | None = None,
+                          prompt_param: str = "messages") -> GenerationRequest:
+        """The engine's request: the prompt's tokens (its text's, or `token_ids` as given),
+        sampling, namespace and page keys. 404 for another model, 400 for a prompt past the
+        context or with ids outside the vocabulary (`prompt_param` names the field)."""
         if body.model != self.spec.name:
             raise ApiError(404, f"The model `{body.model}` does not exist; this server "
                            f"serves `{self.spec.name}`.", "invalid_request_error",
                            "model_not_found", "model")
         namespace = _namespace(request)
         chain = await self._chain(namespace)
-        tokens = tokenizer.encode(prompt)
+        if token_ids is None:
+            tokens = tokenizer.encode(prompt)
+        elif any(not 0 <= token < tokenizer.NUM_TEXT_IDS for token in token_ids):
+            raise ApiError(400, f"prompt token ids must lie in [0, {tokenizer.NUM_TEXT_IDS})",
+                           "invalid_request_error", "invalid_token_ids", prompt_param)
+        else:
+            tokens, prompt = list(token_ids), tokenizer.decode(token_ids)
         params = body.sampling(self.default_max_tokens)
         if len(tokens) + params.max_tokens > self.max_context_tokens:
-            raise ApiError(413, f"This model's maximum context length is "
+            # 400, as OpenAI answers it (the openai client raises BadRequestError)
+            raise ApiError(400, f"This model's maximum context length is "
                            f"{self.max_context_tokens} tokens; the prompt has {len(tokens)} "
                            f"and max_tokens asks for {params.max_tokens}.",
-                           "invalid_request_error", "context_length_exceeded", "messages")
+                           "invalid_request_error", "context_length_exceeded", prompt_param)
         keys = chain.keys(tokens)
-        return GenerationRequest(prompt, tokens, params, namespace, b"".join(keys),
-                                 body.user or "")
+        return GenerationRequest(prompt, tokens, params, namespace, b"".join(keys))
 
     async def _chain(self, namespace: str) -> KeyChain:
         """The namespace's key chain, asked of the controller the first time; an unknown

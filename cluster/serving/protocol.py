@@ -7,17 +7,28 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.serving.sampling import MAX_STOP_STRINGS, SamplingParams
 
 MAX_TOKENS_LIMIT = 4096
 
 
+NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream")  # OpenAI allows null for these
+
+
 class _Request(BaseModel):
     # Unknown fields (logprobs, presence_penalty, ...) are accepted and ignored, as OpenAI
     # clients send some by default.
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """A JSON null (the openai client's None) stands for the field's default."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in NULL_MEANS_DEFAULT and v is None)}
+        return data
 
     model: str
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -46,17 +57,28 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str]
+    # Text, or token ids (OpenAI takes both, and a list of either: one prompt here).
+    prompt: str | list[str] | list[int] | list[list[int]]
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
-            raise ValueError("exactly one prompt per request is supported")
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError("exactly one prompt per request is supported")
+        elif isinstance(value, list) and not value:
+            raise ValueError("the prompt is empty")
         return value
 
+    def token_ids(self) -> list[int] | None:
+        """The prompt as token ids, when it came as ids (None: it is text)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, list) and isinstance(prompt[0], int) else None
+
     def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        return self.prompt if isinstance(self.prompt, str) else str(self.prompt[0])
 
 
 class ContentPart(BaseModel):
@@ -96,8 +118,8 @@ def new_id(prefix: str) -> str:
 
 
 def completion_body(request_id: str, model: str, text: str, finish: str | None,
-                    use: dict | None) -> dict:
-    body = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                    use: dict | None, created: int | None = None) -> dict:
+    body = {"id": request_id, "object": "text_completion", "created": created or int(time.time()),
             "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
     if use is not None:
@@ -117,8 +139,10 @@ def chat_body(request_id: str, model: str, text: str, finish: str | None,
 
 
 def chat_chunk(request_id: str, model: str, delta: dict, finish: str | None,
-               use: dict | None) -> dict:
-    body = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+               use: dict | None, created: int | None = None) -> dict:
+    """One chunk of a chat stream; `created`: the stream's (one value for all its chunks)."""
+    body = {"id": request_id, "object": "chat.completion.chunk",
+            "created": created or int(time.time()),
             "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None,
                          "finish_reason": finish}]}

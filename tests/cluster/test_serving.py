@@ -71,12 +71,31 @@ def test_chat_and_greedy_output_is_the_same_with_and_without_the_cache(client):
     assert repeat.choices[0].message.content == fresh.choices[0].message.content
 
 
+def test_what_the_openai_client_may_send_is_served(client):
+    """Found by a probe with the openai client: models.retrieve was a 404, explicit nulls
+    (the client's None) and a prompt of token ids were 400s."""
+    assert client.models.retrieve(MODEL).id == MODEL
+    nulls = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "nulls"}], max_tokens=4,
+        temperature=None, top_p=None, n=None, stream=None)
+    assert nulls.choices[0].finish_reason in ("stop", "length")
+    text = client.completions.create(model=MODEL, prompt="abc", max_tokens=4)
+    for prompt in ([97, 98, 99], [[97, 98, 99]]):  # "abc" as the byte-level model's ids
+        ids = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+        assert ids.choices[0].text == text.choices[0].text
+        assert ids.usage.prompt_tokens == text.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as outside:
+        client.completions.create(model=MODEL, prompt=[97, 10_000], max_tokens=4)
+    assert outside.value.body["code"] == "invalid_token_ids"
+
+
 def test_streaming_chat_in_openai_chunks(client):
     stream = chat(client, "stream please", max_tokens=8, stream=True,
                   stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.created for c in chunks}) == 1 and len({c.id for c in chunks}) == 1
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 8
     whole = chat(client, "stream please", max_tokens=8)
     assert text == whole.choices[0].message.content
@@ -89,10 +108,12 @@ def test_error_statuses_in_openai_shape(client, url):
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="gpt-17", prompt="x")
     assert missing.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.APIStatusError) as too_long:
+    with pytest.raises(openai.BadRequestError) as too_long:  # 400, as OpenAI answers it
         client.completions.create(model=MODEL, prompt="x" * 4000)
-    assert too_long.value.status_code == 413
     assert too_long.value.body["code"] == "context_length_exceeded"
+    assert too_long.value.body["param"] == "prompt"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
     for body in (b"{not json", b'{"model": "tiny-llama", "prompt": 3}',
                  b'{"model": "tiny-llama", "prompt": "x", "max_tokens": -1}',
                  b'{"model": "tiny-llama", "messages": []}'):

@@ -102,6 +102,17 @@ def test_requests_validate_like_openai():
         with pytest.raises(ValidationError):
             CompletionRequest(model="m", prompt="x", seed=seed)
     assert CompletionRequest(model="m", prompt="x", seed=-1).seed == -1
+    # The openai client's None is JSON null: the field's default, not a 400.
+    nulls = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                  temperature=None, top_p=None, n=None, stream=None)
+    assert (nulls.temperature, nulls.top_p, nulls.n, nulls.stream) == (0.0, 1.0, 1, False)
+    # A prompt of token ids, or a list of one (OpenAI takes both).
+    for prompt in ([1, 2, 3], [[1, 2, 3]]):
+        assert CompletionRequest(model="m", prompt=prompt).token_ids() == [1, 2, 3]
+    assert CompletionRequest(model="m", prompt="abc").token_ids() is None
+    for bad in ([], [[1], [2]], ["a", "b"], [1.5]):
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt=bad)
     assert CompletionRequest(model="m", prompt="x", seed=(1 << 63) - 1).sampling(4).seed
 
 
