@@ -131,7 +131,10 @@ PRIVATE_FILE_MODE = 0o600
 def make_private_dir(path: str) -> str:
     """Create `path` (and missing parents) as 0700; an existing one must be ours, and is
     tightened to 0700. Raises PermissionError for a directory another user owns."""
+    created = not os.path.isdir(path)
     os.makedirs(path, mode=PRIVATE_DIR_MODE, exist_ok=True)
+    if created:  # its entry in the parent, durable
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
     info = os.stat(path)
     if info.st_uid != os.getuid():
         raise PermissionError(f"{path} belongs to uid {info.st_uid}, not to this user "
@@ -150,10 +153,22 @@ def open_private(path: str, flags: int) -> int:
 
 
 def write_private_text(path: str, text: str) -> None:
-    """Write a small file atomically (temp file, fsync, rename), mode 0600."""
+    """Write a small file atomically (temp file, fsync, rename, fsync of its directory: the
+    rename itself is then durable too), mode 0600."""
     fd = open_private(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(path + ".tmp", path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory, so that the files created, renamed or removed in it survive a
+    power cut (POSIX does not promise it otherwise)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

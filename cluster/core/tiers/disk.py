@@ -42,7 +42,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from cluster.core.faults import DiskFaults
 from cluster.core.keys import KEY_BYTES as KEY_BYTES
@@ -52,6 +52,7 @@ from cluster.core.tiers.aligned import (
     aligned_empty,
     allocate_range,
     direct_reads_work,
+    fsync_dir,
     make_private_dir,
     open_private,
     punch_hole,
@@ -171,7 +172,9 @@ class DiskArena(DiskReads, DiskScan, DiskWrites, DiskRuns, SlabSlots):
     def _open_slabs(self) -> list[int]:
         if not _O_DIRECT:
             self._fall_back("this platform has no O_DIRECT")
-        return open_slabs(self.num_files, self._open_slab)
+        fds = open_slabs(self.num_files, self._open_slab)
+        fsync_dir(self.dir_path)  # the slab files' entries (and sizes), durable
+        return fds
 
     def _open_slab(self, index: int) -> int:
         path = slab_path(self.dir_path, index)
@@ -258,6 +261,9 @@ class DiskArena(DiskReads, DiskScan, DiskWrites, DiskRuns, SlabSlots):
         assert not self._closed, "disk arena is closed"
         errors = [error for error in self._run(self._zero_one, [(slot,) for slot in freed])
                   if error is not None]
+        if self._sync({self._locate(slot)[0] for slot in freed}):  # durable: a discarded
+            with self._lock:  # page stays gone through a power cut, before its slot is reused
+                self.num_syncs += 1
         self._count(written_bytes=HEADER_BYTES * (len(freed) - len(errors)))
         if errors:
             logger.warning("disk tier in %s: zeroing the headers of %d freed slots failed "
@@ -300,11 +306,16 @@ class DiskArena(DiskReads, DiskScan, DiskWrites, DiskRuns, SlabSlots):
             self.checksum_failures += checksum_failures
 
     def _run(self, func: Callable, args_list: list[tuple]) -> list:
-        """func(*args) for each args: inline for one, across the thread pool for more."""
+        """func(*args) for each args: inline for one, across the thread pool for more. Every
+        one has finished before this returns or raises (the first error): a batch whose
+        write failed frees its slots, which must not be handed out while a sibling's write
+        to one of them is still on its way (it would land on the next page there)."""
         assert not self._closed, "disk arena is closed"
         if len(args_list) <= 1:
             return [func(*args) for args in args_list]
-        return list(self._executor.map(lambda args: func(*args), args_list))
+        futures = [self._executor.submit(func, *args) for args in args_list]
+        wait(futures)
+        return [future.result() for future in futures]
 
     def close(self) -> None:
         """Zero the freed slots' headers, wait for in-flight I/O, fsync and close the slab

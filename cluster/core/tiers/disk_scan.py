@@ -54,6 +54,10 @@ class DiskScan:
         if refused:
             logger.warning("disk tier in %s: %d pages found but the disk budget has no room "
                            "for them; they are dropped", self.dir_path, len(refused))
+        if found:
+            # Durable mode: what a crash left in the page cache, written but never synced, is
+            # synced before these pages are reported on disk again.
+            self._sync(set(self._fds))
         return [page for page in found if page[0] not in refused]
 
     def _scan_range(self, start: int, stop: int
