@@ -15,6 +15,10 @@ MAX_TOKENS_LIMIT = 4096
 
 
 NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream")  # OpenAI allows null for these
+# Asked for, these change what the answer holds; this server has none of them (a null, a
+# false, an empty list or a 0 ask for nothing and pass).
+UNSUPPORTED = {"logprobs": bool, "top_logprobs": bool, "echo": bool, "tools": bool,
+               "suffix": bool, "best_of": lambda value: value not in (None, 1)}
 
 
 class _Request(BaseModel):
@@ -25,10 +29,15 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data):
-        """A JSON null (the openai client's None) stands for the field's default."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (k in NULL_MEANS_DEFAULT and v is None)}
-        return data
+        """A JSON null (the openai client's None) stands for the field's default; a feature
+        this server cannot give is refused by name rather than silently left out (a client
+        reading `.logprobs.content` would otherwise fail on a null)."""
+        if not isinstance(data, dict):
+            return data
+        for name, wanted in UNSUPPORTED.items():
+            if wanted(data.get(name)):
+                raise ValueError(f"{name} is not supported by this server")
+        return {k: v for k, v in data.items() if not (k in NULL_MEANS_DEFAULT and v is None)}
 
     model: str
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)

@@ -113,6 +113,15 @@ def test_requests_validate_like_openai():
     for bad in ([], [[1], [2]], ["a", "b"], [1.5]):
         with pytest.raises(ValidationError):
             CompletionRequest(model="m", prompt=bad)
+    # What this server cannot give is refused by name, not answered without it.
+    for field, value in (("logprobs", True), ("logprobs", 2), ("top_logprobs", 3),
+                         ("echo", True), ("suffix", "end"), ("best_of", 2),
+                         ("tools", [{"type": "function"}])):
+        with pytest.raises(ValidationError, match=f"{field} is not supported"):
+            CompletionRequest(model="m", prompt="x", **{field: value})
+    for field, value in (("logprobs", False), ("logprobs", None), ("tools", []),
+                         ("echo", False), ("best_of", 1), ("top_logprobs", 0)):
+        CompletionRequest(model="m", prompt="x", **{field: value})
     assert CompletionRequest(model="m", prompt="x", seed=(1 << 63) - 1).sampling(4).seed
 
 
