@@ -15,6 +15,7 @@ import requests
 from ray import serve
 
 from cluster import CacheConfig, start
+from cluster.serving import tokenizer
 from cluster.serving.app import build_app
 from cluster.tools.redis_server import free_port
 from tests.cluster.conftest import wait_until
@@ -80,7 +81,8 @@ def test_what_the_openai_client_may_send_is_served(client):
         temperature=None, top_p=None, n=None, stream=None)
     assert nulls.choices[0].finish_reason in ("stop", "length")
     text = client.completions.create(model=MODEL, prompt="abc", max_tokens=4)
-    for prompt in ([97, 98, 99], [[97, 98, 99]]):  # "abc" as the byte-level model's ids
+    abc = tokenizer.encode("abc")  # BOS, then the bytes: ids are taken as they are given
+    for prompt in (abc, [abc]):
         ids = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
         assert ids.choices[0].text == text.choices[0].text
         assert ids.usage.prompt_tokens == text.usage.prompt_tokens
