@@ -89,6 +89,23 @@ def test_chunked_slots_grow_in_chunks_within_the_budget():
     assert slots.claim_many([6, 7]) == [] and slots.num_used == 4
 
 
+def test_a_restart_that_cannot_ready_a_chunk_drops_its_slots_not_the_start():
+    """Re-indexing after a restart grants the chunks its pages sit in; a chunk whose memory
+    cannot be readied (ENOSPC from the disk tier's fallocate) refused its pages' claim by
+    raising, and the node never became ready. Now its slots are refused (misses), the budget
+    untouched, and the other chunks' slots are claimed."""
+    budget = TierBudget(4 * 4096)
+    slots = ChunkedSlots(8, 4096, Share(budget, "a", 2 * 4096))
+
+    def grant(chunk: int) -> None:
+        if chunk == 1:
+            raise OSError(28, "No space left on device")
+
+    slots.on_grant = grant
+    assert slots.claim_many([0, 2, 3, 4]) == [2, 3]
+    assert slots.num_used == 2 and budget.holders == {"a": 2 * 2 * 4096}
+
+
 def test_without_a_budget_every_slot_is_available():
     slots = ChunkedSlots(5, 4096)
     assert slots.num_free == 5 and [slots.alloc() for _ in range(6)][-1] is None

@@ -127,12 +127,14 @@ class ChunkedSlots:
 
     def claim_many(self, slots: list[int]) -> list[int]:
         """Mark specific slots used (re-indexing after a restart), taking their chunks from
-        the budget; returns the slots that could not be claimed (no budget left)."""
-        refused, claimed = [], set()
+        the budget; returns the slots that could not be claimed (no budget left, or their
+        chunk's memory could not be readied)."""
+        refused, claimed, failed = [], set(), set()
         for slot in sorted(slots):
             chunk = slot // self.slots_per_chunk
             assert 0 <= slot < self.num_slots and slot not in self._used, f"bad claim {slot}"
-            if chunk not in self._used_per_chunk and not self._hold(chunk):
+            if chunk not in self._used_per_chunk and (chunk in failed
+                                                      or not self._hold_or_fail(chunk, failed)):
                 refused.append(slot)
                 continue
             claimed.add(slot)
@@ -198,6 +200,16 @@ class ChunkedSlots:
         """Readying the chunk failed: give its bytes back."""
         self._arriving.remove(chunk)
         self.budget.give(self.holder, self.chunk_bytes)
+
+    def _hold_or_fail(self, chunk: int, failed: set[int]) -> bool:
+        """_hold, with a chunk whose memory cannot be readied (a full disk: ENOSPC from its
+        fallocate) noted in `failed` and refused, like one the budget has no room for: a
+        restart that cannot re-grant it drops its pages (misses), not the node's start."""
+        try:
+            return self._hold(chunk)
+        except OSError:
+            failed.add(chunk)
+            return False
 
     def _hold(self, chunk: int) -> bool:
         if not self.budget.take(self.holder, self.chunk_bytes):

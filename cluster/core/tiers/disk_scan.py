@@ -53,7 +53,8 @@ class DiskScan:
             refused = set(self._slots.claim_many([slot for slot, _ in found]))
         if refused:
             logger.warning("disk tier in %s: %d pages found but the disk budget has no room "
-                           "for them; they are dropped", self.dir_path, len(refused))
+                           "for them, or their space could not be allocated (a full disk); "
+                           "they are dropped", self.dir_path, len(refused))
         if found:
             # Durable mode: what a crash left in the page cache, written but never synced, is
             # synced before these pages are reported on disk again.
