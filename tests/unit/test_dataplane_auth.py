@@ -378,3 +378,28 @@ def test_no_key_shows_in_the_repr_of_what_a_client_holds():
         for secret in (PEER, SECRETS["tenant-a"], authority.key):
             assert repr(secret)[2:-1] not in shown and secret.hex() not in shown
     assert "tenant-a" in repr(authority)
+
+
+def test_an_unknown_namespace_is_asked_about_at_most_every_few_seconds(monkeypatch):
+    """Each request naming a namespace the controller does not know cost a blocking round
+    trip to it; now a refusal is remembered for UNKNOWN_RETRY_S (a namespace added since is
+    served after that), and the names remembered stay bounded."""
+    asked: list[str] = []
+
+    def secret_of(name: str) -> bytes | None:
+        asked.append(name)
+        return SECRETS.get(name)
+
+    clock = [100.0]
+    monkeypatch.setattr(auth, "_now_s", lambda: clock[0])
+    guard = Guard(PEER, NODE, secret_of)
+    for _ in range(5):
+        assert guard._request_key("nobody") is None
+    assert asked == ["nobody"]
+    clock[0] += auth.UNKNOWN_RETRY_S
+    assert guard._request_key("nobody") is None and asked == ["nobody", "nobody"]
+    assert guard._request_key("tenant-a") is not None
+    assert guard._request_key("tenant-a") is not None and asked.count("tenant-a") == 1
+    for index in range(auth.MAX_UNKNOWN + 10):
+        guard._request_key(f"x{index}")
+    assert len(guard._unknown) <= auth.MAX_UNKNOWN

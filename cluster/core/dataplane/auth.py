@@ -157,6 +157,14 @@ def _recv(sock: socket.socket, num_bytes: int, deadline_s: float | None = None) 
 # ---- the server's check of a request ---------------------------------------------------------
 
 
+UNKNOWN_RETRY_S = 5.0  # a namespace the controller did not know is asked about again after
+MAX_UNKNOWN = 1024  # refused names remembered at most
+
+
+def _now_s() -> float:
+    return time.monotonic()
+
+
 @dataclass(frozen=True, slots=True)
 class Claim:
     """A request's authority as received: kind, namespace, tag, and what the tag covers."""
@@ -178,7 +186,8 @@ def verify(claim: Claim, key: bytes | None) -> bool:
 class Guard:
     """A page server's side: the peer key connections must prove, and the check of each
     request's tag. `namespace_secret(name)` gives a namespace's secret (None for one not
-    registered); it is asked once per namespace (the node actor asks the controller)."""
+    registered); it is asked once per namespace (the node actor asks the controller), and
+    about a name it did not know at most every UNKNOWN_RETRY_S."""
 
     def __init__(self, peer: bytes, node: bytes,
                  namespace_secret: Callable[[str], bytes | None]):
@@ -186,6 +195,7 @@ class Guard:
         self._node_key = node
         self._namespace_secret = namespace_secret
         self._request_keys: dict[str, bytes] = {}
+        self._unknown: dict[str, float] = {}  # name -> when it was refused (monotonic s)
         self._lock = threading.Lock()
 
     def permits(self, claim: Claim | None) -> bool:
@@ -199,12 +209,20 @@ class Guard:
         return verify(claim, self._request_key(claim.namespace))
 
     def _request_key(self, namespace: str) -> bytes | None:
+        now_s = _now_s()
         with self._lock:
             key = self._request_keys.get(namespace)
+            refused_s = self._unknown.get(namespace)
         if key is not None:
             return key
+        if refused_s is not None and now_s - refused_s < UNKNOWN_RETRY_S:
+            return None  # asked lately: not a controller round trip per request
         secret = self._namespace_secret(namespace)
         if secret is None:
+            with self._lock:
+                if len(self._unknown) >= MAX_UNKNOWN:  # many names: forget them, stay bounded
+                    self._unknown.clear()
+                self._unknown[namespace] = now_s
             return None
         key = request_key(secret)
         with self._lock:
