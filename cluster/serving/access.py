@@ -174,6 +174,13 @@ def require_keys_for_bind(access: Access, bind_host: str | None) -> None:
                        f"call it. {KEYS_HOWTO}")
 
 
+# The refusal of a request without a known key: (status, message, kind, code).
+NO_KEY = (401, "Incorrect API key provided: pass 'Authorization: Bearer <key>'.",
+          "invalid_request_error", "invalid_api_key")
+# The vLLM app's default body limit (VllmAppArgs.max_request_bytes): long prompts, images.
+VLLM_MAX_REQUEST_BYTES = 32 << 20
+
+
 # One ingress per replica process: its settings, set when it starts (the middleware is built
 # by Starlette on the first request, not by the ingress).
 CURRENT: list[Access] = [Access()]
@@ -192,9 +199,7 @@ class AccessMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        # latin-1, as HTTP/1.1 allows any octet in a field value: a stray byte is no 500.
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", [])}
+        headers = scope_headers(scope)
         if route_path(scope).startswith(ADMIN_PREFIX):
             refusal = admin_refusal(self.access, headers.get("authorization"))
             if refusal is not None:
@@ -203,9 +208,7 @@ class AccessMiddleware:
         elif self.access.keyed:
             namespace = self.access.namespace_of(headers.get("authorization"))
             if namespace is None:
-                return await reply_error(send, 401, "Incorrect API key provided: pass "
-                                    "'Authorization: Bearer <key>'.", "invalid_request_error",
-                                    "invalid_api_key")
+                return await reply_error(send, *NO_KEY)
             scope.setdefault("state", {})[NAMESPACE_KEY] = namespace
         await pass_capped(self.app, scope, receive, send, self.access.max_request_bytes,
                           headers)
@@ -228,12 +231,12 @@ async def pass_capped(app, scope, receive, send, limit: int, headers: dict[str, 
     while more:
         message = await receive()
         if message["type"] != "http.request":
-            return await app(scope, _replay([message]), send)
+            return await app(scope, replay([message]), send)
         body += message.get("body", b"")
         more = message.get("more_body", False)
         if len(body) > limit:
             return await reply_too_large(send, limit)
-    await app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}],
+    await app(scope, replay([{"type": "http.request", "body": body, "more_body": False}],
                              receive), send)
 
 
@@ -246,12 +249,18 @@ def namespace_refusal(access: Access, namespace: str, authorization: str | None
         return None
     owner = access.namespace_of(authorization)
     if owner is None:
-        return (401, "Incorrect API key provided: pass 'Authorization: Bearer <key>'.",
-                "invalid_request_error", "invalid_api_key")
+        return NO_KEY
     if owner != namespace:
         return (403, f"this key is for namespace {owner!r}; this app serves {namespace!r}",
                 "permission_error", "namespace_forbidden")
     return None
+
+
+def scope_headers(scope) -> dict[str, str]:
+    """An ASGI request's headers, names lower-cased. latin-1, as HTTP/1.1 allows any octet
+    in a field value: a stray byte is no 500."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1")
+            for k, v in scope.get("headers", [])}
 
 
 def route_path(scope) -> str:
@@ -285,7 +294,9 @@ def admin_refusal(access: Access, authorization: str | None) -> tuple | None:
     return None
 
 
-def _replay(messages: list, then=None):
+def replay(messages: list, then=None):
+    """An ASGI receive that gives `messages`, then asks `then` (None: a disconnect)."""
+
     async def receive():
         if messages:
             return messages.pop(0)

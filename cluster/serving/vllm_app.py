@@ -28,7 +28,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.core.config import CacheConfig
-from cluster.serving.access import Access, api_keys_from_env, check_api_keys
+from cluster.serving.access import (
+    VLLM_MAX_REQUEST_BYTES,
+    Access,
+    api_keys_from_env,
+    check_api_keys,
+)
 from cluster.serving.vllm_service import RaykvSettings
 
 log = logging.getLogger("raykv.vllm")
@@ -76,7 +81,7 @@ class VllmAppArgs:
     accelerator: str = "cpu"
     kv_cache_gib: int = 1
     api_keys: dict = field(default_factory=api_keys_from_env)
-    max_request_bytes: int = 32 << 20
+    max_request_bytes: int = VLLM_MAX_REQUEST_BYTES
 
     def __post_init__(self):
         if self.accelerator not in ENGINE_DTYPES:

@@ -46,8 +46,11 @@ from typing import Any
 from cluster.serving.access import (
     Access,
     is_loopback,
+    replay,
+    reply_error,
     reply_too_large,
     require_keys_for_bind,
+    scope_headers,
 )
 from cluster.serving.access import namespace_refusal as refusal
 from cluster.serving.vllm_plan import FETCH_LIMIT_KEY, HIT_KEY
@@ -116,12 +119,11 @@ class DirectMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", [])}
+        headers = scope_headers(scope)
         if path not in OPEN_PATHS:
             refused = refusal(self.access, self.namespace, headers.get("authorization"))
             if refused is not None:
-                return await _reply(send, *refused)
+                return await reply_error(send, *refused)
         params = routed_params(headers) if scope.get("method") == "POST" \
             and path in ROUTED_PATHS else {}
         if not params:
@@ -130,7 +132,7 @@ class DirectMiddleware:
         while more:
             message = await receive()
             if message["type"] != "http.request":
-                return await self.app(scope, _replay([message], receive), send)
+                return await self.app(scope, replay([message], receive), send)
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.access.max_request_bytes:
@@ -141,8 +143,8 @@ class DirectMiddleware:
             scope = {**scope, "headers": [
                 (k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"
             ] + [(b"content-length", str(len(body)).encode())]}
-        await self.app(scope, _replay([{"type": "http.request", "body": body,
-                                         "more_body": False}], receive), send)
+        await self.app(scope, replay([{"type": "http.request", "body": body,
+                                        "more_body": False}], receive), send)
 
 
 def route_caller_allowed(client_host: str | None, node_hosts: Collection[str]) -> bool:
@@ -168,22 +170,6 @@ async def capped_body(request, limit_bytes: int) -> bytes | None:
         if len(body) > limit_bytes:
             return None
     return bytes(body)
-
-
-def _replay(messages: list, then):
-    async def receive():
-        return messages.pop(0) if messages else await then()
-
-    return receive
-
-
-async def _reply(send, status: int, message: str, kind: str, code: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": code}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def check_keys_for_replica(access: Access) -> None:

@@ -35,15 +35,16 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 from starlette.responses import JSONResponse, Response
 
+from cluster.serving import protocol
 from cluster.serving.access import (
+    VLLM_MAX_REQUEST_BYTES,
     Access,
     namespace_refusal,
     pass_capped,
     reply_error,
     require_keys_for_bind,
+    scope_headers,
 )
-
-MAX_REQUEST_BYTES = 32 << 20  # a body's default limit (VllmAppArgs'): long prompts, images
 
 
 class KeyFirstMiddleware:
@@ -56,8 +57,7 @@ class KeyFirstMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", [])}
+        headers = scope_headers(scope)
         refused = namespace_refusal(self.access, self.namespace, headers.get("authorization"))
         if refused is not None:
             return await reply_error(send, *refused)
@@ -72,7 +72,7 @@ class KeyedOpenAiIngress(OpenAiIngress):
 
     def __init__(self, llm_deployments: dict, model_cards: dict, *,
                  key_digests: dict[bytes, str] | None = None, namespace: str = "default",
-                 max_request_bytes: int = MAX_REQUEST_BYTES, **kwargs: Any):
+                 max_request_bytes: int = VLLM_MAX_REQUEST_BYTES, **kwargs: Any):
         from cluster.serving.ingress import serve_bind_host
 
         self._access = Access(dict(key_digests or {}), max_request_bytes)
@@ -97,8 +97,7 @@ class KeyedOpenAiIngress(OpenAiIngress):
         if refused is None:
             return None
         status, message, kind, code = refused
-        return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                       "code": code}}, status_code=status)
+        return JSONResponse(protocol.error_body(message, kind, code), status_code=status)
 
     async def models(self, request: Request) -> ModelList:
         return self._refused(request) or await super().models()
