@@ -36,7 +36,8 @@ class Registry:
         """Add a model, or change its quota (None keeps the one it has, or the default)."""
         if not isinstance(spec, ModelSpec):
             raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}")
-        known = self.models.get(spec.name) if self.is_registered(spec) else None
+        self.is_registered(spec)  # another geometry under this name: ValueError
+        known = self.models.get(spec.name)
         self.models[spec.name] = (spec, quota or (known[1] if known else Quota()))
         self.version += 1
 

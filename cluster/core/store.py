@@ -122,19 +122,23 @@ class NodeStore:
         has room at all): every put of that model would store nothing."""
         limits = self.config.limits
         capacities = {"device": limits.device_bytes, "host": limits.host_bytes,
-                      "disk": limits.disk_bytes - 4096}  # a disk slot has a 4 KiB header
-        if not any(capacities.values()) or any(
-                capacity >= geometry.slot_bytes for capacity in capacities.values()):
+                      "disk": limits.disk_bytes}
+        if not any(capacities.values()) or self._disk_holds(geometry) or any(
+                capacities[tier] >= geometry.slot_bytes for tier in ("device", "host")):
             return
-        held = ", ".join(f"{tier} {max(0, capacity):,}" for tier, capacity in capacities.items())
+        held = ", ".join(f"{tier} {capacity:,}" for tier, capacity in capacities.items())
         raise ValueError(f"a page of {geometry.name} is {geometry.slot_bytes:,} bytes, more "
                          f"than any tier of this node holds ({held} bytes): nothing of it "
                          f"could be stored; use fewer page_tokens or larger tiers")
 
+    def _disk_holds(self, geometry: PageGeometry) -> bool:
+        """Whether the disk tier holds a page of `geometry` (a slot and its 4 KiB header)."""
+        return self.config.limits.disk_bytes >= geometry.slot_bytes + 4096
+
     def _make_pool(self, geometry: PageGeometry) -> Pool:
         limits, holder = self.config.limits, geometry.name
         disk = None
-        if limits.disk_bytes >= geometry.slot_bytes + 4096:
+        if self._disk_holds(geometry):
             disk = self._open_disk(os.path.join(self.config.disk_dir, geometry.name), geometry)
         shares = (self.elastic.share(DEVICE, holder, geometry.slot_bytes),
                   self.elastic.share(HOST, holder, geometry.slot_bytes))

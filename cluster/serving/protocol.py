@@ -72,22 +72,22 @@ class CompletionRequest(_Request):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value):
+        """One prompt: text, ids, or a list of exactly one of them; never an empty one."""
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             if len(value) != 1:
                 raise ValueError("exactly one prompt per request is supported")
-        elif isinstance(value, list) and not value:
+            value = value[0]
+        if isinstance(value, list) and not value:
             raise ValueError("the prompt is empty")
         return value
 
     def token_ids(self) -> list[int] | None:
         """The prompt as token ids, when it came as ids (None: it is text)."""
-        prompt = self.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], list):
-            prompt = prompt[0]
-        return prompt if isinstance(prompt, list) and isinstance(prompt[0], int) else None
+        return self.prompt if isinstance(self.prompt, list) else None
 
     def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else str(self.prompt[0])
+        """The prompt as text ("" when it came as token ids)."""
+        return self.prompt if isinstance(self.prompt, str) else ""
 
 
 class ContentPart(BaseModel):

@@ -310,10 +310,10 @@ class StepPlanner:
         """Forget every request but those whose load is planned or under way (a cache reset:
         the rest are asked, keyed and saved afresh); how many were forgotten."""
         busy = set(self.loading) | {load.request_id for load in self.loads}
-        known = set(self.hits) | set(self.salts) | set(self.tracked) | set(self.filled)
-        for request_id in known - busy:
+        idle = (set(self.hits) | set(self.salts) | set(self.tracked) | set(self.filled)) - busy
+        for request_id in idle:
             self.finished(request_id)
-        return len(known - busy)
+        return len(idle)
 
     def finished(self, request_id: str) -> None:
         for table in (self.hits, self.salts, self.tracked, self.loading, self.filled):

@@ -110,7 +110,7 @@ def test_requests_validate_like_openai():
     for prompt in ([1, 2, 3], [[1, 2, 3]]):
         assert CompletionRequest(model="m", prompt=prompt).token_ids() == [1, 2, 3]
     assert CompletionRequest(model="m", prompt="abc").token_ids() is None
-    for bad in ([], [[1], [2]], ["a", "b"], [1.5]):
+    for bad in ([], [[]], [[1], [2]], ["a", "b"], [1.5]):
         with pytest.raises(ValidationError):
             CompletionRequest(model="m", prompt=bad)
     # What this server cannot give is refused by name, not answered without it.
