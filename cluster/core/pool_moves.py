@@ -22,6 +22,7 @@ from cluster.core.elastic import guarded_victims
 from cluster.core.geometry import DEVICE, DISK, HOST
 from cluster.core.keys import PageKey
 from cluster.core.pool_entry import Entry, State
+from cluster.core.tiers.chunks import NO_MEMORY
 from cluster.core.tiers.device_copy import tier_copies
 
 # After a disk write failed (a full or failing disk), for this long: no disk page is evicted to
@@ -61,6 +62,10 @@ class TierMoves:
             started_s = time.perf_counter()
             try:
                 await asyncio.to_thread(arena.ready_chunk, chunk)
+            except NO_MEMORY as error:  # none to give: the put finds no room here
+                arena.slots.drop_ahead(chunk)
+                arena.slots.note_grant_failure(chunk, error)
+                return
             except BaseException:
                 arena.slots.drop_ahead(chunk)
                 raise

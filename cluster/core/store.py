@@ -38,6 +38,7 @@ from cluster.core.put_leases import LeaseReply, LeaseRequest, PutLeases
 from cluster.core.store_files import read_pool_file, write_pool_file
 from cluster.core.store_stats import memory_by_model, store_stats
 from cluster.core.tiers.aligned import make_private_dir
+from cluster.core.tiers.chunks import NO_MEMORY
 from cluster.core.tiers.disk import DiskArena
 from cluster.core.tiers.memory import ArenaDescriptor, remove_stale_shm
 from policies.quota import Quota
@@ -246,6 +247,10 @@ class NodeStore:
                     try:
                         await asyncio.get_running_loop().run_in_executor(
                             _ready_thread(), arena.ready_chunk, chunk)
+                    except NO_MEMORY as error:  # none to give: this tier grows no further
+                        arena.slots.drop_ahead(chunk)
+                        arena.slots.note_grant_failure(chunk, error)
+                        break
                     except BaseException:
                         arena.slots.drop_ahead(chunk)
                         raise

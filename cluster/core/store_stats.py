@@ -38,6 +38,8 @@ def store_stats(store) -> dict:
             "checksum_queued_pages": sum(p.num_unsummed for p in store.pools.values()),
             # memory faulted in while a put (or a read-up) waited, not ahead of it
             "ready_on_path_chunks": sum(a.ready_on_path_chunks for a in arenas),
+            # chunks whose memory the machine could not give (taken as no room: chunks.py)
+            "chunk_grant_failures": sum(a.slots.grant_failures for a in [*arenas, *disks]),
             "ready_on_path_s": sum(a.ready_on_path_s for a in arenas),
             "disk_bytes_read": sum(d.bytes_read for d in disks),
             "disk_bytes_written": sum(d.bytes_written for d in disks),

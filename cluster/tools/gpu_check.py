@@ -211,6 +211,7 @@ def check_chunks_ipc(report: Report, device: str) -> None:
         slots = [arena.alloc() for _ in range(arena.num_slots)]
         for slot in slots:
             arena.view(slot).fill_(slot + 1)
+        _sync_all(arena, slots)  # the fills are queued on a stream: done before the peer reads
         layout = arena.descriptor().device_layout
         short = layout.chunks[-1]
         sizes_ok = (short.nbytes == SLOT_BYTES
@@ -257,6 +258,7 @@ def check_regrant_remap(report: Report, device: str) -> None:
     try:
         slot = arena.alloc()
         arena.view(slot).fill_(1)
+        _sync(arena.view(slot))
         before = peer.ask("map", arena.descriptor())
         if device == "cpu":  # (a view kept past cudaFree would be undefined on a GPU)
             peer.ask("keep", slot)
@@ -265,6 +267,7 @@ def check_regrant_remap(report: Report, device: str) -> None:
         arena.slots.release_empty()
         again = arena.alloc()
         arena.view(again).fill_(2)
+        _sync(arena.view(again))
         after = peer.ask("map", arena.descriptor())
         read = peer.ask("read", again)
         peer.ask("write", again, 3)
@@ -391,6 +394,13 @@ def check_vram_budget(report: Report) -> None:
 def _sync(tensor: torch.Tensor) -> None:
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
+
+
+def _sync_all(arena: MappedArena, slots: list[int]) -> None:
+    """Wait for the work queued on every GPU the slots lie on."""
+    for device in {arena.view(slot).device for slot in slots}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 CUDA_CHECKS = ("vram_budget", "chunks_ipc[cuda]", "regrant_remap[cuda]", "stream_copies",

@@ -106,6 +106,28 @@ def test_a_restart_that_cannot_ready_a_chunk_drops_its_slots_not_the_start():
     assert slots.num_used == 2 and budget.holders == {"a": 2 * 2 * 4096}
 
 
+@pytest.mark.parametrize("error", [RuntimeError("cudaErrorMemoryAllocation: out of memory"),
+                                   OSError(12, "Cannot allocate memory"), MemoryError()])
+def test_a_chunk_whose_memory_cannot_be_had_is_no_room_not_an_error(error):
+    """Readying a chunk's memory can fail after start-up (a GPU an engine filled, a full
+    /dev/shm): alloc raised, and the put or promotion that asked failed. Now the chunk is no
+    room (None), its budget given back and the failure counted; once the memory is there
+    again, the chunk is granted."""
+    budget = TierBudget(2 * 4096)
+    slots = ChunkedSlots(4, 4096, Share(budget, "a", 2 * 4096))
+    failing = [True]
+
+    def grant(chunk: int) -> None:
+        if failing[0]:
+            raise error
+
+    slots.on_grant = grant
+    assert slots.alloc() is None and slots.alloc() is None
+    assert budget.used_bytes == 0 and slots.grant_failures == 2
+    failing[0] = False
+    assert slots.alloc() == 0 and budget.used_bytes == 2 * 4096
+
+
 def test_without_a_budget_every_slot_is_available():
     slots = ChunkedSlots(5, 4096)
     assert slots.num_free == 5 and [slots.alloc() for _ in range(6)][-1] is None

@@ -80,6 +80,7 @@ def test_stats_figures(stores):
         "ready_on_path_chunks": sum(arena.slots.num_held_chunks
                                     for arena in store.pools[G].memory),
         "ready_on_path_s": stats["ready_on_path_s"],
+        "chunk_grant_failures": 0,  # every chunk's memory was there to be had
         "evictions": {"device": 3, "host": 1, "disk": 0}, "disk_read_us_per_token": 0.0,
         "disk_read_s": 0.0,  # no page read up from disk yet
         "pins": {"pins": 0, "pinned_pages": 0, "pinned_bytes": 0, "expired_pins": 0,
@@ -279,3 +280,29 @@ def test_a_put_that_needs_a_new_chunk_faults_it_in_off_the_event_loop(stores, mo
     stats = store.stats()
     assert stats["ready_on_path_chunks"] == len(threads) and stats["ready_on_path_s"] >= 0.05
     assert read_pages(store, [key(0)])[0].tobytes() == as_raw(0).tobytes()
+
+
+def test_device_memory_the_gpu_cannot_give_is_no_room_and_puts_land_in_host(stores, monkeypatch):
+    """A VRAM chunk is allocated when a pool first needs it, long after the start-up budget
+    check; by then an engine may have taken the memory. cudaMalloc's error (a RuntimeError
+    from cupy) went up through the put's reserve, and the put stored nothing. Now such a
+    chunk is no room: the pages go to host memory, readying ahead stops short, and the
+    failures are counted."""
+    from cluster.core.tiers.memory import MappedArena
+
+    store = stores.make()
+    ready = MappedArena.ready_chunk
+
+    def ready_chunk(arena, chunk):
+        if arena.tier == "device":
+            raise RuntimeError("cudaErrorMemoryAllocation: out of memory")
+        ready(arena, chunk)
+
+    monkeypatch.setattr(MappedArena, "ready_chunk", ready_chunk)
+    run(store_put_each(store, range(3)))  # each put stores its page
+    assert run(store.grow_ahead(G)) >= 0  # readying ahead stops short of the device tier
+    stats = store.stats()
+    assert stats["pages"]["device"] == 0 and stats["pages"]["host"] + stats["pages"]["disk"] == 3
+    assert stats["chunk_grant_failures"] >= 2  # on a put's path and ahead of need
+    assert store.pools[G].memory[DEVICE].slots.budget.used_bytes == 0  # all given back
+    assert len(read_pages(store, [key(i) for i in range(3)])) >= 1

@@ -17,8 +17,19 @@ punched). Without a budget the slots behave as a plain free list over all of the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+
+log = logging.getLogger("raykv.tiers")
+
+# What readying a chunk's memory raises when the machine has none to give: OSError (ENOSPC
+# from a disk's fallocate, ENOMEM or ENOSPC from a shared-memory file), RuntimeError (a CUDA
+# allocation error: cupy's CUDARuntimeError, after the start-up VRAM check, when an engine or
+# another process took the memory since), MemoryError. Such a chunk is refused like one the
+# budget has no room for: the caller's put goes to another tier or stores nothing, a claim
+# after a restart drops its pages; neither fails.
+NO_MEMORY = (OSError, RuntimeError, MemoryError)
 
 
 class TierBudget:
@@ -107,6 +118,7 @@ class ChunkedSlots:
         self._used_per_chunk: dict[int, int] = {}  # held chunk -> used slots
         self._used: set[int] = set()
         self._arriving: set[int] = set()  # taken from the budget, memory being readied
+        self.grant_failures = 0  # chunks whose memory could not be readied (NO_MEMORY)
 
     # ---- slots -----------------------------------------------------------------------------
 
@@ -133,8 +145,8 @@ class ChunkedSlots:
         for slot in sorted(slots):
             chunk = slot // self.slots_per_chunk
             assert 0 <= slot < self.num_slots and slot not in self._used, f"bad claim {slot}"
-            if chunk not in self._used_per_chunk and (chunk in failed
-                                                      or not self._hold_or_fail(chunk, failed)):
+            if chunk not in self._used_per_chunk and (chunk in failed or not self._hold(chunk)):
+                failed.add(chunk)  # (the budget does not change within this loop)
                 refused.append(slot)
                 continue
             claimed.add(slot)
@@ -201,21 +213,15 @@ class ChunkedSlots:
         self._arriving.remove(chunk)
         self.budget.give(self.holder, self.chunk_bytes)
 
-    def _hold_or_fail(self, chunk: int, failed: set[int]) -> bool:
-        """_hold, with a chunk whose memory cannot be readied (a full disk: ENOSPC from its
-        fallocate) noted in `failed` and refused, like one the budget has no room for: a
-        restart that cannot re-grant it drops its pages (misses), not the node's start."""
-        try:
-            return self._hold(chunk)
-        except OSError:
-            failed.add(chunk)
-            return False
-
     def _hold(self, chunk: int) -> bool:
         if not self.budget.take(self.holder, self.chunk_bytes):
             return False
         try:
             self.on_grant(chunk)
+        except NO_MEMORY as error:
+            self.budget.give(self.holder, self.chunk_bytes)
+            self.note_grant_failure(chunk, error)
+            return False
         except BaseException:
             self.budget.give(self.holder, self.chunk_bytes)
             raise
@@ -224,6 +230,13 @@ class ChunkedSlots:
         stop = min(start + self.slots_per_chunk, self.num_slots)
         self._free.extend(range(stop - 1, start - 1, -1))  # the chunk's first slot goes first
         return True
+
+    def note_grant_failure(self, chunk: int, error: BaseException) -> None:
+        """Count a chunk whose memory could not be readied (logged once, then counted)."""
+        self.grant_failures += 1
+        (log.warning if self.grant_failures == 1 else log.debug)(
+            "a chunk's memory could not be readied (chunk %d; %d so far), taken as no room: "
+            "%s", chunk, self.grant_failures, error)
 
     def release(self, chunk: int) -> None:
         """Give back a held chunk whose slots are all free."""

@@ -294,7 +294,8 @@ class DeviceMaps:
                 return torch.frombuffer(map_file(handle.shm_path, populate=False),
                                         dtype=torch.uint8)
             return self._open_ipc(handle)
-        except (OSError, RuntimeError) as error:  # released meanwhile, or no such GPU here
+        except (OSError, RuntimeError, ValueError) as error:  # released meanwhile, no such
+            # GPU here, or a GPU whose UUID this process cannot read whole (gpus.format_uuid)
             log.warning("device chunk %d (grant %d) not mapped, its pages miss: %s",
                         handle.chunk, handle.grant, error)
             return None

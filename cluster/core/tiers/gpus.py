@@ -60,31 +60,38 @@ def local_index(uuid: str, visible: list[str]) -> int | None:
 
 
 def format_uuid(raw: bytes) -> str:
-    """16 UUID bytes as nvidia-smi and CUDA_VISIBLE_DEVICES write them: GPU-8-4-4-4-12."""
+    """16 UUID bytes as nvidia-smi and CUDA_VISIBLE_DEVICES write them: GPU-8-4-4-4-12.
+
+    Raises ValueError for any other length: cupy's getDeviceProperties hands the UUID over
+    as a C string (Cython stops at the first zero byte), so about one GPU in 16 comes back
+    short from it, and a short UUID must never name a GPU."""
     text = bytes(raw).hex()
-    assert len(text) == 32, f"a GPU UUID is 16 bytes, got {len(raw)}"
+    if len(text) != 32:
+        raise ValueError(f"a GPU UUID is 16 bytes, got {len(bytes(raw))}")
     return f"GPU-{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def local_gpu_uuids() -> list[str]:
-    """The UUIDs of the GPUs this process sees, in its index order ([] without CUDA). Asks
-    the CUDA runtime (through cupy, else torch): the process's own view, whatever its
-    CUDA_VISIBLE_DEVICES says."""
+    """The UUIDs of the GPUs this process sees, in its index order ([] without CUDA): the
+    process's own view, whatever its CUDA_VISIBLE_DEVICES says.
+
+    Asks torch first: its UUID is formatted from all 16 bytes. cupy's (the fallback, for a
+    torch without CUDA) is cut at a zero byte, and such a GPU raises ValueError from
+    format_uuid rather than being named wrong."""
+    import torch
+
+    if torch.cuda.is_available():
+        return [_torch_uuid(i) for i in range(torch.cuda.device_count())]
     try:
         import cupy
 
         runtime = cupy.cuda.runtime
-        return [format_uuid(runtime.getDeviceProperties(i)["uuid"])
-                for i in range(runtime.getDeviceCount())]
-    except (ImportError, KeyError):  # no cupy, or one too old to report UUIDs: ask torch
-        pass
+        raw = [runtime.getDeviceProperties(i)["uuid"] for i in range(runtime.getDeviceCount())]
+    except (ImportError, KeyError):  # no cupy, or one too old to report UUIDs
+        return []
     except RuntimeError:  # no driver, or no device visible
         return []
-    import torch
-
-    if not torch.cuda.is_available():
-        return []
-    return [_torch_uuid(i) for i in range(torch.cuda.device_count())]
+    return [format_uuid(one) for one in raw]
 
 
 def _torch_uuid(index: int) -> str:
