@@ -23,7 +23,7 @@ from cluster.core.directory_index import APPLIED, DirectoryIndex
 from cluster.core.events import EventBatch
 from cluster.core.keys import KEY_BYTES
 from cluster.core.loops import BackgroundLoops
-from cluster.core.persist import RedisMirror
+from cluster.core.persist import RedisMirror, directory_key_prefix
 from policies.snapshot import PrefixLoad
 
 log = logging.getLogger("raykv.directory")
@@ -42,7 +42,8 @@ class DirectoryShard:
         self.demand = PrefixDemand()
         self.mirror: RedisMirror | None = None
         if self.config.redis_url:
-            prefix = f"raykv:{self.config.ray_namespace}:dir{shard}"
+            prefix = directory_key_prefix(self.config.ray_namespace,
+                                          self.config.redis_key_space, shard)
             self.mirror = RedisMirror(self.config.redis_url, prefix)
         self.loops = BackgroundLoops()
         self._started: asyncio.Future | None = None

@@ -46,6 +46,13 @@ class CacheConfig(BaseModel):
     redis_url: str | None = Field(default_factory=lambda: os.environ.get("RAYKV_REDIS_URL")
                                   or None, description="write-behind of the directory "
                                   "(default: RAYKV_REDIS_URL)")
+    redis_key_space: str = Field(
+        default_factory=lambda: os.environ.get("RAY_external_storage_namespace", ""),
+        description="the directory's keys in Redis are raykv:<ray_namespace>[:<this>]:dir<N>. "
+        "Default: RAY_external_storage_namespace, which KubeRay sets on a head with GCS fault "
+        "tolerance, one per RayCluster: two clusters on one Redis (a RayService's old and new "
+        "cluster during an upgrade) keep apart, and a head restarted in the same cluster "
+        "finds its own")
     node_resource: str = "kv_node"
     pin_lease_s: float = Field(30.0, gt=0, description="a read lease's life (pins of a get)")
     reserve_lease_s: float = Field(30.0, gt=0, description="a put's reservation life: a client "

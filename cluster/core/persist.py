@@ -32,6 +32,13 @@ class Pending:
         return bool(self.changes or self.nodes or self.resets)
 
 
+def directory_key_prefix(ray_namespace: str, key_space: str, shard: int) -> str:
+    """The Redis key prefix of one directory shard: raykv:<ray namespace>[:<key space>]:dir<N>
+    (no key space: the keys raykv always used)."""
+    space = f":{key_space}" if key_space else ""
+    return f"raykv:{ray_namespace}{space}:dir{shard}"
+
+
 class RedisMirror:
     """Mirrors a DirectoryIndex into Redis, write-behind."""
 

@@ -26,11 +26,11 @@ def redis_server():
         yield server
 
 
-def config(disk_root: str, redis_url: str | None) -> CacheConfig:
+def config(disk_root: str, redis_url: str | None, key_space: str = "") -> CacheConfig:
     # No control loop: the Redis checks compare the mirror with a directory at rest.
     return CacheConfig(page_tokens=16, device_bytes=0, host_bytes=256 * 8192,
                        disk_bytes=1 << 20, disk_dir=disk_root, num_directory_shards=SHARDS,
-                       redis_url=redis_url, rebalance=False)
+                       redis_url=redis_url, rebalance=False, redis_key_space=key_space)
 
 
 def prompt(index: int) -> list[int]:
@@ -147,6 +147,26 @@ def test_redis_outage_keeps_serving_and_catches_up(ray_cluster, redis_server, re
 def _redis_locations(url: str) -> int:
     client = redis.Redis.from_url(url)
     return sum(client.hlen(name) for name in client.scan_iter(match="raykv:*:n:*"))
+
+
+def test_another_cluster_on_the_same_redis_recovers_none_of_its_directory(
+        ray_cluster, disk_root, redis_server, replicas):
+    """Two clusters on one Redis (a RayService's old and new RayCluster during an upgrade,
+    each with its own RAY_external_storage_namespace from KubeRay) shared the directory's
+    keys: the new one recovered the old one's locations, on nodes it does not have. Each
+    cluster's keys now carry its key space."""
+    assert _redis_locations(redis_server.url) > 0  # the earlier tests' cluster's
+    stop()
+    start(config(disk_root + "/space-b", redis_server.url, key_space="cluster-b"))
+    replicas.clear()
+    assert sum(s["recovered"]["locations"] for s in shard_stats()) == 0
+    ra = replica("a", replicas)
+    assert ray.get(ra.put.remote(prompt(200), kv_for(TINY, 64, 200))) == 64
+    wait_until_located(ra, [200])
+    assert all(ray.get(directory().flush_redis()))
+    client = redis.Redis.from_url(redis_server.url)
+    assert sum(client.hlen(name) for name in
+               client.scan_iter(match="raykv:raykv:cluster-b:dir*:n:*")) == 4
 
 
 def test_directory_rebuilds_from_inventories_without_redis(ray_cluster, disk_root, replicas):
