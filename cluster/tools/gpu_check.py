@@ -39,6 +39,7 @@ import torch
 from cluster.core.tiers.chunks import Share, TierBudget
 from cluster.core.tiers.device_copy import TierCopies
 from cluster.core.tiers.gpus import (
+    VISIBLE,
     describe_budget,
     local_gpu_uuids,
     measure_gpus,
@@ -195,6 +196,9 @@ def peer_visibility(device: str, gpu: int = 0) -> tuple[str | None, list[str]]:
     if device != "cuda":
         return None, []
     mine = local_gpu_uuids()
+    inherited = os.environ.get(VISIBLE, "")
+    if "MIG-" in inherited:  # a MIG instance has no GPU- name to narrow to: the peer is given
+        return inherited, mine  # this process's own view
     narrowed = mine[gpu][:12]  # a unique UUID prefix, as CUDA_VISIBLE_DEVICES allows
     return narrowed, visible_gpus(narrowed, list(enumerate(mine)))
 

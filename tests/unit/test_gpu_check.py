@@ -89,3 +89,16 @@ def test_the_connector_layouts_check_runs_the_selfcheck_or_says_why_not(capsys):
             "SKIP connector layouts: cluster.core.kv_layout_check not present\n"
         return
     assert report.checks and set(report.checks.values()) == {"PASS"}, capsys.readouterr().out
+
+
+def test_on_a_mig_instance_the_peer_is_given_this_process_view(monkeypatch):
+    """CUDA_VISIBLE_DEVICES names a MIG instance MIG-...: no GPU- UUID prefix selects it, so
+    narrowing the peer by one would leave it no GPU and fail the IPC checks for nothing."""
+    import cluster.tools.gpu_check as gpu_check
+
+    mig = "MIG-4b1e7a2c-0000-5000-8000-00000000000a"
+    monkeypatch.setattr(gpu_check, "local_gpu_uuids", lambda: ["GPU-4b1e7a2c-0000-5000"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mig)
+    assert gpu_check.peer_visibility("cuda", -1) == (mig, ["GPU-4b1e7a2c-0000-5000"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert gpu_check.peer_visibility("cuda", -1) == ("GPU-4b1e7a2c", ["GPU-4b1e7a2c-0000-5000"])
