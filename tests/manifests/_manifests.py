@@ -8,7 +8,6 @@ naming it, until it lands; once it exists the check runs. Empty PENDING once all
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from pathlib import Path
@@ -66,6 +65,12 @@ def cluster_specs() -> list[tuple[str, dict]]:
     return specs
 
 
+def group_specs(spec: dict) -> list[tuple[str, dict]]:
+    """(group name, group spec): the headGroupSpec, then each of workerGroupSpecs."""
+    return [("head", spec["headGroupSpec"])] + [
+        (group["groupName"], group) for group in spec.get("workerGroupSpecs", [])]
+
+
 def pod_groups(spec: dict) -> list[tuple[str, dict, dict]]:
     """(group name, rayStartParams, pod spec): the head group, then each worker group."""
     head = spec["headGroupSpec"]
@@ -84,12 +89,34 @@ def has_gpu(pod_spec: dict) -> bool:
                for c in pod_spec["containers"])
 
 
-def ray_resources(params: dict) -> dict:
-    """The custom resources of rayStartParams["resources"] (KubeRay's '"{\\"x\\": 1}"' form)."""
-    raw = params.get("resources")
-    if raw is None:
-        return {}
-    return json.loads(raw.strip().strip('"').replace('\\"', '"'))
+_KUBERAY_STANDARD = re.compile(r"^(cpu|memory|.*gpu.*)$", flags=re.I)  # not custom resources
+
+
+def ray_resources(group: dict) -> dict[str, float]:
+    """The custom Ray resources a group's pods offer, read as KubeRay (>= 1.5.1,
+    updateRayStartParamsResources) reads the group's `resources` field to build `ray start
+    --resources='{...}'`: cpu, memory and GPU keys aside, each quantity a number."""
+    return {name: float(quantity) for name, quantity in group.get("resources", {}).items()
+            if not _KUBERAY_STANDARD.match(name)}
+
+
+def containers(doc: dict) -> list[tuple[str, dict]]:
+    """(where, container) for every container and init container in a Kubernetes object."""
+    found = []
+
+    def walk(node, path):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("containers", "initContainers") and isinstance(value, list):
+                    found.extend((f"{path}.{key}:{c.get('name')}", c) for c in value)
+                else:
+                    walk(value, f"{path}.{key}")
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                walk(value, f"{path}[{index}]")
+
+    walk(doc, doc["metadata"]["name"])
+    return found
 
 
 def env_of(container: dict) -> dict[str, dict]:
@@ -124,6 +151,15 @@ def serve_configs() -> list[tuple[str, dict]]:
 
 def ray_up() -> dict:
     return yaml.safe_load(RAY_UP.read_text())
+
+
+def venv_names() -> set[str]:
+    """The local virtualenvs a build or a sync must leave out: the ones the Makefile makes
+    (.venv, .venv-vllm: 4.5 GB, .venv-lmcache), any .venv* here, and a future .venv-*."""
+    names = set(re.findall(r"^\w+\s*:?=\s*(\.venv[\w.-]*)\s*$", (ROOT / "Makefile").read_text(),
+                           flags=re.M))
+    names |= {path.name for path in ROOT.glob(".venv*") if path.is_dir()}
+    return names | {".venv", ".venv-vllm", ".venv-next"}
 
 
 # ---- command lines ----------------------------------------------------------------------------
@@ -183,6 +219,71 @@ def invocations(shell: str, program: str) -> list[list[str]]:
         for word in words:
             if " " in word:
                 found += invocations(word, program)
+    return found
+
+
+README = MANIFESTS / "README.md"
+
+
+def readme_sections() -> dict[str, str]:
+    """manifests/README.md's `## ` sections: heading (without the hashes) -> its text."""
+    parts = re.split(r"^## (.+)$", README.read_text(), flags=re.M)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def readme_section(prefix: str) -> str:
+    (text,) = [text for heading, text in readme_sections().items() if heading.startswith(prefix)]
+    return text
+
+
+def code_blocks(markdown: str) -> list[str]:
+    """The shell code blocks of a piece of markdown, their `\\`-continued lines joined."""
+    blocks = re.findall(r"^ *```(?:bash|sh|shell)\n(.*?)^ *```", markdown, flags=re.S | re.M)
+    return [re.sub(r"\\\n\s*", " ", block) for block in blocks]
+
+
+def substitutions(shell: str) -> tuple[str, list[str]]:
+    """shell with each outermost `$(...)` replaced by a placeholder, and the contents of every
+    `$(...)` (nested ones too), each likewise flattened."""
+    flat, found, depth, start = [], [], 0, 0
+    index = 0
+    while index < len(shell):
+        if shell.startswith("$(", index):
+            if depth == 0:
+                start = index + 2
+            depth += 1
+            index += 2
+            continue
+        if depth and shell[index] == ")":
+            depth -= 1
+            if depth == 0:
+                inner, nested = substitutions(shell[start:index])
+                found += [inner, *nested]
+                flat.append("SUBSTITUTED")
+            index += 1
+            continue
+        if depth == 0:
+            flat.append(shell[index])
+        index += 1
+    return "".join(flat), found
+
+
+def shell_invocations(shell: str, program: str) -> list[list[str]]:
+    """invocations(), also of the commands in `$(...)` substitutions."""
+    flat, inner = substitutions(shell)
+    return [argv for part in (flat, *inner) for argv in invocations(part, program)]
+
+
+def kubectl_selectors(argv: list[str]) -> list[str]:
+    """The label selectors (-l, --selector) a kubectl command line passes, in order."""
+    found = []
+    for index, word in enumerate(argv):
+        if word in ("-l", "--selector") and index + 1 < len(argv):
+            found.append(argv[index + 1])
+        elif word.startswith(("-l=", "--selector=")):
+            found.append(word.split("=", 1)[1])
+        elif word.startswith("-l") and len(word) > 2 and not word.startswith("--"):
+            found.append(word[2:])
     return found
 
 

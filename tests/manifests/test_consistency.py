@@ -5,10 +5,12 @@ the same way everywhere, and one Ray version."""
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import importlib.util
 import inspect
 import re
+import shlex
 import typing
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -23,12 +25,18 @@ from cluster.core.spec import PRESETS
 from tests.manifests._manifests import (
     DOCKERFILE,
     MANIFESTS,
+    README,
     ROOT,
     all_pod_groups,
     cluster_specs,
+    code_blocks,
+    containers,
     env_of,
+    group_specs,
     has_gpu,
     invocations,
+    kubectl_selectors,
+    kubernetes_docs,
     of_kind,
     pod_groups,
     ray_resources,
@@ -38,7 +46,9 @@ from tests.manifests._manifests import (
     require,
     serve_configs,
     serve_files,
+    shell_invocations,
     the,
+    venv_names,
     volume_at,
 )
 
@@ -65,13 +75,33 @@ def http_port() -> int:
 
 
 def test_every_gpu_group_offers_the_node_resource_and_the_head_does_not():
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_custom_resources
+
     resource = CacheConfig().node_resource
-    for label, group, params, pod_spec in all_pod_groups():
-        offered = ray_resources(params)
-        if has_gpu(pod_spec):
-            assert offered.get(resource) == 1, f"{label} {group}: no {resource!r} resource"
-        else:
-            assert resource not in offered, f"{label} {group}: a kv node without a GPU"
+    for label, spec in cluster_specs():
+        for name, group in group_specs(spec):
+            offered = ray_resources(group)  # what KubeRay passes to `ray start --resources`
+            # ... and what Ray's autoscaler plans with: the same
+            params = group.get("rayStartParams", {})
+            assert _get_custom_resources(group.get("resources", {}), params, name) == offered
+            if has_gpu(group["template"]["spec"]):
+                assert offered.get(resource) == 1, f"{label} {name}: no {resource!r} resource"
+            else:
+                assert resource not in offered, f"{label} {name}: a kv node without a GPU"
+
+
+def test_no_group_passes_resources_through_ray_start_params():
+    """KubeRay (v1.7.0 getResourcesMap) trims quotes, not backslashes, from
+    rayStartParams.resources, so Ray's documented '"{\\"kv_node\\": 1}"' form fails to parse
+    there (logged, and the group's accelerator resources are skipped); KubeRay refuses a group
+    that sets both it and the group's `resources` field. The field is the one form."""
+    for label, spec in cluster_specs():
+        for name, group in group_specs(spec):
+            params = group.get("rayStartParams", {})
+            assert "resources" not in params, f"{label} {name}: rayStartParams.resources"
+            if group.get("resources"):
+                both = {"num-cpus", "num-gpus", "memory"} & set(params)
+                assert not both, f"{label} {name}: {both} beside the resources field"
 
 
 def test_ray_up_gpu_workers_offer_the_node_resource():
@@ -184,6 +214,21 @@ def test_the_manifests_start_raykv_once_per_cluster():
     assert len(starts) == 1 + len(cluster_specs())  # ray up's head, each KubeRay head
 
 
+def test_no_lifecycle_hook_stops_raykv():
+    """`raykv stop` stops every node actor in the cluster (cluster.api._stop), so a hook that
+    runs it when a pod stops would drop every worker's pages at a head restart (eviction,
+    drain, a deleted pod), which GCS fault tolerance is there to survive."""
+    from tests.manifests._manifests import _exec_commands
+
+    for name, doc in kubernetes_docs():
+        for where, container in containers(doc):
+            for hook, handler in container.get("lifecycle", {}).items():
+                for shell in _exec_commands(handler):
+                    stops = [argv for argv in invocations(shell, "raykv")
+                             if argv[1:2] == ["stop"]]
+                    assert not stops, f"{name} {where}: {hook} runs {stops}"
+
+
 @pytest.mark.parametrize(("where", "argv"), raykv_invocations(),
                          ids=[f"{w}:{' '.join(a[:2])}" for w, a in raykv_invocations()])
 def test_raykv_commands_parse_with_the_cli(where, argv):
@@ -195,6 +240,37 @@ def test_raykv_commands_parse_with_the_cli(where, argv):
     command.make_context(f"raykv {argv[1]}", argv[2:])  # click raises on an unknown option
 
 
+def _readme_kubectl() -> list[tuple[str, list[str]]]:
+    """(the block, argv) of every kubectl command in manifests/README.md's code blocks."""
+    return [(block, argv) for block in code_blocks(README.read_text())
+            for argv in shell_invocations(block, "kubectl")]
+
+
+def test_the_readmes_head_lookups_pick_one_clusters_head():
+    """`kubectl get pod -l ray.io/node-type=head` lists every cluster's head (the RayCluster's
+    and each RayService's): a lookup also selects ray.io/cluster, the RayCluster's name or a
+    RayService's cluster, read from its status. kubectl keeps only the last -l it is given."""
+    clusters = {doc["metadata"]["name"] for _, doc in of_kind("RayCluster")}
+    lookups = 0
+    for block, argv in _readme_kubectl():
+        selectors = kubectl_selectors(argv)
+        if not any("ray.io/node-type=head" in s for s in selectors):
+            continue
+        lookups += 1
+        assert len(selectors) == 1, f"kubectl keeps the last of {selectors}"
+        labels = dict(term.split("=", 1) for term in selectors[0].split(","))
+        cluster = labels.get("ray.io/cluster")
+        assert cluster, f"{shlex.join(argv)}: no ray.io/cluster"
+        variable = re.fullmatch(r"\$\{?(\w+)\}?", cluster)
+        if variable:  # set in the same block from a RayService's status
+            assignment = re.search(rf"^{variable[1]}=\$\((kubectl get rayservice .*)\)$",
+                                   block, flags=re.M)
+            assert assignment and "rayClusterName" in assignment[1], block
+        else:
+            assert cluster in clusters, cluster
+    assert lookups >= 2  # the RayCluster's head, and a RayService's
+
+
 # ---- environment ------------------------------------------------------------------------------
 
 
@@ -203,9 +279,20 @@ def _code_text() -> str:
                      for path in sorted((ROOT / folder).rglob("*.py")))
 
 
+_EXPANSION = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")  # Kubernetes' $(VAR); $$ escapes
+
+
+def _expanded_only(container: dict) -> set[str]:
+    """Env vars a container defines only to expand into another entry ($(NAME)): Kubernetes
+    reads them, not the code."""
+    values = " ".join(entry.get("value", "") for entry in container.get("env", []))
+    return set(_EXPANSION.findall(values))
+
+
 def _manifest_env_names() -> set[str]:
     names = {name for *_, pod_spec in all_pod_groups() for container in pod_spec["containers"]
-             for name in env_of(container) if name.startswith("RAYKV_")}
+             for name in env_of(container)
+             if name.startswith("RAYKV_") and name not in _expanded_only(container)}
     names |= set(re.findall(r"\b(RAYKV_[A-Z_]+)=", " ".join(ray_up_commands())))
     names |= set(re.findall(r"^ENV (RAYKV_[A-Z_]+)=", DOCKERFILE.read_text(), flags=re.M))
     return names
@@ -305,6 +392,39 @@ def test_one_redis_for_gcs_fault_tolerance_and_the_directory():
             assert _secret_ref(env[variable]) == secret_ref, (label, group)
 
 
+def test_kuberay_accepts_each_heads_redis_settings():
+    """KubeRay (v1.7.0, utils/validation.go) refuses a cluster whose head container sets
+    REDIS_PASSWORD or RAY_REDIS_ADDRESS, or whose head rayStartParams set redis-password, when
+    gcsFaultToleranceOptions is set (it sets the GCS's from the options), and REDIS_USERNAME or
+    redis-username ever: such a cluster never gets a pod."""
+    for label, spec in cluster_specs():
+        head = spec["headGroupSpec"]
+        env = env_of(head["template"]["spec"]["containers"][0])  # KubeRay's Ray container
+        refused_env, refused_params = {"REDIS_USERNAME"}, {"redis-username"}
+        if spec.get("gcsFaultToleranceOptions"):
+            refused_env |= {"REDIS_PASSWORD", "RAY_REDIS_ADDRESS"}
+            refused_params |= {"redis-password"}
+        assert not refused_env & set(env), f"{label}: head sets {refused_env & set(env)}"
+        params = set(head.get("rayStartParams", {}))
+        assert not refused_params & params, f"{label}: head sets {refused_params & params}"
+
+
+def test_env_expansions_name_variables_defined_before_them():
+    """Kubernetes expands $(VAR) in an env value only from entries above it in the same
+    container (else it stays literal: a password of "$(VAR)"), in command and args from any."""
+    for file_name, doc in kubernetes_docs():
+        for where, container in containers(doc):
+            defined: list[str] = []
+            for entry in container.get("env", []):
+                for name in _EXPANSION.findall(entry.get("value", "")):
+                    assert name in defined, f"{file_name} {where}: {entry['name']} uses " \
+                                            f"$({name}), not defined above it"
+                defined.append(entry["name"])
+            for argument in container.get("command", []) + container.get("args", []):
+                for name in _EXPANSION.findall(argument):
+                    assert name in defined, f"{file_name} {where}: $({name}) undefined"
+
+
 def test_the_key_secret_comes_from_a_secret_never_a_literal():
     """RAYKV_KEY_SECRET (cluster/core/secrets.py) on every Ray pod, from a Kubernetes Secret."""
     for label, spec in cluster_specs():
@@ -345,6 +465,23 @@ def test_the_dockerfile_copies_every_package():
         packages = tomllib.load(handle)["tool"]["setuptools"]["packages"]["find"]["include"]
     copied = set(re.findall(r"^COPY \S+ (\w+) ", DOCKERFILE.read_text(), flags=re.M))
     assert {p.rstrip("*") for p in packages} <= copied
+
+
+def test_the_build_context_leaves_out_every_venv():
+    """The Dockerfile's ignore file (BuildKit reads <Dockerfile>.dockerignore beside it; a
+    pattern is matched against the path from the context's root) leaves out the local venvs,
+    make test's .venv-vllm (4.5 GB) among them, and none of what the Dockerfile copies."""
+    ignore = DOCKERFILE.with_name(DOCKERFILE.name + ".dockerignore")
+    patterns = [line.strip() for line in ignore.read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert not [p for p in patterns if p.startswith("!")]  # no re-includes to reason about
+    names = venv_names()
+    assert {".venv", ".venv-vllm"} <= names
+    for name in names:
+        assert any(fnmatch.fnmatchcase(name, p.strip("/")) for p in patterns), name
+    copied = re.findall(r"^COPY (?:--\S+ )*(.+) \S+$", DOCKERFILE.read_text(), flags=re.M)
+    for source in " ".join(copied).split():
+        assert not any(fnmatch.fnmatchcase(source, p) for p in patterns), source
 
 
 def _without_models(spec: dict) -> dict:

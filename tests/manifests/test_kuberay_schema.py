@@ -5,12 +5,19 @@ validation makes it. x-kubernetes-* keys are annotations; int-or-string fields t
 from __future__ import annotations
 
 import functools
+import re
 
 import jsonschema
 import pytest
 import yaml
 
-from tests.manifests._manifests import SCHEMAS, kubernetes_docs
+from tests.manifests._manifests import (
+    README,
+    SCHEMAS,
+    code_blocks,
+    kubernetes_docs,
+    shell_invocations,
+)
 
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayService": "ray.io_rayservices.yaml",
              "RayJob": "ray.io_rayjobs.yaml"}
@@ -101,3 +108,29 @@ def test_every_other_object_is_a_known_core_kind():
             continue
         assert CORE_KINDS.get(doc["kind"]) == doc["apiVersion"], (file_name, doc["kind"])
         assert doc["metadata"]["name"], file_name
+
+
+def _jsonpath_exists(schema: dict, path: list[str]) -> bool:
+    for name in path:
+        schema = schema.get("properties", {}).get(name)
+        if schema is None:
+            return False
+    return True
+
+
+def test_the_readmes_jsonpaths_name_fields_of_the_crds():
+    """A `kubectl get rayservice|raycluster ... -o jsonpath='{.a.b}'` in manifests/README.md
+    reads a field the v1.7.0 CRD has (a RayService's generated cluster name among them)."""
+    kinds = {"rayservice": "RayService", "raycluster": "RayCluster"}
+    checked = 0
+    for block in code_blocks(README.read_text()):
+        for argv in shell_invocations(block, "kubectl"):
+            if argv[1:2] != ["get"] or argv[2] not in kinds:
+                continue
+            for word in argv:
+                match = re.fullmatch(r"(?:-o|--output)?=?jsonpath=\{\.([\w.]+)\}", word)
+                if match:
+                    _, schema = crd(kinds[argv[2]])
+                    assert _jsonpath_exists(schema, match[1].split(".")), match[1]
+                    checked += 1
+    assert checked, "the README reads no KubeRay status field"

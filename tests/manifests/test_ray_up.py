@@ -5,13 +5,14 @@ nothing reaches a cloud, and validates against the shared copy of Ray's cluster 
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import socket
 
 import jsonschema
 import pytest
 
-from tests.manifests._manifests import SCHEMAS, ray_up
+from tests.manifests._manifests import SCHEMAS, ray_up, venv_names
 
 
 @pytest.fixture
@@ -47,3 +48,16 @@ def test_it_matches_the_shared_cluster_schema():
     if not path.is_file():
         pytest.skip(f"{path} not found (the shared schemas folder); NOT validated against it")
     jsonschema.validate(ray_up(), json.loads(path.read_text()))
+
+
+def test_the_sync_leaves_out_every_venv():
+    """file_mounts copies the repository to every node: rsync_exclude (rsync's --exclude: a
+    pattern without a slash matches a file or folder name anywhere) leaves out the local venvs,
+    make test's .venv-vllm (4.5 GB) among them."""
+    patterns = ray_up()["rsync_exclude"]
+    names = venv_names()
+    assert {".venv", ".venv-vllm"} <= names
+    for name in names:
+        assert any("/" not in p and fnmatch.fnmatchcase(name, p) for p in patterns), name
+    assert not any(fnmatch.fnmatchcase(name, p) for p in patterns
+                   for name in ("cluster", "manifests", "pyproject.toml", "venv.md"))

@@ -7,7 +7,8 @@
   keys wired, and the app refuses that config without them;
 - a NetworkPolicy admits raykv's page-server ports, and the ports the OS picks (vLLM's KV-event
   sockets among them), from raykv's Ray pods only, and leaves Ray's fixed ports as they were;
-  its page ports are the code's (CacheConfig.page_port)."""
+  its page ports are the code's (CacheConfig.page_port); a second opens Ray's metrics ports
+  (44217, 44227) on the head only."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from cluster.serving.access import (
 from tests.manifests._manifests import (
     MANIFESTS,
     cluster_specs,
+    code_blocks,
     env_of,
     invocations,
     kubernetes_docs,
@@ -40,6 +42,7 @@ from tests.manifests._manifests import (
     pod_groups,
     ray_up,
     raykv_invocations,
+    readme_section,
     serve_configs,
 )
 
@@ -48,7 +51,9 @@ SECRETS_FILE = "/home/ubuntu/raykv/.secrets/raykv.env"  # ray up's, generated on
 PAGE_PORT = 7460  # CacheConfig.page_port's default (issue 17); node actors on a host: +0..+15
 PAGE_PORTS_PER_HOST = 16
 EPHEMERAL_FIRST = 30000  # the policy's range for ports the OS picks (Linux's: 32768-60999)
+HEAD_METRICS_PORTS = {44217, 44227}  # Ray's autoscaler and dashboard metrics, on the head
 SECRET_NAMES = re.compile(r"PASSWORD|SECRET|KEYS?$|TOKEN")
+AUTH_SECRET = "raykv-ray-auth"  # authOptions.secretName (test_gpu_and_auth.py)
 HEX_LITERAL = re.compile(r"(?<![0-9a-fA-F])[0-9a-fA-F]{24,}(?![0-9a-fA-F])")
 
 
@@ -95,6 +100,58 @@ def test_every_referenced_secret_is_required_and_generated_by_a_documented_comma
         assert "$(openssl rand -hex" in command[1], command[0]  # generated, never typed in
 
 
+def _referenced_secrets() -> dict[str, set[str]]:
+    """Secret name -> where: every Secret a manifest names (secretKeyRef, a `secret` volume,
+    authOptions.secretName or any other secretName)."""
+    found: dict[str, set[str]] = {}
+    for name, doc in kubernetes_docs():
+        where = f"{name}:{doc['metadata']['name']}"
+        for _, node in _walk(doc):
+            if isinstance(node.get("secretKeyRef"), dict):
+                found.setdefault(node["secretKeyRef"]["name"], set()).add(where)
+            if isinstance(node.get("secretName"), str):  # a `secret` volume's too
+                found.setdefault(node["secretName"], set()).add(where)
+    return found
+
+
+def _created_secrets(markdown: str) -> dict[str, set[str]]:
+    """Secret name -> its keys, from the `kubectl create secret generic` lines of a piece of
+    markdown's shell code blocks."""
+    created: dict[str, set[str]] = {}
+    for block in code_blocks(markdown):
+        for argv in invocations(block, "kubectl"):
+            if argv[1:4] == ["create", "secret", "generic"]:
+                keys = {a.split("=", 2)[1] for a in argv[5:] if a.startswith("--from-literal=")}
+                created.setdefault(argv[4], set()).update(keys)
+    return created
+
+
+def test_path_2_creates_every_secret_a_manifest_names():
+    """The Secrets go first (the pods wait for them): Path 2's commands create every one, the
+    Ray token's too (KubeRay does not create a Secret that authOptions.secretName names)."""
+    created = _created_secrets(readme_section("Path 2:"))
+    referenced = _referenced_secrets()
+    assert {"raykv-redis", "raykv-key-secret", "raykv-api-keys", AUTH_SECRET} <= set(referenced)
+    for secret, where in referenced.items():
+        assert secret in created, f"Path 2 does not create {secret} (named in {sorted(where)})"
+    for _, ref in _secret_refs():
+        assert ref["key"] in created[ref["name"]], ref
+    assert created[AUTH_SECRET] == {"auth_token"}  # the key KubeRay reads the token from
+
+
+def test_paths_3_and_3b_point_to_path_2s_secrets_and_apply_the_policy():
+    for heading in ("Path 3:", "Path 3b:"):
+        section = readme_section(heading)
+        assert re.search(r"Secrets of Path 2", section), f"{heading} does not name the Secrets"
+        applied = [argv for block in code_blocks(section)
+                   for argv in invocations(block, "kubectl") if argv[1] == "apply"]
+        files = [argv[i + 1] for argv in applied for i, a in enumerate(argv) if a == "-f"]
+        policy = "manifests/kuberay/network-policy.yaml"
+        assert policy in files, f"{heading} does not apply the NetworkPolicy"
+        service = next(f for f in files if "rayservice" in f)
+        assert files.index(policy) < files.index(service), heading
+
+
 def test_secret_env_vars_come_from_secrets_never_literals():
     checked = set()
     for name, doc in kubernetes_docs():
@@ -103,7 +160,10 @@ def test_secret_env_vars_come_from_secrets_never_literals():
                 assert "value" not in node, (name, node["name"])
                 assert "secretKeyRef" in node["valueFrom"], (name, node["name"])
                 checked.add(node["name"])
-    assert checked == {"REDIS_PASSWORD", "RAYKV_KEY_SECRET", "RAYKV_API_KEYS"}
+    # REDIS_PASSWORD: Redis's own container; RAYKV_REDIS_PASSWORD: the Ray pods' (KubeRay
+    # refuses REDIS_PASSWORD in a head with gcsFaultToleranceOptions)
+    assert checked == {"REDIS_PASSWORD", "RAYKV_REDIS_PASSWORD", "RAYKV_KEY_SECRET",
+                       "RAYKV_API_KEYS"}
 
 
 def test_no_literal_password_or_key_in_any_manifest_file():
@@ -271,35 +331,43 @@ NETWORK_POLICY_SCHEMA = {
                          "properties": {"to": _PEERS, "ports": _PORTS}}}}}}}
 
 
-def test_the_network_policy_matches_the_networking_v1_schema():
+def test_the_network_policies_match_the_networking_v1_schema():
     import jsonschema
 
-    policy = _policy()
-    jsonschema.validate(policy, NETWORK_POLICY_SCHEMA, cls=jsonschema.Draft7Validator)
-    for rule in policy["spec"]["ingress"]:
-        for entry in rule.get("ports", []):
-            if "endPort" in entry:  # the API's rule: a numeric port, endPort not below it
-                assert isinstance(entry["port"], int) and entry["endPort"] >= entry["port"]
-    broken = json.loads(json.dumps(policy))
+    for policy in _policies():
+        jsonschema.validate(policy, NETWORK_POLICY_SCHEMA, cls=jsonschema.Draft7Validator)
+        for rule in policy["spec"]["ingress"]:
+            for entry in rule.get("ports", []):
+                if "endPort" in entry:  # the API's rule: a numeric port, endPort not below it
+                    assert isinstance(entry["port"], int) and entry["endPort"] >= entry["port"]
+    broken = json.loads(json.dumps(_policy()))
     broken["spec"]["ingress"][0]["from"][0]["podSelectr"] = {}
     with pytest.raises(jsonschema.ValidationError, match="podSelectr"):
         jsonschema.validate(broken, NETWORK_POLICY_SCHEMA, cls=jsonschema.Draft7Validator)
 
 
+PAGE_POLICY = "raykv-page-servers"  # the policy that selects every Ray pod
+
+
+def _policies() -> list[dict]:
+    return [doc for _, doc in of_kind("NetworkPolicy")]
+
 
 def _policy() -> dict:
-    (policy,) = [doc for _, doc in of_kind("NetworkPolicy")]
+    (policy,) = [doc for doc in _policies() if doc["metadata"]["name"] == PAGE_POLICY]
     return policy
 
 
 def _ray_pod_labels() -> list[tuple[str, dict]]:
-    """The labels each Ray pod gets: its template's and KubeRay's ray.io/is-ray-node."""
+    """(where, labels) of each Ray pod: its template's, and KubeRay's ray.io/is-ray-node and
+    ray.io/node-type (head or worker)."""
     found = []
     for label, spec in cluster_specs():
-        templates = [spec["headGroupSpec"]["template"]]
-        templates += [group["template"] for group in spec.get("workerGroupSpecs", [])]
-        found += [(label, {**t.get("metadata", {}).get("labels", {}),
-                           "ray.io/is-ray-node": "yes"}) for t in templates]
+        templates = [("head", spec["headGroupSpec"]["template"])]
+        templates += [("worker", group["template"]) for group in spec.get("workerGroupSpecs", [])]
+        found += [(f"{label} {node_type}",
+                   {**t.get("metadata", {}).get("labels", {}), "ray.io/is-ray-node": "yes",
+                    "ray.io/node-type": node_type}) for node_type, t in templates]
     return found
 
 
@@ -318,67 +386,100 @@ def _covers(rule: dict, port: int, protocol: str = "TCP") -> bool:
     return False
 
 
-def test_the_policy_selects_every_ray_pod_and_no_other():
-    policy = _policy()["spec"]
-    assert policy["policyTypes"] == ["Ingress"]
-    for label, labels in _ray_pod_labels():
-        assert _selects(policy["podSelector"], labels), label
-    for _, doc in of_kind("Deployment"):  # Redis
-        assert not _selects(policy["podSelector"], doc["spec"]["template"]["metadata"]["labels"])
+def _rules(labels: dict) -> list[dict]:
+    """The ingress rules a pod with these labels gets: those of every policy selecting it
+    (NetworkPolicies add up)."""
+    return [rule for policy in _policies() if _selects(policy["spec"]["podSelector"], labels)
+            for rule in policy["spec"].get("ingress", [])]
+
+
+def _from_ray_pods_only(rule: dict) -> bool:
+    ray_pods = [labels for _, labels in _ray_pod_labels()]
+    peers = rule.get("from")
+    return bool(peers) and all(
+        set(peer) == {"podSelector"}  # no ipBlock, no other namespace
+        and all(_selects(peer["podSelector"], labels) for labels in ray_pods)
+        and _selects(peer["podSelector"], _policy()["spec"]["podSelector"]["matchLabels"])
+        for peer in peers)
+
+
+def test_the_policies_select_every_ray_pod_and_no_other():
+    for policy in _policies():
+        assert policy["spec"]["policyTypes"] == ["Ingress"], policy["metadata"]["name"]
+        for _, doc in of_kind("Deployment"):  # Redis
+            labels = doc["spec"]["template"]["metadata"]["labels"]
+            assert not _selects(policy["spec"]["podSelector"], labels)
+    for where, labels in _ray_pod_labels():
+        assert _selects(_policy()["spec"]["podSelector"], labels), where
 
 
 def test_the_page_ports_are_admitted_from_ray_pods_only():
-    policy = _policy()["spec"]
     page_ports = range(PAGE_PORT, PAGE_PORT + PAGE_PORTS_PER_HOST)
-    ray_pods = [labels for _, labels in _ray_pod_labels()]
-    for rule in policy["ingress"]:
-        if not any(_covers(rule, port) for port in page_ports):
-            continue
-        peers = rule.get("from")
-        assert peers, "a rule admits the page ports from anywhere"
-        for peer in peers:
-            assert set(peer) == {"podSelector"}, peer  # no ipBlock, no other namespace
-            assert all(_selects(peer["podSelector"], labels) for labels in ray_pods)
-            assert _selects(peer["podSelector"], policy["podSelector"]["matchLabels"])
-    page_rules = [rule for rule in policy["ingress"] if rule.get("from")]
+    for where, labels in _ray_pod_labels():
+        for rule in _rules(labels):
+            if any(_covers(rule, port) for port in page_ports):
+                assert _from_ray_pods_only(rule), f"{where}: page ports admitted from anywhere"
+    page_rules = [rule for rule in _policy()["spec"]["ingress"] if rule.get("from")]
     assert all(_covers(page_rules[0], port) for port in page_ports)
     assert not _covers(page_rules[0], PAGE_PORT - 1)
     assert not _covers(page_rules[0], PAGE_PORT + PAGE_PORTS_PER_HOST)
 
 
 def test_the_fixed_ports_stay_open_as_before():
-    """Serve's 8000, Ray's fixed ports, the dashboard (KubeRay's operator), metrics: from
-    anywhere; so are UDP and the ports below the OS's range."""
-    open_rules = [rule for rule in _policy()["spec"]["ingress"] if not rule.get("from")]
+    """Serve's 8000, Ray's fixed ports, the dashboard (KubeRay's operator), the metrics port
+    Prometheus scrapes (8080) and the dashboard agent: from anywhere, on every Ray pod; so are
+    UDP and the ports below the OS's range."""
     page_ports = range(PAGE_PORT, PAGE_PORT + PAGE_PORTS_PER_HOST)
-    for port in (1, 6379, 8000, 8076, 8080, 8265, 10001, 10002, 19999, 44217, 44227, 52365,
-                 PAGE_PORT - 1, PAGE_PORT + PAGE_PORTS_PER_HOST, EPHEMERAL_FIRST - 1):
-        assert any(_covers(rule, port) for rule in open_rules), port
-    for port in (1, 8000, 40000, 65535):
-        assert any(_covers(rule, port, "UDP") for rule in open_rules), port
-    assert not any(_covers(rule, port) for rule in open_rules for port in page_ports)
+    for where, labels in _ray_pod_labels():
+        open_rules = [rule for rule in _rules(labels) if not rule.get("from")]
+        for port in (1, 6379, 8000, 8076, 8080, 8265, 10001, 10002, 19999, 52365,
+                     PAGE_PORT - 1, PAGE_PORT + PAGE_PORTS_PER_HOST, EPHEMERAL_FIRST - 1):
+            assert any(_covers(rule, port) for rule in open_rules), (where, port)
+        for port in (1, 8000, 40000, 65535):
+            assert any(_covers(rule, port, "UDP") for rule in open_rules), (where, port)
+        assert not any(_covers(rule, port) for rule in open_rules for port in page_ports)
 
 
 def test_the_os_assigned_ports_are_admitted_from_ray_pods_only():
     """vLLM's KV-event sockets (no authentication; their events carry prompts' token ids)
     bind ports the OS picks, as do Serve's direct-ingress ports and Ray's internal ones: from
-    raykv's Ray pods only, but for Ray's metrics and dashboard-agent ports."""
+    raykv's Ray pods only, but for the dashboard agent's port and, on the head, Ray's metrics
+    ports."""
     # (tests/vllm/test_engine_events.py: raykv's replicas ask vLLM for `tcp://*:0`.)
-    policy = _policy()["spec"]
-    ray_pods = [labels for _, labels in _ray_pod_labels()]
-    public = {44217, 44227, 52365}
-    for port in (EPHEMERAL_FIRST, 30500, 32768, 40000, 44216, 44218, 52364, 52366, 60999,
-                 65535):
-        rules = [rule for rule in policy["ingress"] if _covers(rule, port)]
-        assert rules, port
-        for rule in rules:
-            assert rule.get("from"), f"port {port} is admitted from anywhere"
-            for peer in rule["from"]:
-                assert set(peer) == {"podSelector"}, peer
-                assert all(_selects(peer["podSelector"], labels) for labels in ray_pods)
-                assert _selects(peer["podSelector"], policy["podSelector"]["matchLabels"])
-    for port in public:
-        assert any(_covers(rule, port) and not rule.get("from") for rule in policy["ingress"])
+    for where, labels in _ray_pod_labels():
+        public = {52365} | (HEAD_METRICS_PORTS if labels["ray.io/node-type"] == "head" else set())
+        for port in (EPHEMERAL_FIRST, 30500, 32768, 40000, *HEAD_METRICS_PORTS, 44216, 44218,
+                     52364, 52366, 60999, 65535):
+            rules = [rule for rule in _rules(labels) if _covers(rule, port)]
+            assert rules, (where, port)
+            if port in public:
+                continue
+            for rule in rules:
+                assert _from_ray_pods_only(rule), f"{where}: port {port} admitted from anywhere"
+
+
+def test_the_metrics_ports_are_open_on_the_head_only():
+    """Ray's autoscaler (its monitor; KubeRay runs it in the head pod) and dashboard export
+    metrics on 44217 and 44227, on the head only: open there for Prometheus, and on the workers
+    OS-picked ports like the rest, from raykv's Ray pods only. Every Ray pod's metrics port
+    (8080, the one the README has Prometheus scrape) stays open from anywhere."""
+    from ray.autoscaler._private.constants import AUTOSCALER_METRIC_PORT
+    from ray.dashboard.consts import DASHBOARD_METRIC_PORT
+
+    assert {AUTOSCALER_METRIC_PORT, DASHBOARD_METRIC_PORT} == HEAD_METRICS_PORTS
+    heads = 0
+    for where, labels in _ray_pod_labels():
+        head = labels["ray.io/node-type"] == "head"
+        heads += head
+        for port in HEAD_METRICS_PORTS:
+            rules = [rule for rule in _rules(labels) if _covers(rule, port)]
+            if head:
+                assert any(not rule.get("from") for rule in rules), (where, port)
+            else:
+                assert rules and all(_from_ray_pods_only(rule) for rule in rules), (where, port)
+    assert heads == len(cluster_specs())
+    for where, labels in _ray_pod_labels():
+        assert any(_covers(rule, 8080) and not rule.get("from") for rule in _rules(labels)), where
 
 
 def test_the_page_ports_are_the_codes():
