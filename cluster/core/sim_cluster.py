@@ -10,12 +10,16 @@
                   the shards' prefixes with the client's own functions (passed in)
     SimCluster    N nodes, their engine queues (sim_events.py) and, when `shared`, the
                   directory, so that any node can fetch a page that another holds (over the
-                  NIC); without it each node sees its own cache only (the local baselines)
+                  NIC, and from the holder's disk where that is its best copy); without it
+                  each node sees its own cache only (the local baselines)
 
-Per request (`serve`): due completions put their pages; the router picks a node (and may cut
-its plan: fetch only the leading pages, recompute the rest); the node's plan is which pages
-of the prompt's full blocks it reads, and from where; TTFT = queue wait + fetch (per source:
-latency + bytes / bandwidth) + prefill of the rest (sim_profiles.py).
+Per request (`serve`): the control loop's passes due by its arrival run (each at its own
+time, after the completions due by then); due completions put their pages; the router picks a
+node (and may cut its plan: fetch only the leading pages, recompute the rest); the node's plan
+is which pages of the prompt's full blocks it reads, and from where; TTFT = queue wait + fetch
+(per source: latency + bytes / bandwidth) + prefill of the rest (sim_profiles.py). A page read
+from another node is acquired there, as the live page server does (an access; read up from
+disk and promoted).
 """
 
 from __future__ import annotations
@@ -35,10 +39,13 @@ from cluster.core.sim_holders import HoldersCache
 from cluster.core.sim_profiles import HardwareProfile, ModelCost
 from cluster.core.trace_format import BLOCK_TOKENS
 from policies.eviction import make_policy
+from policies.queue_wait import BusyMeter
 
 Split = Callable[[list, int], list]  # actors.handles.split_by_shard
 Merge = Callable[[int, list, list], list]  # actors.handles.merge_shard_prefixes
-REMOTE = 3  # a plan's source kind for a page read from another node
+REMOTE = 3  # a plan's source kind for a page read from another node's memory (device, host)
+REMOTE_DISK = 4  # ... from another node's disk: its best copy anywhere is on a disk
+SOURCE_NAMES = ("device", "host", "disk", "remote", "remote_disk")
 
 
 def _never(_key: PageKey) -> bool:
@@ -87,18 +94,21 @@ class SimNode:
 
     def acquire(self, keys: Sequence[PageKey]) -> list[int]:
         """A hit on `keys` (held here): their tiers before, then each is accessed and the ones
-        below the device tier are promoted to it (the request's own pages pinned)."""
+        below the top memory tier (device, else host) are moved up to it, disk pages read up
+        as the Pool reads them. The request's own pages are pinned, as the Pool pins them:
+        no demotion that their promotion causes, in any tier, takes one of them."""
         tier_of, policies = self.tier_of, self.policies
         tiers = [tier_of[k] for k in keys]
         for key, tier in zip(keys, tiers, strict=True):
             policies[tier].on_access(key)
-        lower = [k for k, t in zip(keys, tiers, strict=True) if t != DEVICE]
-        capacity = self.capacities[DEVICE]
+        top = DEVICE if self.capacities[DEVICE] else HOST
+        lower = [k for k, t in zip(keys, tiers, strict=True) if t > top]
+        capacity = self.capacities[top]
         if lower and capacity:
-            self._make_room(DEVICE, min(len(lower), capacity), frozenset(keys).__contains__)
-            moved = lower[: capacity - self.counts[DEVICE]]
+            self._make_room(top, min(len(lower), capacity), frozenset(keys).__contains__)
+            moved = lower[: capacity - self.counts[top]]
             self._unplace(moved)
-            self._place(moved, DEVICE)
+            self._place(moved, top)
         return tiers
 
     def discard(self, keys: Sequence[PageKey]) -> int:
@@ -138,11 +148,13 @@ class SimNode:
         policy.on_remove_many(victims)  # the tier's policy holds only the tier's pages
         self.counts[tier] -= len(victims)
         self.evictions[tier] += len(victims)
-        self._demote(victims, tier + 1)
+        self._demote(victims, tier + 1, is_pinned)
 
-    def _demote(self, keys: list[PageKey], tier: int) -> None:
-        """Into the next tier that exists (making room there), else dropped. The keys left
-        their tier: tier_of still names it until they are placed or dropped here."""
+    def _demote(self, keys: list[PageKey], tier: int,
+                is_pinned: Callable[[PageKey], bool] = _never) -> None:
+        """Into the next tier that exists (making room there, `is_pinned` kept), else dropped.
+        The keys left their tier: tier_of still names it until they are placed or dropped
+        here."""
         if not keys:
             return
         while tier <= DISK and self.capacities[tier] == 0:
@@ -150,8 +162,9 @@ class SimNode:
         if tier > DISK:
             room = 0
         else:
-            # The demoted pages left the tier above, so this tier's policy cannot name one.
-            self._make_room(tier, min(len(keys), self.capacities[tier]), _never)
+            # The demoted pages left the tier above, so this tier's policy cannot name one;
+            # a hit's own pages below (pinned) must stay where they are.
+            self._make_room(tier, min(len(keys), self.capacities[tier]), is_pinned)
             room = self.capacities[tier] - self.counts[tier]
             self._place(keys[:room], tier)
         if room < len(keys):
@@ -233,7 +246,8 @@ class Tally:
     input_tokens: int = 0
     request_hit_sum: float = 0.0  # sum over requests of hit tokens / input tokens
     remote_bytes: int = 0
-    hits_by_source: list = field(default_factory=lambda: [0, 0, 0, 0])  # device..disk, remote
+    # device, host, disk, remote (another node's memory), remote_disk (SOURCE_NAMES)
+    hits_by_source: list = field(default_factory=lambda: [0, 0, 0, 0, 0])
 
 
 class SimCluster:
@@ -261,7 +275,10 @@ class SimCluster:
             self.nodes.append(SimNode(self.capacities, eviction, on_events))
         self.queues = [EngineQueue() for _ in self.node_ids]
         self._queue_lens = [0] * num_nodes  # requests queued or running, kept by events
-        self._finishes: list[tuple[float, int]] = []  # heap of (finish_s, node)
+        self._finishes: list[tuple[float, int, float]] = []  # heap: (finish_s, node, service_s)
+        # Per node: its compute seconds per request, measured as its requests finish (the
+        # live replica's RateMeter; the raykv router reads them: policies/queue_wait.py)
+        self.busy = [BusyMeter() for _ in self.node_ids]
         self.clock = Clock()
         self.tally = Tally()
         self.gets = [0] * num_nodes  # per node: requests it served pages to (its own, remote)
@@ -276,11 +293,37 @@ class SimCluster:
 
     def plan(self, node: int, keys: list[PageKey], located: list | None) -> list[int]:
         """Where node `node` reads each page of its cached prefix: a tier of its own
-        (DEVICE, HOST, DISK) or REMOTE (another node's copy, any tier)."""
+        (DEVICE, HOST, DISK), REMOTE (another node's device or host copy) or REMOTE_DISK
+        (only other nodes' disks hold it)."""
         here = self.nodes[node].tier_of
         if located is None:
             return [here[k] for k in keys[: self.nodes[node].local_prefix(keys)]]
-        return list(map(here.get, keys[: len(located)], repeat(REMOTE)))
+        out = list(map(here.get, keys[: len(located)], repeat(None)))
+        if None in out:
+            last, kind = None, REMOTE
+            for index, places in enumerate(located):
+                if out[index] is None:
+                    if places is not last:  # a run's pages share one answer: once a run
+                        last = places
+                        kind = REMOTE if any(t != DISK for _, t in places) else REMOTE_DISK
+                    out[index] = kind
+        return out
+
+    def holders(self, node: int, keys: list[PageKey], sources: Sequence[int],
+                located: list) -> dict[int, list[PageKey]]:
+        """The nodes the remote pages of a plan are read from, each with its pages: per page,
+        the holder of its best copy (the lowest tier; the first named of equals)."""
+        out: dict[int, list[PageKey]] = {}
+        last, holder = None, 0
+        for key, source, places in zip(keys, sources, located, strict=False):
+            if source < REMOTE:
+                continue
+            if places is not last:
+                last = places
+                holder = self.index_of[min(places, key=lambda place: place[1])[0]]
+            out.setdefault(holder, []).append(key)
+        out.pop(node, None)  # the directory's answer is this node's own (cannot be: remote)
+        return out
 
     def fetch_s(self, sources: Sequence[int]) -> float:
         """Each source's pages in one transfer: its latency + bytes / its bandwidth."""
@@ -288,7 +331,10 @@ class SimCluster:
         paths = ((DEVICE, 0.0, p.hbm_bytes_per_s),
                  (HOST, p.host_latency_s, p.host_to_device_bytes_per_s),
                  (DISK, p.disk_latency_s, p.disk_bytes_per_s),
-                 (REMOTE, p.nic_latency_s, p.nic_bytes_per_s))
+                 (REMOTE, p.nic_latency_s, p.nic_bytes_per_s),
+                 # read off the holder's disk, then over the NIC: both latencies, the slower
+                 (REMOTE_DISK, p.disk_latency_s + p.nic_latency_s,
+                  min(p.disk_bytes_per_s, p.nic_bytes_per_s)))
         total_s = 0.0
         if not sources:
             return total_s
@@ -303,17 +349,21 @@ class SimCluster:
         return self.fetch_s(sources) + self.profile.prefill_s(self.model, hit_tokens,
                                                               input_tokens)
 
-    def estimate_ttft_s(self, node: int, request: SimRequest, located: list | None) -> float:
-        sources = self.plan(node, request.keys, located)
-        return (self.queues[node].wait_s(request.arrival_s)
-                + self.service_s(sources, request.input_tokens))
-
     def queue_lengths(self, now_s: float) -> list[int]:
         """Per node: requests queued or running at `now_s` (EngineQueue.queue_len of each,
-        kept incrementally: a router asks for all N at every arrival)."""
-        while self._finishes and self._finishes[0][0] <= now_s:
-            self._queue_lens[heapq.heappop(self._finishes)[1]] -= 1
-        return list(self._queue_lens)
+        kept incrementally: a router asks for all N at every arrival). Each request finished
+        by then is measured by its node's BusyMeter, in the order they finished."""
+        finishes, lens, busy = self._finishes, self._queue_lens, self.busy
+        while finishes and finishes[0][0] <= now_s:
+            _, node, service_s = heapq.heappop(finishes)
+            lens[node] -= 1
+            busy[node].finished(service_s)
+        return list(lens)
+
+    def busy_s_per_request(self) -> list[float]:
+        """Per node: its compute seconds per request as measured so far (0.0 before its
+        first finished request; call queue_lengths(now) first to measure up to now)."""
+        return [meter.busy_s_per_request for meter in self.busy]
 
     def complete(self, now_s: float) -> None:
         """Put the pages of every prefill finished by `now_s`, on its node."""
@@ -328,34 +378,35 @@ class SimCluster:
     def serve(self, request: SimRequest, choose: Callable) -> float:
         """One request through `choose(cluster, request, located) -> node or Route`; its
         TTFT. A plain node reads every page of its plan."""
-        self.complete(request.arrival_s)
-        if self.control is not None:
+        if self.control is not None:  # its passes due by now, each at its own time
             self.control(self, request.arrival_s)
+        self.complete(request.arrival_s)
         located = self.locate(request.keys, request.arrival_s)
         choice = choose(self, request, located)
         node, fetch_pages = ((choice.node, choice.fetch_pages) if isinstance(choice, Route)
                              else (choice, None))
         sources = self.plan(node, request.keys, located)[:fetch_pages]
-        local = [k for k, s in zip(request.keys, sources, strict=False) if s != REMOTE]
-        self._count_gets(node, sources, located)
+        local = [k for k, s in zip(request.keys, sources, strict=False) if s < REMOTE]
+        servers = (self.holders(node, request.keys, sources, located)
+                   if len(local) < len(sources) else {})
+        self._count_gets(node, local, servers)
         if local:
             self.nodes[node].acquire(local)
             self.sync_node(node)
-        _, finish_s = self.queues[node].admit(request.arrival_s,
-                                              self.service_s(sources, request.input_tokens),
-                                              request.num_blocks)
+        for server, keys in servers.items():  # the page server acquires what it serves
+            self.nodes[server].acquire(keys)
+            self.sync_node(server)
+        service_s = self.service_s(sources, request.input_tokens)
+        _, finish_s = self.queues[node].admit(request.arrival_s, service_s, request.num_blocks)
         self.clock.schedule(finish_s, (node, request.keys))
-        heapq.heappush(self._finishes, (finish_s, node))
+        heapq.heappush(self._finishes, (finish_s, node, service_s))
         self._queue_lens[node] += 1
         self._count(request, sources, finish_s - request.arrival_s)
         return finish_s - request.arrival_s
 
-    def _count_gets(self, node: int, sources: list[int], located: list | None) -> None:
-        if any(s != REMOTE for s in sources):
+    def _count_gets(self, node: int, local: list, servers: dict) -> None:
+        if local:
             self.gets[node] += 1
-        servers = {self.index_of[places[0][0]] for places, s in zip(located or [], sources,
-                                                                     strict=False)
-                   if s == REMOTE}
         for server in servers:
             self.gets[server] += 1
 
@@ -369,7 +420,8 @@ class SimCluster:
         by_source = tally.hits_by_source
         for source in set(sources):
             by_source[source] += sources.count(source)
-        tally.remote_bytes += sources.count(REMOTE) * self.page_bytes
+        tally.remote_bytes += (sources.count(REMOTE) + sources.count(REMOTE_DISK)) \
+            * self.page_bytes
 
     def finish(self) -> None:
         """Complete every prefill still running (their puts land)."""

@@ -2,7 +2,9 @@
 (policies/rebalance.py: burst detection, replication, migration; scaling is planned but the
 simulated cluster keeps its N) on snapshots taken as actors/control_loop.py takes them.
 
-Every `period_s` of simulated time (CacheConfig.rebalance_period_s), at the next arrival:
+Every `period_s` of simulated time (CacheConfig.rebalance_period_s), from the first arrival on,
+on its own clock: at each arrival, every pass due by then runs at its own time, after the
+prefills finished by that time have put their pages (so an idle stretch gets its passes too):
 
     snapshot   NodeLoad per node: requests it served pages to (own and remote), device + host
                pages held against their capacity; PrefixLoad per shard's SNAPSHOT_PREFIXES
@@ -35,16 +37,25 @@ class SimControlLoop:
         self.period_s = period_s
         self.policy = policy
         self.state = None
-        self.next_s: float | None = None
+        self.start_s: float | None = None
+        self.next_s: float | None = None  # the next pass's time
+        self.ticks = 0  # passes run
         self.counters = {"passes": 0, "copies": 0, "moves": 0, "drops": 0, "copied_pages": 0,
                          "dropped_pages": 0, "bytes": 0}
 
     def __call__(self, cluster, now_s: float) -> None:
-        if self.next_s is None:
-            self.next_s = now_s
-        if now_s < self.next_s:
-            return
-        self.next_s = now_s + self.period_s
+        """Every pass due by `now_s`, each at its own time (after cluster.complete(then))."""
+        if self.start_s is None:
+            self.start_s = self.next_s = now_s
+        while self.next_s <= now_s:
+            tick_s = self.next_s
+            cluster.complete(tick_s)
+            self._pass(cluster, tick_s)
+            self.ticks += 1
+            # on a grid from the first arrival (no drift from summing the period)
+            self.next_s = self.start_s + self.ticks * self.period_s
+
+    def _pass(self, cluster, now_s: float) -> None:
         plan, self.state = self.policy(snapshot(cluster), self.state, now_s)
         self.counters["passes"] += 1
         for copy in plan.copies:

@@ -30,7 +30,8 @@ class EngineQueue:
     """One node's engine: FIFO prefill, with the requests not yet finished (for routers)."""
 
     free_at_s: float = 0.0
-    pending: deque = field(default_factory=deque)  # (finish_s, num_blocks), in finish order
+    pending: deque = field(default_factory=deque)  # (finish_s, num_blocks, service_s), in
+    # finish order
     busy_s: float = 0.0
 
     def expire(self, now_s: float) -> None:
@@ -45,7 +46,13 @@ class EngineQueue:
     def active_blocks(self, now_s: float) -> int:
         """Blocks of the requests queued or running (Dynamo's load figure)."""
         self.expire(now_s)
-        return sum(blocks for _, blocks in self.pending)
+        return sum(blocks for _, blocks, _ in self.pending)
+
+    def queued_service_s(self, now_s: float) -> float:
+        """The service times of the requests queued or running, each counted whole (the
+        Mooncake-like router's queue estimate: what it predicted each would take)."""
+        self.expire(now_s)
+        return sum(service_s for _, _, service_s in self.pending)
 
     def wait_s(self, now_s: float) -> float:
         return max(0.0, self.free_at_s - now_s)
@@ -56,7 +63,7 @@ class EngineQueue:
         finish_s = start_s + service_s
         self.free_at_s = finish_s
         self.busy_s += service_s
-        self.pending.append((finish_s, num_blocks))
+        self.pending.append((finish_s, num_blocks, service_s))
         return start_s, finish_s
 
 

@@ -4,10 +4,14 @@ it) and the baselines, re-created from their public descriptions.
 Each router is `choose(cluster, request, located) -> node index`; `located` is the
 directory's answer (None for the local-cache baselines, which see their own node's cache).
 
-    raykv           policies/cost_routing.decide: per node, queue wait + the cheapest cut of
-                    fetching the cached prefix (from its own tiers or another node's) and
-                    recomputing the rest + prefill; the least. Rates from the profile (the
-                    simulator is their oracle; the service measures them). Shared tiers.
+    raykv           policies/cost_routing.decide, fed as RaykvRouter feeds it: per node,
+                    queue wait (requests in flight x the node's measured compute seconds
+                    per request: policies/queue_wait.py, the live router's code) + the
+                    cheapest cut of fetching the cached prefix (from its own tiers or another
+                    node's) and recomputing the rest + prefill; the least. No page held
+                    anywhere: power of two, as the live router falls back. Rates from the
+                    profile (the simulator is their oracle; the service measures them).
+                    Shared tiers.
     round_robin     node i mod N. Local caches.
     pow2            two nodes at random, the shorter queue: Ray Serve's default router,
                     https://docs.ray.io/en/latest/serve/advanced-guides/custom-request-router.html
@@ -37,8 +41,10 @@ directory's answer (None for the local-cache baselines, which see their own node
     mooncake        Mooncake's Conductor (Qin et al., FAST'25, section 5 and Algorithm 1,
                     https://arxiv.org/abs/2407.00079): with the global KVCache pool's prefix
                     locations, the instance whose estimated TTFT (queue + transfer of the
-                    prefix it lacks + prefill of the rest) is the least. Shared tiers, as
-                    raykv's: the same directory and the same cross-node fetch.
+                    prefix it lacks + prefill of the rest) is the least; the queue estimated
+                    as the predicted times of the requests queued there, summed (each counted
+                    whole), not the exact seconds left. Shared tiers, as raykv's: the same
+                    directory and the same cross-node fetch.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from cluster.core.routed_prefixes import RoutedPrefixes
 from cluster.core.sim_cluster import Route, SimCluster, SimRequest
 from cluster.core.trace_format import BLOCK_TOKENS
 from policies.cost_routing import DEVICE as DEVICE_PATH
@@ -60,6 +67,7 @@ from policies.cost_routing import (
     decide,
     prior_rates,
 )
+from policies.queue_wait import busy_s_per_request, queue_waits
 
 Choose = Callable[[SimCluster, SimRequest, list | None], int | Route]
 RAY_IMBALANCED_THRESHOLD = 10  # PrefixCacheAffinityRouter's default
@@ -113,27 +121,53 @@ def oracle_rates(cluster: SimCluster) -> RateEstimates:
 
 
 class Raykv:
-    """raykv's router: policies/cost_routing.decide, as RaykvRouter calls it, on the
-    directory's answer, each node's queue wait and the oracle's rates; the node of the least
-    estimated TTFT, reading only the pages that are faster to fetch than to recompute.
-    Candidates come in a seeded random order, so ties (idle nodes, no hit) spread."""
+    """raykv's router, fed what RaykvRouter (cluster/serving/router.py) feeds
+    policies/cost_routing.decide:
+    - the directory's answer, lengthened by the pages it routed in the last `routed_ttl_s`
+      (RoutedPrefixes, the live router's own);
+    - no page held anywhere: power of two choices on the requests in flight (the live
+      router's fallback: `has_hits(prefix_scores(...))` is false exactly when no page is
+      located);
+    - else each node's queue wait as the live router estimates it (policies/queue_wait.py):
+      its requests in flight x its compute seconds per request, measured as its requests
+      finish (SimCluster.busy), not the queue's exact remaining seconds;
+    - the rates: the profile's (oracle_rates), where the live router measures them online.
+    The node of the least estimated TTFT, reading only the pages that are faster to fetch
+    than to recompute. Candidates come in a seeded random order, so ties spread. What the
+    sim leaves out: the routing stats' polling delay (a replica's figure reaches routers at
+    once here) and the ranking by weighted prefix before any replica has published."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, routed_ttl_s: float = 3.0) -> None:
         self.rng = random.Random(seed)
         self.rates: RateEstimates | None = None
+        self.routed = RoutedPrefixes(routed_ttl_s)
         self.recomputed = 0  # requests cut short of their cached prefix
+        self.fallbacks = 0  # requests routed by power of two (no page held anywhere)
 
     def __call__(self, cluster: SimCluster, request: SimRequest, located) -> Route:
         if self.rates is None:
             self.rates = oracle_rates(cluster)
-        order = list(range(len(cluster.nodes)))
+        now_s = request.arrival_s
+        queued = cluster.queue_lengths(now_s)  # the live router's in-flight counts
+        located = self.routed.extend(located or [], request.keys, now_s)
+        node_ids = cluster.node_ids
+        if not located:
+            self.fallbacks += 1
+            node = _pow2(self.rng, list(range(len(node_ids))), queued)
+            self.routed.record(request.keys, node_ids[node], now_s)
+            return Route(node, 0)
+        order = list(range(len(node_ids)))
         self.rng.shuffle(order)
-        sources = best_sources(located or [], cluster.node_ids)
-        candidates = [Candidate(cluster.node_ids[i], sources[cluster.node_ids[i]],
-                                cluster.queues[i].wait_s(request.arrival_s)) for i in order]
+        sources = best_sources(located, node_ids)
         prompt = Prompt(request.input_tokens, BLOCK_TOKENS, cluster.page_bytes)
+        busy = busy_s_per_request(dict(zip(node_ids, cluster.busy_s_per_request(),
+                                           strict=True)))
+        waits = queue_waits(prompt, {node_ids[i]: queued[i] for i in order}, busy, self.rates)
+        candidates = [Candidate(node_ids[i], sources[node_ids[i]], waits[node_ids[i]])
+                      for i in order]
         decision = decide(prompt, candidates, self.rates)
         self.recomputed += decision.recompute
+        self.routed.record(request.keys, decision.replica_id, now_s)
         return Route(cluster.index_of[decision.replica_id], decision.fetch_pages)
 
 
@@ -217,9 +251,22 @@ class PrefixMatch:
 
 
 class Mooncake:
+    """The least of queue estimate + transfer of the prefix it lacks + prefill. The queue
+    estimate is the sum of the predicted times of the requests queued or running there, each
+    counted whole (the conductor predicts each request's time from its length and prefix hit
+    with a model fitted offline, here the profile's exact one; it is not told how far the
+    running one has got), not the queue's exact remaining seconds."""
+
     def __call__(self, cluster: SimCluster, request: SimRequest, located) -> int:
-        return min(range(len(cluster.nodes)),
-                   key=lambda i: (cluster.estimate_ttft_s(i, request, located), i))
+        now_s = request.arrival_s
+        queues = cluster.queues
+
+        def ttft_s(i: int) -> tuple[float, int]:
+            sources = cluster.plan(i, request.keys, located)
+            return (queues[i].queued_service_s(now_s)
+                    + cluster.service_s(sources, request.input_tokens), i)
+
+        return min(range(len(cluster.nodes)), key=ttft_s)
 
 
 def make_router(name: str, seed: int = 0) -> Choose:

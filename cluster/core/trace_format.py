@@ -28,6 +28,7 @@ tree) gets two keys, as its tokens would in raykv.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -52,35 +53,63 @@ class BlockRequest:
     block_ids: tuple[int, ...]
 
 
+class TraceError(ValueError):
+    """A trace that cannot be read, or a line of it that is no request: the message names the
+    file and the line."""
+
+
 def parse_request(line: str) -> BlockRequest:
     """One line of a trace; ValueError naming what is wrong."""
-    row = json.loads(line)
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON ({error.msg} at column {error.colno}): "
+                         f"{line[:120]!r}") from None
     try:
         ids = tuple(int(b) for b in row["hash_ids"])
         request = BlockRequest(float(row["timestamp"]), int(row["input_length"]),
                                int(row.get("output_length", 0)), ids)
-    except (KeyError, TypeError) as missing:
-        raise ValueError(f"not a block-trace request: {line[:120]!r} ({missing})") from None
+    except KeyError as missing:
+        raise ValueError(f"not a block-trace request, no {missing} field: "
+                         f"{line[:120]!r}") from None
+    except (AttributeError, TypeError, ValueError) as error:
+        raise ValueError(f"not a block-trace request ({error}): {line[:120]!r}") from None
     if request.input_tokens < 0 or any(b < 0 for b in ids):
         raise ValueError(f"negative length or block id in {line[:120]!r}")
     return request
 
 
 def iter_trace(lines: Iterable[str]) -> Iterator[BlockRequest]:
-    """The requests of a trace's lines, skipping blank ones."""
-    for line in lines:
-        if line.strip():
-            yield parse_request(line)
+    """The requests of a trace's lines, skipping blank ones; TraceError naming the line
+    (counted from 1) of one that is no request."""
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            request = parse_request(line)
+        except ValueError as error:
+            raise TraceError(f"line {line_number}: {error}") from None
+        yield request
 
 
 def read_trace(path: str, limit: int | None = None) -> list[BlockRequest]:
-    """The first `limit` requests (all when None) of a JSONL block trace, in file order."""
-    out: list[BlockRequest] = []
-    with open(path, encoding="utf-8") as file:
-        for request in iter_trace(file):
-            if limit is not None and len(out) >= limit:
-                break
-            out.append(request)
+    """The first `limit` requests (all when None; at least 1) of a JSONL block trace, in file
+    order. TraceError, naming the file (and the line), for a file that cannot be read, a line
+    that is no request, or a file with no request at all."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1 request, got {limit}")
+    try:
+        with open(path, encoding="utf-8") as file:
+            out = list(itertools.islice(iter_trace(file), limit))
+    except TraceError as error:
+        raise TraceError(f"{path}, {error}") from None
+    except UnicodeDecodeError as error:
+        raise TraceError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})"
+                         ) from None
+    except OSError as error:
+        raise TraceError(f"{path}: cannot read the trace ({error.strerror or error})") from None
+    if not out:
+        raise TraceError(f"{path}: no requests in the trace")
     return out
 
 

@@ -64,10 +64,10 @@ from policies.cost_routing import (
     best_sources,
     decide,
     pooled,
-    prefill_s,
     prior_rates,
     queued_requests,
 )
+from policies.queue_wait import busy_s_per_request, queue_waits
 from policies.routing import ReplicaLoad, has_hits, prefix_scores, rank_replicas
 
 log = logging.getLogger("raykv.router")
@@ -230,11 +230,12 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                         page_tokens, page_bytes)
         sources = _sources(located, replicas, engine_pages)
         busy = _busy_s_per_request(published)
-        busy = {r: busy.get(r) or prefill_s(prompt, 0, self.rates.prefill_rate(r))
-                for r in published}
         replicas = random.sample(replicas, len(replicas))  # decide() breaks ties by order
+        # The queue waits: policies/queue_wait.py, which the simulator's router calls too.
+        waits = queue_waits(prompt, {r.replica_id.unique_id: self._queued(r) for r in replicas},
+                            busy, self.rates)
         candidates = [Candidate(r.replica_id.unique_id, sources[r.replica_id.unique_id],
-                                self._queued(r) * busy.get(r.replica_id.unique_id, 0.0))
+                                waits[r.replica_id.unique_id])
                       for r in replicas]
         decision = decide(prompt, candidates, self.rates)
         self.last_decision = decision
@@ -337,11 +338,9 @@ def _published(replica: RunningReplica) -> dict:
 
 
 def _busy_s_per_request(published: dict) -> dict[str, float]:
-    """Each replica's compute seconds per request; before its first, the others' mean."""
-    known = {r: p["busy_s_per_request"] for r, p in published.items()
-             if p.get("busy_s_per_request")}
-    mean = sum(known.values()) / len(known) if known else 0.0
-    return {r: known.get(r, mean) for r in published}
+    """Each replica's compute seconds per request; before its first, the others' mean
+    (policies/queue_wait.py)."""
+    return busy_s_per_request({r: p.get("busy_s_per_request") for r, p in published.items()})
 
 
 def _num_tokens(pending_request: PendingRequest | None, num_pages: int,

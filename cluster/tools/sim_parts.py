@@ -28,7 +28,7 @@ from actors.handles import merge_shard_prefixes, split_by_shard
 from cluster.core.config import CacheConfig
 from cluster.core.keys import KeyChain
 from cluster.core.sim_cache import GlobalCache
-from cluster.core.sim_cluster import SimCluster, SimDirectory, SimRequest
+from cluster.core.sim_cluster import SOURCE_NAMES, SimCluster, SimDirectory, SimRequest
 from cluster.core.sim_control import SimControlLoop
 from cluster.core.sim_events import num_copies, scale_trace
 from cluster.core.sim_profiles import DEFAULT_PROFILE, PROFILES, llama3_70b
@@ -103,6 +103,8 @@ def run_cluster(cluster: SimCluster, router: str, requests: Sequence[SimRequest]
     out["speed_vs_realtime_cpu"] = out["trace_span_s"] / out["cpu_s"] if out["cpu_s"] else 0.0
     if hasattr(choose, "recomputed"):  # raykv's: requests whose cut left cached pages unread
         out["recomputed_requests"] = choose.recomputed
+    if hasattr(choose, "fallbacks"):  # raykv's: requests routed by power of two (no hit)
+        out["fallback_requests"] = choose.fallbacks
     return out
 
 
@@ -138,8 +140,7 @@ def figures(cluster: SimCluster, requests: Sequence[SimRequest], wall_s: float) 
            "ttft_p50_s": percentile(tally.ttft_s, 0.5),
            "ttft_p99_s": percentile(tally.ttft_s, 0.99),
            "ttft_mean_s": statistics.fmean(tally.ttft_s) if tally.ttft_s else 0.0,
-           "hits_by_source": dict(zip(("device", "host", "disk", "remote"),
-                                      tally.hits_by_source, strict=True)),
+           "hits_by_source": dict(zip(SOURCE_NAMES, tally.hits_by_source, strict=True)),
            "cross_node_bytes": tally.remote_bytes + control_bytes,
            "cross_node_fetch_bytes": tally.remote_bytes,
            "engine_busy_fraction": (sum(q.busy_s for q in cluster.queues)
@@ -201,15 +202,23 @@ def routing_part(requests: Sequence[BlockRequest], step: Step | None = None) -> 
 
 
 def routing_ratios(routing: dict) -> dict[str, float | None]:
+    """The TTFT goals. raykv's hit ratio over the global bound's is a figure here
+    (`routing_hit_vs_global_bound`, no goal): 16 nodes' tiers hold every block of the
+    replicated trace, so the bound evicts nothing and the ratio cannot fall short; the goal
+    `sim_hit_vs_global_bound` is measured where capacity forces eviction (the fig10 part)."""
     routers = routing["routers"]
     raykv = routers["raykv"]
     peers = [f for name, f in routers.items() if name != "raykv"]
     best_p50 = min(f["ttft_p50_s"] for f in peers)
     best_p99 = min(f["ttft_p99_s"] for f in peers)
-    bound = routing["global_bound_hit_ratio"]
     return {"sim_ttft_p50_vs_best_peer": raykv["ttft_p50_s"] / best_p50 if best_p50 else None,
-            "sim_ttft_p99_vs_best_peer": raykv["ttft_p99_s"] / best_p99 if best_p99 else None,
-            "sim_hit_vs_global_bound": raykv["hit_ratio"] / bound if bound else None}
+            "sim_ttft_p99_vs_best_peer": raykv["ttft_p99_s"] / best_p99 if best_p99 else None}
+
+
+def routing_figures(routing: dict) -> dict[str, float]:
+    bound = routing["global_bound_hit_ratio"]
+    raykv = routing["routers"]["raykv"]
+    return {"routing_hit_vs_global_bound": raykv["hit_ratio"] / bound} if bound else {}
 
 
 def scale_part(requests: Sequence[BlockRequest], nodes: Sequence[int] = SCALE_NODES,
@@ -250,4 +259,8 @@ NOTE = ("routing/scale: each node is one 8-GPU LLaMA3-70B prefill engine, FIFO, 
         "baselines' local caches evict LRU; raykv's tiers its default policy, and its control "
         "loop (policies/rebalance.py: replication, migration) runs every "
         "rebalance_period_s on snapshots of the simulated cluster, its copies landing at "
-        "once; admission is not driven (no tenant limits in the trace)")
+        "once; admission is not driven (no tenant limits in the trace); raykv's router "
+        "estimates queue waits as the live one does (in-flight requests x measured compute "
+        "seconds per request; power of two without a hit), Mooncake's sums the queued "
+        "requests' predicted times; a page on another node's disk costs that disk's read "
+        "and the NIC's")

@@ -119,5 +119,8 @@ def test_the_part_on_a_small_trace(tmp_path, monkeypatch):
             "hit_ratio"]  # conversations that stay on their node hit there
         assert all(f["cross_node_bytes"] == 0 for f in runs["local"].values())
     assert written["figures"] == sim_fig10.fig10_figures(fig10)
-    assert result["ratios"] == {}  # figures, no goal
+    # figures, no goal; and the hit bound's goal, measured where the capacity forces eviction
+    assert set(result["ratios"]) == {"sim_hit_vs_global_bound"}
+    assert result["ratios"]["sim_hit_vs_global_bound"] == pytest.approx(
+        sim_fig10.fig10_ratios(fig10)["sim_hit_vs_global_bound"])
     assert (tmp_path / "sim.png").stat().st_size > 10_000

@@ -17,6 +17,7 @@ from cluster.core.trace_format import (
     VOCAB,
     BlockKeys,
     BlockRequest,
+    TraceError,
     block_tokens,
     hit_tokens,
     iter_trace,
@@ -48,6 +49,28 @@ def test_parse_ignores_other_fields_and_rejects_bad_rows():
         parse_request(json.dumps({"timestamp": 1, "hash_ids": [1]}))
     with pytest.raises(ValueError, match="negative"):
         parse_request(json.dumps({"timestamp": 1, "input_length": 5, "hash_ids": [-1]}))
+
+
+def test_read_trace_names_the_file_and_line_of_a_bad_request(tmp_path):
+    good = json.dumps({"timestamp": 0, "input_length": 5, "hash_ids": [1]})
+    trace = tmp_path / "t.jsonl"
+    for text, why in [(f"{good}\n\n{{oops\n", "line 3: not JSON"),
+                      (f"{good}\n{json.dumps({'timestamp': 1, 'input_length': 2})}\n",
+                       "line 2: not a block-trace request, no 'hash_ids'"),
+                      ('{"timestamp": 0, "input_length": 5, "hash_ids": "ab"}\n',
+                       "line 1: not a block-trace request"),
+                      ("\n \n", "no requests"), (b"\xff\xfe".decode("latin-1"), "not UTF-8")]:
+        trace.write_text(text, encoding="latin-1")
+        with pytest.raises(TraceError, match=f"^{trace}.*{why}"):
+            read_trace(str(trace))
+    with pytest.raises(TraceError, match="cannot read"):
+        read_trace(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(TraceError, match="cannot read"):
+        read_trace(str(tmp_path))
+    trace.write_text(f"{good}\n{good}\n")
+    assert len(read_trace(str(trace), limit=1)) == 1
+    with pytest.raises(ValueError, match="limit"):
+        read_trace(str(trace), limit=0)
 
 
 def test_a_block_id_becomes_512_tokens_from_blake3_of_the_id():
