@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
 
 import ray
 
@@ -26,7 +28,8 @@ log = logging.getLogger("raykv")
 START_TIMEOUT_S = 120.0  # the default wait for each step of start() and for other answers
 START_TIMEOUT_ENV = "RAYKV_START_TIMEOUT_S"
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
-_TOLD: set[str] = set()  # the addresses whose refusal this process has logged already
+GCS_PROBE_TIMEOUT_S = 3.0  # a GCS port that takes no TCP connection in this long is not there
+_HOST_PORT = re.compile(r"^\[?(?P<host>[^\s/\[\]]+?)\]?:(?P<port>\d{1,5})$")  # not ray://
 
 
 def _ensure_ray(config: CacheConfig) -> None:
@@ -96,22 +99,42 @@ def join_ray(address: str | None = None) -> None:
     one this machine is part of ("auto"). Every raykv entry point joins Ray through here.
 
     A cluster with token authentication is joined with the token at hand (RAY_AUTH_TOKEN,
-    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token). When Ray refuses, this says once, loudly (an
-    ERROR log), what to export, and raises ConnectionError with the same words.
+    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token). A host:port address whose port takes no TCP
+    connection within GCS_PROBE_TIMEOUT_S is refused at once (Ray itself would retry for
+    minutes). When Ray refuses, or is not there, this raises ConnectionError saying what to
+    export or check (logged at DEBUG only: the caller shows it, once).
     """
     if ray.is_initialized():
         return
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
     auth = _adopt_token_auth()
+    unreachable = gcs_port_error(target)
+    if unreachable is not None:
+        raise _refused(target, auth, unreachable)
     try:
         ray.init(address=target, logging_level=logging.WARNING, log_to_driver=False)
     except (ConnectionError, ray.exceptions.AuthenticationError) as error:
         ray.shutdown()  # a failed init leaves half a connection: the next try starts clean
-        hint = auth_hint(target, auth, error)
-        if target not in _TOLD:
-            _TOLD.add(target)
-            log.error("%s", hint)
-        raise ConnectionError(hint) from None
+        raise _refused(target, auth, error) from None
+
+
+def gcs_port_error(target: str, timeout_s: float = GCS_PROBE_TIMEOUT_S) -> OSError | None:
+    """The error of a TCP connection to a host:port `target` (its GCS), None when one is
+    made; None, untried, for any other target ("auto", "local", a ray:// URL)."""
+    match = _HOST_PORT.match(target)
+    if match is None:
+        return None
+    try:
+        with socket.create_connection((match["host"], int(match["port"])), timeout=timeout_s):
+            return None
+    except OSError as error:
+        return error
+
+
+def _refused(target: str, auth: str, error: BaseException) -> ConnectionError:
+    hint = auth_hint(target, auth, error)
+    log.debug("%s", hint)
+    return ConnectionError(hint)
 
 
 def auth_hint(target: str, auth: str, error: BaseException) -> str:

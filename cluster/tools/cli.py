@@ -12,6 +12,7 @@ import typer
 from cluster.tools.bench.harness import failed
 from cluster.tools.operator_cli import pin_command, unpin_command, warm_command
 from cluster.tools.ops_cli import service_errors, start_command, status_command, stop_command
+from cluster.tools.outputs import checked_output, make_parents
 from cluster.tools.quota_cli import quota_app
 from cluster.tools.serve_cli import serve_command
 from cluster.tools.sizing_cli import size_command
@@ -55,12 +56,18 @@ BENCHMARKS = {
     "trace": "cluster.tools.bench.trace",
 }
 
-JsonPath = Annotated[Path | None, typer.Option("--json", help="write results here as JSON")]
+# Output paths are checked before any work, their folders made as it starts (outputs.py).
+JsonPath = Annotated[Path | None, typer.Option(
+    "--json", help="write results here as JSON (its folder is made)", callback=checked_output)]
 Quick = Annotated[bool, typer.Option("--quick", help="smaller sizes, for a smoke run")]
-PlotPath = Annotated[Path | None, typer.Option("--plot", help="write a chart here (PNG)")]
+PlotPath = Annotated[Path | None, typer.Option(
+    "--plot", help="write a chart here (PNG; its folder is made)", callback=checked_output)]
+TracePath = Annotated[Path, typer.Option(
+    exists=True, dir_okay=False, help="a block trace in Mooncake's JSONL format")]
 
 
 def _bench(name: str, json_path: Path | None, quick: bool, **extra) -> None:
+    make_parents(json_path)
     module = importlib.import_module(BENCHMARKS[name])
     result = module.run(str(json_path) if json_path else None, quick, **extra)
     typer.echo(json.dumps(result["ratios"], indent=2))
@@ -80,6 +87,7 @@ def _register(name: str, help_text: str) -> None:
 
 def _register_plotted(name: str, help_text: str) -> None:
     def command(json_path: JsonPath = None, quick: Quick = False, plot: PlotPath = None) -> None:
+        make_parents(plot)
         _bench(name, json_path, quick, plot_path=str(plot) if plot else None)
 
     bench_app.command(name, help=help_text)(command)
@@ -132,6 +140,7 @@ def trace_command(
     json_path: JsonPath = None,
     quick: Quick = False,
     trace: Annotated[Path | None, typer.Option(
+        exists=True, dir_okay=False,
         help="a block trace in Mooncake's JSONL format (default: "
              "../shared/traces/mooncake_conversation.jsonl)")] = None,
 ) -> None:
@@ -143,30 +152,36 @@ def trace_command(
 
 @bench_app.command("summary")
 def summary_command(
-    bench_dir: Annotated[Path, typer.Argument(help="folder of benchmark JSON files")] = Path(
-        "docs/bench"),
+    bench_dir: Annotated[Path, typer.Argument(
+        help="folder of benchmark JSON files (the default is relative: run from the "
+             "repository root)")] = Path("docs/bench"),
     doc: Annotated[Path | None, typer.Option(help="rewrite this file's summary block")] = None,
 ) -> None:
     """The summary table of every JSON result in BENCH_DIR, as markdown (with --doc, written
     into that file's summary block instead)."""
     from cluster.tools.bench import summary
 
-    if doc is None:
-        typer.echo(summary.table(bench_dir))
-        return
-    changed = summary.rewrite(doc, bench_dir)
+    try:
+        if doc is None:
+            typer.echo(summary.table(bench_dir))
+            return
+        changed = summary.rewrite(doc, bench_dir)
+    except summary.SummaryError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"{doc}: summary {'rewritten' if changed else 'already current'}")
 
 
 @app.command("sim")
 def sim_command(
-    trace: Annotated[Path, typer.Option(help="a block trace in Mooncake's JSONL format")],
+    trace: TracePath,
     json_path: JsonPath = None,
     plot: PlotPath = None,
     part: Annotated[list[str] | None, typer.Option(
         help="what to simulate: eviction, routing, scale, fig10 (repeat it; all by default)"
     )] = None,
-    limit: Annotated[int | None, typer.Option(help="only the trace's first LIMIT requests")] = None,
+    limit: Annotated[int | None, typer.Option(
+        min=1, help="only the trace's first LIMIT requests (at least 1)")] = None,
     window_s: Annotated[float | None, typer.Option(
         help="the scale part: only the first WINDOW_S seconds of the replicated trace")] = None,
     start_s: Annotated[float | None, typer.Option(
@@ -177,15 +192,20 @@ def sim_command(
     routing: 16 simulated H100 nodes, raykv's router and shared tiers against the baselines'
     routers. scale: 4..1024 nodes at a constant load per node. fig10: Mooncake's Fig. 10
     setting, 10 nodes x 3M tokens, local caches against raykv's global cache."""
+    from cluster.core.trace_format import TraceError
     from cluster.tools import sim
 
     unknown = sorted(set(part or ()) - set(sim.PARTS))
     if unknown:
         raise typer.BadParameter(f"unknown part(s) {unknown}; this version has {list(sim.PARTS)}",
                                  param_hint="--part")
-    result = sim.run(str(trace), str(json_path) if json_path else None,
-                     str(plot) if plot else None, tuple(part or sim.PARTS),
-                     sim.Bounds(limit, window_s, start_s))
+    make_parents(json_path, plot)
+    try:
+        result = sim.run(str(trace), str(json_path) if json_path else None,
+                         str(plot) if plot else None, tuple(part or sim.PARTS),
+                         sim.Bounds(limit, window_s, start_s))
+    except TraceError as error:  # raised while the trace is read, before any simulation
+        raise typer.BadParameter(str(error), param_hint="--trace") from None
     typer.echo(json.dumps(result["ratios"], indent=2))
     for name, why in failed(result).items():
         typer.echo(f"FAILED {name}: not exercised: {why}", err=True)
@@ -195,13 +215,15 @@ def sim_command(
 
 @app.command("demo")
 def demo_command(
-    png: Annotated[Path, typer.Option(help="where to write the chart")] = Path("out/demo.png"),
+    png: Annotated[Path, typer.Option(help="where to write the chart (its folder is made)",
+                                      callback=checked_output)] = Path("out/demo.png"),
     num_nodes: Annotated[int, typer.Option(help="simulated Ray nodes")] = 3,
 ) -> None:
     """The Serve app on raykv on a simulated cluster under a multi-tenant chat workload:
     cached tokens, hits by tier, TTFT with the cache against a recompute; a table and a PNG."""
     from cluster.tools.demo import run_demo
 
+    make_parents(png)
     run_demo(png, num_nodes)
 
 

@@ -143,5 +143,6 @@ def render() -> str:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m cluster.tools.grafana OUT.json")
-    with open(sys.argv[1], "w", encoding="utf-8") as out:
-        out.write(render())
+    from cluster.tools.outputs import write_text_atomic
+
+    write_text_atomic(sys.argv[1], render())

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from cluster.tools.outputs import checked_output, make_parents
 from cluster.tools.tax_report import DEFAULT, TaxSettings
 
 
@@ -27,8 +28,11 @@ def tax_command(
                         "inside it is removed at the end.")] = None,
     rounds: Annotated[int, typer.Option(help="Rounds of every mode, interleaved (at least 3).")] = (
         DEFAULT.num_rounds),
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write the result here.")] = None,
-    png: Annotated[Path | None, typer.Option(help="Write the chart here.")] = Path("out/tax.png"),
+    json_path: Annotated[Path | None, typer.Option(
+        "--json", help="Write the result here (its folder is made).",
+        callback=checked_output)] = None,
+    png: Annotated[Path | None, typer.Option(help="Write the chart here (its folder is made).",
+                                             callback=checked_output)] = Path("out/tax.png"),
     fio: Annotated[bool, typer.Option(help="Also measure fio's O_DIRECT read bandwidth as a "
                                            "peer (~4 s).")] = DEFAULT.fio_peer,
 ) -> None:
@@ -42,9 +46,7 @@ def tax_command(
     except ValueError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from error
-    for path in (json_path, png):
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+    make_parents(json_path, png)
     from cluster.tools.tax import run_tax
 
     run_tax(settings, str(json_path) if json_path else None, str(png) if png else None)

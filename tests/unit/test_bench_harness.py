@@ -56,3 +56,36 @@ def test_goals_met_treats_nan_and_missing_as_unmet():
     goals = {"a": {"min": 1.0}, "b": {"max": 1.0}, "c": {"min": 0.0}}
     assert harness.goals_met({"a": float("nan"), "b": 0.5}, goals) == {
         "a": False, "b": True, "c": False}
+
+
+def test_a_result_that_cannot_be_written_leaves_the_previous_file_whole(tmp_path):
+    # found by an audit: open("w") then json.dump(allow_nan=False) truncated the last good
+    # result and left half a JSON object when a figure was NaN
+    path = tmp_path / "r.json"
+    path.write_text('{"previous": "good"}')
+    report = harness.Report("x", "s", {}, {})
+    report.ratio("a", 1.0)
+    report["figures"] = {"p99": float("nan")}
+    with pytest.raises(ValueError, match="JSON"):
+        report.finish(str(path))
+    assert path.read_text() == '{"previous": "good"}'
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left
+    report["figures"] = {"p99": 2.0}
+    report.finish(str(path))
+    assert json.loads(path.read_text())["figures"] == {"p99": 2.0}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_an_atomic_write_that_fails_at_the_rename_keeps_the_old_file(tmp_path, monkeypatch):
+    from cluster.tools import outputs
+
+    path = tmp_path / "r.json"
+    path.write_text("old")
+
+    def refuse(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(outputs.os, "replace", refuse)
+    with pytest.raises(OSError, match="disk gone"):
+        outputs.write_text_atomic(path, "new")
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["r.json"]

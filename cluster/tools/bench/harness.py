@@ -8,7 +8,8 @@
                 never exercised: its value is null, its goal unmet, and `raykv bench` exits 2.
     load        the load average is read when the Report is made and again in `finish`.
     JSON        `finish` writes {"benchmark", "unit", "config", "machine", figures..., "ratios",
-                "goals", "met", "spread", "not_exercised", "notes"} and prints the ratio table.
+                "goals", "met", "spread", "not_exercised", "notes"} and prints the ratio table;
+                the file is replaced whole (a temporary file, then a rename) or not at all.
 
 A ratio whose goal is a minimum reads "raykv is at least this good"; a maximum, "at most this
 slow". Names are the issue's contract: keep them.
@@ -23,6 +24,8 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
+
+from cluster.tools.outputs import write_text_atomic
 
 MIN_ROUNDS = 3
 PACKAGES = ("ray", "torch", "numpy", "blake3", "xxhash", "redis")
@@ -217,9 +220,9 @@ def finish(result: dict, json_path: str | None) -> dict:
     result["met"] = goals_met(result["ratios"], result["goals"])
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     print_tables([ratio_table(result)])
-    if json_path:
-        with open(json_path, "w") as file:
-            json.dump(result, file, indent=2, allow_nan=False, default=_json_default)
+    if json_path:  # serialised first (a NaN raises here), then written whole
+        text = json.dumps(result, indent=2, allow_nan=False, default=_json_default)
+        write_text_atomic(json_path, text)
     return result
 
 

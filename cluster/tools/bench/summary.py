@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from cluster.tools.bench.harness import goal_text
+from cluster.tools.outputs import write_text_atomic
 
 BEGIN = "<!-- summary:begin (raykv bench summary docs/bench; do not edit by hand) -->"
 END = "<!-- summary:end -->"
@@ -55,28 +56,70 @@ def rows_of(name: str, result: dict) -> list[str]:
     return rows
 
 
+class SummaryError(ValueError):
+    """A folder or file the summary cannot be made from or written into; the message names it."""
+
+
 def table(bench_dir: Path) -> str:
-    """The markdown table of every *.json in bench_dir (sorted by file name)."""
+    """The markdown table of every *.json in bench_dir (sorted by file name); SummaryError for
+    a missing folder, one without JSON files, or a file that is not a benchmark result."""
+    if not bench_dir.is_dir():
+        raise SummaryError(f"{bench_dir}: no folder of that name (run from the repository "
+                           "root, or name the folder)")
+    paths = sorted(bench_dir.glob("*.json"))
+    if not paths:
+        raise SummaryError(f"{bench_dir}: no JSON results in the folder")
     rows = [HEADER]
-    for path in sorted(bench_dir.glob("*.json")):
-        rows.extend(rows_of(path.stem, json.loads(path.read_text())))
+    for path in paths:
+        rows.extend(_file_rows(path))
     return "\n".join(rows)
 
 
+def _file_rows(path: Path) -> list[str]:
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise SummaryError(f"{path}: cannot read it ({_why(error)})") from None
+    except json.JSONDecodeError as error:
+        raise SummaryError(f"{path}: not JSON ({error})") from None
+    if not isinstance(result, dict) or not isinstance(result.get("ratios", {}), dict):
+        raise SummaryError(f"{path}: not a benchmark result (a JSON object with a \"ratios\" "
+                           "object)")
+    try:
+        return rows_of(path.stem, result)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as error:
+        raise SummaryError(f"{path}: not a benchmark result ({type(error).__name__}: "
+                           f"{error})") from None
+
+
 def block(bench_dir: Path) -> str:
+    """The summary block (markers included) made from bench_dir."""
     return f"{BEGIN}\n{table(bench_dir)}\n{END}"
 
 
 def rewrite(doc_path: Path, bench_dir: Path) -> bool:
-    """Replace the summary block in doc_path with one made from bench_dir; True if it changed."""
-    text = doc_path.read_text()
+    """Replace the summary block in doc_path with one made from bench_dir, the file replaced
+    whole; True if it changed. SummaryError for a doc that cannot be read or has no block."""
+    text = _read_doc(doc_path)
     head, _, rest = text.partition(BEGIN)
     _, found, tail = rest.partition(END)
     if not found:
-        raise ValueError(f"{doc_path} has no summary block ({BEGIN!r} ... {END!r})")
+        raise SummaryError(f"{doc_path}: no summary block ({BEGIN!r} ... {END!r})")
     new_text = head + block(bench_dir) + tail
-    doc_path.write_text(new_text)
+    if new_text != text:
+        write_text_atomic(doc_path, new_text)
     return new_text != text
+
+
+def _read_doc(doc_path: Path) -> str:
+    try:
+        return doc_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise SummaryError(f"{doc_path}: cannot read it ({_why(error)})") from None
+
+
+def _why(error: OSError | UnicodeDecodeError) -> str:
+    return getattr(error, "strerror", None) or str(error)
 
 
 def current(doc_path: Path) -> str:

@@ -158,6 +158,7 @@ def _run_setups(args, run: _Round) -> None:
 
     from cluster.tools.bench import vllm_serve as vs
     from cluster.tools.bench.vllm_serve_setups import ENGINE_SLOT
+    from cluster.tools.outputs import write_text_atomic
     from cluster.tools.redis_server import free_port
     from cluster.tools.simcluster import simulated_cluster, start_serve
 
@@ -171,7 +172,7 @@ def _run_setups(args, run: _Round) -> None:
             run.results[name]["summary"] = summary["summary"]
             run.results[name]["start_s"] = summary["start_s"]
             run.results[name]["setup_total_s"] = time.time() - began
-            (out / "results.json").write_text(json.dumps(run.results, indent=1))
+            write_text_atomic(out / "results.json", json.dumps(run.results, indent=1))
             print(name, json.dumps(summary["summary"]), flush=True)
         serve.shutdown()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from cluster.tools.bench.vllm_serve_breakdown import columns, paired, split
+from cluster.tools.outputs import write_text_atomic
 
 
 def condensed(results: dict, against: str) -> dict:
@@ -59,7 +60,7 @@ def main() -> None:
     report = condensed(results, args.against)
     text = json.dumps(report, indent=1)
     if args.json:
-        Path(args.json).write_text(text + "\n")
+        write_text_atomic(args.json, text + "\n")
     print(text)
 
 
