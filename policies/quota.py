@@ -1,6 +1,6 @@
 """Who gives memory back when a tier is full: min, max and weight per model and namespace.
 
-Pure. Two decisions, both over a snapshot of who holds what:
+Pure. Decisions over a snapshot of who holds what:
 
     choose_donor(holdings, requester, need_bytes)
         a model that needs memory in a full tier takes a chunk from another model, or evicts
@@ -20,11 +20,21 @@ Pure. Two decisions, both over a snapshot of who holds what:
     release_order(chunks, quotas)
         which of a donor model's chunks go back first: those holding only lower classes'
         pages (a chunk counts as the highest class it holds), the emptiest among equals.
+
+    breaks_min(usage, quotas, giving)
+        whether giving these bytes would put a namespace under its min (namespace_guard's
+        rule, for a chunk's pages at once): such a chunk is not given back.
+
+    fitted_mins(mins, capacity_bytes)
+        the mins a tier can keep: as registered when they fit together, else cut in
+        proportion so that they do (a min past the tier is a guarantee it cannot give).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import numbers
+from dataclasses import dataclass, replace
 
 PRIORITIES = ("low", "normal", "high")  # a namespace's eviction class: the lowest gives first
 
@@ -43,8 +53,15 @@ class Quota:
     priority: str = "normal"
 
     def __post_init__(self) -> None:
-        if self.min_bytes < 0 or self.weight <= 0:
-            raise ValueError(f"a quota needs min_bytes >= 0 and weight > 0, got {self}")
+        figures = {"min_bytes": self.min_bytes, "max_bytes": self.max_bytes,
+                   "weight": self.weight}
+        for name, value in figures.items():
+            if not (value is None and name == "max_bytes") and not _finite(value):
+                raise ValueError(f"a quota's {name} must be a finite number, got {value!r}")
+        if (self.min_bytes < 0 or self.weight <= 0
+                or (self.max_bytes is not None and self.max_bytes < 0)):
+            raise ValueError(f"a quota needs min_bytes >= 0, max_bytes >= 0 and weight > 0, "
+                             f"got {self}")
         if self.priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got "
                              f"{self.priority!r}")
@@ -59,6 +76,13 @@ class Quota:
         priority = max(self.priority, other.priority, key=PRIORITIES.index)
         return Quota(self.min_bytes + other.min_bytes, maximum, self.weight + other.weight,
                      priority)
+
+
+def _finite(value: object) -> bool:
+    """A real number (not a bool) that is neither NaN nor infinite."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    return isinstance(value, numbers.Integral) or math.isfinite(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,3 +176,26 @@ def release_order(chunks: list[tuple[int, int, frozenset[str]]],
         return top, used, number
 
     return [chunk[0] for chunk in sorted(chunks, key=key)]
+
+
+def breaks_min(usage: dict[str, int], quotas: dict[str, Quota], giving: dict[str, int]) -> bool:
+    """Whether giving `giving` (bytes per namespace) would put a namespace under its min:
+    `usage`, the bytes each holds in the tier; `quotas`: unknown ones get Quota()."""
+    return any(usage.get(ns, 0) - given < quotas.get(ns, Quota()).min_bytes
+               for ns, given in giving.items() if given > 0)
+
+
+def fitted_mins(mins: dict[str, int], capacity_bytes: int) -> dict[str, int]:
+    """The mins (bytes, by holder or namespace) that a tier of `capacity_bytes` can keep: as
+    given when their sum fits, else each cut in proportion (rounded down), so that they do."""
+    total = sum(mins.values())
+    if total <= capacity_bytes:
+        return dict(mins)
+    return {name: int(minimum * capacity_bytes // total) for name, minimum in mins.items()}
+
+
+def fitted_quotas(quotas: dict[str, Quota], capacity_bytes: int) -> dict[str, Quota]:
+    """`quotas` with the mins a tier of `capacity_bytes` can keep (fitted_mins)."""
+    mins = fitted_mins({name: q.min_bytes for name, q in quotas.items()}, capacity_bytes)
+    return {name: q if mins[name] == q.min_bytes else replace(q, min_bytes=mins[name])
+            for name, q in quotas.items()}

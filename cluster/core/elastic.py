@@ -9,7 +9,11 @@
 A pool that needs a slot first uses its held chunks, then grows by a chunk while the budget
 has room. In a full tier, choose_donor names another pool to give a chunk back (its emptiest
 chunks' pages are demoted, the chunks released), or the pool evicts its own pages. A pool
-idle for `idle_shrink_s` gives its memory chunks back down to its min. Pure: no Ray.
+idle for `idle_shrink_s` gives its memory chunks back down to its min. A chunk whose pages'
+going would put a namespace under its min is not given back. A max lowered at run time is
+given back at once (give_back_over_max), as far as pages in use allow. Mins a tier cannot
+hold (past its capacity, alone or summed) are cut to it, in proportion (fitted_mins), and
+the shortfall shown in stats. Pure: no Ray.
 
 This module knows a pool only as an `ElasticPool` (the members it uses); cluster/core/pool.py
 imports it for the links and the namespace-quota victims, never the other way round.
@@ -17,6 +21,7 @@ imports it for the links and the namespace-quota victims, never the other way ro
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -32,7 +37,9 @@ from policies.eviction import EvictionPolicy
 from policies.quota import (
     Holding,
     Quota,
+    breaks_min,
     choose_donor,
+    fitted_quotas,
     giving_order,
     namespace_guard,
     release_order,
@@ -41,6 +48,8 @@ from policies.quota import (
 log = logging.getLogger("raykv.elastic")
 MAX_RECLAIM_ROUNDS = 64  # chunks one request may take from others
 MIN_CHUNKS = 8  # a tier is cut into at least this many chunks, so models can share it
+TIERS = (DEVICE, HOST, DISK)
+Floor = Callable[[dict[str, int]], bool]  # bytes given per namespace -> one goes under its min
 
 
 @dataclass(slots=True)
@@ -75,7 +84,15 @@ class ElasticPool(Protocol):
 
     def revoke_leased(self, tier: int, count: int) -> int: ...
 
-    async def demote(self, keys: list[PageKey], tier: int) -> None: ...
+    async def demote(self, keys: list[PageKey], tier: int,
+                     keep_unmoved: bool = False) -> list[PageKey]: ...
+
+
+def tier_slot_bytes(pool: ElasticPool, tier: int) -> int:
+    """What one page takes in `tier`: a disk slot is the page and its header, aligned."""
+    if tier == DISK and pool.disk is not None:
+        return pool.disk.slot_bytes
+    return pool.geometry.slot_bytes
 
 
 def guarded_victims(pool: ElasticPool, tier: int, count: int, namespace: str) -> list[PageKey]:
@@ -84,7 +101,7 @@ def guarded_victims(pool: ElasticPool, tier: int, count: int, namespace: str) ->
     classes first, and within a class those most over their share."""
     if pool.elastic.guard is None:
         return pool.policies[tier].victims(count, pool.is_pinned)
-    rounds = pool.elastic.guard(tier, namespace, pool.geometry.slot_bytes)
+    rounds = pool.elastic.guard(tier, namespace, tier_slot_bytes(pool, tier))
     taken: list[PageKey] = []
     for givers in rounds:
         if len(taken) >= count:
@@ -96,23 +113,41 @@ def guarded_victims(pool: ElasticPool, tier: int, count: int, namespace: str) ->
     return taken[:count]
 
 
-async def within_namespace_max(pool: ElasticPool, tier: int, namespace: str, count: int) -> int:
+async def within_namespace_max(pool: ElasticPool, tier: int, namespace: str, count: int,
+                               keep_unmoved: bool = False) -> int:
     """How many of `count` new pages `namespace` may place in `tier` under its max: its own
-    least valuable pages there are demoted to make the room. (Pages of other namespaces are
-    never evicted for this.)"""
+    least valuable pages there are demoted to make the room (`keep_unmoved`: see
+    Pool.demote). (Pages of other namespaces are never evicted for this.)"""
     if pool.elastic.room is None:
         return count
     room_bytes = pool.elastic.room(tier, namespace)
     if room_bytes is None:
         return count
-    over = count - room_bytes // pool.geometry.slot_bytes
+    slot_bytes = tier_slot_bytes(pool, tier)
+    over = count - room_bytes // slot_bytes
     if over > 0:
         own = pool.policies[tier].victims(
             over, lambda k: pool.is_pinned(k) or pool.index[k].namespace != namespace)
         if own:
-            await pool.demote(own, tier)
+            await pool.demote(own, tier, keep_unmoved)
         room_bytes = pool.elastic.room(tier, namespace)
-    return max(0, min(count, room_bytes // pool.geometry.slot_bytes))
+    return max(0, min(count, room_bytes // slot_bytes))
+
+
+async def admitted_below(pool: ElasticPool, tier: int, keys: list[PageKey],
+                         keep_unmoved: bool) -> tuple[list[PageKey], list[PageKey]]:
+    """Of pages demoted into `tier`, (those their namespaces' max there admits, the rest): a
+    namespace at its max first demotes its own least valuable pages of `tier` to make the
+    room, as its puts do (within_namespace_max)."""
+    by_namespace: dict[str, list[PageKey]] = {}
+    for key in keys:
+        by_namespace.setdefault(pool.index[key].namespace, []).append(key)
+    admitted: set[PageKey] = set()
+    for namespace, group in by_namespace.items():
+        count = await within_namespace_max(pool, tier, namespace, len(group), keep_unmoved)
+        admitted.update(group[:count])
+    return ([key for key in keys if key in admitted],
+            [key for key in keys if key not in admitted])
 
 
 def namespace_room_pages(pool: ElasticPool, tier: int, namespace: str) -> int | None:
@@ -121,14 +156,40 @@ def namespace_room_pages(pool: ElasticPool, tier: int, namespace: str) -> int | 
     if pool.elastic.room is None:
         return None
     room_bytes = pool.elastic.room(tier, namespace)
-    return None if room_bytes is None else room_bytes // pool.geometry.slot_bytes
+    return None if room_bytes is None else room_bytes // tier_slot_bytes(pool, tier)
+
+
+def pages_by_chunk(pool: ElasticPool, tier: int, slots: ChunkedSlots) -> dict[int, list[PageKey]]:
+    """The pool's pages (any state) in `tier`, by the chunk that holds them."""
+    by_chunk: dict[int, list[PageKey]] = {}
+    for key, entry in pool.index.items():
+        if entry.tier == tier:
+            by_chunk.setdefault(entry.slot // slots.slots_per_chunk, []).append(key)
+    return by_chunk
+
+
+def chunk_givable(pool: ElasticPool, tier: int, keys: list[PageKey], floor: Floor | None) -> bool:
+    """Whether a chunk holding `keys` can be given back: none of its pages is in use (pinned,
+    moving or being written), and (with a `floor`) their going puts no namespace under its
+    min."""
+    if any(pool.is_pinned(k) for k in keys):
+        return False
+    if floor is None or not keys:
+        return True
+    slot_bytes = tier_slot_bytes(pool, tier)
+    giving: Counter[str] = Counter()
+    for key in keys:
+        giving[pool.index[key].namespace] += slot_bytes
+    return not floor(giving)
 
 
 async def release_chunks(pool: ElasticPool, tier: int, num_chunks: int,
-                         quotas: dict[str, Quota] | None = None) -> int:
+                         quotas: dict[str, Quota] | None = None,
+                         floor: Floor | None = None) -> int:
     """Give up to `num_chunks` of the pool's chunks in `tier` back to the budget: those of
     lower priority classes' pages first (per the namespace `quotas`), the emptiest among
-    equals; their pages are demoted, and a chunk with a page in use is skipped."""
+    equals; their pages are demoted. A chunk with a page in use is skipped, and so is one
+    whose pages' going would put a namespace under its min (`floor`; None: not checked)."""
     slots = pool.slots(tier)
     if slots is None:
         return 0
@@ -137,10 +198,7 @@ async def release_chunks(pool: ElasticPool, tier: int, num_chunks: int,
     # Bounded: chunks emptied meanwhile (by the demotion ahead, or a revoked lease) are not
     # all given back, or an idle pool would drop below its min.
     released = slots.release_empty(num_chunks)
-    by_chunk: dict[int, list[PageKey]] = {}
-    for key, entry in pool.index.items():
-        if entry.tier == tier:
-            by_chunk.setdefault(entry.slot // slots.slots_per_chunk, []).append(key)
+    by_chunk = pages_by_chunk(pool, tier, slots)
     chunks = [(chunk, used, frozenset(pool.index[k].namespace for k in by_chunk.get(chunk, ())))
               for used, chunk in slots.chunks_by_use()]
     for chunk in release_order(chunks, quotas or {}):
@@ -148,7 +206,7 @@ async def release_chunks(pool: ElasticPool, tier: int, num_chunks: int,
             break
         in_chunk = set(slots.slots_of(chunk))  # afresh: pages may have moved meanwhile
         keys = [k for k, e in pool.index.items() if e.tier == tier and e.slot in in_chunk]
-        if any(pool.is_pinned(k) for k in keys):
+        if not chunk_givable(pool, tier, keys, floor):
             continue
         await pool.demote(keys, tier)
         released += slots.release_empty(num_chunks - released)
@@ -166,12 +224,17 @@ class ElasticMemory:
     model_quotas: dict[str, Quota] = field(default_factory=dict)
     namespace_quotas: dict[str, Quota] = field(default_factory=dict)
     budgets: list[TierBudget] = field(init=False)
+    # per tier: (model quotas, namespace quotas) with the mins the tier can hold (fitted_mins)
+    fitted: list[tuple[dict[str, Quota], dict[str, Quota]]] = field(init=False)
     holders: dict[str, ElasticPool] = field(default_factory=dict)
     counters: Counter = field(default_factory=Counter)
+    over_max_pending: bool = False  # a max was lowered: give_back_over_max has not run since
+    _giving_back: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         self.budgets = [TierBudget(self.device_bytes), TierBudget(self.host_bytes),
                         TierBudget(self.disk_bytes)]
+        self._fit()
 
     def share(self, tier: int, holder: str, slot_bytes: int) -> Share:
         """A pool's claim on a tier: chunks of chunk_bytes, smaller in a small tier (so it
@@ -189,15 +252,41 @@ class ElasticMemory:
         self._apply_cap(holder)
 
     def set_quotas(self, models: dict[str, Quota], namespaces: dict[str, Quota]) -> None:
-        """Quotas by pool holder (a page geometry's name) and by namespace, at run time."""
+        """Quotas by pool holder (a page geometry's name) and by namespace, at run time. A
+        pool now over its max in a tier takes no more chunks there (its budget's cap) and
+        gives the excess back when give_back_over_max runs (the node's store schedules it)."""
         self.model_quotas, self.namespace_quotas = dict(models), dict(namespaces)
+        self._fit()
         for holder in self.holders:
             self._apply_cap(holder)
+        self.over_max_pending = bool(self.over_max())
+        for tier in TIERS:
+            short = self.min_shortfall(tier)
+            if short["models"] or short["namespaces"]:
+                log.warning("the %s tier (%d bytes) cannot hold these mins; they are cut to it, "
+                            "in proportion: short by %s", TIER_NAMES[tier],
+                            self.budgets[tier].capacity_bytes, short)
 
     def _apply_cap(self, holder: str) -> None:
         maximum = self.model_quotas.get(holder, Quota()).max_bytes
         for budget in self.budgets:
             budget.set_cap(holder, maximum)
+
+    def _fit(self) -> None:
+        self.fitted = [(fitted_quotas(self.model_quotas, budget.capacity_bytes),
+                        fitted_quotas(self.namespace_quotas, budget.capacity_bytes))
+                       for budget in self.budgets]
+
+    def model_quota(self, tier: int, holder: str) -> Quota:
+        """A pool's quota in `tier`, with the min the tier can hold."""
+        return self.fitted[tier][0].get(holder, Quota())
+
+    def floor(self, tier: int, usage: dict[str, int] | None = None) -> Floor:
+        """Whether giving bytes per namespace in `tier` would put one under its min (fitted);
+        `usage`: the namespaces' bytes there, None: read afresh at each call."""
+        quotas = self.fitted[tier][1]
+        return lambda giving: breaks_min(
+            self.namespace_bytes(tier) if usage is None else usage, quotas, giving)
 
     # ---- pools asking for room -------------------------------------------------------------
 
@@ -213,7 +302,8 @@ class ElasticMemory:
             if donor is None:
                 return
             donor_pool = self.holders[donor]
-            if not await release_chunks(donor_pool, tier, 1, self.namespace_quotas):
+            if not await release_chunks(donor_pool, tier, 1, self.fitted[tier][1],
+                                        self.floor(tier)):
                 return
             freed_bytes += donor_pool.slots(tier).chunk_bytes
             self.counters[f"reclaimed_{TIER_NAMES[tier]}"] += 1
@@ -228,60 +318,112 @@ class ElasticMemory:
     def guard(self, tier: int, namespace: str, page_bytes: int) -> tuple[frozenset[str], ...]:
         """The namespaces whose pages `namespace` may evict in `tier`, in rounds."""
         usage = self.namespace_bytes(tier)
-        guard = namespace_guard(usage, self.namespace_quotas, namespace, page_bytes)
-        return giving_order(guard, usage, self.namespace_quotas)
+        quotas = self.fitted[tier][1]
+        guard = namespace_guard(usage, quotas, namespace, page_bytes)
+        return giving_order(guard, usage, quotas)
 
-    # ---- idle pools shrinking --------------------------------------------------------------
+    # ---- pools giving memory back ----------------------------------------------------------
 
     async def shrink_idle(self, now_s: float, idle_s: float) -> int:
-        """Pools untouched for `idle_s` give their memory chunks back, down to their min;
-        returns the chunks released."""
+        """Pools untouched for `idle_s` give their memory chunks back, down to their min (and
+        keeping the namespaces' mins); returns the chunks released."""
         released = 0
         for holder, pool in self.holders.items():
             if now_s - pool.last_access_s < idle_s:
                 continue
-            floor = self.model_quotas.get(holder, Quota()).min_bytes
             for tier in (DEVICE, HOST):
                 slots = pool.slots(tier)
-                extra = (slots.held_bytes - floor) // max(1, slots.chunk_bytes)
+                floor_bytes = self.model_quota(tier, holder).min_bytes
+                extra = (slots.held_bytes - floor_bytes) // max(1, slots.chunk_bytes)
                 if extra > 0:
-                    released += await release_chunks(pool, tier, extra,
-                                                     self.namespace_quotas)
+                    released += await release_chunks(pool, tier, extra, self.fitted[tier][1],
+                                                     self.floor(tier))
         self.counters["idle_released_chunks"] += released
         return released
+
+    def over_max(self) -> list[tuple[str, int, int]]:
+        """(holder, tier, bytes) each pool holds past its max in a tier (a max lowered while
+        it held more)."""
+        over = []
+        for holder in self.holders:
+            maximum = self.model_quotas.get(holder, Quota()).max_bytes
+            for tier in TIERS if maximum is not None else ():
+                held_bytes = self.budgets[tier].holders.get(holder, 0)
+                if held_bytes > maximum:
+                    over.append((holder, tier, held_bytes - maximum))
+        return over
+
+    async def give_back_over_max(self) -> int:
+        """Pools holding more than their max in a tier (it was lowered at run time) give the
+        excess back, as a donor gives chunks (release_chunks: lower classes' chunks first,
+        leased slots revoked, pages demoted, or dropped from the last tier). The max wins
+        over a namespace's min here. A chunk with a page in use (read, pinned, moving or
+        being written) cannot go now: the next call (the node's tick) tries again, and
+        meanwhile the pool takes no chunk in that tier (TierBudget's cap). Returns the chunks
+        given back."""
+        async with self._giving_back:
+            lowered, self.over_max_pending = self.over_max_pending, False
+            released = 0
+            for holder, tier, excess_bytes in self.over_max():
+                slots = self.holders[holder].slots(tier)
+                if slots is None:
+                    continue
+                num_chunks = -(-excess_bytes // max(1, slots.chunk_bytes))
+                released += await release_chunks(self.holders[holder], tier, num_chunks,
+                                                 self.fitted[tier][1])
+            self.counters["max_released_chunks"] += released
+            for holder, tier, excess_bytes in self.over_max() if lowered else ():
+                log.warning("%s holds %d bytes past its lowered max in the %s tier: chunks "
+                            "with pages in use; it takes no memory there, and gives them "
+                            "back as they are let go", holder, excess_bytes, TIER_NAMES[tier])
+            return released
 
     # ---- snapshots ---------------------------------------------------------------------------
 
     def holdings(self, tier: int) -> list[Holding]:
         out = []
+        floor = self.floor(tier, self.namespace_bytes(tier))
         for holder, pool in self.holders.items():
             slots = pool.slots(tier)
             if slots is None:
                 continue
-            pinned_chunks = {e.slot // slots.slots_per_chunk for k, e in pool.index.items()
-                             if e.tier == tier and pool.is_pinned(k)}
-            releasable = any(chunk not in pinned_chunks for _, chunk in slots.chunks_by_use())
-            out.append(Holding(holder, slots.held_bytes, self.model_quotas.get(holder, Quota()),
+            by_chunk = pages_by_chunk(pool, tier, slots)
+            releasable = any(chunk_givable(pool, tier, by_chunk.get(chunk, []), floor)
+                             for _, chunk in slots.chunks_by_use())
+            out.append(Holding(holder, slots.held_bytes, self.model_quota(tier, holder),
                                slots.chunk_bytes, releasable))
         return out
 
     def namespace_bytes(self, tier: int) -> dict[str, int]:
         usage: Counter = Counter()
         for pool in self.holders.values():
-            slot_bytes = pool.disk.slot_bytes if tier == DISK and pool.disk else \
-                pool.geometry.slot_bytes
+            slot_bytes = tier_slot_bytes(pool, tier)
             for (page_tier, namespace), pages in pool.ns_pages.items():
                 if page_tier == tier and pages:
                     usage[namespace] += pages * slot_bytes
         return dict(usage)
 
+    def min_shortfall(self, tier: int) -> dict[str, dict[str, int]]:
+        """What each model (pool holder) and namespace asked as a min in `tier` past what the
+        tier can hold (fitted_mins); nothing for an absent tier."""
+        if not self.budgets[tier].capacity_bytes:
+            return {"models": {}, "namespaces": {}}
+        fitted_models, fitted_namespaces = self.fitted[tier]
+        return {"models": _short(self.model_quotas, fitted_models),
+                "namespaces": _short(self.namespace_quotas, fitted_namespaces)}
+
     def stats(self) -> dict:
-        """Per tier: capacity, what each model (pool) holds, what each namespace uses."""
+        """Per tier: capacity, what each model (pool) holds, what each namespace uses, the
+        mins the tier cannot hold, and what pools hold past a lowered max."""
         tiers = {}
+        over: dict[int, dict[str, int]] = {tier: {} for tier in TIERS}
+        for holder, tier, excess_bytes in self.over_max():
+            over[tier][holder] = excess_bytes
         for tier, budget in enumerate(self.budgets):
             tiers[TIER_NAMES[tier]] = {
                 "capacity_bytes": budget.capacity_bytes, "held_bytes": budget.used_bytes,
-                "models": dict(budget.holders), "namespaces": self.namespace_bytes(tier)}
+                "models": dict(budget.holders), "namespaces": self.namespace_bytes(tier),
+                "min_shortfall_bytes": self.min_shortfall(tier), "over_max_bytes": over[tier]}
         return {"tiers": tiers, "chunk_bytes": self.chunk_bytes,
                 "quotas": {"models": {k: _quota(q) for k, q in self.model_quotas.items()},
                            "namespaces": {k: _quota(q) for k, q in
@@ -290,6 +432,11 @@ class ElasticMemory:
 
     def _holder_of(self, pool: ElasticPool) -> str:
         return next(holder for holder, p in self.holders.items() if p is pool)
+
+
+def _short(registered: dict[str, Quota], fitted: dict[str, Quota]) -> dict[str, int]:
+    return {name: quota.min_bytes - fitted[name].min_bytes
+            for name, quota in registered.items() if fitted[name].min_bytes < quota.min_bytes}
 
 
 def _quota(quota: Quota) -> dict:

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from cluster.core import quant
-from cluster.core.elastic import guarded_victims
+from cluster.core.elastic import admitted_below, guarded_victims
 from cluster.core.geometry import DEVICE, DISK, HOST
 from cluster.core.keys import PageKey
 from cluster.core.pool_entry import Entry, State
@@ -140,14 +140,19 @@ class TierMoves:
 
     async def _move_down(self, keys: list[PageKey], below: int, pins: dict[PageKey, int],
                          keep_unmoved: bool) -> list[PageKey]:
-        """Move what fits into `below`; returns the keys left over."""
+        """Move what fits into `below`, each namespace within its max there; returns the
+        keys left over (for the tier below that, or to drop)."""
         # The bottom tier makes room as always (its coldest pages give way to warmer ones):
         # keep_unmoved is about writes that fail, not about a disk at capacity (and while its
         # writes fail, the disk evicts nothing: _free_room).
+        keep_unmoved = keep_unmoved and below != DISK
+        keys, refused = await admitted_below(self, below, keys, keep_unmoved)
+        if not keys:
+            return refused
         await self.make_room(below, min(len(keys), self._num_slots(below)),
-                             keep_unmoved=keep_unmoved and below != DISK)
+                             keep_unmoved=keep_unmoved)
         room = self._free_slots(below)
-        batch, rest = keys[:room], keys[room:]
+        batch, rest = keys[:room], keys[room:] + refused
         if below == DISK:
             moved = set(await self._write_disk(batch))
         else:

@@ -39,6 +39,14 @@ class Registry:
         self.is_registered(spec)  # another geometry under this name: ValueError
         known = self.models.get(spec.name)
         self.models[spec.name] = (spec, quota or (known[1] if known else Quota()))
+        try:  # models sharing a geometry add their quotas up: the sum must be a quota too
+            self.pool_quotas()
+        except ValueError:
+            if known is None:
+                del self.models[spec.name]
+            else:
+                self.models[spec.name] = known
+            raise
         self.version += 1
 
     def add_namespace(self, name: str, quota: Quota | None = None) -> None:

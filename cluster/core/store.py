@@ -96,6 +96,7 @@ class NodeStore:
         self.disk_faults: DiskFaults | None = None  # test-only (cluster/core/faults.py)
         self.pins = PinSet()  # operators' pins, over every pool of the node
         self.put_leases = PutLeases(config.reserve_lease_s)  # leased puts: put_leases.py
+        self._tasks: set[asyncio.Task] = set()  # work scheduled on the node's loop
         self.counters = {"puts": 0, "gets": 0, "hits_pages": 0, "misses_pages": 0,
                          "hits_device": 0, "hits_host": 0, "hits_disk": 0,
                          "expired_reservations": 0, "expired_leases": 0,
@@ -219,6 +220,8 @@ class NodeStore:
         """(reservation_id, slots): see Pool.reserve. The reservation expires after
         reserve_lease_s unless committed or aborted first."""
         self.expire()  # a dead reader's pins or a dead writer's slots must not keep puts out
+        if self.elastic.over_max_pending:  # a max lowered with no loop to give it back on
+            await self.elastic.give_back_over_max()
         reservation_id = next(self._lease_ids)
         slots = await self.pool(geometry).reserve(keys, reservation_id, tier, namespace)
         mine = [key for key, slot in zip(keys, slots, strict=False) if slot is not None]
@@ -463,9 +466,30 @@ class NodeStore:
 
     def set_quotas(self, models: dict[str, Quota], namespaces: dict[str, Quota],
                    model_names: dict[str, str] | None = None) -> None:
-        """Quotas at run time: by pool (a page geometry's name) and by namespace."""
+        """Quotas at run time: by pool (a page geometry's name) and by namespace. A pool now
+        over a lowered max gives the excess back at once, on the running loop (the node
+        actor's, which applies registry pushes); with none running, before the next reserve.
+        What pages in use hold back goes at a later tick (shrink_idle)."""
         self.elastic.set_quotas(models, namespaces)
         self.model_names = dict(model_names or {})
+        if self.elastic.over_max_pending:
+            self._soon(self.elastic.give_back_over_max())
+
+    def _soon(self, work) -> None:
+        """Run a coroutine on the running loop, off the caller's path (failures are logged);
+        with no loop running it is not run (a later call does the work)."""
+        try:
+            task = asyncio.get_running_loop().create_task(work)
+        except RuntimeError:
+            work.close()
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("scheduled store work failed", exc_info=task.exception())
 
     async def demote_ahead(self) -> int:
         """Every pool keeps its learned host headroom free (cluster/core/demote_ahead.py);
@@ -480,9 +504,12 @@ class NodeStore:
     async def shrink_idle(self, idle_s: float) -> int:
         """Pools unused for `idle_s` give their memory chunks back; returns how many. First,
         every pool zeroes the headers of the disk slots it freed since its last flush (the
-        node's periodic tidy): a page discarded a moment ago stays gone after a restart."""
+        node's periodic tidy): a page discarded a moment ago stays gone after a restart; and
+        a pool over a lowered max gives back what pages in use held back before."""
         for pool in list(self.pools.values()):
             await pool.flush_disk_frees()
+        if self.elastic.over_max():
+            await self.elastic.give_back_over_max()
         return await self.elastic.shrink_idle(time.monotonic(), idle_s)
 
     def memory_by_model(self) -> dict[str, int]:
