@@ -275,7 +275,13 @@ class SimCluster:
             self.nodes.append(SimNode(self.capacities, eviction, on_events))
         self.queues = [EngineQueue() for _ in self.node_ids]
         self._queue_lens = [0] * num_nodes  # requests queued or running, kept by events
-        self._finishes: list[tuple[float, int, float]] = []  # heap: (finish_s, node, service_s)
+        # heap: (finish_s, node, service_s, request id: serve's count of requests before it)
+        self._finishes: list[tuple[float, int, float, int]] = []
+        self.num_served = 0  # the next request's id (`serve` numbers requests from 0)
+        # Told of each request's end, in the order they end: on_finished(request id, node,
+        # finish_s). The sim models prefill only, so a request ends when its prefill does,
+        # which is when the live router hears of it (Serve's on_request_completed).
+        self.on_finished: list[Callable[[int, int, float], None]] = []
         # Per node: its compute seconds per request, measured as its requests finish (the
         # live replica's RateMeter; the raykv router reads them: policies/queue_wait.py)
         self.busy = [BusyMeter() for _ in self.node_ids]
@@ -353,11 +359,14 @@ class SimCluster:
         """Per node: requests queued or running at `now_s` (EngineQueue.queue_len of each,
         kept incrementally: a router asks for all N at every arrival). Each request finished
         by then is measured by its node's BusyMeter, in the order they finished."""
-        finishes, lens, busy = self._finishes, self._queue_lens, self.busy
+        finishes, lens, busy, listeners = (self._finishes, self._queue_lens, self.busy,
+                                           self.on_finished)
         while finishes and finishes[0][0] <= now_s:
-            _, node, service_s = heapq.heappop(finishes)
+            finish_s, node, service_s, request_id = heapq.heappop(finishes)
             lens[node] -= 1
             busy[node].finished(service_s)
+            for listener in listeners:
+                listener(request_id, node, finish_s)
         return list(lens)
 
     def busy_s_per_request(self) -> list[float]:
@@ -399,7 +408,8 @@ class SimCluster:
         service_s = self.service_s(sources, request.input_tokens)
         _, finish_s = self.queues[node].admit(request.arrival_s, service_s, request.num_blocks)
         self.clock.schedule(finish_s, (node, request.keys))
-        heapq.heappush(self._finishes, (finish_s, node, service_s))
+        heapq.heappush(self._finishes, (finish_s, node, service_s, self.num_served))
+        self.num_served += 1
         self._queue_lens[node] += 1
         self._count(request, sources, finish_s - request.arrival_s)
         return finish_s - request.arrival_s

@@ -5,10 +5,11 @@ Each router is `choose(cluster, request, located) -> node index`; `located` is t
 directory's answer (None for the local-cache baselines, which see their own node's cache).
 
     raykv           policies/cost_routing.decide, fed as RaykvRouter feeds it: per node,
-                    queue wait (requests in flight x the node's measured compute seconds
-                    per request: policies/queue_wait.py, the live router's code) + the
-                    cheapest cut of fetching the cached prefix (from its own tiers or another
-                    node's) and recomputing the rest + prefill; the least. No page held
+                    queue wait (the predicted seconds of the work it routed there still
+                    ahead: policies/queue_wait.py's VirtualQueue, the live router's code,
+                    fed by its routing and by each request's end) + the cheapest cut of
+                    fetching the cached prefix (from its own tiers or another node's) and
+                    recomputing the rest + prefill; the least. No page held
                     anywhere: power of two, as the live router falls back. Rates from the
                     profile (the simulator is their oracle; the service measures them).
                     Shared tiers.
@@ -65,9 +66,10 @@ from policies.cost_routing import (
     RateEstimates,
     best_sources,
     decide,
+    prefill_s,
     prior_rates,
 )
-from policies.queue_wait import busy_s_per_request, queue_waits
+from policies.queue_wait import VirtualQueue, busy_s_per_request, queue_waits
 
 Choose = Callable[[SimCluster, SimRequest, list | None], int | Route]
 RAY_IMBALANCED_THRESHOLD = 10  # PrefixCacheAffinityRouter's default
@@ -129,8 +131,13 @@ class Raykv:
       router's fallback: `has_hits(prefix_scores(...))` is false exactly when no page is
       located);
     - else each node's queue wait as the live router estimates it (policies/queue_wait.py):
-      its requests in flight x its compute seconds per request, measured as its requests
-      finish (SimCluster.busy), not the queue's exact remaining seconds;
+      its virtual queue, the seconds `decide` priced each request it sent there at (fetch of
+      its cut + prefill of the rest at the node's rate, which leaves out the attention term
+      the profile charges), worked off with the clock and drained when it hears (at the
+      request's end, SimCluster.on_finished, as Serve's on_request_completed) that none of
+      its requests is left there; plus requests it did not route (none here: it routes them
+      all) at the node's measured compute seconds per request. Not the queue's exact
+      remaining seconds;
     - the rates: the profile's (oracle_rates), where the live router measures them online.
     The node of the least estimated TTFT, reading only the pages that are faster to fetch
     than to recompute. Candidates come in a seeded random order, so ties spread. What the
@@ -141,33 +148,50 @@ class Raykv:
         self.rng = random.Random(seed)
         self.rates: RateEstimates | None = None
         self.routed = RoutedPrefixes(routed_ttl_s)
+        self.queue = VirtualQueue()  # the live router's (RaykvRouter.virtual_queue)
+        self._cluster: SimCluster | None = None  # the cluster whose completions it hears
         self.recomputed = 0  # requests cut short of their cached prefix
         self.fallbacks = 0  # requests routed by power of two (no page held anywhere)
 
+    def _finished(self, request_id: int, node: int, finish_s: float) -> None:
+        """A request ended (SimCluster.on_finished): Serve's on_request_completed."""
+        self.queue.completed(request_id, finish_s)
+
     def __call__(self, cluster: SimCluster, request: SimRequest, located) -> Route:
-        if self.rates is None:
+        if self._cluster is not cluster:
             self.rates = oracle_rates(cluster)
+            self.queue = VirtualQueue()
+            cluster.on_finished.append(self._finished)
+            self._cluster = cluster
         now_s = request.arrival_s
         queued = cluster.queue_lengths(now_s)  # the live router's in-flight counts
+        self.queue.withdraw(cluster.num_served, now_s)  # asked again for one request
         located = self.routed.extend(located or [], request.keys, now_s)
         node_ids = cluster.node_ids
+        prompt = Prompt(request.input_tokens, BLOCK_TOKENS, cluster.page_bytes)
         if not located:
             self.fallbacks += 1
             node = _pow2(self.rng, list(range(len(node_ids))), queued)
             self.routed.record(request.keys, node_ids[node], now_s)
+            self.queue.routed(node_ids[node], cluster.num_served, prefill_s(
+                prompt, 0, self.rates.prefill_rate(node_ids[node])), now_s)
             return Route(node, 0)
         order = list(range(len(node_ids)))
         self.rng.shuffle(order)
         sources = best_sources(located, node_ids)
-        prompt = Prompt(request.input_tokens, BLOCK_TOKENS, cluster.page_bytes)
         busy = busy_s_per_request(dict(zip(node_ids, cluster.busy_s_per_request(),
                                            strict=True)))
-        waits = queue_waits(prompt, {node_ids[i]: queued[i] for i in order}, busy, self.rates)
+        # One router here: every request in flight is its own, so `others` count none.
+        waits = queue_waits(prompt, self.queue, {node_ids[i]: queued[i] for i in order},
+                            busy, self.rates, now_s)
         candidates = [Candidate(node_ids[i], sources[node_ids[i]], waits[node_ids[i]])
                       for i in order]
         decision = decide(prompt, candidates, self.rates)
         self.recomputed += decision.recompute
         self.routed.record(request.keys, decision.replica_id, now_s)
+        chosen = decision.chosen
+        self.queue.routed(decision.replica_id, cluster.num_served,
+                          chosen.fetch_s + chosen.prefill_s, now_s)
         return Route(cluster.index_of[decision.replica_id], decision.fetch_pages)
 
 

@@ -6,9 +6,11 @@ page keys on the request. Per request it asks the directory (one call per shard)
 page of the longest cached prefix lives (node and tier). Then, per candidate replica
 (policies/cost_routing.py):
 
-    TTFT = queue length x the replica's compute seconds per request
-           (queue length: the requests this router sent there that have not finished,
-           or Serve's queue-length cache where it keeps one and it says more)
+    TTFT = queue wait (policies/queue_wait.py: the predicted seconds of the work this
+           router sent there that is still ahead, a virtual queue fed by its routing and
+           Serve's on_request_completed; plus the requests there that other routers sent,
+           Serve's queue-length cache less this router's own, x the replica's compute
+           seconds per request)
          + the cheapest cut of: fetch the prefix's first pages from the best source the
            replica can use (its node's device, host or disk tier, or another node's copy),
            recompute the rest
@@ -67,7 +69,7 @@ from policies.cost_routing import (
     prior_rates,
     queued_requests,
 )
-from policies.queue_wait import busy_s_per_request, queue_waits
+from policies.queue_wait import VirtualQueue, busy_s_per_request, queue_waits
 from policies.routing import ReplicaLoad, has_hits, prefix_scores, rank_replicas
 
 log = logging.getLogger("raykv.router")
@@ -117,6 +119,9 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # Where this router sent each page key lately, until the directory hears of it.
         self.routed = RoutedPrefixes(routed_ttl_s)
         self.picks_expire = picks_expire
+        # Per replica: the predicted seconds of the work this router sent there, not done
+        # (the simulator's raykv router keeps the same: policies/queue_wait.py).
+        self.virtual_queue = VirtualQueue()
 
     def on_send_request(self, replica_id) -> None:
         super().on_send_request(replica_id)
@@ -134,6 +139,19 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         super().on_new_queue_len_info(replica_id, num_ongoing_requests)
         self.in_flight[replica_id.unique_id] = num_ongoing_requests
 
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """Serve sent the request (strict mode's accepted send): where it went is where its
+        work is queued, if not the replica this router ranked first."""
+        super().on_request_routed(pending_request, replica_id, result)
+        request_id = _request_id(pending_request)
+        if request_id is not None:
+            self.virtual_queue.moved(request_id, replica_id.unique_id, time.monotonic())
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        """Serve calls this once per dispatched request, when the whole request ends."""
+        super().on_request_completed(replica_id, internal_request_id)
+        self.virtual_queue.completed(internal_request_id, time.monotonic())
+
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
         self.in_flight.pop(replica_id.unique_id, None)
@@ -146,25 +164,51 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
         keys_blob = await self._keys_of(pending_request)
+        request_id = _request_id(pending_request)
+        if request_id is not None:  # Serve asks again while no replica has room: once
+            self.virtual_queue.withdraw(request_id, time.monotonic())
         ranks, chosen_ttft_s = await self._choose(candidate_replicas, pending_request, keys_blob)
         _force_cut(pending_request)
         if keys_blob and ranks and ranks[0]:
             self.routed.record(_split_keys(keys_blob), ranks[0][0].node_id, time.monotonic())
+        self._queue_work(ranks, chosen_ttft_s, request_id)
         if self.picks_expire:
-            self._count_pick(ranks, chosen_ttft_s)
+            self._count_pick(ranks, chosen_ttft_s, request_id)
         return ranks
 
-    def _count_pick(self, ranks: list[list[RunningReplica]], ttft_s: float | None) -> None:
+    def _queue_work(self, ranks: list[list[RunningReplica]], ttft_s: float | None,
+                    request_id) -> None:
+        """The request's predicted work onto the virtual queue of the replica ranked first
+        (Serve takes it unless it is full; on_request_routed moves it where strict sends
+        say): its fetch and prefill as `decide` priced them when cost-routed, else the
+        replica's compute seconds per request (`_hold_s`)."""
+        chosen = next((rank[0] for rank in ranks if rank), None)
+        if chosen is None or request_id is None:
+            return
+        estimate = self.last_decision.chosen if ttft_s is not None else None
+        work_s = estimate.fetch_s + estimate.prefill_s if estimate is not None \
+            else self._hold_s(chosen, None)
+        self.virtual_queue.routed(chosen.replica_id.unique_id, request_id, work_s,
+                                  time.monotonic())
+
+    def _count_pick(self, ranks: list[list[RunningReplica]], ttft_s: float | None,
+                    request_id=None) -> None:
         """Count the replica a pick-only caller takes (the first of the first non-empty rank,
         as Serve's `_choose_replicas_with_backoff` hands them out) as in flight until
-        `_hold_s` has passed."""
+        `_hold_s` has passed; then its virtual queue hears the request end too (Serve will
+        not say)."""
         chosen = next((rank[0] for rank in ranks if rank), None)
         if chosen is None:
             return
         replica_id = chosen.replica_id
         self.on_send_request(replica_id)
         asyncio.get_running_loop().call_later(self._hold_s(chosen, ttft_s),
-                                              self.decrement_queue_len_cache, replica_id)
+                                              self._pick_done, replica_id, request_id)
+
+    def _pick_done(self, replica_id, request_id) -> None:
+        self.decrement_queue_len_cache(replica_id)
+        if request_id is not None:
+            self.virtual_queue.completed(request_id, time.monotonic())
 
     def _hold_s(self, replica: RunningReplica, ttft_s: float | None) -> float:
         """How long a pick counts as in flight: the chosen replica's estimated TTFT when the
@@ -231,9 +275,12 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         sources = _sources(located, replicas, engine_pages)
         busy = _busy_s_per_request(published)
         replicas = random.sample(replicas, len(replicas))  # decide() breaks ties by order
-        # The queue waits: policies/queue_wait.py, which the simulator's router calls too.
-        waits = queue_waits(prompt, {r.replica_id.unique_id: self._queued(r) for r in replicas},
-                            busy, self.rates)
+        # The queue waits: policies/queue_wait.py, which the simulator's router calls too:
+        # this router's virtual queue, and the requests it did not send (Serve's count, or
+        # its own where Serve keeps none, less its own) at a count x mean.
+        waits = queue_waits(prompt, self.virtual_queue,
+                            {r.replica_id.unique_id: self._queued(r) for r in replicas},
+                            busy, self.rates, time.monotonic())
         candidates = [Candidate(r.replica_id.unique_id, sources[r.replica_id.unique_id],
                                 waits[r.replica_id.unique_id])
                       for r in replicas]
@@ -300,6 +347,12 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             config = await asyncio.to_thread(running_config)
             self._directory = await asyncio.to_thread(DirectoryHandle.lookup, config)
         return self._directory
+
+
+def _request_id(pending_request: PendingRequest | None) -> str | None:
+    """Serve's id of the request (the one on_request_completed names), None without one."""
+    metadata = getattr(pending_request, "metadata", None)
+    return getattr(metadata, "internal_request_id", None) or None
 
 
 def _split_keys(keys_blob: bytes) -> list[bytes]:

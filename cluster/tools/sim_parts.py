@@ -260,7 +260,8 @@ NOTE = ("routing/scale: each node is one 8-GPU LLaMA3-70B prefill engine, FIFO, 
         "loop (policies/rebalance.py: replication, migration) runs every "
         "rebalance_period_s on snapshots of the simulated cluster, its copies landing at "
         "once; admission is not driven (no tenant limits in the trace); raykv's router "
-        "estimates queue waits as the live one does (in-flight requests x measured compute "
-        "seconds per request; power of two without a hit), Mooncake's sums the queued "
+        "estimates queue waits as the live one does (policies/queue_wait.py: a virtual "
+        "queue of the predicted fetch and prefill seconds it sent each node, drained as "
+        "requests end; power of two without a hit), Mooncake's sums the queued "
         "requests' predicted times; a page on another node's disk costs that disk's read "
         "and the NIC's")

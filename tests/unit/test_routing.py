@@ -277,3 +277,90 @@ def test_the_directory_s_answer_comes_before_the_routed_memory():
         assert ids(ranks)[0] == ["r2"]
 
     asyncio.run(main())
+
+
+# ---- the virtual queue (policies/queue_wait.py), fed by routing and Serve's completions ---
+
+
+def pending_id(keys: list[bytes], num_tokens: int, request_id: str) -> PendingRequest:
+    request = GenerationRequest("prompt", list(range(num_tokens)), page_keys=b"".join(keys))
+    metadata = RequestMetadata(request_id=request_id, internal_request_id=request_id)
+    return PendingRequest(args=[request], kwargs={}, metadata=metadata)
+
+
+def test_a_routed_requests_predicted_work_queues_on_its_replica_until_serve_says_it_ended(
+        monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("cluster.serving.router.time.monotonic", lambda: clock[0])
+
+    async def main():
+        directory = AsyncFakeDirectory()
+        directory.place("node-b", KEYS[:4], HOST)
+        router, replicas = make_router(directory)
+        publish(replicas, disk_bytes_per_s=1e9, busy_s=0.001)
+        ranks = await router.choose_replicas(replicas, pending_id(KEYS, 20_000, "big"))
+        assert ids(ranks)[0] == ["r1"]
+        chosen = router.last_decision.chosen
+        work_s = chosen.fetch_s + chosen.prefill_s  # ~9.97 s of prefill at 2,000 tokens/s
+        assert router.virtual_queue.wait_s("r1", 100.0) == pytest.approx(work_s)
+        assert work_s > 9.0
+        # 1 request in flight x 1 ms (a count x mean) would keep the next one on r1; the
+        # virtual queue knows ~9 s are left there a second later.
+        clock[0] = 101.0
+        ranks = await router.choose_replicas(replicas, pending_id(KEYS, 100, "small"))
+        assert ids(ranks)[0] != ["r1"] and ids(ranks)[-1] == ["r1"]
+        assert router.last_decision.chosen.queue_wait_s == 0.0
+        router.on_request_completed(replicas[1].replica_id, "big")  # Serve: it ended
+        assert router.virtual_queue.wait_s("r1", 101.0) == 0.0  # drained
+        ranks = await router.choose_replicas(replicas, pending_id(KEYS, 100, "third"))
+        assert ids(ranks)[0] == ["r1"]
+
+    asyncio.run(main())
+
+
+def test_requests_other_routers_sent_count_at_the_replicas_seconds_per_request():
+    async def main():
+        directory = AsyncFakeDirectory()
+        directory.place("node-b", KEYS[:4], HOST)
+        router, replicas = make_router(directory)
+        publish(replicas, disk_bytes_per_s=1e9, busy_s=1.0)
+        # Serve's count for r1: 3 in flight, none this router's: 3 x 1 s.
+        router._replica_queue_len_cache.update(replicas[1].replica_id, 3)
+        await router.choose_replicas(replicas, pending_id(KEYS, 100, "a"))
+        estimates = {e.replica_id: e for e in router.last_decision.estimates}
+        assert estimates["r1"].queue_wait_s == pytest.approx(3.0)
+        # "a" went elsewhere (its work is this router's own there); Serve counts it among
+        # that replica's 1 in flight: no other router's request, so "a" is not counted twice.
+        where, _, a_s = router.virtual_queue.entries["a"]
+        assert where != "r1"
+        by_id = {r.replica_id.unique_id: r for r in replicas}
+        router._replica_queue_len_cache.update(by_id[where].replica_id, 1)
+        await router.choose_replicas(replicas, pending_id(KEYS, 100, "b"))
+        estimates = {e.replica_id: e for e in router.last_decision.estimates}
+        assert 0.0 < estimates[where].queue_wait_s <= a_s
+        assert estimates["r1"].queue_wait_s == pytest.approx(3.0)
+
+    asyncio.run(main())
+
+
+def test_a_request_chosen_again_counts_once_and_moves_where_serve_sent_it(monkeypatch):
+    monkeypatch.setattr("cluster.serving.router.time.monotonic", lambda: 50.0)
+
+    async def main():
+        directory = AsyncFakeDirectory()
+        directory.place("node-b", KEYS[:4], HOST)
+        router, replicas = make_router(directory)
+        publish(replicas, disk_bytes_per_s=1e9)
+        request = pending_id(KEYS, 4_000, "x")
+        await router.choose_replicas(replicas, request)
+        await router.choose_replicas(replicas, request)  # Serve's backoff asks again
+        assert router.virtual_queue.in_flight == {"r1": 1}
+        work_s = router.virtual_queue.entries["x"][2]
+        router.on_request_routed(request, replicas[2].replica_id, None)  # r1 was full
+        assert router.virtual_queue.in_flight == {"r2": 1}
+        assert router.virtual_queue.wait_s("r2", 50.0) == pytest.approx(work_s)
+        assert router.virtual_queue.wait_s("r1", 50.0) == 0.0
+        router.on_request_completed(replicas[2].replica_id, "x")
+        assert router.virtual_queue.entries == {}
+
+    asyncio.run(main())

@@ -112,7 +112,7 @@ def test_a_full_device_tier_demotes_and_a_hit_promotes():
 def busy(cluster: SimCluster, node: int, num_requests: int, num_blocks: int = 1) -> None:
     for _ in range(num_requests):
         cluster.queues[node].admit(0.0, 100.0, num_blocks)
-        cluster._finishes.append((100.0, node, 100.0))
+        cluster._finishes.append((100.0, node, 100.0, -1))  # id: no router routed it
         cluster._queue_lens[node] += 1
 
 

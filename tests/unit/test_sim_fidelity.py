@@ -6,7 +6,6 @@ own pages are pinned through every demotion its promotion causes. No Ray is star
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,18 +68,6 @@ def test_sim_raykv_router_falls_back_to_power_of_two_without_hits():
     # shorter queue, node 0.
     assert choose(cluster, cold, cluster.locate(cold.keys)) in (0, Route(0, 0))
     assert choose.fallbacks == 1
-
-
-def test_live_and_simulated_raykv_routers_share_the_queue_estimate():
-    from cluster.core import sim_routers
-    from policies import queue_wait
-
-    assert sim_routers.queue_waits is queue_wait.queue_waits
-    assert sim_routers.busy_s_per_request is queue_wait.busy_s_per_request
-    service = ast.parse((ROOT / "cluster/serving/router.py").read_text())
-    imported = {alias.name for node in ast.walk(service) if isinstance(node, ast.ImportFrom)
-                and node.module == "policies.queue_wait" for alias in node.names}
-    assert {"queue_waits", "busy_s_per_request"} <= imported
 
 
 def test_mooncake_estimates_its_queue_from_the_queued_requests_predicted_times():
