@@ -181,14 +181,12 @@ def run(trace_path: str, json_path: str | None = None, plot_path: str | None = N
             _eviction(report, requests, chains, step)
         if "fig10" in parts:
             report["fig10"] = sim_fig10.fig10_part(requests, step)
-            report["figures"] = {**report.result.get("figures", {}),
-                                 **sim_fig10.fig10_figures(report["fig10"])}
+            _add_figures(report, sim_fig10.fig10_figures(report["fig10"]))
             _set_ratios(report, sim_fig10.fig10_ratios(report["fig10"]))
         if "routing" in parts:
             report["routing"] = sim_parts.routing_part(requests, step)
             _set_ratios(report, sim_parts.routing_ratios(report["routing"]))
-            report["figures"] = {**report.result.get("figures", {}),
-                                 **sim_parts.routing_figures(report["routing"])}
+            _add_figures(report, sim_parts.routing_figures(report["routing"]))
         if "scale" in parts:
             report["scale"] = sim_parts.scale_part(requests, sim_parts.SCALE_NODES,
                                                    bounds.window_s,
@@ -224,6 +222,10 @@ def _set_ratios(report: Report, ratios: dict[str, float | None]) -> None:
     for name, value in ratios.items():
         if report.require(name, value is not None, "nothing to compare at"):
             report.ratio(name, value)
+
+
+def _add_figures(report: Report, figures: dict[str, float]) -> None:
+    report["figures"] = {**report.result.get("figures", {}), **figures}
 
 
 def _config(trace_path: str, requests: list, bounds: Bounds) -> dict:

@@ -106,9 +106,10 @@ def rewrite(doc_path: Path, bench_dir: Path) -> bool:
     if not found:
         raise SummaryError(f"{doc_path}: no summary block ({BEGIN!r} ... {END!r})")
     new_text = head + block(bench_dir) + tail
-    if new_text != text:
+    changed = new_text != text
+    if changed:
         write_text_atomic(doc_path, new_text)
-    return new_text != text
+    return changed
 
 
 def _read_doc(doc_path: Path) -> str:
