@@ -10,7 +10,16 @@ node) and its queue wait; and the rates, measured online (`observe_*` below).
                   + min over k in 0..n of  fetch(pages[:k]) + prefill(tokens - k * page_tokens)
 
     fetch(pages)  = sum over the sources used: latency + pages' bytes / the source's bytes/s
-    prefill(t)    = t / the replica's prefill tokens/s
+    prefill(c, n) = (n - c) / the replica's prefill tokens/s
+                  + (n^2 - c^2) x seconds per token pair of attention
+                    (prefilling positions c..n of a prompt of n tokens, c of them cached: the
+                    causal attention of each new token over the ones before it)
+
+Prefill is not linear in the tokens: each new token attends to every token before it, so the
+last thousand tokens of a long prompt cost more than its first thousand. A router that prices
+prefill at one tokens/s under-prices long prompts and the tail of a cut (the Mooncake
+conductor fits the same two terms offline); raykv's engines fit both online
+(cluster/serving/prefill_fit.py).
 
 An engine loads a prefix, then prefills the rest (a connector's lookup answers one token
 count), so the choice is a cut k: fetch the first k pages, recompute the others. A page behind
@@ -40,6 +49,7 @@ GB = 10**9
 PRIOR_PATHS = {ENGINE: (float("inf"), 0.0), DEVICE: (20 * GB, 0.0), HOST: (6 * GB, 0.0),
                DISK: (2.5 * GB, 0.0), REMOTE: (1.8 * GB, 0.0)}
 PRIOR_PREFILL_TOKENS_PER_S = 2_000.0  # a small model on a few CPU cores
+PREFILL_ATTENTION = "prefill_attention_s_per_pair"  # a replica's published fit of it
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +97,14 @@ class RateEstimates:
     prefill_tokens_per_s: Mapping[str, float] = field(default_factory=dict)
     prior_prefill_tokens_per_s: float = PRIOR_PREFILL_TOKENS_PER_S
     prefill_samples: Mapping[str, int] = field(default_factory=dict)
+    # Seconds per token pair of prefill attention (module doc), one for the deployment: the
+    # replicas run one model. 0 until an engine has measured it (prefill is then linear).
+    attention_s_per_pair: float = 0.0
+
+    def prefill_s(self, prompt: Prompt, cached_pages: int, replica_id: str) -> float:
+        """`prefill_s` at the replica's rate and the attention term."""
+        return prefill_s(prompt, cached_pages, self.prefill_rate(replica_id),
+                         self.attention_s_per_pair)
 
     def prefill_rate(self, replica_id: str) -> float:
         """The replica's measured rate; before its first prefill, the mean of the others'
@@ -104,15 +122,18 @@ class RateEstimates:
                           for name, p in self.paths.items()},
                 "prefill_tokens_per_s": dict(self.prefill_tokens_per_s),
                 "prefill_samples": dict(self.prefill_samples),
-                "prefill_default_tokens_per_s": self.prior_prefill_tokens_per_s}
+                "prefill_default_tokens_per_s": self.prior_prefill_tokens_per_s,
+                "attention_s_per_pair": self.attention_s_per_pair}
 
 
 def prior_rates(paths: Mapping[str, tuple[float, float]] | None = None,
-                prefill_tokens_per_s: float = PRIOR_PREFILL_TOKENS_PER_S) -> RateEstimates:
+                prefill_tokens_per_s: float = PRIOR_PREFILL_TOKENS_PER_S,
+                attention_s_per_pair: float = 0.0) -> RateEstimates:
     """Estimates before any measurement: `paths` is source -> (bytes/s, latency_s)."""
     table = {**PRIOR_PATHS, **(paths or {})}
     return RateEstimates({name: PathRate(bw, latency_s) for name, (bw, latency_s)
-                          in table.items()}, {}, prefill_tokens_per_s)
+                          in table.items()}, {}, prefill_tokens_per_s,
+                         attention_s_per_pair=attention_s_per_pair)
 
 
 def ewma(old: float, sample: float, num_samples: int) -> float:
@@ -202,7 +223,20 @@ def pooled(prior: RateEstimates, by_replica: Mapping[str, Mapping]) -> RateEstim
     num_samples = sum(count for _, count in own)
     per_token_s = sum(count / tokens_per_s for tokens_per_s, count in own) / num_samples
     return replace(rates, prefill_tokens_per_s={}, prefill_samples={},
-                   prior_prefill_tokens_per_s=1.0 / per_token_s)
+                   prior_prefill_tokens_per_s=1.0 / per_token_s,
+                   attention_s_per_pair=_pooled_attention(by_replica.values(),
+                                                          prior.attention_s_per_pair))
+
+
+def _pooled_attention(stats: Iterable[Mapping], default: float) -> float:
+    """The sample-weighted mean of the attention seconds per pair that replicas published
+    (PREFILL_ATTENTION); `default` when none did."""
+    own = [(float(one[PREFILL_ATTENTION]), max(1, int(one.get("prefill_samples", 1))))
+           for one in stats if one.get(PREFILL_ATTENTION) is not None
+           and one[PREFILL_ATTENTION] >= 0]
+    if not own:
+        return default
+    return sum(value * count for value, count in own) / sum(count for _, count in own)
 
 
 def queued_requests(reported: int | None, routed_in_flight: int) -> int:
@@ -264,10 +298,15 @@ class Decision:
         return next(e for e in self.estimates if e.replica_id == self.replica_id)
 
 
-def prefill_s(prompt: Prompt, cached_pages: int, tokens_per_s: float) -> float:
-    """Prefill of what `cached_pages` leave; at least one token, whose logits start decoding."""
-    cached_tokens = min(cached_pages * prompt.page_tokens, max(0, prompt.num_tokens - 1))
-    return (prompt.num_tokens - cached_tokens) / tokens_per_s
+def prefill_s(prompt: Prompt, cached_pages: int, tokens_per_s: float,
+              attention_s_per_pair: float = 0.0) -> float:
+    """Prefill of what `cached_pages` leave (module doc: the tokens at `tokens_per_s` and
+    their attention at `attention_s_per_pair`); at least one token, whose logits start
+    decoding."""
+    num_tokens = prompt.num_tokens
+    cached_tokens = min(cached_pages * prompt.page_tokens, max(0, num_tokens - 1))
+    return ((num_tokens - cached_tokens) / tokens_per_s
+            + attention_s_per_pair * (num_tokens * num_tokens - cached_tokens * cached_tokens))
 
 
 def estimate_ttft(candidate: Candidate, prompt: Prompt, rates: RateEstimates) -> Estimate:
@@ -286,8 +325,10 @@ def _best_cut(sources: tuple[str, ...], prompt: Prompt, rates: RateEstimates,
     dominated the simulator's time)."""
     page_tokens, num_tokens = prompt.page_tokens, prompt.num_tokens
     usable = min(len(sources), max(0, num_tokens - 1) // page_tokens)
+    attention_s = rates.attention_s_per_pair
     best_k, best_fetch_s = 0, 0.0
-    best_s = prefill_s(prompt, 0, tokens_per_s)
+    best_s = prefill_s(prompt, 0, tokens_per_s, attention_s)
+    all_pairs = num_tokens * num_tokens
     fetch_s, used = 0.0, set()
     paths = rates.paths
     for k in range(1, usable + 1):
@@ -298,7 +339,9 @@ def _best_cut(sources: tuple[str, ...], prompt: Prompt, rates: RateEstimates,
             used.add(source)
             fetch_s += path.latency_s
         # k <= usable, so k pages of tokens stay below num_tokens: prefill_s's min is k's.
-        total_s = fetch_s + (num_tokens - k * page_tokens) / tokens_per_s
+        cached = k * page_tokens
+        total_s = (fetch_s + (num_tokens - cached) / tokens_per_s
+                   + attention_s * (all_pairs - cached * cached))
         if total_s < best_s:
             best_k, best_fetch_s, best_s = k, fetch_s, total_s
     return best_k, best_fetch_s, best_s

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from policies.cost_routing import Prompt, RateEstimates, ewma, prefill_s
+from policies.cost_routing import Prompt, RateEstimates, ewma
 
 
 def busy_s_per_request(measured: Mapping[str, float | None]) -> dict[str, float]:
@@ -47,7 +47,7 @@ def queue_waits(prompt: Prompt, queue: VirtualQueue, reported: Mapping[str, int 
     None where it knows none) at `busy_s` each, or where that is 0 or missing, one prefill of
     this prompt at the replica's rate."""
     per_request = {replica: busy_s.get(replica)
-                   or prefill_s(prompt, 0, rates.prefill_rate(replica)) for replica in reported}
+                   or rates.prefill_s(prompt, 0, replica) for replica in reported}
     return queue.waits(reported, now_s, reported, per_request)
 
 

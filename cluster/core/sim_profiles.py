@@ -91,6 +91,10 @@ class HardwareProfile:
         """Linear-term throughput: GPUs x peak x MFU / (2 N)."""
         return self.num_gpus * self.dense_flops * MFU / (2 * model.num_params)
 
+    def attention_s_per_pair(self, model: ModelCost) -> float:
+        """Attention-term seconds per token pair (total^2 - cached^2, prefill_flops)."""
+        return model.num_layers * model.d_attn / (self.num_gpus * self.dense_flops * MFU)
+
     def prefill_s(self, model: ModelCost, cached_tokens: int, total_tokens: int) -> float:
         return model.prefill_flops(cached_tokens, total_tokens) / (
             self.num_gpus * self.dense_flops * MFU)

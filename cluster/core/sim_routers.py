@@ -66,7 +66,6 @@ from policies.cost_routing import (
     RateEstimates,
     best_sources,
     decide,
-    prefill_s,
     prior_rates,
 )
 from policies.queue_wait import VirtualQueue, busy_s_per_request, queue_waits
@@ -112,14 +111,15 @@ class RoundRobin:
 def oracle_rates(cluster: SimCluster) -> RateEstimates:
     """The rates the service measures online, read off the simulator's profile instead: each
     path's bandwidth and latency as `SimCluster.fetch_s` charges them, and the profile's
-    prefill tokens/s (its linear term: the attention term, which grows with the context, is
-    left out, as a measured tokens/s averages over contexts)."""
+    prefill as the engines fit it (cluster/serving/prefill_fit.py): its tokens/s (the linear
+    term) and its attention seconds per token pair."""
     p = cluster.profile
     return prior_rates({DEVICE_PATH: (p.hbm_bytes_per_s, 0.0),
                         HOST_PATH: (p.host_to_device_bytes_per_s, p.host_latency_s),
                         DISK_PATH: (p.disk_bytes_per_s, p.disk_latency_s),
                         REMOTE_PATH: (p.nic_bytes_per_s, p.nic_latency_s)},
-                       p.prefill_tokens_per_s(cluster.model))
+                       p.prefill_tokens_per_s(cluster.model),
+                       p.attention_s_per_pair(cluster.model))
 
 
 class Raykv:
@@ -132,13 +132,13 @@ class Raykv:
       located);
     - else each node's queue wait as the live router estimates it (policies/queue_wait.py):
       its virtual queue, the seconds `decide` priced each request it sent there at (fetch of
-      its cut + prefill of the rest at the node's rate, which leaves out the attention term
-      the profile charges), worked off with the clock and drained when it hears (at the
-      request's end, SimCluster.on_finished, as Serve's on_request_completed) that none of
-      its requests is left there; plus requests it did not route (none here: it routes them
-      all) at the node's measured compute seconds per request. Not the queue's exact
-      remaining seconds;
-    - the rates: the profile's (oracle_rates), where the live router measures them online.
+      its cut + prefill of the rest at the node's rate and attention term), worked off with
+      the clock and drained when it hears (at the request's end, SimCluster.on_finished, as
+      Serve's on_request_completed) that none of its requests is left there; plus requests it
+      did not route (none here: it routes them all) at the node's measured compute seconds
+      per request. Not the queue's exact remaining seconds;
+    - the rates: the profile's (oracle_rates), where the live router pools what its engines
+      measure online: their prefill's two terms are the profile's exactly here.
     The node of the least estimated TTFT, reading only the pages that are faster to fetch
     than to recompute. Candidates come in a seeded random order, so ties spread. What the
     sim leaves out: the routing stats' polling delay (a replica's figure reaches routers at
@@ -173,8 +173,8 @@ class Raykv:
             self.fallbacks += 1
             node = _pow2(self.rng, list(range(len(node_ids))), queued)
             self.routed.record(request.keys, node_ids[node], now_s)
-            self.queue.routed(node_ids[node], cluster.num_served, prefill_s(
-                prompt, 0, self.rates.prefill_rate(node_ids[node])), now_s)
+            self.queue.routed(node_ids[node], cluster.num_served,
+                              self.rates.prefill_s(prompt, 0, node_ids[node]), now_s)
             return Route(node, 0)
         order = list(range(len(node_ids)))
         self.rng.shuffle(order)

@@ -162,7 +162,7 @@ class Engine:
             meter.reads(client)
             prefill_s, (compute_s, (logits, cache)) = await _timed(self._computed_timed(
                 prefill_from, self.model, kv_prefix, tokens))
-            meter.prefilled(len(tokens) - cached, compute_s)
+            meter.prefilled(len(tokens) - cached, compute_s, cached)
         finally:
             self.buffers.give(buffer)
         stored = None

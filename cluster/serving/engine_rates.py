@@ -12,12 +12,10 @@ RaykvConnector's loads took per source tier, and how fast the engine prefills.
   load's time shared by bytes, so that a source's rate is what a load from it costs the engine.
 - **Prefill.** Every step is timed from the scheduler handing it out to its output coming
   back (`StepClock`; with async scheduling a step starts no earlier than the previous one
-  ends). A step's time is a fixed part (the step's overhead) plus a part per token;
-  `PrefillFit` fits both to the steps that prefill, as EWMA least squares, and the marginal
-  rate (tokens per second of the per-token part) is the prefill rate: the time a cut's
-  recomputed tokens add. One rate per step (seconds / tokens) would count a short prefill's
-  step overhead as if each of its tokens cost it: a 9-token prefill in a 15 ms step reads as
-  600 tokens/s on an engine that prefills 1,285 tokens in 100 ms.
+  ends). A step's time is a fixed part (the step's overhead) plus a part per token plus a
+  part per attention pair of its requests' contexts; `PrefillFit` (prefill_fit.py) fits the
+  three to the steps that prefill, and its two slopes are the prefill rate and the attention
+  term the router prices a cut's recomputed tokens at.
 - **Queue.** A finished request's share of the engine's busy time (the step seconds since the
   last request finished), an EWMA: `busy_s_per_request`, which the router multiplies by a
   replica's queue length.
@@ -41,6 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cluster.serving.lookup_worth import LookupWorth
+from cluster.serving.prefill_fit import PrefillFit, published_prefill
 from policies.cost_routing import (
     DISK,
     HOST,
@@ -91,54 +90,15 @@ def load_samples(transfers: Iterable[tuple[str, int, float]],
             for source, b in num_bytes.items()]
 
 
-@dataclass(slots=True)
-class PrefillFit:
-    """EWMA least squares of a step's seconds against its tokens: seconds = fixed_s +
-    tokens x per_token_s. The means are exponentially weighted (SAMPLE_WEIGHT), so the fit
-    follows the engine as it speeds up or slows down."""
-
-    num_samples: int = 0
-    mean_tokens: float = 0.0
-    mean_s: float = 0.0
-    mean_tokens_sq: float = 0.0
-    mean_tokens_s: float = 0.0
-
-    def add(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        for name, sample in (("mean_tokens", num_tokens), ("mean_s", seconds),
-                             ("mean_tokens_sq", num_tokens * num_tokens),
-                             ("mean_tokens_s", num_tokens * seconds)):
-            setattr(self, name, ewma(getattr(self, name), sample, self.num_samples))
-        self.num_samples += 1
-
-    def per_token_s(self) -> float | None:
-        """The marginal seconds per token; the mean seconds per token while the steps seen
-        are all of one size (no slope to fit) or the fit is not positive; None before any."""
-        if not self.num_samples:
-            return None
-        variance = self.mean_tokens_sq - self.mean_tokens ** 2
-        if variance > (0.01 * self.mean_tokens) ** 2:
-            slope = (self.mean_tokens_s - self.mean_tokens * self.mean_s) / variance
-            if slope > 0:
-                return slope
-        return self.mean_s / self.mean_tokens
-
-    def fixed_s(self) -> float:
-        """A step's fixed seconds (its overhead), >= 0."""
-        per_token_s = self.per_token_s()
-        if per_token_s is None:
-            return 0.0
-        return max(0.0, self.mean_s - per_token_s * self.mean_tokens)
-
-
 @dataclass(frozen=True, slots=True)
 class Step:
-    """A step as scheduled: its tokens, whether it prefills, and when it was handed out."""
+    """A step as scheduled: its tokens, whether it prefills, when it was handed out, and its
+    requests' attention pairs (prefill_fit.attention_pairs)."""
 
     num_tokens: int
     prefills: bool
     scheduled_s: float
+    num_pairs: int = 0
 
 
 class StepClock:
@@ -195,7 +155,7 @@ class EngineMeter:
             return None
         step, seconds = done
         if step.prefills:
-            self.prefill.add(step.num_tokens, seconds)
+            self.prefill.add(step.num_tokens, seconds, step.num_pairs)
         if not step.num_tokens:
             return None
         self._busy_s += seconds
@@ -207,7 +167,9 @@ class EngineMeter:
         return self.measured_recompute_s(num_tokens) or 0.0
 
     def measured_recompute_s(self, num_tokens: int) -> float | None:
-        """recompute_s, None before any prefill was timed."""
+        """recompute_s, None before any prefill was timed. The tokens' part only: its
+        callers (deadlines, whether a lookup is worth its delay) do not know the context the
+        tokens would be computed at, and the attention term only lengthens a recompute."""
         per_token_s = self.prefill.per_token_s()
         return None if per_token_s is None else max(0, num_tokens) * per_token_s
 
@@ -243,11 +205,7 @@ class EngineMeter:
         """What the replica publishes to routers (rates.RateMeter.published's form), with the
         prefill fit's step overhead beside it."""
         out = published(self.rates, "")
-        per_token_s = self.prefill.per_token_s()
-        if per_token_s is not None:
-            out.update(prefill_tokens_per_s=1.0 / per_token_s,
-                       prefill_samples=self.prefill.num_samples,
-                       step_overhead_s=self.prefill.fixed_s())
+        out.update(published_prefill(self.prefill))
         out.update(page_tokens=self.page_tokens, page_bytes=self.page_bytes,
                    busy_s_per_request=self.busy_s_per_request, **self.lookups.published())
         return out

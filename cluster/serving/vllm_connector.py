@@ -74,6 +74,7 @@ from vllm.logger import init_logger
 
 from cluster.core import cpu_sets
 from cluster.serving.engine_rates import EngineMeter, RatesFile, Step
+from cluster.serving.prefill_fit import attention_pairs, scheduled_spans
 from cluster.serving.step_budget import StepBudget
 from cluster.serving.vllm_checks import unsupported_groups
 from cluster.serving.vllm_handoff import DecodeGate
@@ -432,15 +433,17 @@ class RaykvConnector(WorkerSide, KVConnectorBase_V1):
         return self._planner
 
     def _scheduled(self, scheduler_output: SchedulerOutput) -> None:
-        """Start the step's clock: its tokens, and whether it prefills (a new request, or a
-        request given more than one token); and the next schedule's budget."""
+        """Start the step's clock: its tokens, whether it prefills (a new request, or a
+        request given more than one token) and its attention pairs; and the next schedule's
+        budget."""
         self._budget.step_started(len(scheduler_output.num_scheduled_tokens))
         if self._meter is None:
             return
         num_tokens = scheduler_output.total_num_scheduled_tokens
         prefills = bool(scheduler_output.scheduled_new_reqs) \
             or num_tokens > len(scheduler_output.num_scheduled_tokens)
-        self._meter.clock.scheduled(Step(num_tokens, prefills, _now_s()))
+        pairs = attention_pairs(scheduled_spans(scheduler_output)) if prefills else 0
+        self._meter.clock.scheduled(Step(num_tokens, prefills, _now_s(), pairs))
 
     def _step_done(self) -> None:
         if self._meter is None:

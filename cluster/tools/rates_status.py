@@ -14,12 +14,13 @@ import ray
 from rich.table import Table
 
 from cluster.core.sizing import format_bytes
-from policies.cost_routing import pooled, prior_rates
+from policies.cost_routing import PREFILL_ATTENTION, pooled, prior_rates
 
 # Serve replicas that publish rates: raykv's engine, and Ray Serve LLM's server with raykv's
 # router (its deployment is named after the server class: "RaykvLLMServer:<model>").
 ENGINE_CLASSES = ("EngineDeployment", "RaykvLLMServer")
 TIMEOUT_S = 5.0
+ATTENTION_SHOWN_TOKENS = 4096  # the attention column: what it adds to a prompt this long
 
 
 def replica_rates() -> dict[str, dict]:
@@ -60,18 +61,26 @@ def rates_tables(rates: dict) -> list[Table]:
                       f"{format_bytes(int(bandwidth))}/s", f"{path['latency_s'] * 1e3:.2f} ms",
                       str(path["num_samples"]))
     replicas = Table(title="routing: engine replicas (measured online)")
-    for column in ("replica", "node", "prefill tokens/s", "samples", "step overhead",
-                   "compute s/request", "lookups past vLLM", "lookup delay", "lookups skipped"):
+    for column in ("replica", "node", "prefill tokens/s", "attention, 4k prompt", "samples",
+                   "step overhead", "compute s/request", "lookups past vLLM", "lookup delay",
+                   "lookups skipped"):
         replicas.add_column(column, justify="left" if column in ("replica", "node")
                             else "right")
     for name, row in rates["replicas"].items():
         replicas.add_row(name[-24:], row.get("node_id", "")[:12],
                          f"{row.get('prefill_tokens_per_s', 0.0):,.0f}",
-                         str(row.get("prefill_samples", 0)),
+                         _attention_cell(row), str(row.get("prefill_samples", 0)),
                          f"{row['step_overhead_s'] * 1e3:.1f} ms" if "step_overhead_s" in row
                          else "",
                          f"{row.get('busy_s_per_request', 0.0):.3f}", *_lookup_cells(row))
     return [paths, replicas]
+
+
+def _attention_cell(row: dict) -> str:
+    """The fitted attention term (prefill_fit.py) as what it adds to a 4,096-token prompt's
+    prefill; blank where the replica publishes none."""
+    per_pair_s = row.get(PREFILL_ATTENTION)
+    return "" if per_pair_s is None else f"{per_pair_s * ATTENTION_SHOWN_TOKENS ** 2 * 1e3:.1f} ms"
 
 
 def _lookup_cells(row: dict) -> list[str]:

@@ -49,7 +49,7 @@ def brute_force_s(candidate: Candidate, prompt: Prompt, rates: RateEstimates) ->
         used = candidate.sources[:k]
         fetch = sum(rates.paths[s].latency_s for s in set(used))
         fetch += sum(prompt.page_bytes / rates.paths[s].bytes_per_s for s in used)
-        costs.append(fetch + prefill_s(prompt, k, rates.prefill_rate(candidate.replica_id)))
+        costs.append(fetch + rates.prefill_s(prompt, k, candidate.replica_id))
     return candidate.queue_wait_s + min(costs)
 
 
@@ -104,12 +104,13 @@ def test_the_decision_flips_exactly_where_fetch_and_recompute_cost_the_same(
        num_tokens=st.integers(1, 300), wait_s=st.floats(0.0, 10.0),
        bandwidths=st.lists(st.floats(1e3, 1e10), min_size=4, max_size=4),
        latencies=st.lists(st.floats(0.0, 0.01), min_size=4, max_size=4),
-       tokens_per_s=st.floats(1.0, 1e5))
+       tokens_per_s=st.floats(1.0, 1e5), attention_s=st.sampled_from([0.0, 1e-9, 1e-6]))
 def test_the_estimate_is_the_best_of_every_cut(sources, num_tokens, wait_s, bandwidths,
-                                               latencies, tokens_per_s):
+                                               latencies, tokens_per_s, attention_s):
     names = [DEVICE, HOST, DISK, REMOTE]
     rates = prior_rates({n: (b, lat) for n, b, lat in zip(names, bandwidths, latencies,
-                                                          strict=True)}, tokens_per_s)
+                                                          strict=True)}, tokens_per_s,
+                        attention_s)
     prompt = Prompt(num_tokens, PAGE_TOKENS, PAGE_BYTES)
     candidate = Candidate("r", tuple(sources), wait_s)
     estimate = estimate_ttft(candidate, prompt, rates)
@@ -124,6 +125,43 @@ def test_the_engines_own_blocks_cost_nothing_and_one_token_is_always_prefilled()
     estimate = estimate_ttft(Candidate("a", (ENGINE,) * 4, 0.0), prompt, rates_with(100.0))
     assert estimate.fetch_pages == 3 and estimate.fetch_s == 0.0
     assert estimate.prefill_s == pytest.approx(PAGE_TOKENS / 100.0)
+
+
+def test_prefill_prices_each_new_token_s_attention_over_the_tokens_before_it():
+    prompt = Prompt(1000, PAGE_TOKENS, PAGE_BYTES)
+    assert prefill_s(prompt, 0, 1_000.0, 1e-6) == pytest.approx(1.0 + 1e-6 * 1000 ** 2)
+    # 10 pages cached: 840 tokens left, their pairs 1000^2 - 160^2
+    assert prefill_s(prompt, 10, 1_000.0, 1e-6) == pytest.approx(0.84 + 1e-6 * (1e6 - 160**2))
+    rates = prior_rates(prefill_tokens_per_s=1_000.0, attention_s_per_pair=1e-6)
+    assert rates.prefill_s(prompt, 10, "any") == prefill_s(prompt, 10, 1_000.0, 1e-6)
+
+
+def test_the_attention_term_makes_a_long_prompt_s_cached_head_worth_fetching():
+    """A page costs 16 ms to recompute at 1,000 tokens/s and 20 ms to fetch: alone, the
+    tokens say recompute. But recomputing a page also costs its tokens' attention over every
+    token before them, which grows with the page's place: with the attention term, the whole
+    cached head of 100 pages is worth its fetch."""
+    prompt = Prompt(4000, PAGE_TOKENS, PAGE_BYTES)
+    sources = (DISK,) * 100
+    linear = rates_with(1_000.0, disk=PAGE_BYTES / 0.020)
+    estimate = estimate_ttft(Candidate("a", sources, 0.0), prompt, linear)
+    assert estimate.fetch_pages == 0
+    quadratic = prior_rates({DISK: (PAGE_BYTES / 0.020, 0.0)}, 1_000.0, 1e-6)
+    estimate = estimate_ttft(Candidate("a", sources, 0.0), prompt, quadratic)
+    assert estimate.fetch_pages == 100
+    assert estimate.prefill_s == pytest.approx(2400 / 1_000.0 + 1e-6 * (4000**2 - 1600**2))
+
+
+def test_the_router_pools_the_replicas_attention_terms_by_their_samples():
+    stats = {"a": {"prefill_tokens_per_s": 1000.0, "prefill_samples": 3,
+                   "prefill_attention_s_per_pair": 1e-8},
+             "b": {"prefill_tokens_per_s": 1000.0, "prefill_samples": 1,
+                   "prefill_attention_s_per_pair": 5e-8},
+             "c": {"prefill_tokens_per_s": 1000.0, "prefill_samples": 9}}  # none published
+    rates = pooled(prior_rates(), stats)
+    assert rates.attention_s_per_pair == pytest.approx((3 * 1e-8 + 5e-8) / 4)
+    assert rates.as_dict()["attention_s_per_pair"] == rates.attention_s_per_pair
+    assert pooled(prior_rates(), {"c": stats["c"]}).attention_s_per_pair == 0.0
 
 
 # ---- the choice of replica ----------------------------------------------------------------

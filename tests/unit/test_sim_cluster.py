@@ -98,6 +98,18 @@ def test_prefill_has_kaplans_attention_term():
     assert profile.prefill_s(model, 0, 8000) > 8000 / profile.prefill_tokens_per_s(model)
 
 
+def test_raykv_s_router_prices_prefill_as_the_profile_charges_it():
+    """The rates the simulated router is given are the two terms the engines fit online
+    (cluster/serving/prefill_fit.py), read off the profile: its prefill estimate of any cut is
+    the profile's own prefill time."""
+    cluster = SimCluster(PROFILES["h100-400g"], llama3_70b(), 2, "lru", None)
+    rates = sim_routers.oracle_rates(cluster)
+    prompt = cost_routing.Prompt(8000, 512, cluster.page_bytes)
+    for cached_pages in (0, 3, 15):
+        assert rates.prefill_s(prompt, cached_pages, "any") == pytest.approx(
+            cluster.profile.prefill_s(cluster.model, cached_pages * 512, 8000))
+
+
 def test_a_full_device_tier_demotes_and_a_hit_promotes():
     node = sim_cluster.SimNode([2, 2, 0], "lru")
     node.put([k("a"), k("b")])
