@@ -28,6 +28,10 @@ Pure. Decisions over a snapshot of who holds what:
     fitted_mins(mins, capacity_bytes)
         the mins a tier can keep: as registered when they fit together, else cut in
         proportion so that they do (a min past the tier is a guarantee it cannot give).
+
+    past_max(usage, quotas)
+        the bytes each model or namespace holds in a tier past its max (one lowered while
+        it held more): what it gives back.
 """
 
 from __future__ import annotations
@@ -199,3 +203,14 @@ def fitted_quotas(quotas: dict[str, Quota], capacity_bytes: int) -> dict[str, Qu
     mins = fitted_mins({name: q.min_bytes for name, q in quotas.items()}, capacity_bytes)
     return {name: q if mins[name] == q.min_bytes else replace(q, min_bytes=mins[name])
             for name, q in quotas.items()}
+
+
+def past_max(usage: dict[str, int], quotas: dict[str, Quota]) -> dict[str, int]:
+    """The bytes each holder (model or namespace) of `usage` holds past its max in a tier;
+    those within theirs (or with none) are left out."""
+    over = {}
+    for name, used_bytes in usage.items():
+        maximum = quotas.get(name, Quota()).max_bytes
+        if maximum is not None and used_bytes > maximum:
+            over[name] = used_bytes - maximum
+    return over

@@ -9,6 +9,11 @@ read waited for them. Now the read lands in aligned staging buffers while the vi
 written, and the pages are copied into the freed slots after (a memcpy, far cheaper than
 waiting for the writes). Pages that find no slot stay on disk. A page another request is
 already loading is awaited, not read twice.
+
+Each namespace stays within its max in the host tier, as its puts do: before the read, its
+own least valuable host pages are demoted to make the room (namespace_max.admitted_into),
+and the pages they cannot make room for stay on disk (unread); a page whose room another
+read-up took meanwhile stays on disk too (checked as it is placed).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from cluster.core import quant
 from cluster.core.geometry import DISK, HOST
 from cluster.core.keys import PageKey
+from cluster.core.namespace_max import admitted_into, namespace_room_pages
 from cluster.core.pool_entry import Entry, State
 from cluster.core.tiers.aligned import aligned_empty
 
@@ -54,7 +60,9 @@ class DiskLoads:
         return entry is not None and entry.tier == DISK and entry.state == State.READY
 
     async def _read_disk_batch(self, keys: list[PageKey], keep_unmoved: bool) -> None:
-        keys = keys[: self._num_slots(HOST)]
+        keys, _ = await admitted_into(self, HOST, keys[: self._num_slots(HOST)], keep_unmoved)
+        if not keys:
+            return
         self.note_host_batch(len(keys))  # before it takes free room: demote_ahead.py
         if self._free_slots(HOST) < len(keys):  # room with no write: unused leased slots
             self.revoke_leased(HOST, len(keys) - self._free_slots(HOST))
@@ -98,11 +106,15 @@ class DiskLoads:
 
     def _place(self, key: PageKey, slot: int, out: np.ndarray, meta, copy: bool) -> None:
         """Page `key`, read into `out`, into host `slot` (copied there when `copy`: it was read
-        into staging); a corrupt or overwritten page is dropped, a miss from now on."""
+        into staging); a corrupt or overwritten page is dropped, a miss from now on, and one
+        its namespace's max in host has no room for stays on disk."""
         entry = self.index[key]
         if meta is None or meta.key != bytes(key):
             self.memory[HOST].free(slot)
             self.drop(key)
+            return
+        if namespace_room_pages(self, HOST, entry.namespace) == 0:  # taken meanwhile
+            self.memory[HOST].free(slot)  # its disk copy is whole: it stays there
             return
         if entry.codec != 0:
             self._decode_into(self.memory[HOST].view(slot), out[: meta.payload_bytes],

@@ -10,8 +10,9 @@ A pool that needs a slot first uses its held chunks, then grows by a chunk while
 has room. In a full tier, choose_donor names another pool to give a chunk back (its emptiest
 chunks' pages are demoted, the chunks released), or the pool evicts its own pages. A pool
 idle for `idle_shrink_s` gives its memory chunks back down to its min. A chunk whose pages'
-going would put a namespace under its min is not given back. A max lowered at run time is
-given back at once (give_back_over_max), as far as pages in use allow. Mins a tier cannot
+going would put a namespace under its min is not given back. A model's or a namespace's max
+lowered at run time is given back at once (give_back_over_max), as far as pages in use
+allow; a namespace's max in each tier is namespace_max.py's. Mins a tier cannot
 hold (past its capacity, alone or summed) are cut to it, in proportion (fitted_mins), and
 the shortfall shown in stats. Pure: no Ray.
 
@@ -28,12 +29,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cluster.core.geometry import DEVICE, DISK, HOST, TIER_NAMES, PageGeometry
+from cluster.core.geometry import DEVICE, DISK, HOST, TIER_NAMES
 from cluster.core.keys import PageKey
-from cluster.core.pool_entry import Entry
+from cluster.core.namespace_max import NamespacePool, give_back_namespace, tier_slot_bytes
 from cluster.core.tiers.chunks import ChunkedSlots, Share, TierBudget
-from cluster.core.tiers.disk import DiskArena
-from policies.eviction import EvictionPolicy
 from policies.quota import (
     Holding,
     Quota,
@@ -42,6 +41,7 @@ from policies.quota import (
     fitted_quotas,
     giving_order,
     namespace_guard,
+    past_max,
     release_order,
 )
 
@@ -65,34 +65,18 @@ class Elastic:
     room: Callable[[int, str], int | None] | None = None
 
 
-class ElasticPool(Protocol):
-    """What the elastic memory uses of a pool (cluster/core/pool.py's Pool)."""
+class ElasticPool(NamespacePool, Protocol):
+    """What the elastic memory uses of a pool (cluster/core/pool.py's Pool), beyond what a
+    namespace's max does (namespace_max.py)."""
 
     elastic: Elastic
-    geometry: PageGeometry
-    index: dict[PageKey, Entry]
-    policies: list[EvictionPolicy]  # one per tier
-    ns_pages: Counter[tuple[int, str]]  # (tier, namespace) -> pages
-    disk: DiskArena | None
     last_access_s: float
-
-    def is_pinned(self, key: PageKey) -> bool: ...
 
     def slots(self, tier: int) -> ChunkedSlots | None: ...
 
     def _free_slots(self, tier: int) -> int: ...
 
     def revoke_leased(self, tier: int, count: int) -> int: ...
-
-    async def demote(self, keys: list[PageKey], tier: int,
-                     keep_unmoved: bool = False) -> list[PageKey]: ...
-
-
-def tier_slot_bytes(pool: ElasticPool, tier: int) -> int:
-    """What one page takes in `tier`: a disk slot is the page and its header, aligned."""
-    if tier == DISK and pool.disk is not None:
-        return pool.disk.slot_bytes
-    return pool.geometry.slot_bytes
 
 
 def guarded_victims(pool: ElasticPool, tier: int, count: int, namespace: str) -> list[PageKey]:
@@ -111,52 +95,6 @@ def guarded_victims(pool: ElasticPool, tier: int, count: int, namespace: str) ->
             count - len(taken), lambda k, g=givers, c=chosen: pool.is_pinned(k) or k in c
             or pool.index[k].namespace not in g)
     return taken[:count]
-
-
-async def within_namespace_max(pool: ElasticPool, tier: int, namespace: str, count: int,
-                               keep_unmoved: bool = False) -> int:
-    """How many of `count` new pages `namespace` may place in `tier` under its max: its own
-    least valuable pages there are demoted to make the room (`keep_unmoved`: see
-    Pool.demote). (Pages of other namespaces are never evicted for this.)"""
-    if pool.elastic.room is None:
-        return count
-    room_bytes = pool.elastic.room(tier, namespace)
-    if room_bytes is None:
-        return count
-    slot_bytes = tier_slot_bytes(pool, tier)
-    over = count - room_bytes // slot_bytes
-    if over > 0:
-        own = pool.policies[tier].victims(
-            over, lambda k: pool.is_pinned(k) or pool.index[k].namespace != namespace)
-        if own:
-            await pool.demote(own, tier, keep_unmoved)
-        room_bytes = pool.elastic.room(tier, namespace)
-    return max(0, min(count, room_bytes // slot_bytes))
-
-
-async def admitted_below(pool: ElasticPool, tier: int, keys: list[PageKey],
-                         keep_unmoved: bool) -> tuple[list[PageKey], list[PageKey]]:
-    """Of pages demoted into `tier`, (those their namespaces' max there admits, the rest): a
-    namespace at its max first demotes its own least valuable pages of `tier` to make the
-    room, as its puts do (within_namespace_max)."""
-    by_namespace: dict[str, list[PageKey]] = {}
-    for key in keys:
-        by_namespace.setdefault(pool.index[key].namespace, []).append(key)
-    admitted: set[PageKey] = set()
-    for namespace, group in by_namespace.items():
-        count = await within_namespace_max(pool, tier, namespace, len(group), keep_unmoved)
-        admitted.update(group[:count])
-    return ([key for key in keys if key in admitted],
-            [key for key in keys if key not in admitted])
-
-
-def namespace_room_pages(pool: ElasticPool, tier: int, namespace: str) -> int | None:
-    """How many more pages `namespace` may place in `tier` under its max, demoting nothing
-    (None: no max)."""
-    if pool.elastic.room is None:
-        return None
-    room_bytes = pool.elastic.room(tier, namespace)
-    return None if room_bytes is None else room_bytes // tier_slot_bytes(pool, tier)
 
 
 def pages_by_chunk(pool: ElasticPool, tier: int, slots: ChunkedSlots) -> dict[int, list[PageKey]]:
@@ -253,13 +191,14 @@ class ElasticMemory:
 
     def set_quotas(self, models: dict[str, Quota], namespaces: dict[str, Quota]) -> None:
         """Quotas by pool holder (a page geometry's name) and by namespace, at run time. A
-        pool now over its max in a tier takes no more chunks there (its budget's cap) and
-        gives the excess back when give_back_over_max runs (the node's store schedules it)."""
+        pool now over its max in a tier takes no more chunks there (its budget's cap), a
+        namespace no more pages (room), and both give the excess back when
+        give_back_over_max runs (the node's store schedules it)."""
         self.model_quotas, self.namespace_quotas = dict(models), dict(namespaces)
         self._fit()
         for holder in self.holders:
             self._apply_cap(holder)
-        self.over_max_pending = bool(self.over_max())
+        self.over_max_pending = self.is_over_max()
         for tier in TIERS:
             short = self.min_shortfall(tier)
             if short["models"] or short["namespaces"]:
@@ -344,22 +283,32 @@ class ElasticMemory:
     def over_max(self) -> list[tuple[str, int, int]]:
         """(holder, tier, bytes) each pool holds past its max in a tier (a max lowered while
         it held more)."""
-        over = []
-        for holder in self.holders:
-            maximum = self.model_quotas.get(holder, Quota()).max_bytes
-            for tier in TIERS if maximum is not None else ():
-                held_bytes = self.budgets[tier].holders.get(holder, 0)
-                if held_bytes > maximum:
-                    over.append((holder, tier, held_bytes - maximum))
-        return over
+        return [(holder, tier, excess_bytes) for tier in TIERS
+                for holder, excess_bytes in past_max(self.budgets[tier].holders,
+                                                     self.model_quotas).items()
+                if holder in self.holders]
+
+    def namespaces_over_max(self) -> list[tuple[str, int, int]]:
+        """(namespace, tier, bytes) each namespace holds past its max in a tier (a max
+        lowered while it held more), the last tier first: the order they give back in."""
+        return [(namespace, tier, excess_bytes) for tier in reversed(TIERS)
+                for namespace, excess_bytes in past_max(self.namespace_bytes(tier),
+                                                        self.namespace_quotas).items()]
+
+    def is_over_max(self) -> bool:
+        """Whether a pool or a namespace holds past its max in a tier."""
+        return bool(self.over_max() or self.namespaces_over_max())
 
     async def give_back_over_max(self) -> int:
-        """Pools holding more than their max in a tier (it was lowered at run time) give the
-        excess back, as a donor gives chunks (release_chunks: lower classes' chunks first,
-        leased slots revoked, pages demoted, or dropped from the last tier). The max wins
-        over a namespace's min here. A chunk with a page in use (read, pinned, moving or
-        being written) cannot go now: the next call (the node's tick) tries again, and
-        meanwhile the pool takes no chunk in that tier (TierBudget's cap). Returns the chunks
+        """Pools and namespaces holding more than their max in a tier (it was lowered at run
+        time) give the excess back. A pool gives chunks as a donor does (release_chunks:
+        lower classes' chunks first, leased slots revoked, pages demoted, or dropped from
+        the last tier); the max wins over a namespace's min here. A namespace demotes its
+        own least valuable pages there (namespace_max.give_back_namespace), the last tier
+        first, so that what goes down makes room under its max below from its coldest
+        pages. A page in use (read, pinned, moving or being written) cannot go now: the
+        next call (the node's tick) tries again, and meanwhile the pool takes no chunk in
+        that tier (TierBudget's cap), the namespace no page (room). Returns the chunks
         given back."""
         async with self._giving_back:
             lowered, self.over_max_pending = self.over_max_pending, False
@@ -372,11 +321,21 @@ class ElasticMemory:
                 released += await release_chunks(self.holders[holder], tier, num_chunks,
                                                  self.fitted[tier][1])
             self.counters["max_released_chunks"] += released
-            for holder, tier, excess_bytes in self.over_max() if lowered else ():
-                log.warning("%s holds %d bytes past its lowered max in the %s tier: chunks "
-                            "with pages in use; it takes no memory there, and gives them "
-                            "back as they are let go", holder, excess_bytes, TIER_NAMES[tier])
+            for namespace, tier, excess_bytes in self.namespaces_over_max():
+                self.counters["namespace_max_released_pages"] += await give_back_namespace(
+                    list(self.holders.values()), tier, namespace, excess_bytes)
+            if lowered:
+                self._warn_over_max()
             return released
+
+    def _warn_over_max(self) -> None:
+        """What pages in use still hold past a lowered max, once, in the node's log."""
+        held_back = ([("model", *over) for over in self.over_max()]
+                     + [("namespace", *over) for over in self.namespaces_over_max()])
+        for kind, name, tier, excess_bytes in held_back:
+            log.warning("%s %s holds %d bytes past its lowered max in the %s tier: pages in "
+                        "use; it takes no memory there, and gives them back as they are "
+                        "let go", kind, name, excess_bytes, TIER_NAMES[tier])
 
     # ---- snapshots ---------------------------------------------------------------------------
 
@@ -414,16 +373,18 @@ class ElasticMemory:
 
     def stats(self) -> dict:
         """Per tier: capacity, what each model (pool) holds, what each namespace uses, the
-        mins the tier cannot hold, and what pools hold past a lowered max."""
+        mins the tier cannot hold, and what pools and namespaces hold past a lowered max."""
         tiers = {}
         over: dict[int, dict[str, int]] = {tier: {} for tier in TIERS}
         for holder, tier, excess_bytes in self.over_max():
             over[tier][holder] = excess_bytes
         for tier, budget in enumerate(self.budgets):
+            usage = self.namespace_bytes(tier)
             tiers[TIER_NAMES[tier]] = {
                 "capacity_bytes": budget.capacity_bytes, "held_bytes": budget.used_bytes,
-                "models": dict(budget.holders), "namespaces": self.namespace_bytes(tier),
-                "min_shortfall_bytes": self.min_shortfall(tier), "over_max_bytes": over[tier]}
+                "models": dict(budget.holders), "namespaces": usage,
+                "min_shortfall_bytes": self.min_shortfall(tier), "over_max_bytes": over[tier],
+                "namespace_over_max_bytes": past_max(usage, self.namespace_quotas)}
         return {"tiers": tiers, "chunk_bytes": self.chunk_bytes,
                 "quotas": {"models": {k: _quota(q) for k, q in self.model_quotas.items()},
                            "namespaces": {k: _quota(q) for k, q in

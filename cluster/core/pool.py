@@ -36,9 +36,9 @@ from cluster.core.demote_ahead import DemoteAhead, RecentPeak
 from cluster.core.disk_loads import DiskLoads
 from cluster.core.elastic import Elastic
 from cluster.core.elastic import guarded_victims as guarded_victims
-from cluster.core.elastic import within_namespace_max as within_namespace_max
 from cluster.core.geometry import DEVICE, DISK, HOST, PageGeometry
 from cluster.core.keys import PageKey
+from cluster.core.namespace_max import within_namespace_max as within_namespace_max
 from cluster.core.pins import PinSet
 from cluster.core.pool_entry import Entry, State
 from cluster.core.pool_gets import MAX_LOAD_ROUNDS as MAX_LOAD_ROUNDS

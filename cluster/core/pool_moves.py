@@ -18,9 +18,10 @@ import time
 import numpy as np
 
 from cluster.core import quant
-from cluster.core.elastic import admitted_below, guarded_victims
+from cluster.core.elastic import guarded_victims
 from cluster.core.geometry import DEVICE, DISK, HOST
 from cluster.core.keys import PageKey
+from cluster.core.namespace_max import admitted_into
 from cluster.core.pool_entry import Entry, State
 from cluster.core.tiers.chunks import NO_MEMORY
 from cluster.core.tiers.device_copy import tier_copies
@@ -146,7 +147,7 @@ class TierMoves:
         # keep_unmoved is about writes that fail, not about a disk at capacity (and while its
         # writes fail, the disk evicts nothing: _free_room).
         keep_unmoved = keep_unmoved and below != DISK
-        keys, refused = await admitted_below(self, below, keys, keep_unmoved)
+        keys, refused = await admitted_into(self, below, keys, keep_unmoved)
         if not keys:
             return refused
         await self.make_room(below, min(len(keys), self._num_slots(below)),
@@ -249,6 +250,9 @@ class TierMoves:
 
         A memory page pinned by someone else is left where it is: moving it would free the
         slot under that reader. `own_pins` are the caller's pins, which it can account for.
+        Each namespace stays within its max in the device tier, as its puts do: its own
+        least valuable device pages make the room, and what they cannot stays in host
+        (namespace_max.admitted_into).
         """
         if self.top_tier == HOST:
             return
@@ -260,9 +264,10 @@ class TierMoves:
         pins = {key: self.index[key].pins for key in movable}  # before make_room's awaits
         try:
             async with self.room_lock:  # as a read-up's (disk_loads.py): room not split
-                await self.make_room(DEVICE, min(len(movable), self._num_slots(DEVICE)),
+                admitted, _ = await admitted_into(self, DEVICE, movable, keep_unmoved=True)
+                await self.make_room(DEVICE, min(len(admitted), self._num_slots(DEVICE)),
                                      keep_unmoved=True)
-                await self._move_memory(movable[: self._free_slots(DEVICE)], DEVICE, pins)
+                await self._move_memory(admitted[: self._free_slots(DEVICE)], DEVICE, pins)
         finally:
             for key in movable:
                 if key in self.index:

@@ -16,9 +16,9 @@ import time
 
 import numpy as np
 
-from cluster.core.elastic import within_namespace_max
 from cluster.core.geometry import HOST
 from cluster.core.keys import PageKey
+from cluster.core.namespace_max import within_namespace_max
 from cluster.core.pool_entry import Entry, State
 from cluster.core.tiers.memory import readonly_tensor
 

@@ -50,9 +50,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.core.elastic import namespace_room_pages, within_namespace_max
 from cluster.core.geometry import HOST, PageGeometry
 from cluster.core.keys import PageKey
+from cluster.core.namespace_max import namespace_room_pages, within_namespace_max
 from cluster.core.pool_entry import Entry, State
 
 MAX_LEASED_FRACTION = 0.25  # of the top tier's slots, held by one lease at most

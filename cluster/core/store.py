@@ -466,10 +466,10 @@ class NodeStore:
 
     def set_quotas(self, models: dict[str, Quota], namespaces: dict[str, Quota],
                    model_names: dict[str, str] | None = None) -> None:
-        """Quotas at run time: by pool (a page geometry's name) and by namespace. A pool now
-        over a lowered max gives the excess back at once, on the running loop (the node
-        actor's, which applies registry pushes); with none running, before the next reserve.
-        What pages in use hold back goes at a later tick (shrink_idle)."""
+        """Quotas at run time: by pool (a page geometry's name) and by namespace. A pool or
+        namespace now over a lowered max gives the excess back at once, on the running loop
+        (the node actor's, which applies registry pushes); with none, before the next
+        reserve. What pages in use hold back goes at a later tick (shrink_idle)."""
         self.elastic.set_quotas(models, namespaces)
         self.model_names = dict(model_names or {})
         if self.elastic.over_max_pending:
@@ -505,10 +505,10 @@ class NodeStore:
         """Pools unused for `idle_s` give their memory chunks back; returns how many. First,
         every pool zeroes the headers of the disk slots it freed since its last flush (the
         node's periodic tidy): a page discarded a moment ago stays gone after a restart; and
-        a pool over a lowered max gives back what pages in use held back before."""
+        a pool or namespace over a lowered max gives back what pages in use held back."""
         for pool in list(self.pools.values()):
             await pool.flush_disk_frees()
-        if self.elastic.over_max():
+        if self.elastic.is_over_max():
             await self.elastic.give_back_over_max()
         return await self.elastic.shrink_idle(time.monotonic(), idle_s)
 
