@@ -241,11 +241,17 @@ class ElasticMemory:
             if donor is None:
                 return
             donor_pool = self.holders[donor]
+            retired_bytes = self.budgets[tier].retired_bytes
             if not await release_chunks(donor_pool, tier, 1, self.fitted[tier][1],
                                         self.floor(tier)):
                 return
             freed_bytes += donor_pool.slots(tier).chunk_bytes
             self.counters[f"reclaimed_{TIER_NAMES[tier]}"] += 1
+            if self.budgets[tier].retired_bytes > retired_bytes:
+                # A client still maps the chunk (a device chunk: tiers/device_chunks.py): it
+                # is the requester's once the node frees it. Taking more from others now
+                # would give up chunks that this request will not need.
+                return
 
     def room(self, tier: int, namespace: str) -> int | None:
         """Bytes `namespace` may still add to `tier` under its max (None: no max)."""
@@ -382,7 +388,8 @@ class ElasticMemory:
             usage = self.namespace_bytes(tier)
             tiers[TIER_NAMES[tier]] = {
                 "capacity_bytes": budget.capacity_bytes, "held_bytes": budget.used_bytes,
-                "models": dict(budget.holders), "namespaces": usage,
+                "retired_bytes": budget.retired_bytes, "models": dict(budget.holders),
+                "namespaces": usage,
                 "min_shortfall_bytes": self.min_shortfall(tier), "over_max_bytes": over[tier],
                 "namespace_over_max_bytes": past_max(usage, self.namespace_quotas)}
         return {"tiers": tiers, "chunk_bytes": self.chunk_bytes,

@@ -40,7 +40,7 @@ from cluster.core.store_stats import memory_by_model, store_stats
 from cluster.core.tiers.aligned import make_private_dir
 from cluster.core.tiers.chunks import NO_MEMORY
 from cluster.core.tiers.disk import DiskArena
-from cluster.core.tiers.memory import ArenaDescriptor, remove_stale_shm
+from cluster.core.tiers.memory import ArenaDescriptor, reap_retired, remove_stale_shm
 from policies.quota import Quota
 
 log = logging.getLogger("raykv.store")
@@ -202,9 +202,11 @@ class NodeStore:
                 for arena in pool.memory]
 
     def beat(self) -> None:
-        """Stamp every pool's held-pages index: its readers trust it a while after this."""
+        """Stamp every pool's held-pages index: its readers trust it a while after this; and
+        free the device chunks released while a client mapped them, once it has let go."""
         for pool in self.pools.values():
             pool.beat_held()
+            reap_retired(pool.memory)
 
     def layout_version(self, geometry: PageGeometry) -> int:
         """Grows whenever a client must map the pool's arenas again (a device chunk granted

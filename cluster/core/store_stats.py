@@ -41,6 +41,8 @@ def store_stats(store) -> dict:
             # chunks whose memory the machine could not give (taken as no room: chunks.py)
             "chunk_grant_failures": sum(a.slots.grant_failures for a in [*arenas, *disks]),
             "ready_on_path_s": sum(a.ready_on_path_s for a in arenas),
+            # device chunks given back but still mapped by a client: taken, not free yet
+            "retired_chunk_bytes": sum(a.retired_bytes for a in arenas),
             "disk_bytes_read": sum(d.bytes_read for d in disks),
             "disk_bytes_written": sum(d.bytes_written for d in disks),
             "disk_checksum_failures": sum(d.checksum_failures for d in disks),

@@ -13,7 +13,8 @@ It exits non-zero on any FAIL; without CUDA every check is a SKIP and it exits 0
                       CUDA_VISIBLE_DEVICES narrowed to one GPU named by UUID; a process that
                       sees no GPU maps nothing (its pages are misses)
     regrant_remap     grant, release and grant again: the second process remaps the new
-                      allocation, and its old mapping is never written
+                      allocation, and its old mapping is never written; the old allocation,
+                      still viewed there, stays retired, and is freed once the view is gone
     stream_copies     host<->VRAM page moves in the copy thread on a CUDA stream, off the loop
     vram_budget       the node's start-up check on these GPUs: the engines' largest
                       gpu_memory_utilization next to raykv's default device_bytes
@@ -155,6 +156,11 @@ class _Child:
     def kept_byte(self) -> int:
         return int(self.kept[0])
 
+    def let_go(self) -> bool:
+        """Drop the kept view: this process's poller then closes the old mapping, no call."""
+        self.kept = None
+        return True
+
     def get(self, slots: list[int], rounds: int) -> dict:
         return time_device_get(self.mapping, slots, rounds)
 
@@ -178,12 +184,14 @@ def child_main() -> None:
 # ---- the checks -----------------------------------------------------------------------------
 
 
-def device_arena(device: str, num_chunks: int = 3, num_gpus: int = 1) -> MappedArena:
+def device_arena(device: str, num_chunks: int = 3, num_gpus: int = 1,
+                 budget_chunks: int | None = None) -> MappedArena:
     """A device arena of `num_chunks` chunks (the last one short) over `num_gpus` GPUs,
-    budget for all of them."""
+    budget for all of them (or `budget_chunks`)."""
     chunk_bytes = SLOTS_PER_CHUNK * SLOT_BYTES
     num_slots = (num_chunks - 1) * SLOTS_PER_CHUNK + 1
-    share = Share(TierBudget(num_chunks * chunk_bytes), "gpu-check", chunk_bytes)
+    share = Share(TierBudget((budget_chunks or num_chunks) * chunk_bytes), "gpu-check",
+                  chunk_bytes)
     options = ArenaOptions(use_cuda=device == "cuda", shm_prefix="raykvgpucheck", share=share,
                            num_devices=num_gpus)
     return MappedArena("device", num_slots * SLOT_BYTES, SLOT_BYTES, options)
@@ -256,19 +264,20 @@ def check_blind_peer(report: Report, arena: MappedArena, slots: list[int]) -> No
 
 
 def check_regrant_remap(report: Report, device: str) -> None:
-    """Grant, release, grant again: the peer remaps and never writes the old allocation."""
-    arena = device_arena(device, num_chunks=1)
+    """Grant, release, grant again: the peer remaps and never writes the old allocation,
+    which stays retired (allocated) while the peer views it and is freed once it lets go."""
+    arena = device_arena(device, num_chunks=1, budget_chunks=2)  # the old one stays a while
     peer = Peer(peer_visibility(device)[0])
     try:
         slot = arena.alloc()
         arena.view(slot).fill_(1)
         _sync(arena.view(slot))
         before = peer.ask("map", arena.descriptor())
-        if device == "cpu":  # (a view kept past cudaFree would be undefined on a GPU)
-            peer.ask("keep", slot)
+        peer.ask("keep", slot)  # a view through the old mapping, past the release
         version = arena.layout_version
         arena.free(slot)
         arena.slots.release_empty()
+        retired = arena.retired_bytes  # the peer still maps it: not freed
         again = arena.alloc()
         arena.view(again).fill_(2)
         _sync(arena.view(again))
@@ -277,16 +286,32 @@ def check_regrant_remap(report: Report, device: str) -> None:
         peer.ask("write", again, 3)
         _sync(arena.view(again))
         landed = int(arena.view(again)[0])
-        stale = peer.ask("kept_byte") if device == "cpu" else 1  # the old allocation's byte
+        stale = peer.ask("kept_byte")  # the old allocation's byte: still there to read
+        peer.ask("let_go")
+        freed_s = _wait_reaped(arena)
         ok = (again == slot and arena.layout_version > version and before != after
-              and read == [2, 2] and landed == 3 and stale == 1)
+              and read == [2, 2] and landed == 3 and stale == 1 and retired > 0
+              and freed_s is not None)
         report.check(f"regrant_remap[{device}]", ok,
                      f"grants {before} -> {after}, version {version} -> "
                      f"{arena.layout_version}; peer read {read}, its write landed: {landed}, "
-                     f"old allocation untouched: {stale == 1}")
+                     f"old allocation untouched: {stale == 1}, retired while viewed: "
+                     f"{retired} bytes, freed {freed_s} s after the view went")
     finally:
         peer.close()
         arena.close()
+
+
+def _wait_reaped(arena: MappedArena, timeout_s: float = 10.0) -> float | None:
+    """Seconds until the arena's retired chunks are freed (the peer's poller caught up, with
+    no call); None if they were not within timeout_s."""
+    started_s = time.monotonic()
+    while time.monotonic() - started_s < timeout_s:
+        arena.reap_retired()
+        if arena.retired_bytes == 0:
+            return round(time.monotonic() - started_s, 2)
+        time.sleep(0.05)
+    return None
 
 
 def check_stream_copies(report: Report) -> None:

@@ -91,9 +91,11 @@ def test_quotas_hold_under_concurrent_pressure(service):
 
 FILE_NAMES = re.compile(r"^(node-\d+(\.lock)?|\d+(x\d+)+-[a-z0-9]+|slab-\d{5}\.bin|"
                         r"manifest\.json|pool\.json|key-secret)$")
-# The node's memory tiers, their slot generations, and its held-pages index (a random id).
+# The node's memory tiers, their slot generations, the device tier's readers file
+# (tiers/chunk_readers.py) and its held-pages index (a random id).
 SHM_NAMES = re.compile(r"^raykv-[0-9a-f]{8}-\d+-"
-                       r"((device|host)-[0-9a-f]{12}(-gen)?|held-[0-9a-f]{12})$")
+                       r"(host-[0-9a-f]{12}(-gen)?|device-[0-9a-f]{12}(-gen|-readers)?"
+                       r"|held-[0-9a-f]{12})$")
 
 
 def test_no_file_name_comes_from_user_input(service, disk_root):

@@ -191,3 +191,29 @@ def test_an_absent_tier_holds_nothing(stores, tier):
     store = elastic_store(stores)
     put(store, SMALL, range(3))
     assert held(store, tier) == {}
+
+
+def test_a_chunk_a_client_still_maps_ends_the_reclaim_that_released_it(stores):
+    """A device chunk given back while a client maps it is retired, not free
+    (tiers/device_chunks.py): the reclaim that released it stops there rather than take more
+    chunks from the donor for room that this chunk will give once the client lets go."""
+    from cluster.core.tiers.memory import ArenaMapping
+
+    prefix = unique_prefix()
+    stores.prefixes.append(prefix)
+    store = stores.make(StoreConfig(make_limits(prefix, 16, 16, 0), stores.disk_dir,
+                                    disk_threads=2, chunk_bytes=2 * PAGE_BYTES))
+    store.set_quotas({SMALL.name: Quota(weight=1), LARGE.name: Quota(weight=1)}, {})
+    assert put(store, SMALL, range(16)) == 16
+    assert held(store, DEVICE) == {SMALL.name: 16 * PAGE_BYTES}
+    arena = store.pool(SMALL).memory[DEVICE]
+    mapping = ArenaMapping(arena.descriptor())  # a client, copying through every slot
+    views = [mapping.view(slot) for slot in range(16)]
+    assert put(store, LARGE, range(4)) == 4
+    assert store.elastic.counters["reclaimed_device"] == 1  # one chunk, then it stopped
+    assert held(store, DEVICE)[SMALL.name] == 14 * PAGE_BYTES
+    assert store.stats()["memory"]["tiers"]["device"]["retired_bytes"] == 2 * PAGE_BYTES
+    views.clear()
+    mapping.device.catch_up()
+    store.beat()  # the node's loop frees what no client maps any more
+    assert store.elastic.budgets[DEVICE].retired_bytes == 0

@@ -44,8 +44,10 @@ def test_mapped_arena_slots_and_close():
         MappedArena("host", 4096, 1000, ArenaOptions(shm_prefix=prefix))
     empty = MappedArena("device", 0, 4096, ArenaOptions(shm_prefix=prefix))
     assert empty.num_slots == 0 and empty.alloc() is None
-    assert len(shm_files(prefix)) == 1  # its generation table: chunk files come with grants
+    # its generation table and its readers file: chunk files come with grants
+    assert len(shm_files(prefix)) == 2
     empty.close()
+    empty.close()  # idempotent
     assert shm_files(prefix) == []
 
 

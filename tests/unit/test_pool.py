@@ -301,11 +301,12 @@ def test_corrupt_disk_page_becomes_a_miss(harness):
 
 def test_close_unlinks_shared_memory(harness):
     pool = harness.make()
-    # the host slab, both generation tables and the held-pages indexes of the memory tiers
-    # and of the disk tier (a device chunk's file comes with its grant)
-    assert len(shm_files(harness.prefix)) == 5
-    pool.memory[DEVICE].alloc()
+    # the host slab, both generation tables, the device tier's readers file and the
+    # held-pages indexes of the memory tiers and of the disk tier (a device chunk's file
+    # comes with its grant)
     assert len(shm_files(harness.prefix)) == 6
+    pool.memory[DEVICE].alloc()
+    assert len(shm_files(harness.prefix)) == 7
     pool.close()
     assert shm_files(harness.prefix) == []
 

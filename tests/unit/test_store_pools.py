@@ -81,6 +81,7 @@ def test_stats_figures(stores):
                                     for arena in store.pools[G].memory),
         "ready_on_path_s": stats["ready_on_path_s"],
         "chunk_grant_failures": 0,  # every chunk's memory was there to be had
+        "retired_chunk_bytes": 0,  # no device chunk given back while a client mapped it
         "evictions": {"device": 3, "host": 1, "disk": 0}, "disk_read_us_per_token": 0.0,
         "disk_read_s": 0.0,  # no page read up from disk yet
         "pins": {"pins": 0, "pinned_pages": 0, "pinned_bytes": 0, "expired_pins": 0,
@@ -139,10 +140,10 @@ def test_close_unlinks_every_slab(stores):
     run(store_put(store, [0]))
     store.pool(PageGeometry((1, 2, 1, 16, 16), "float32"))
     prefix = store.config.limits.shm_prefix
-    # 2 pools x (2 arenas x (slab + generation table) + two held-pages indexes: the memory
-    # tiers' and the disk tier's), less the device chunk that the second pool has not been
-    # granted yet (a device chunk is a file of its own)
-    assert len(shm_files(prefix)) == 11
+    # 2 pools x (2 arenas x (slab + generation table) + the device tier's readers file + two
+    # held-pages indexes: the memory tiers' and the disk tier's), less the device chunk that
+    # the second pool has not been granted yet (a device chunk is a file of its own)
+    assert len(shm_files(prefix)) == 13
     store.close()
     assert shm_files(prefix) == []
 

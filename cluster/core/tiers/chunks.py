@@ -39,12 +39,15 @@ class TierBudget:
         assert capacity_bytes >= 0, f"capacity_bytes must be >= 0, got {capacity_bytes}"
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
+        # Bytes of chunks given back but not freed yet (device chunks a client still maps:
+        # device_chunks.py): no holder's, yet not free either.
+        self.retired_bytes = 0
         self.holders: dict[Hashable, int] = {}
         self.caps: dict[Hashable, int] = {}  # holder -> the most it may hold (its quota's max)
 
     @property
     def free_bytes(self) -> int:
-        return self.capacity_bytes - self.used_bytes
+        return self.capacity_bytes - self.used_bytes - self.retired_bytes
 
     def free_bytes_for(self, holder: Hashable) -> int:
         """What `holder` could still take: the free bytes, within its cap."""

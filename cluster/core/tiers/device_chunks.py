@@ -2,21 +2,29 @@
 
     node actor                                   client (a Serve replica, a vLLM worker)
     grant(chunk)    a new allocation  --.         DeviceLayout(version, per chunk: grant id,
-    release(chunk)  freed at once       |-->        GPU UUID, IPC handle or shm file,
+    release(chunk)  retired             |-->        GPU UUID, IPC handle or shm file,
     version += 1 on each              --'           offset, nbytes)
-                                                  maps the chunks it can; the rest are misses
+    reap_retired()  frees the retired             maps the chunks it can; the rest are misses
+                    no client can map
 
 A chunk granted again is a new allocation (a new IPC handle, a new shm file), so a client's
 old mapping of it is stale: every reserve and acquire reply carries the layout version, and a
 client whose mapping is older maps again before it copies (cluster/slabs.py).
 
+A released chunk is not freed at once: a client may still map it, and CUDA leaves freeing an
+allocation another process maps undefined. It is retired, still counted as used, until every
+live client on the node has closed its mapping, which each client does with no call, on its
+own (chunk_readers.py); the node frees it on its periodic work (reap_retired) or its next
+release.
+
 Two backings with one shape of descriptor:
     CudaChunks   cudaMalloc per chunk, never a sub-block of a framework pool (an IPC handle
-                 maps its allocation's base), cudaFree on release (back to the driver, for the
-                 engines); a client opens it with cudaIpcOpenMemHandle on the GPU of the same
-                 UUID and closes it once its last view of the mapping is gone.
+                 maps its allocation's base), cudaFree once released and unmapped (back to
+                 the driver, for the engines); a client opens it with cudaIpcOpenMemHandle
+                 on the GPU of the same UUID and closes it once its last view of the mapping
+                 is gone.
     ShmChunks    the CPU stand-in: a shared-memory file per chunk, made on each grant and
-                 unlinked on release.
+                 unlinked once released and unmapped (the retiring is the same code).
 The chunk table is changed under a lock: chunks are readied ahead of need in a thread
 (NodeStore.grow_ahead) while the event loop reads the table.
 """
@@ -26,11 +34,20 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+from cluster.core.tiers.chunk_readers import (
+    RETIRED_CHUNK_MAX_S,
+    Listing,
+    NodeReaders,
+    ReaderSlot,
+    RetiredChunks,
+    open_while_alive,
+)
 from cluster.core.tiers.gpus import local_gpu_uuids, local_index
 from cluster.core.tiers.shm import SharedFile, map_file, populate_range
 
@@ -57,6 +74,7 @@ class DeviceLayout:
     version: int
     chunk_bytes: int
     chunks: tuple[ChunkHandle, ...]
+    readers_path: str | None = None  # the arena's readers file (chunk_readers.py)
 
 
 @dataclass(slots=True)
@@ -70,13 +88,17 @@ _grant_ids = itertools.count(1)  # process-wide: two arenas never hand out the s
 
 
 class _Chunks:
-    """The chunk table shared by both backings; subclasses allocate and free."""
+    """The chunk table shared by both backings, with the released chunks still retired and
+    the readers file that tells which can go; subclasses allocate and free."""
 
-    def __init__(self, chunk_bytes: int):
+    def __init__(self, chunk_bytes: int, tag: str, num_chunks: int,
+                 retired_max_s: float = RETIRED_CHUNK_MAX_S):
         self.chunk_bytes = chunk_bytes
         self.version = 0
         self._lock = threading.Lock()
         self._table: dict[int, _Held] = {}
+        self.readers = NodeReaders(f"{tag}-readers", num_chunks)
+        self._retired = RetiredChunks(self.readers, retired_max_s)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         chunk, within = divmod(offset, self.chunk_bytes)
@@ -93,28 +115,50 @@ class _Chunks:
             assert chunk not in self._table, f"chunk {chunk} granted twice"
             self._table[chunk] = held
             self.version += 1
+            self.readers.publish(self.version, chunk, held.handle.grant)
 
     def release(self, offset: int, nbytes: int) -> None:
+        """Take the chunk out of the layout; its memory is retired until reap_retired finds
+        that no live client can still map it."""
+        chunk = offset // self.chunk_bytes
         with self._lock:
-            held = self._table.pop(offset // self.chunk_bytes, None)
+            held = self._table.pop(chunk, None)
             self.version += 1
-        if held is not None:
+            self.readers.publish(self.version, chunk, 0)
+            if held is not None:
+                self._retired.add(held, held.handle.nbytes, self.version, time.monotonic())
+
+    def reap_retired(self, now_s: float | None = None) -> int:
+        """Free the retired chunks that every live client has stopped mapping (or that
+        waited retired_max_s by `now_s`, time.monotonic()'s); returns the bytes freed."""
+        freed = 0
+        for held in self._retired.due(time.monotonic() if now_s is None else now_s):
             self._free(held)
+            freed += held.handle.nbytes
+        return freed
+
+    @property
+    def retired_bytes(self) -> int:
+        """Bytes of released chunks not freed yet (still taken from the GPU)."""
+        return self._retired.retired_bytes
 
     def layout(self) -> DeviceLayout:
         with self._lock:
             chunks = tuple(self._table[c].handle for c in sorted(self._table))
-            return DeviceLayout(self.version, self.chunk_bytes, chunks)
+            return DeviceLayout(self.version, self.chunk_bytes, chunks, self.readers.path)
 
     def descriptor_fields(self) -> dict:
         return {"device_layout": self.layout()}
 
     def close(self) -> None:
+        """Free every chunk, retired or not (the node shuts down)."""
         with self._lock:
             held, self._table = list(self._table.values()), {}
             self.version += 1
-        for one in held:
+            self.readers.withdraw_all(self.version)
+        for one in held + self._retired.take_all():
             self._free(one)
+        self.readers.close()
 
     def _allocate(self, chunk: int, offset: int, nbytes: int, grant: int) -> _Held:
         raise NotImplementedError
@@ -126,8 +170,9 @@ class _Chunks:
 class ShmChunks(_Chunks):
     """The CPU stand-in: a shared-memory file per granted chunk, populated at once."""
 
-    def __init__(self, chunk_bytes: int, tag: str):
-        super().__init__(chunk_bytes)
+    def __init__(self, chunk_bytes: int, tag: str, num_chunks: int,
+                 retired_max_s: float = RETIRED_CHUNK_MAX_S):
+        super().__init__(chunk_bytes, tag, num_chunks, retired_max_s)
         self.tag = tag
 
     def _allocate(self, chunk: int, offset: int, nbytes: int, grant: int) -> _Held:
@@ -166,14 +211,15 @@ class CudaChunks(_Chunks):
     GPUs, each exported with an IPC handle. Written for real, guarded: only where cupy and a
     GPU are present (tests/unit/test_gpu.py, `make gpu-check`)."""
 
-    def __init__(self, chunk_bytes: int, num_devices: int = 1):
+    def __init__(self, chunk_bytes: int, tag: str, num_chunks: int, num_devices: int = 1,
+                 retired_max_s: float = RETIRED_CHUNK_MAX_S):
         import cupy
 
-        super().__init__(chunk_bytes)
         self.runtime = cupy.cuda.runtime
         self.uuids = local_gpu_uuids()
         assert self.uuids, "CudaChunks needs a visible GPU"
         self.num_devices = max(1, min(num_devices, len(self.uuids)))
+        super().__init__(chunk_bytes, tag, num_chunks, retired_max_s)
 
     def _allocate(self, chunk: int, offset: int, nbytes: int, grant: int) -> _Held:
         device = _ledger.take(self.num_devices, nbytes)
@@ -210,14 +256,26 @@ class CudaChunks(_Chunks):
             _ledger.give(device, held.handle.nbytes)
 
 
+class _Closing:
+    """Whether an IPC mapping is still open: set once cudaIpcCloseMemHandle has run (not
+    when the pointer is collected, a moment before)."""
+
+    def __init__(self):
+        self.closed = False
+
+    def is_open(self) -> bool:
+        return not self.closed
+
+
 class DevicePointer:
     """Raw VRAM as a 1-D uint8 array (__cuda_array_interface__), for torch.as_tensor: the
-    tensor and every view of it keep this object alive, and `on_last_view` runs (closing an
-    IPC mapping) only once all of them are gone."""
+    tensor and every view of it keep this object alive, and an IPC mapping's finalizer
+    (open_ipc) closes it only once all of them are gone."""
 
     def __init__(self, pointer: int, nbytes: int):
         self.pointer = pointer
         self.nbytes = nbytes
+        self.closing = _Closing()  # (an IPC mapping's: open_ipc)
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -238,10 +296,13 @@ class _Mapped:
 class DeviceMaps:
     """A client's mappings of one device arena's chunks, as of one layout version.
 
-    `update(layout)` keeps the mappings whose grant is unchanged, drops the others (a CUDA
-    IPC mapping is closed once the last copy through it is done) and maps the new ones it
-    can: a chunk on a GPU this process does not see, or one already released, stays
-    unmapped, and `view` answers None for its slots.
+    `update(layout)` keeps the mappings whose grant is unchanged, drops the others (a mapping
+    is closed once the last copy through it is done) and maps the new ones it can: a chunk on
+    a GPU this process does not see, or one already released, stays unmapped, and `view`
+    answers None for its slots. Between replies, this process's poller drops the mappings of
+    chunks the node has released since (drop_unlisted) and tells the node once they are
+    closed (chunk_readers.py), so that it can free them. Without a slot in the arena's
+    readers file nothing is mapped: every view is a miss.
     """
 
     def __init__(self, layout: DeviceLayout):
@@ -249,18 +310,35 @@ class DeviceMaps:
         self.version = -1
         self._maps: dict[int, _Mapped] = {}
         self._uuids: list[str] | None = None
+        self._slot = ReaderSlot.open(layout.readers_path)
+        self._lock = self._slot.lock if self._slot is not None else threading.Lock()
+        if self._slot is not None:
+            self._slot.follow(self.drop_unlisted)
         self.update(layout)
 
     def update(self, layout: DeviceLayout) -> None:
-        if layout.version <= self.version:
-            return
-        maps = {}
-        for handle in layout.chunks:
-            old = self._maps.get(handle.chunk)
-            maps[handle.chunk] = (old if old is not None and old.grant == handle.grant
-                                  else _Mapped(handle.grant, self._open(handle)))
-        self._maps = maps
-        self.version = layout.version
+        with self._lock:
+            if layout.version <= self.version:
+                return
+            listing = self._slot.listing() if self._slot is not None else None
+            maps = {}
+            for handle in layout.chunks:
+                old = self._maps.get(handle.chunk)
+                maps[handle.chunk] = (old if old is not None and old.grant == handle.grant
+                                      else _Mapped(handle.grant, self._open_listed(handle,
+                                                                                   listing)))
+            self._maps = maps
+            self.version = layout.version
+            if listing is not None:
+                self.drop_unlisted(listing)
+                self._slot.catch_up(listing)
+
+    def drop_unlisted(self, listing: Listing) -> None:
+        """Drop (under the slot's lock) the mappings of chunks the node has released since
+        this client's layout: each closes once its last view is gone, and its slots miss
+        until a reply with a newer layout maps the chunk again."""
+        self._maps = {chunk: mapped for chunk, mapped in self._maps.items()
+                      if listing.lists(chunk, mapped.grant)}
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor | None:
         chunk, within = divmod(offset, self.chunk_bytes)
@@ -283,16 +361,39 @@ class DeviceMaps:
         """chunk -> grant of every chunk this client maps."""
         return {c: m.grant for c, m in self._maps.items() if m.tensor is not None}
 
+    def catch_up(self) -> int | None:
+        """Do now what this process's poller does every POLL_S (drop the mappings of chunks
+        released since, tell the node what is closed); the version this client is caught up
+        to (None: no slot)."""
+        if self._slot is None:
+            return None
+        self._slot.poll()
+        return self._slot.caught_up
+
+    @property
+    def caught_up(self) -> int | None:
+        """The layout version this client told the node it has caught up to (None: no
+        slot)."""
+        return self._slot.caught_up if self._slot is not None else None
+
     def _populate(self, mapped: _Mapped) -> None:
         mapped.populated = True
         if not mapped.tensor.is_cuda:  # one call, not a page fault per 4 KiB under a copy
             populate_range(mapped.tensor.data_ptr(), mapped.tensor.numel())
 
+    def _open_listed(self, handle: ChunkHandle, listing: Listing | None) -> torch.Tensor | None:
+        """Open a chunk the node still holds (as the listing, read before, says): a chunk
+        released since may be freed at any time, so it is not opened (a miss)."""
+        if listing is None or not listing.lists(handle.chunk, handle.grant):
+            return None
+        return self._open(handle)
+
     def _open(self, handle: ChunkHandle) -> torch.Tensor | None:
         try:
             if handle.shm_path is not None:
-                return torch.frombuffer(map_file(handle.shm_path, populate=False),
-                                        dtype=torch.uint8)
+                mapping = map_file(handle.shm_path, populate=False)
+                self._track(handle, open_while_alive(mapping))
+                return torch.frombuffer(mapping, dtype=torch.uint8)
             return self._open_ipc(handle)
         except (OSError, RuntimeError, ValueError) as error:  # released meanwhile, no such
             # GPU here, or a GPU whose UUID this process cannot read whole (gpus.format_uuid)
@@ -307,7 +408,12 @@ class DeviceMaps:
         if device is None:
             return None  # a GPU this process does not see
         pointer = open_ipc(handle.ipc_handle, device, handle.nbytes)
+        self._track(handle, pointer.closing.is_open)
         return torch.as_tensor(pointer, device=f"cuda:{device}")
+
+    def _track(self, handle: ChunkHandle, is_open) -> None:
+        if self._slot is not None:
+            self._slot.track(handle.chunk, handle.grant, is_open)
 
 
 _opened: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -331,12 +437,12 @@ def open_ipc(ipc_handle: bytes, device: int, nbytes: int) -> DevicePointer:
         finally:
             runtime.setDevice(previous)
         pointer = DevicePointer(address, nbytes)
-        weakref.finalize(pointer, _close_ipc, address, device)
+        weakref.finalize(pointer, _close_ipc, address, device, pointer.closing)
         _opened[ipc_handle] = pointer
         return pointer
 
 
-def _close_ipc(address: int, device: int) -> None:
+def _close_ipc(address: int, device: int, closing: _Closing) -> None:
     import cupy
 
     runtime = cupy.cuda.runtime
@@ -348,3 +454,4 @@ def _close_ipc(address: int, device: int) -> None:
         log.debug("ipcCloseMemHandle: %s", error)
     finally:
         runtime.setDevice(previous)
+        closing.closed = True

@@ -13,7 +13,9 @@ the node (a granted chunk is populated, a released one punched out), so a get is
 the slab into the caller's tensor, with no hop through Ray. The device tier is one separate
 allocation per chunk (device_chunks.py): VRAM with a CUDA IPC handle where a GPU is visible,
 else a shared-memory file per chunk, its CPU stand-in. A chunk granted again is a new
-allocation, so clients remap when the arena's layout version changes.
+allocation, so clients remap when the arena's layout version changes. A released device chunk
+is retired until no client maps it (chunk_readers.py); its bytes stay taken from the tier's
+budget until reap_retired frees it.
 
 A slot's generation grows each time the slot is freed. A reader notes it when the node pins
 the page for it and checks it again after its copy: a changed generation means the slot was
@@ -27,12 +29,14 @@ import os
 import time
 import uuid
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from cluster.core.tiers.aligned import ALIGN_BYTES, round_up
+from cluster.core.tiers.chunk_readers import RETIRED_CHUNK_MAX_S
 from cluster.core.tiers.chunks import ChunkedSlots, Share
 from cluster.core.tiers.device_chunks import CudaChunks, DeviceLayout, DeviceMaps, ShmChunks
 from cluster.core.tiers.shm import SHM_DIR, SharedFile, map_file, populate_range
@@ -137,20 +141,25 @@ class _ShmSlab:
         return {"shm_path": self.file.path}
 
     version = 0  # one file for good: a client's mapping never goes stale
+    retired_bytes = 0  # a released chunk is punched out at once: mappings stay valid
+
+    def reap_retired(self, now_s: float | None = None) -> int:
+        return 0
 
     def close(self) -> None:
         self.file.close()
 
 
-def _backing(tier: str, chunk_bytes: int, capacity_bytes: int, tag: str,
+def _backing(tier: str, slots: ChunkedSlots, capacity_bytes: int, tag: str,
              options: ArenaOptions):
     """The device tier: one allocation per chunk (VRAM, or its CPU stand-in); the host tier:
     one sparse shared-memory file."""
     if tier != "device":
         return _ShmSlab(tag, capacity_bytes)
     if options.use_cuda:
-        return CudaChunks(chunk_bytes, options.num_devices)
-    return ShmChunks(chunk_bytes, tag)
+        return CudaChunks(slots.chunk_bytes, tag, slots.num_chunks, options.num_devices,
+                          options.retired_chunk_max_s)
+    return ShmChunks(slots.chunk_bytes, tag, slots.num_chunks, options.retired_chunk_max_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +171,9 @@ class ArenaOptions:
     shm_prefix: str = "raykv"
     share: Share | None = None
     num_devices: int = 1  # GPUs the VRAM chunks spread over
+    # A released device chunk that clients still map past this is freed anyway, with a
+    # warning: a client in another PID namespace, or stopped (chunk_readers.py).
+    retired_chunk_max_s: float = RETIRED_CHUNK_MAX_S
 
 
 class MappedArena:
@@ -183,8 +195,8 @@ class MappedArena:
         self.ready_on_path_chunks, self.ready_on_path_s = 0, 0.0
         self.slots.on_release = self._release_chunk
         tag = f"{options.shm_prefix}-{tier}-{uuid.uuid4().hex[:12]}"
-        self._backing = _backing(tier, self.chunk_bytes, self.num_slots * slot_bytes, tag,
-                                 options)
+        self._backing = _backing(tier, self.slots, self.num_slots * slot_bytes, tag, options)
+        self._retired_counted = 0  # retired bytes this arena has put in the budget
         # One file: a uint64 generation per slot, then a "held" byte per chunk (clients
         # pre-fault their mapping of held chunks, off their puts' path).
         table_bytes = max(1, self.num_slots) * GEN_BYTES + self.slots.num_chunks
@@ -216,6 +228,27 @@ class MappedArena:
     def _release_chunk(self, chunk: int) -> None:
         self.held[chunk] = 0
         self._backing.release(*self._chunk_range(chunk))
+        self.reap_retired()
+
+    def reap_retired(self, now_s: float | None = None) -> int:
+        """Free the released device chunks that no live client on the node still maps
+        (device_chunks.py); returns the bytes freed. Until freed they count as used in the
+        tier's budget: nothing is promised memory the GPU has not got back. Each release
+        calls it; the node also calls it on its loop (reap_retired below), where the
+        budget changes."""
+        freed = self._backing.reap_retired(now_s)
+        self._count_retired()
+        return freed
+
+    def _count_retired(self) -> None:
+        retired = self._backing.retired_bytes
+        self.slots.budget.retired_bytes += retired - self._retired_counted
+        self._retired_counted = retired
+
+    @property
+    def retired_bytes(self) -> int:
+        """Bytes of released device chunks still mapped by some client, not freed yet."""
+        return self._backing.retired_bytes
 
     def alloc(self) -> int | None:
         return self.slots.alloc()
@@ -248,9 +281,17 @@ class MappedArena:
         return self.slots.num_used * self.slot_bytes
 
     def close(self) -> None:
-        """Unlink the shm files; mappings already open stay valid until unmapped."""
+        """Free the chunks, retired ones too, and unlink the shm files; shm mappings
+        already open stay valid until unmapped."""
         self._backing.close()
+        self._count_retired()
         self._generations_file.close()
+
+
+def reap_retired(arenas: Iterable[MappedArena]) -> int:
+    """reap_retired over `arenas` (the node's periodic work: run it where the tiers' budgets
+    change, on the node's loop); returns the bytes freed."""
+    return sum(arena.reap_retired() for arena in list(arenas))
 
 
 class ArenaMapping:
