@@ -16,6 +16,10 @@ one hand-off per batch. The ways to decode a token (DECODE_STEPS):
     prefetch   the window in two halves, each a batch in flight: attend to resident pages while
                they land; take each batch as it arrives and reload its half with the next pages
 
+A step returns, or raises, only once every load it issued has landed: the window is the next
+step's, and a load still reading into it would overwrite (or fail the checksum of) the pages
+that step reads there.
+
 Pure: no Ray. Pages of a quantized codec come back as their decoded values, not the originals.
 """
 
@@ -25,7 +29,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -176,6 +180,7 @@ def sync_token(context: PagedContext, query: torch.Tensor, disk: DiskPages) -> t
                                          range(group.start, min(group.stop, count)))
                    for group in window_groups(window.num_buffers) if group.start < count]
         with context.stall.waiting():
+            wait(futures)  # all of them, even once one failed: none may still be reading
             for future in futures:
                 future.result()
         for buffer in range(count):
@@ -195,14 +200,26 @@ def window_groups(num_buffers: int) -> list[range]:
 class _Stream:
     """Disk pages 0..n-1 flowing through the window's buffers in order, a batch per group of
     buffers (window_groups) in flight; a group is reloaded with the next pages once its batch
-    was attended to."""
+    was attended to. A context manager: leaving it, raising or not, waits for the batches
+    still in flight (a failed batch leaves the next one reading into the window)."""
 
     def __init__(self, context: PagedContext, disk: DiskPages) -> None:
         self.context, self.disk = context, disk
         self.next_index = 0
         self.inflight: deque[tuple[range, range, Future]] = deque()  # group, loaded, batch
-        for group in window_groups(context.window.num_buffers):
-            self._issue(group)
+
+    def __enter__(self) -> _Stream:
+        try:
+            for group in window_groups(self.context.window.num_buffers):
+                self._issue(group)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        wait([future for _, _, future in self.inflight])
+        self.inflight.clear()
 
     def _issue(self, group: range) -> None:
         count = min(len(group), len(self.disk) - self.next_index)
@@ -234,11 +251,11 @@ class _Stream:
 def prefetch_token(context: PagedContext, query: torch.Tensor, disk: DiskPages) -> torch.Tensor:
     """Disk reads issued ahead: resident pages are attended to while the disk pages land."""
     attention = OnlineAttention(query)
-    stream = _Stream(context, disk)
-    for page in context.resident:
-        attention.add_page(page)
-        stream.take_ready(attention.add_page)
-    stream.take_rest(attention.add_page)
+    with _Stream(context, disk) as stream:
+        for page in context.resident:
+            attention.add_page(page)
+            stream.take_ready(attention.add_page)
+        stream.take_rest(attention.add_page)
     return attention.output()
 
 
@@ -248,11 +265,11 @@ def beside_token(context: PagedContext, query: torch.Tensor, disk: DiskPages) ->
     away. Its tax is what the loads cost a decode that never waits for them: how much of
     prefetch's remaining tax is the loads' CPU and memory traffic beside the decode."""
     attention = OnlineAttention(query)
-    stream = _Stream(context, disk)
-    for page in (*context.resident, *context.originals):
-        attention.add_page(page)
-        stream.take_ready(_discard)
-    stream.take_rest(_discard)
+    with _Stream(context, disk) as stream:
+        for page in (*context.resident, *context.originals):
+            attention.add_page(page)
+            stream.take_ready(_discard)
+        stream.take_rest(_discard)
     return attention.output()
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -178,6 +180,36 @@ def test_a_corrupt_disk_page_is_an_error_not_a_wrong_answer(paged):
     for step in ("sync", "prefetch", "beside"):
         with pytest.raises(RuntimeError, match="disk page 1"):
             context.token(step)
+
+
+@pytest.mark.parametrize(("step", "failing", "reading"),
+                         [("sync", 0, 1), ("prefetch", 1, 2), ("beside", 1, 2)])
+def test_a_step_that_raises_has_no_load_still_reading_into_the_window(paged, step, failing,
+                                                                      reading):
+    """A page fails while another load is still reading: the step raises only once that load
+    has landed. Left in flight, it wrote into the window the next step loaded into, and a good
+    page there failed its checksum (or was overwritten once it had passed it)."""
+    context = paged()
+    disk = context.disk["none"]
+    started, landed = threading.Event(), threading.Event()
+    read_pages = disk.arena.read_pages
+
+    def read(slots, outs):
+        if slots == [disk.slots[failing]]:
+            assert started.wait(10), f"page {reading} was never loaded"
+            return [None]
+        if slots == [disk.slots[reading]]:
+            started.set()
+            time.sleep(0.3)  # still reading when page `failing` comes back missing
+            metas = read_pages(slots, outs)
+            landed.set()
+            return metas
+        return read_pages(slots, outs)
+
+    disk.arena.read_pages = read
+    with pytest.raises(RuntimeError, match=f"disk page {failing}"):
+        context.token(step)
+    assert landed.is_set(), f"{step} raised with page {reading}'s load still in flight"
 
 
 @pytest.mark.parametrize("step", ["prefetch", "beside"])
