@@ -71,7 +71,7 @@ class DiskLoads:
         if self._free_slots(HOST) >= len(keys):
             slots = [self.memory[HOST].alloc() for _ in keys]
             outs = [self._read_target(self.index[k], s) for k, s in zip(keys, slots, strict=True)]
-            metas = await self._read_pages(keys, outs)
+            metas = await self._read_into_slots(keys, slots, outs)
             with self.held_batched():
                 for key, slot, out, meta in zip(keys, slots, outs, metas, strict=True):
                     self._place(key, slot, out, meta, copy=False)
@@ -93,6 +93,24 @@ class DiskLoads:
             with self.held_batched():
                 for key, out, meta in zip(keys[:fits], staging, metas, strict=False):
                     self._place(key, self.memory[HOST].alloc(), out, meta, copy=True)
+
+    async def _read_into_slots(self, keys: list[PageKey], slots: list[int],
+                               outs: list[np.ndarray]) -> list:
+        """_read_pages into host `slots`. A read-up cancelled (or failed) meanwhile gives
+        them back only once the read has landed: it runs in a thread that a cancel does not
+        stop, and a slot handed to another page before would take its late bytes."""
+        reading = asyncio.ensure_future(self._read_pages(keys, outs))
+        try:
+            return await asyncio.shield(reading)
+        except BaseException:
+            reading.add_done_callback(lambda done: self._free_host(slots, done))
+            raise
+
+    def _free_host(self, slots: list[int], read: asyncio.Future) -> None:
+        if not read.cancelled():
+            read.exception()  # seen here: the read-up that awaited it has gone
+        for slot in slots:
+            self.memory[HOST].free(slot)
 
     async def _read_pages(self, keys: list[PageKey], outs: list[np.ndarray]) -> list:
         disk_slots = [self.index[k].slot for k in keys]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -96,6 +97,25 @@ def test_a_closed_reader_raises_rather_than_reading(arena):
     reader.close()  # idempotent
     with pytest.raises(OSError):
         read_back(reader, [0, 1])
+
+
+def test_a_read_that_fails_returns_only_once_its_sibling_reads_landed(arena):
+    """The first error is raised once every run has finished: a caller that gives its staging
+    buffers back on an error (DiskDirect.read) must not have a sibling read landing in one."""
+    reader = DiskReader(arena.dir_path)
+    landed = []
+
+    def run(index: int) -> int:
+        if index == 0:
+            raise OSError("the first run fails at once")
+        time.sleep(0.3)
+        landed.append(index)
+        return index
+
+    with pytest.raises(OSError, match="fails at once"):
+        reader._run(run, [(0,), (1,)])
+    assert landed == [1]
+    reader.close()
 
 
 # ---- the pool's disk-held index and DiskDirect ---------------------------------------------

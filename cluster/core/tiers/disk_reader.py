@@ -22,6 +22,7 @@ import json
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import wait
 
 from cluster.core import cpu_sets
 from cluster.core.tiers.aligned import AlignedBufferPool, direct_reads_work, round_up
@@ -86,12 +87,17 @@ class DiskReader(DiskReads, DiskRuns, SlabSlots):
             self.checksum_failures += checksum_failures
 
     def _run(self, func: Callable, args_list: list[tuple]) -> list:
-        """func(*args) for each args: inline for one, across the reader's threads for more."""
+        """func(*args) for each args: inline for one, across the reader's threads for more.
+        Every one has finished before this returns or raises (the first error), as the
+        arena's own (DiskArena._run): a caller that gives its buffers back on an error must
+        not have a sibling read still landing in one."""
         if self._closed:
             raise OSError("the disk reader is closed")
         if len(args_list) <= 1:
             return [func(*args) for args in args_list]
-        return list(self._executor.map(lambda args: func(*args), args_list))
+        futures = [self._executor.submit(func, *args) for args in args_list]
+        wait(futures)
+        return [future.result() for future in futures]
 
     def close(self) -> None:
         """Close the slab files; idempotent."""
