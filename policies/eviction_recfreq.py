@@ -27,8 +27,10 @@ class RecencyFrequencyPolicy(PerKeyBatches):
     a bonus that grows with its number of uses, is oldest (in the manner of LRFU and GDSF).
 
         clock      +1 per new key: time counted in insertions
-        priority   clock at the last use + horizon x log2(min(uses, MAX_USES))
-        victims    smallest priority first; on a tie the key used later goes first
+        priority   clock at the last use + horizon x log2(min(uses, MAX_USES)), never
+                   lowered while held: a use that would not raise it (uses past MAX_USES at
+                   the same tick, or a horizon shrunk since) keeps the key's priority and call
+        victims    smallest priority first; on a tie the key ranked later goes first
         horizon    HORIZON_FACTOR x the median first-reuse distance: the clock's advance
                    between a key's first and second use (seen on access, or when a removed
                    key is put back), a running median; fixed for the accesses of one tick
@@ -43,9 +45,11 @@ class RecencyFrequencyPolicy(PerKeyBatches):
     saves a small cache from one-time pages keeps stale pages too long in a large one. Only
     first reuses count: a shared prefix read by every request would pull the median to ~0.
 
-    Pages are read root first, so a page's parent has at least its uses and a last read at
-    least as late, and ties go to the later call: of a prefix read again, the leaves leave
-    before their ancestors. The new pages of one put leave root first, as under LRU.
+    Pages are read root first, so a page's parent has at least its uses and, at each read of
+    the page, a priority at least its own (ties go to the later call, the page's); a read
+    never lowers a priority, so reading the parent alone later (when the horizon shrank, or
+    at the use cap) keeps it after the page: of a prefix read again, the leaves leave before
+    their ancestors. The new pages of one put leave root first, as under LRU.
 
     The queue: each key's live entry `(priority, -call, key, uses, clock at the last use)`,
     compared by its first two items (calls are unique, so the order is total), held in one
@@ -87,19 +91,18 @@ class RecencyFrequencyPolicy(PerKeyBatches):
         self.reuse_distance += step if distance > self.reuse_distance else -step
         self.reuse_distance = max(1.0, self.reuse_distance)
 
-    def _touch(self, key: Key, uses: int, discount: float = 0.0) -> None:
-        """(Re)rank key: priority = clock + horizon x (log2(uses) - discount)."""
-        clock = self._clock
+    def _touch(self, key: Key, held: Entry) -> None:
+        """Rank key, whose live entry is `held`, for one more use: priority = clock + horizon
+        x log2(uses), or held's priority and call where that is no higher (see on_access)."""
+        clock, uses = self._clock, held[3] + 1
         self._calls = calls = self._calls + 1
-        bonus = self.horizon * (_LOG2_USES[uses if uses < MAX_USES else MAX_USES] - discount)
-        priority = clock + bonus
+        priority = clock + self.horizon * _LOG2_USES[uses if uses < MAX_USES else MAX_USES]
+        if priority <= held[0]:  # past MAX_USES at held's tick, or a horizon shrunk since
+            priority, calls = held[0], -held[1]
+        # A second use or later earns a bonus: the heap (the fifo holds first uses only).
         entry = self._rank[key] = (priority, -calls, key, uses, clock)
-        fifo = self._fifo
-        if bonus == 0.0 and (not fifo or fifo[-1][0] < priority):
-            fifo.append(entry)
-        else:
-            heapq.heappush(self._heap, entry)
-        if len(self._heap) + len(fifo) > 2 * len(self._rank) + 64:
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) + len(self._fifo) > 2 * len(self._rank) + 64:
             self._compact()
 
     def _compact(self) -> None:
@@ -206,7 +209,7 @@ class RecencyFrequencyPolicy(PerKeyBatches):
         if held is not None:
             if held[3] == 1:
                 self._reused(held[4])
-            self._touch(key, held[3] + 1)
+            self._touch(key, held)
 
     def on_remove(self, key: Key) -> None:
         self.on_remove_many((key,))

@@ -3,13 +3,15 @@
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from policies.eviction import (
     EVICTION_POLICIES,
+    MAX_USES,
     EvictionPolicy,
     LRUPolicy,
+    PutDepthPolicy,
     RecencyFrequencyPolicy,
     S3FIFOPolicy,
     make_policy,
@@ -159,8 +161,44 @@ def test_recfreq_ghost_remembers_uses_of_removed_keys():
     assert len(policy._ghost) == policy.ghost_capacity_pages == 8
 
 
+@pytest.mark.parametrize("cls", [RecencyFrequencyPolicy, PutDepthPolicy])
+def test_recfreq_a_parent_read_alone_past_the_use_cap_still_leaves_after_its_child(cls):
+    """Both past MAX_USES at one tick: the parent's lone read, a later call, ties with the
+    child's priority and must not rank it first (the stored hypothesis counterexample)."""
+    policy = cls(64)
+    parent, child = key(0), key(1)
+    policy.on_insert(parent)
+    policy.on_insert(child, parent)
+    for _ in range(MAX_USES + 1):
+        policy.on_access(parent)
+        policy.on_access(child)
+    policy.on_access(parent)  # a prompt that shares only the first page
+    assert policy._rank[parent][0] == policy._rank[child][0]
+    assert policy.victims(2, never) == [child, parent]
+
+
+@pytest.mark.parametrize("cls", [RecencyFrequencyPolicy, PutDepthPolicy])
+def test_recfreq_a_parent_read_alone_after_the_horizon_shrank_still_leaves_after_its_child(
+        cls):
+    """A read's new priority (a later clock, one more use, but a shorter horizon) may fall
+    below the priority the parent had beside its child; a read never lowers it."""
+    policy = cls(8)  # median reuse distance 8
+    parent, child = key(0), key(1)
+    policy.on_insert(parent)  # clock 1
+    policy.on_insert(child, parent)  # clock 2
+    for _ in range(2):  # first reuses 1 and 0 ticks apart: the median steps to 6
+        policy.on_access(parent)
+        policy.on_access(child)  # 3 uses each at clock 2
+    policy.on_insert(key(2))  # clock 3: the horizon shrinks by a quarter (6, not 8)
+    assert policy.reuse_distance == 6
+    policy.on_access(parent)  # 3 + 2 new horizons: below 2 + log2(3) old ones
+    assert policy._rank[parent][0] == policy._rank[child][0]
+    assert policy.victims(3, never) == [key(2), child, parent]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4), min_size=1, max_size=12))
+@example(paths=[[0, 0]] * 8 + [[0]])  # the parent past MAX_USES, read alone at the end
 def test_recfreq_never_ranks_a_read_page_before_its_descendants(paths):
     """Prompts written, then read again, root first (no removals): every ancestor leaves
     after its descendants. (Pages only written, never read, leave root first.)"""

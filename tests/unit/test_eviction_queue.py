@@ -41,7 +41,9 @@ class ReferenceRecFreq:
         self.uses[key] = (uses, self.clock)
         self.calls += 1
         log2_uses = math.log2(min(uses, eviction.MAX_USES))
-        self.order[key] = (self.clock + self.horizon * (log2_uses - discount), -self.calls)
+        rank = (self.clock + self.horizon * (log2_uses - discount), -self.calls)
+        held = self.order.get(key)  # a read never lowers a priority: it keeps it and its call
+        self.order[key] = held if held is not None and rank[0] <= held[0] else rank
 
     def on_insert(self, key, parent=None) -> None:
         if key in self.uses:
