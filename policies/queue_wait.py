@@ -15,7 +15,7 @@ Pure, and shared: the live router (cluster/serving/router.py) and the simulator'
     compute seconds per request: an EWMA of what the replica's requests took to compute (each
                  replica measures its own, cluster/serving/rates.py); before its first, the
                  mean of the others'; before any replica has one, one prefill of this prompt
-                 at the replica's prefill rate
+                 at the replica's prefill rate and attention term
 
 No replica reports how far along its running request is, nor what the requests queued there
 will cost: the router's own requests are priced as it routed them; only the others' are a
