@@ -7,28 +7,50 @@ encoded without adding any; its full pages are keyed with the model's KV geometr
 namespace, exactly as RaykvConnector keys them, so the router finds the connector's pages:
 with the namespace's secret, asked of the running service the first time (when it cannot be
 had, requests are routed without keys).
+
+Where the router knows the engine's arguments (`engine`: engine_tokens.renderer_spec), it
+renders a request with the engine's own renderer instead (cluster/serving/engine_tokens.py):
+the ids are then the engine's for any chat (its server-side template, tools, template
+arguments), and a chat's ids go to the engine ready-made (`forward_ids`), so that it does not
+render the prompt again. A client's own ids in `kv_transfer_params` are what the engine
+prefills, so they are keyed as they are.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from functools import cached_property
 
 from cluster.core.keys import KeyChain
 from cluster.core.spec import ModelSpec
+from cluster.serving.engine_tokens import EngineTokens, client_token_ids, forwardable
 
 log = logging.getLogger("raykv.router")
 RETRY_S = 10.0
 
 
+@dataclass(frozen=True)
+class PromptIds:
+    """A request's prompt ids, and whether the engine may take them ready-made."""
+
+    token_ids: list[int] | None
+    forward: bool = False
+
+
 class PromptKeys:
     def __init__(self, tokenizer_dir: str, spec: ModelSpec, namespace: str, page_tokens: int,
-                 secret: bytes | None = None):
-        """`secret`: the namespace's key-chain secret; None asks the running service."""
+                 secret: bytes | None = None, engine: EngineTokens | None = None,
+                 forward_ids: bool = True):
+        """`secret`: the namespace's key-chain secret; None asks the running service.
+        `engine`: renders prompts as the engine does (None: the tokenizer's own template);
+        `forward_ids`: hand the engine a chat's ids rendered that way."""
         self.tokenizer_dir, self.spec = tokenizer_dir, spec
         self.namespace, self.page_tokens = namespace, page_tokens
         self.secret = secret
+        self.engine, self.forward_ids = engine, forward_ids
         self._chain: KeyChain | None = None
         self._failed_s = -RETRY_S
 
@@ -78,10 +100,31 @@ class PromptKeys:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def of(self, request: object) -> bytes:
-        """The concatenated page keys of the request's prompt (b"" when it has none)."""
+        """The concatenated page keys of the request's prompt (b"" when it has none), keyed
+        with the tokenizer's own template."""
         try:
             ids = self.token_ids(request)
         except Exception:  # a prompt the tokenizer cannot take: route without keys
             return b""
+        return self.keys(ids)
+
+    def keys(self, token_ids: list[int] | None) -> bytes:
+        """The concatenated page keys of these ids' full pages (b"" without the chain)."""
         chain = self.chain
-        return b"".join(chain.keys(ids)) if ids and chain is not None else b""
+        return b"".join(chain.keys(token_ids)) if token_ids and chain is not None else b""
+
+    async def request_ids(self, request: object) -> PromptIds:
+        """The ids the engine will prefill for the request: a client's own, else the
+        engine's rendering (forwardable where `forward_ids` and the request allow), else
+        the tokenizer's (in a thread: CPU work off the router's loop)."""
+        own = client_token_ids(request)
+        if own is not None:
+            return PromptIds(own)
+        if self.engine is not None:
+            ids = await self.engine.token_ids(request)
+            if ids is not None:
+                return PromptIds(ids, self.forward_ids and forwardable(request))
+        try:
+            return PromptIds(await asyncio.to_thread(self.token_ids, request))
+        except Exception:  # a prompt the tokenizer cannot take: route without keys
+            return PromptIds(None)

@@ -1,8 +1,12 @@
 """RaykvRouter: a Ray Serve request router that sends a request where its time to first
 token is least, counting every tier of every node.
 
-It runs where the handle is: in the ingress replica, which tokenized the prompt and put its
-page keys on the request. Per request it asks the directory (one call per shard) where each
+It runs where the handle is: in the ingress replica. raykv's own ingress tokenized the prompt
+and put its page keys on the request; a Ray Serve LLM request carries text, and the router
+renders it as its vLLM engine will (cluster/serving/engine_tokens.py: vLLM's renderer,
+configured from the engine's arguments), keys those ids and hands a chat's ids to the engine
+in its `kv_transfer_params`, so the prompt is rendered once. Per request it asks the
+directory (one call per shard) where each
 page of the longest cached prefix lives (node and tier). Then, per candidate replica
 (policies/cost_routing.py):
 
@@ -56,6 +60,8 @@ from actors.handles import DirectoryHandle, merge_shard_prefixes
 from cluster.api import running_config
 from cluster.core.routed_prefixes import RoutedPrefixes
 from cluster.core.spec import ModelSpec
+from cluster.serving.engine_tokens import EngineTokens
+from cluster.serving.engine_tokens import forward as forward_token_ids
 from cluster.serving.prompt_keys import PromptKeys
 from cluster.serving.vllm_plan import forced_fetch_limit, with_fetch_limit, with_routed_hit
 from policies.cost_routing import (
@@ -91,7 +97,9 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         weighted-prefix ranking, before replicas publish their rates).
         `directory`: a DirectoryHandle (tests pass a fake); found lazily otherwise.
         `prompt_keys`: for requests that carry text, not page keys (Ray Serve LLM's), how to
-        key them: {"tokenizer_dir", "spec": ModelSpec fields, "namespace", "page_tokens"}.
+        key them: {"tokenizer_dir", "spec": ModelSpec fields, "namespace", "page_tokens"},
+        and optionally "renderer" (engine_tokens.renderer_spec: render as the engine does)
+        and "forward_token_ids" (default true: hand the engine a chat's ids so rendered).
         `engine_events`: the engine tier's follower (watch, held_pages: tests pass a fake);
         made on first need (an EngineEvents over the prompt keys' chain) otherwise.
         `routed_ttl_s`: how long a prompt's pages count as held on the node it was sent to,
@@ -104,10 +112,12 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._directory = directory
         self._prompt_keys = None
         if prompt_keys:
-            self._prompt_keys = PromptKeys(prompt_keys["tokenizer_dir"],
-                                           ModelSpec(**prompt_keys["spec"]),
-                                           prompt_keys.get("namespace", "default"),
-                                           prompt_keys["page_tokens"])
+            renderer = prompt_keys.get("renderer")
+            self._prompt_keys = PromptKeys(
+                prompt_keys["tokenizer_dir"], ModelSpec(**prompt_keys["spec"]),
+                prompt_keys.get("namespace", "default"), prompt_keys["page_tokens"],
+                engine=EngineTokens(renderer) if renderer else None,
+                forward_ids=prompt_keys.get("forward_token_ids", True))
         self.engine_events = engine_events
         self.counters = {"ranked": 0, "fallback": 0, "lookup_failures": 0, "cost_routed": 0,
                          "recomputed": 0, "engine_hits": 0, "predicted": 0}
@@ -321,12 +331,20 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return self.engine_events
 
     async def _keys_of(self, pending_request: PendingRequest | None) -> bytes:
+        """The prompt's page keys: those the request carries, else keyed from the ids the
+        engine will prefill, which go to the engine ready-made where they may."""
         keys_blob = _page_keys(pending_request)
         if keys_blob or self._prompt_keys is None or pending_request is None \
                 or not pending_request.args:
             return keys_blob
-        # Tokenizing is CPU work: off the handle's event loop.
-        return await asyncio.to_thread(self._prompt_keys.of, pending_request.args[0])
+        request = pending_request.args[0]
+        prompt = await self._prompt_keys.request_ids(request)
+        if prompt.forward:
+            forward_token_ids(request, prompt.token_ids)
+        if self._prompt_keys.known_chain is not None:  # hashing the pages: microseconds
+            return self._prompt_keys.keys(prompt.token_ids)
+        # The first time, the chain's secret is asked of the service: off the loop.
+        return await asyncio.to_thread(self._prompt_keys.keys, prompt.token_ids)
 
     async def _locate(self, keys_blob: bytes) -> list | None:
         """Where each page of the prompt's longest cached prefix is; None when the

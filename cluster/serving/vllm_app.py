@@ -133,7 +133,7 @@ def llm_config(args: VllmAppArgs, ray_address: str | None = None):
     if args.request_router_class:
         deployment["request_router_config"] = {
             "request_router_class": args.request_router_class,
-            "request_router_kwargs": dict(args.request_router_kwargs)}
+            "request_router_kwargs": _router_kwargs(args, engine)}
         if args.request_router_class == RAYKV_ROUTER:
             # The replicas' measured rates reach the router this often (Serve's default is
             # every 10 s); publishing them reads a small local file (vllm_events_server.py).
@@ -150,6 +150,20 @@ def llm_config(args: VllmAppArgs, ray_address: str | None = None):
     return LLMConfig(model_loading_config={"model_id": args.model_id,
                                            "model_source": args.model_source},
                      engine_kwargs=engine, deployment_config=deployment, **options)
+
+
+def _router_kwargs(args: VllmAppArgs, engine: dict) -> dict:
+    """The router's kwargs; raykv's, keying prompts, also gets how the engine renders them
+    (unless the caller set its own), so that it keys and forwards the engine's own ids
+    (cluster/serving/engine_tokens.py)."""
+    kwargs = dict(args.request_router_kwargs)
+    keyed = kwargs.get("prompt_keys")
+    if args.request_router_class == RAYKV_ROUTER and keyed and "renderer" not in keyed:
+        from cluster.serving.engine_tokens import renderer_spec
+
+        kwargs["prompt_keys"] = {**keyed, "renderer": renderer_spec(
+            args.model_source, args.model_id, engine)}
+    return kwargs
 
 
 def build_vllm_app(args: VllmAppArgs, cache: CacheConfig | None = None):
@@ -286,10 +300,13 @@ def keyed_ingress(args: VllmAppArgs) -> dict:
 
 
 def router_settings(router: str, model_source: str, model_id: str, namespace: str,
-                    dtype: str, page_tokens: int) -> tuple[str | None, dict]:
+                    dtype: str, page_tokens: int, engine_kwargs: dict | None = None
+                    ) -> tuple[str | None, dict]:
     """(request_router_class, request_router_kwargs) for a router name: raykv's KV-aware one
     keys each request's prompt as RaykvConnector does (the model's tokenizer and geometry,
-    the engine's `dtype` and the running service's `page_tokens`)."""
+    the engine's `dtype` and the running service's `page_tokens`). Given the engine's
+    `engine_kwargs`, it renders prompts as the engine does and hands a chat's ids to the
+    engine (cluster/serving/engine_tokens.py; `build_vllm_app` adds them itself)."""
     from cluster.serving.app import ROUTERS
 
     if router not in ROUTERS:
@@ -303,9 +320,13 @@ def router_settings(router: str, model_source: str, model_id: str, namespace: st
             "num_kv_heads": config.get("num_key_value_heads", heads),
             "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
             "dtype": dtype}
-    return ROUTERS["raykv"], {"prompt_keys": {"tokenizer_dir": model_source, "spec": spec,
-                                              "namespace": namespace,
-                                              "page_tokens": page_tokens}}
+    keyed = {"tokenizer_dir": model_source, "spec": spec, "namespace": namespace,
+             "page_tokens": page_tokens}
+    if engine_kwargs is not None:
+        from cluster.serving.engine_tokens import renderer_spec
+
+        keyed["renderer"] = renderer_spec(model_source, model_id, engine_kwargs)
+    return ROUTERS["raykv"], {"prompt_keys": keyed}
 
 
 class VllmBuildArgs(BaseModel):

@@ -15,6 +15,9 @@ for RaykvConnector, a connector backend Ray picks by the connector's name:
     decode replica (vllm_plan.decode_params puts it back on the decode request);
   - decode: the prefill's handoff ({"raykv_pd": {"tokens": ...}}), plus that cut.
 
+The chat's ids that raykv's router rendered as the engines do (engine_tokens.py) go to both
+sides, so neither engine renders the prompt again.
+
 Ray's default shaping would do the same but asserts that the client's request carries no
 kv_transfer_params, which raykv's router sets for its cut. Nothing is pinned and no side
 channel is opened: the prefill's connector saves the prompt's pages, the decode's waits for
@@ -32,6 +35,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
     clamp_request_to_single_token,
 )
 
+from cluster.serving.engine_tokens import with_forwarded_ids
 from cluster.serving.vllm_plan import decode_params
 
 CONNECTOR_NAME = "RaykvConnector"  # Ray Serve LLM picks a backend by the connector's name
@@ -49,7 +53,8 @@ class RaykvPDBackend(BaseConnectorBackend):
     def prepare_prefill_request(self, *, request: Any, peer: dict | None) -> Any:
         """A copy of the request that prefills the prompt for a remote decode."""
         prefill = request.model_copy(deep=True)
-        prefill.kv_transfer_params = base_prefill_kv_transfer_params()
+        prefill.kv_transfer_params = with_forwarded_ids(base_prefill_kv_transfer_params(),
+                                                        request)
         clamp_request_to_single_token(prefill)
         return prefill
 
@@ -58,8 +63,8 @@ class RaykvPDBackend(BaseConnectorBackend):
         """A copy of the request carrying the prefill's handoff and the router's cut."""
         decode = request.model_copy(deep=True)
         handoff = getattr(prefill_response, "kv_transfer_params", None)
-        decode.kv_transfer_params = decode_params(handoff,
-                                                  getattr(request, "kv_transfer_params", None))
+        decode.kv_transfer_params = with_forwarded_ids(
+            decode_params(handoff, getattr(request, "kv_transfer_params", None)), request)
         return decode
 
 

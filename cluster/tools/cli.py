@@ -122,7 +122,7 @@ def vllm_serve_command(
     setups: Annotated[str | None, typer.Option(
         help="comma-separated set-ups to replay (of raykv, kv-aware, prefix, pow2; default: "
              "all, pow2 left out of a quick run; run only when named: raykv-direct, "
-             "raykv-async, raykv-save-async, kv-aware-raykv)")] = None,
+             "raykv-async, raykv-save-async, kv-aware-raykv, raykv-rerender)")] = None,
     parts: Annotated[str, typer.Option(
         help="comma-separated parts: main (the trace's set-ups), recompute (the router's "
              "fetch-or-recompute choices under a slowed disk, both run)")] = "main,recompute",

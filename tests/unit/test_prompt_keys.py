@@ -36,6 +36,14 @@ def test_the_raykv_router_is_configured_from_the_model_dir(model_dir):
     spec = kwargs["prompt_keys"]["spec"]
     assert ModelSpec(**spec) == ModelSpec("tiny-llama", 2, 2, 16, "bfloat16")
     assert kwargs["prompt_keys"]["page_tokens"] == 256
+    assert "renderer" not in kwargs["prompt_keys"]  # no engine arguments: the tokenizer's
+    # Given the engine's arguments, it renders as the engine does (its connector left out).
+    _, kwargs = router_settings("raykv", model_dir, "tiny-llama", "team", "bfloat16", 256,
+                                engine_kwargs={"chat_template": "/t.jinja",
+                                               "kv_transfer_config": {"kv_role": "kv_both"}})
+    assert kwargs["prompt_keys"]["renderer"] == {
+        "model_source": model_dir, "model_id": "tiny-llama",
+        "engine_kwargs": {"chat_template": "/t.jinja"}}
     assert router_settings("pow2", model_dir, "m", "default", "float32", 256)[1] == {}
     with pytest.raises(ValueError, match="router"):
         router_settings("fastest", model_dir, "m", "default", "float32", 256)

@@ -137,7 +137,80 @@ def test_each_replica_publishes_its_engine_s_measured_rates(base_url):
     assert shown["pooled"]["paths"]["host"]["num_samples"] >= 1
 
 
-def test_llm_config_runs_the_connector_on_cpu_with_a_chosen_router():
+def test_the_router_keys_a_chat_with_the_engine_s_own_ids_and_hands_them_over(base_url,
+                                                                              model_dir):
+    """raykv's router renders a chat as the engine does (vLLM's renderer, configured from the
+    engine's arguments: cluster/serving/engine_tokens.py) and hands the ids over: the engine
+    prefilled them, and they are the ids it renders itself (an echo, for which vLLM takes no
+    ids ready-made). A completion renders to the ids the engine computed for it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.serving.engine_tokens import EngineTokens
+    from cluster.serving.vllm_app import llm_config
+
+    messages = [{"role": "system", "content": "answer briefly"},
+                {"role": "user", "content": "".join(chr(97 + i % 26) for i in range(300))}]
+    body = {"model": MODEL_ID, "messages": messages, "max_tokens": 2, "temperature": 0,
+            "return_token_ids": True}
+    handed = _request(base_url + "/v1/chat/completions", body)
+    own = _request(base_url + "/v1/chat/completions", {**body, "echo": True})
+    router = llm_config(raykv_app_args(model_dir)).deployment_config["request_router_config"]
+    spec = router["request_router_kwargs"]["prompt_keys"]["renderer"]
+    assert spec["model_source"] == model_dir and "kv_transfer_config" not in spec[
+        "engine_kwargs"]
+
+    async def render(request):
+        tokens = EngineTokens(spec)
+        await tokens.token_ids(request)  # starts the renderer's build
+        for _ in range(600):
+            if (ids := await tokens.token_ids(request)) is not None:
+                return ids
+            await asyncio.sleep(0.1)
+        raise AssertionError("vLLM's renderer was not built in 60 s")
+
+    rendered = asyncio.run(render(SimpleNamespace(model=MODEL_ID, messages=messages,
+                                                  kv_transfer_params=None)))
+    assert len(rendered) > 300
+    assert rendered == handed["prompt_token_ids"] == own["prompt_token_ids"]
+    assert handed["choices"][0]["message"]["content"] == own["choices"][0]["message"][
+        "content"]
+    prompt = "".join(chr(97 + i % 26) for i in range(200))
+    completed = _complete(base_url, prompt)  # vLLM takes no ids ready-made for a completion
+    assert asyncio.run(render(SimpleNamespace(model=MODEL_ID, prompt=prompt))) == completed[
+        "choices"][0]["prompt_token_ids"]
+
+
+def test_the_engine_prefills_the_ids_the_router_handed_over(base_url, model_dir):
+    """A second app whose router renders with another chat template than its engine's: the
+    engine prefilled the router's ids (the byte tokenizer's ids are the text's bytes), so it
+    took them ready-made and did not render the chat itself."""
+    from cluster.serving.engine_tokens import renderer_spec
+    from cluster.serving.vllm_app import llm_config
+
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    args = raykv_app_args(model_dir)
+    engine = llm_config(args).engine_kwargs
+    args.request_router_kwargs["prompt_keys"]["renderer"] = renderer_spec(
+        model_dir, MODEL_ID, {**engine, "chat_template": template})
+    serve.run(build_vllm_app(args), blocking=False, name="handover", route_prefix="/handover")
+    try:
+        _wait_ready(base_url + "/handover")
+        body = {"model": MODEL_ID, "max_tokens": 1, "temperature": 0, "return_token_ids": True,
+                "messages": [{"role": "user", "content": "hello there"}]}
+        # The router builds its renderer in the background: the first requests go unrendered.
+        wait_until(lambda: bytes(_request(base_url + "/handover/v1/chat/completions", body)[
+            "prompt_token_ids"]) == b"<<hello there>>", START_TIMEOUT_S,
+            "the engine prefilling the router's rendering", period_s=1.0)
+        # An echo is rendered by the engine itself (vLLM takes no ids for it): its template.
+        own = _request(base_url + "/handover/v1/chat/completions", {**body, "echo": True})
+        assert b"hello there" in bytes(own["prompt_token_ids"])
+        assert bytes(own["prompt_token_ids"]) != b"<<hello there>>"
+    finally:
+        serve.delete("handover")
+
+
+def test_llm_config_runs_the_connector_on_cpu_with_a_chosen_router(model_dir):
     from cluster.serving.vllm_app import llm_config
 
     # Any RequestRouter by import path (Serve imports it: it must exist); raykv's KV-aware
@@ -158,6 +231,18 @@ def test_llm_config_runs_the_connector_on_cpu_with_a_chosen_router():
     router = config.deployment_config["request_router_config"]
     assert router["request_router_class"] == chosen
     assert config.placement_group_config == {"bundles": [{"CPU": 1}]}
+    # raykv's router renders prompts as the engine does: the builder gives it the engine's
+    # arguments, less the connector's; a caller's own choice (None: the tokenizer's) stays.
+    raykv = llm_config(raykv_app_args(model_dir))
+    spec = raykv.deployment_config["request_router_config"]["request_router_kwargs"][
+        "prompt_keys"]["renderer"]
+    assert spec["engine_kwargs"]["enable_prefix_caching"] is False
+    assert spec["engine_kwargs"]["dtype"] == "float32" and "kv_transfer_config" not in spec[
+        "engine_kwargs"]
+    args = raykv_app_args(model_dir)
+    args.request_router_kwargs["prompt_keys"]["renderer"] = None
+    kept = llm_config(args).deployment_config["request_router_config"]
+    assert kept["request_router_kwargs"]["prompt_keys"]["renderer"] is None
     default = llm_config(VllmAppArgs(model_source="/models/m", model_id="m"))
     assert "request_router_config" not in default.deployment_config  # Serve's own router
     with pytest.raises(ValueError, match="accelerator"):

@@ -151,6 +151,8 @@ def build(setup: str, plan: Plan, model_dir: str):
         return setups.raykv_app(model_dir, MODEL, plan.engine, NUM_NODES, load_mode="async")
     if setup == "raykv-save-async":
         return setups.raykv_app(model_dir, MODEL, plan.engine, NUM_NODES, save_mode="async")
+    if setup == "raykv-rerender":
+        return setups.raykv_app(model_dir, MODEL, plan.engine, NUM_NODES, engine_render=False)
     if setup == "raykv-direct":
         return setups.raykv_direct_app(model_dir, MODEL, plan.engine, NUM_NODES)
     if setup == "kv-aware-raykv":

@@ -31,8 +31,11 @@ SETUPS = ("raykv", "kv-aware", "prefix", "pow2")
 # `raykv.save_mode` "async" (no step waits for a save's flush), to measure what those waits cost;
 # and kv-aware's app with RaykvConnector on its engines (Ray's router, raykv's tiers behind
 # it, as an offload connector runs behind Ray's router), to measure what raykv's router adds
-# over its connector, and the connector's lookups behind a router that gives it no hit.
-EXTRA_SETUPS = ("raykv-direct", "raykv-async", "raykv-save-async", "kv-aware-raykv")
+# over its connector, and the connector's lookups behind a router that gives it no hit;
+# and raykv's app as it was before its router rendered prompts as the engine does: keyed with
+# the tokenizer's own template, every prompt rendered again by the engine (engine_tokens.py).
+EXTRA_SETUPS = ("raykv-direct", "raykv-async", "raykv-save-async", "kv-aware-raykv",
+                "raykv-rerender")
 KV_AWARE_ROUTER = "ray.serve.llm.request_router:KVAwareRouter"
 PORTED_SERVER = "cluster.tools.bench.vllm_serve_server:PortedLLMServer"
 ENGINE_SLOT = "engine_slot"  # one per simulated node: one replica per node
@@ -150,11 +153,13 @@ def kv_aware_raykv_app(model_source: str, model_id: str, shape: EngineShape,
 
 def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas: int,
               bundle: dict | None = None, load_mode: str | None = None,
-              save_mode: str | None = None):
+              save_mode: str | None = None, engine_render: bool = True):
     """raykv's set-up: `build_vllm_app`'s app (RaykvConnector, raykv's router over the running
     service, the keyed ingress), its engines placed one per node like the baselines' (or by
     `bundle`, each engine's placement-group bundle); `load_mode`, `save_mode`: the
-    connector's `raykv.load_mode` and `raykv.save_mode` (None: its defaults)."""
+    connector's `raykv.load_mode` and `raykv.save_mode` (None: its defaults);
+    `engine_render` false: the router keys with the tokenizer's own template and hands the
+    engine no ids (cluster/serving/engine_tokens.py)."""
     import ray
     from ray.serve.llm import build_openai_app
 
@@ -164,6 +169,8 @@ def raykv_app(model_source: str, model_id: str, shape: EngineShape, num_replicas
     page_tokens = running_config().page_tokens
     router, router_kwargs = router_settings("raykv", model_source, model_id, "default",
                                             "float32", page_tokens)
+    if not engine_render:
+        router_kwargs["prompt_keys"]["renderer"] = None
     args = VllmAppArgs(model_source, model_id, "default", num_replicas, router, router_kwargs,
                        shape.engine_kwargs())
     config = llm_config(args, ray.get_runtime_context().gcs_address)
