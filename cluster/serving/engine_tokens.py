@@ -17,8 +17,10 @@ vLLM takes a chat's ids ready-made in `kv_transfer_params["prompt_token_ids"]`
 through). The engine then skips templating and tokenizing, checks the ids against its
 vocabulary, and pops the key before the request reaches the scheduler. vLLM ignores the ids,
 and renders, for an echo or for messages with non-text content. It refuses them on a batch
-of chats, so `forwardable` leaves a batch alone. A client's own ids there are what the engine
-prefills, so the router keys those and leaves them as they are (`client_token_ids`).
+of chats, so `forwardable` leaves a batch alone. A completion's ids go in as its prompt,
+which vLLM takes as ids without tokenizing (not for an echo, whose reply carries the prompt's
+text). A client's own ids are what the engine prefills, so the router keys those and leaves
+them as they are (`client_token_ids`).
 """
 
 from __future__ import annotations
@@ -55,29 +57,42 @@ def renderer_spec(model_source: str, model_id: str, engine_kwargs: dict) -> dict
 def forwardable(request: Any) -> bool:
     """Whether the engine may take this request's rendered ids ready-made: a chat of one
     conversation (vLLM refuses ids on a batch) that has vLLM's `kv_transfer_params` (a
-    tokenize request has none). A completion renders with no template, so vLLM reads no ids
-    for it."""
+    tokenize request has none), or a completion of one text prompt, with no echo (an echo
+    returns the prompt's text) and no prompt embeddings."""
     if not hasattr(request, "kv_transfer_params"):
         return False
+    if _is_chat(request):
+        return not isinstance(request.messages[0], list)
+    return isinstance(getattr(request, "prompt", None), str) \
+        and not getattr(request, "echo", False) \
+        and getattr(request, "prompt_embeds", None) is None
+
+
+def _is_chat(request: Any) -> bool:
     messages = getattr(request, "messages", None)
-    if not isinstance(messages, list) or not messages:
-        return False
-    return not isinstance(messages[0], list)
+    return isinstance(messages, list) and bool(messages)
 
 
 def client_token_ids(request: Any) -> list[int] | None:
-    """The ids a client put in the request's `kv_transfer_params` for the engine to prefill,
-    or None."""
-    params = getattr(request, "kv_transfer_params", None)
-    ids = params.get(FORWARD_KEY) if isinstance(params, dict) else None
+    """The ids a client gave for the engine to prefill, or None: a chat's in its
+    `kv_transfer_params`, a completion's as its prompt."""
+    if _is_chat(request):
+        params = getattr(request, "kv_transfer_params", None)
+        ids = params.get(FORWARD_KEY) if isinstance(params, dict) else None
+    else:
+        ids = getattr(request, "prompt", None)
     if isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids):
         return ids
     return None
 
 
 def forward(request: Any, token_ids: list[int]) -> None:
-    """Hand the engine the ids (in the request's `kv_transfer_params`, beside the router's
-    hit and cut). A client's own ids stay."""
+    """Hand the engine the ids: a chat's in its `kv_transfer_params` (beside the router's hit
+    and cut; a client's own ids there stay), a completion's as its prompt (vLLM reads a
+    completion's ids from nowhere else; a prompt of ids is one vLLM takes as it is)."""
+    if not _is_chat(request):
+        request.prompt = list(token_ids)
+        return
     params = getattr(request, "kv_transfer_params", None)
     params = dict(params) if isinstance(params, dict) else {}
     params.setdefault(FORWARD_KEY, list(token_ids))
@@ -86,8 +101,9 @@ def forward(request: Any, token_ids: list[int]) -> None:
 
 def with_forwarded_ids(params: dict | None, request: Any) -> dict | None:
     """`params` (a P/D side's kv_transfer_params) plus the ids handed over on the client's
-    chat `request`, where it has some: a copy of the request for another engine keeps them."""
-    ids = client_token_ids(request) if forwardable(request) else None
+    chat `request`, where it has some: a copy of the request for another engine keeps them
+    (a completion's ids are its prompt, which the copy keeps anyway)."""
+    ids = client_token_ids(request) if _is_chat(request) and forwardable(request) else None
     if ids is None:
         return params
     return {**(params or {}), FORWARD_KEY: list(ids)}

@@ -71,13 +71,20 @@ def test_the_renderer_gets_the_engine_s_arguments_less_the_connector_and_events(
     assert renderer_spec("/models/m", "m", {"hf_overrides": object()}) is None
 
 
-def test_only_a_chat_of_one_conversation_is_handed_over():
+def completion(**fields):
+    return SimpleNamespace(**{"prompt": "some text", "kv_transfer_params": None, "echo": False,
+                              "prompt_embeds": None, **fields})
+
+
+def test_a_chat_of_one_conversation_and_a_completion_of_one_text_are_handed_over():
     assert forwardable(chat())
+    assert forwardable(completion())
     assert not forwardable(SimpleNamespace(messages=[[{"role": "user", "content": "a"}]],
-                                           kv_transfer_params=None))
-    # vLLM reads no ids for a completion
-    assert not forwardable(SimpleNamespace(prompt="a completion", kv_transfer_params=None))
-    assert not forwardable(SimpleNamespace(messages=[], kv_transfer_params=None))
+                                           kv_transfer_params=None))  # vLLM refuses a batch
+    assert not forwardable(completion(echo=True))  # its reply carries the prompt's text
+    assert not forwardable(completion(prompt=["a", "b"]))  # a batch
+    assert not forwardable(completion(prompt=[1, 2]))  # ids already
+    assert not forwardable(completion(prompt_embeds=b"x"))
     # A tokenize request carries messages but no kv_transfer_params (pydantic would refuse
     # the new field): nothing to hand over.
     assert not forwardable(SimpleNamespace(messages=[{"role": "user", "content": "a"}]))
@@ -85,14 +92,20 @@ def test_only_a_chat_of_one_conversation_is_handed_over():
 
 def test_a_client_s_own_ids_are_kept_and_bad_ones_are_not_taken():
     assert client_token_ids(chat(kv_transfer_params={FORWARD_KEY: [5, 6]})) == [5, 6]
+    assert client_token_ids(completion(prompt=[5, 6])) == [5, 6]  # a prompt of ids
+    assert client_token_ids(completion()) is None
     for bad in ([], [1, -2], [True, 1], "12", [1.0]):
         assert client_token_ids(chat(kv_transfer_params={FORWARD_KEY: bad})) is None
+        assert client_token_ids(completion(prompt=bad)) is None
     request = chat(kv_transfer_params={FORWARD_KEY: [5, 6], HIT_KEY: 32})
     forward(request, [1, 2, 3])
     assert request.kv_transfer_params == {FORWARD_KEY: [5, 6], HIT_KEY: 32}
     request = chat(kv_transfer_params={HIT_KEY: 32})
     forward(request, [1, 2, 3])
     assert request.kv_transfer_params == {HIT_KEY: 32, FORWARD_KEY: [1, 2, 3]}
+    request = completion(kv_transfer_params={HIT_KEY: 32})
+    forward(request, [1, 2, 3])  # vLLM reads a completion's ids only as its prompt
+    assert request.prompt == [1, 2, 3] and request.kv_transfer_params == {HIT_KEY: 32}
 
 
 def test_a_copy_for_another_engine_keeps_the_handed_over_ids():
@@ -102,8 +115,8 @@ def test_a_copy_for_another_engine_keeps_the_handed_over_ids():
         "do_remote_decode": True, FORWARD_KEY: [7, 8]}
     assert with_forwarded_ids(None, request) == {FORWARD_KEY: [7, 8]}
     assert with_forwarded_ids({"a": 1}, chat()) == {"a": 1}  # none handed over
-    completion = SimpleNamespace(prompt="p", kv_transfer_params={FORWARD_KEY: [7]})
-    assert with_forwarded_ids(None, completion) is None  # vLLM reads none for a completion
+    # A completion's ids are its prompt, which the copy keeps.
+    assert with_forwarded_ids(None, completion(prompt=[7])) is None
 
 
 def test_the_payload_is_the_body_as_the_client_set_it():
@@ -176,8 +189,10 @@ def prompt_keys(engine=None, forward_ids=True):
 @pytest.mark.parametrize("request_, forward_ids, expected", [
     (chat(), True, (RENDERED, True)),
     (chat(), False, (RENDERED, False)),  # the user turned handing over off
-    (SimpleNamespace(prompt="text", kv_transfer_params=None), True, (RENDERED, False)),
+    (completion(), True, (RENDERED, True)),
+    (completion(echo=True), True, (RENDERED, False)),
     (chat(kv_transfer_params={FORWARD_KEY: [4, 4]}), True, ([4, 4], False)),  # the client's
+    (completion(prompt=[4, 4]), True, ([4, 4], False)),
 ])
 def test_the_ids_are_the_client_s_else_the_engine_s_rendering(request_, forward_ids,
                                                                expected):

@@ -142,7 +142,7 @@ def test_the_router_keys_a_chat_with_the_engine_s_own_ids_and_hands_them_over(ba
     """raykv's router renders a chat as the engine does (vLLM's renderer, configured from the
     engine's arguments: cluster/serving/engine_tokens.py) and hands the ids over: the engine
     prefilled them, and they are the ids it renders itself (an echo, for which vLLM takes no
-    ids ready-made). A completion renders to the ids the engine computed for it."""
+    ids ready-made). A completion's likewise (its echo keeps its text)."""
     import asyncio
     from types import SimpleNamespace
 
@@ -175,10 +175,14 @@ def test_the_router_keys_a_chat_with_the_engine_s_own_ids_and_hands_them_over(ba
     assert rendered == handed["prompt_token_ids"] == own["prompt_token_ids"]
     assert handed["choices"][0]["message"]["content"] == own["choices"][0]["message"][
         "content"]
+    # A completion's ids are handed over as its prompt; an echo's prompt stays text.
     prompt = "".join(chr(97 + i % 26) for i in range(200))
-    completed = _complete(base_url, prompt)  # vLLM takes no ids ready-made for a completion
-    assert asyncio.run(render(SimpleNamespace(model=MODEL_ID, prompt=prompt))) == completed[
-        "choices"][0]["prompt_token_ids"]
+    completed = _complete(base_url, prompt)["choices"][0]
+    echoed = _request(base_url + "/v1/completions", {
+        "model": MODEL_ID, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+        "return_token_ids": True, "echo": True})["choices"][0]
+    rendered = asyncio.run(render(SimpleNamespace(model=MODEL_ID, prompt=prompt)))
+    assert rendered == completed["prompt_token_ids"] == echoed["prompt_token_ids"]
 
 
 def test_the_engine_prefills_the_ids_the_router_handed_over(base_url, model_dir):
