@@ -11,9 +11,9 @@ had, requests are routed without keys).
 Where the router knows the engine's arguments (`engine`: engine_tokens.renderer_spec), it
 renders a request with the engine's own renderer instead (cluster/serving/engine_tokens.py):
 the ids are then the engine's for any chat (its server-side template, tools, template
-arguments), and a chat's ids go to the engine ready-made (`forward_ids`), so that it does not
-render the prompt again. A client's own ids in `kv_transfer_params` are what the engine
-prefills, so they are keyed as they are.
+arguments), and the ids go to the engine ready-made (`forward_ids`), so that it does not
+render the prompt again. A client's own ids (a chat's in `kv_transfer_params`, a completion's
+prompt of ids) are what the engine prefills, so they are keyed as they are.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class PromptKeys:
                  forward_ids: bool = True):
         """`secret`: the namespace's key-chain secret; None asks the running service.
         `engine`: renders prompts as the engine does (None: the tokenizer's own template);
-        `forward_ids`: hand the engine a chat's ids rendered that way."""
+        `forward_ids`: hand the engine the ids rendered that way."""
         self.tokenizer_dir, self.spec = tokenizer_dir, spec
         self.namespace, self.page_tokens = namespace, page_tokens
         self.secret = secret

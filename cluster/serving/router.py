@@ -4,9 +4,9 @@ token is least, counting every tier of every node.
 It runs where the handle is: in the ingress replica. raykv's own ingress tokenized the prompt
 and put its page keys on the request; a Ray Serve LLM request carries text, and the router
 renders it as its vLLM engine will (cluster/serving/engine_tokens.py: vLLM's renderer,
-configured from the engine's arguments), keys those ids and hands a chat's ids to the engine
-in its `kv_transfer_params`, so the prompt is rendered once. Per request it asks the
-directory (one call per shard) where each
+configured from the engine's arguments), keys those ids and hands them to the engine (a
+chat's in its `kv_transfer_params`, a completion's as its prompt), so the prompt is rendered
+once. Per request it asks the directory (one call per shard) where each
 page of the longest cached prefix lives (node and tier). Then, per candidate replica
 (policies/cost_routing.py):
 
@@ -99,7 +99,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         `prompt_keys`: for requests that carry text, not page keys (Ray Serve LLM's), how to
         key them: {"tokenizer_dir", "spec": ModelSpec fields, "namespace", "page_tokens"},
         and optionally "renderer" (engine_tokens.renderer_spec: render as the engine does)
-        and "forward_token_ids" (default true: hand the engine a chat's ids so rendered).
+        and "forward_token_ids" (default true: hand the engine the ids so rendered).
         `engine_events`: the engine tier's follower (watch, held_pages: tests pass a fake);
         made on first need (an EngineEvents over the prompt keys' chain) otherwise.
         `routed_ttl_s`: how long a prompt's pages count as held on the node it was sent to,

@@ -305,8 +305,8 @@ def router_settings(router: str, model_source: str, model_id: str, namespace: st
     """(request_router_class, request_router_kwargs) for a router name: raykv's KV-aware one
     keys each request's prompt as RaykvConnector does (the model's tokenizer and geometry,
     the engine's `dtype` and the running service's `page_tokens`). Given the engine's
-    `engine_kwargs`, it renders prompts as the engine does and hands a chat's ids to the
-    engine (cluster/serving/engine_tokens.py; `build_vllm_app` adds them itself)."""
+    `engine_kwargs`, it renders prompts as the engine does and hands the ids to the engine
+    (cluster/serving/engine_tokens.py; `build_vllm_app` adds them itself)."""
     from cluster.serving.app import ROUTERS
 
     if router not in ROUTERS:

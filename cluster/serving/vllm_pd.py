@@ -15,8 +15,9 @@ for RaykvConnector, a connector backend Ray picks by the connector's name:
     decode replica (vllm_plan.decode_params puts it back on the decode request);
   - decode: the prefill's handoff ({"raykv_pd": {"tokens": ...}}), plus that cut.
 
-The chat's ids that raykv's router rendered as the engines do (engine_tokens.py) go to both
-sides, so neither engine renders the prompt again.
+The ids that raykv's router rendered as the engines do (engine_tokens.py) go to both sides
+(a chat's in kv_transfer_params, a completion's as its prompt, which the copies keep), so
+neither engine renders the prompt again.
 
 Ray's default shaping would do the same but asserts that the client's request carries no
 kv_transfer_params, which raykv's router sets for its cut. Nothing is pinned and no side
