@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 log = logging.getLogger("raykv.router")
-RETRY_S = 30.0  # a renderer that could not be built is tried again after this long
+RETRY_S = 300.0  # a renderer that could not be built is tried again after this long
 FORWARD_KEY = "prompt_token_ids"  # vLLM's key in kv_transfer_params
 # Engine arguments that do not change how a prompt is rendered, left out of the renderer's
 # copy: the connector and the KV events belong to the engine, not to its renderer.
@@ -109,6 +109,24 @@ def with_forwarded_ids(params: dict | None, request: Any) -> dict | None:
     return {**(params or {}), FORWARD_KEY: list(ids)}
 
 
+def text_only(request: Any) -> bool:
+    """Whether a chat's messages are text only (a completion's prompt always is). Rendering
+    media would fetch and process it in the router's process, for ids vLLM does not take
+    ready-made anyway: such a chat is keyed by the tokenizer."""
+    if not _is_chat(request):
+        return True
+    for message in request.messages:
+        content = message.get("content") if isinstance(message, dict) \
+            else getattr(message, "content", None)
+        if isinstance(content, list) and any(_part_type(part) != "text" for part in content):
+            return False
+    return True
+
+
+def _part_type(part: Any) -> Any:
+    return part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+
+
 def payload_of(request: Any) -> dict | None:
     """The request's body as a dict (a pydantic request as its client set it, a namespace
     copy of a body as it is), or None."""
@@ -140,13 +158,15 @@ class EngineTokens:
         no single prompt, one the engine will refuse (it says why itself), or while the
         renderer is not built."""
         tokenizer = self._ready()
-        payload = payload_of(request) if tokenizer is not None else None
+        if tokenizer is None or not text_only(request):
+            return None
+        payload = payload_of(request)
         if payload is None:
             return None
         try:
             return await tokenizer.tokenize(payload) or None
-        except Exception as error:  # a request the engine will refuse: route it unkeyed
-            log.debug("rendering for routing failed: %s", error)
+        except Exception as error:  # one the engine will refuse (it says why): the
+            log.debug("rendering for routing failed: %s", error)  # tokenizer keys it
             return None
 
     def _ready(self):

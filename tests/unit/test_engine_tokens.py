@@ -169,6 +169,27 @@ def test_the_renderer_is_built_once_in_the_background_and_retried_after_a_failur
     assert len(builds) == 2
 
 
+def test_a_chat_with_media_is_not_rendered_in_the_router():
+    """Rendering would fetch the image in the router's process, for ids vLLM ignores."""
+    image = {"type": "image_url", "image_url": {"url": "http://10.0.0.9/cat.png"}}
+    text = {"type": "text", "text": "what is it?"}
+    with_media = chat(messages=[{"role": "user", "content": [text, image]}])
+    text_parts = chat(messages=[{"role": "user", "content": [text, text]}])
+
+    async def main():
+        renderer = FakeTokenizer()
+        tokens = EngineTokens({}, build=lambda spec: renderer)
+        await rendered(tokens, chat())
+        assert await tokens.token_ids(with_media) is None
+        assert await tokens.token_ids(text_parts) == RENDERED
+        return renderer.payloads
+
+    payloads = asyncio.run(main())
+    assert [p["messages"][0]["content"] for p in payloads][-1] == [text, text]
+    assert not any(image in (p["messages"][0]["content"] or []) for p in payloads
+                   if isinstance(p["messages"][0]["content"], list))
+
+
 def test_a_request_the_engine_will_refuse_renders_to_nothing():
     async def main():
         tokens = EngineTokens({}, build=lambda spec: FakeTokenizer(error=ValueError("role")))
