@@ -99,15 +99,6 @@ class PromptKeys:
                                                   tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def of(self, request: object) -> bytes:
-        """The concatenated page keys of the request's prompt (b"" when it has none), keyed
-        with the tokenizer's own template."""
-        try:
-            ids = self.token_ids(request)
-        except Exception:  # a prompt the tokenizer cannot take: route without keys
-            return b""
-        return self.keys(ids)
-
     def keys(self, token_ids: list[int] | None) -> bytes:
         """The concatenated page keys of these ids' full pages (b"" without the chain)."""
         chain = self.chain

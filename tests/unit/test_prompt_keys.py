@@ -3,6 +3,7 @@ RaykvConnector keys vLLM's pages (the model's tokenizer and geometry, blocks of 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import pytest
@@ -55,11 +56,17 @@ def test_prompts_and_chats_are_keyed_like_the_connector(model_dir):
     text = "x" * 300
     ids = keys.token_ids(Completion(text))
     assert ids == list(text.encode())  # the byte tokenizer: one id per byte
-    assert keys.of(Completion(text)) == b"".join(page_keys(spec, "team", 128, ids, b"s" * 32))
-    assert len(keys.of(Completion([text]))) == 2 * 16  # two full pages
+    assert keyed(keys, Completion(text)) == b"".join(page_keys(spec, "team", 128, ids,
+                                                               b"s" * 32))
+    assert len(keyed(keys, Completion([text]))) == 2 * 16  # two full pages
     chat = keys.token_ids(Chat([{"role": "user", "content": "y" * 200}]))
     assert bytes(chat).decode().startswith("user: yyy") and bytes(chat).decode().endswith(
         "assistant: ")
-    assert keys.of(Completion("short")) == b""  # no full page
-    assert keys.of(object()) == b""  # neither prompt nor messages
-    assert keys.of(Completion(None)) == b""
+    assert keyed(keys, Completion("short")) == b""  # no full page
+    assert keyed(keys, object()) == b""  # neither prompt nor messages
+    assert keyed(keys, Completion(None)) == b""
+
+
+def keyed(keys: PromptKeys, request: object) -> bytes:
+    """The request's page keys as the router takes them (PromptKeys.request_ids, then keys)."""
+    return keys.keys(asyncio.run(keys.request_ids(request)).token_ids)
