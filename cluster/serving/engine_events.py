@@ -12,6 +12,10 @@ events; the router only reads, under a lock, never waiting on a socket. On joini
 and on every gap it asks the replay socket, waiting at most `replay_timeout_s`: a replay that
 does not come is a failed one (the stream drops what it cannot trust).
 
+A replica's sockets are raykv's relay of vLLM's (cluster/serving/events_relay.py): CURVE servers
+that admit the key pair the replica advertises beside them. A source advertised without keys
+(a user's own kv_events_config) is read as vLLM serves it, in the clear.
+
 pyzmq and msgspec come with vLLM: this module is imported only where vLLM replicas publish
 events (the router imports it lazily).
 """
@@ -30,6 +34,7 @@ import zmq
 from cluster.core.engine_blocks import Cleared, EngineEvent, Removed, Stored
 from cluster.core.engine_stream import EngineStream
 from cluster.core.keys import KeyChain, PageKey
+from cluster.serving.events_relay import CurveKeys
 
 log = logging.getLogger("raykv.router")
 END_SEQ = -1
@@ -43,16 +48,26 @@ _decoder = msgspec.msgpack.Decoder()
 @dataclass(frozen=True, slots=True)
 class EventSource:
     """Where a replica publishes: what its `record_routing_stats` advertises. `epoch` changes
-    when its engine starts over, so a new engine is never taken for the old one."""
+    when its engine starts over, so a new engine is never taken for the old one. `curve`: the
+    keys its relay admits (None: vLLM's own sockets, no authentication)."""
 
     endpoint: str
     replay_endpoint: str | None = None
     epoch: str = ""
+    curve: CurveKeys | None = None
 
     @staticmethod
     def of(advertised: Mapping) -> EventSource:
         return EventSource(str(advertised["endpoint"]), advertised.get("replay_endpoint"),
-                           str(advertised.get("epoch", "")))
+                           str(advertised.get("epoch", "")), CurveKeys.of(advertised.get("curve")))
+
+    def socket(self, context: zmq.Context, kind: int) -> zmq.Socket:
+        """A socket of `kind` for this source, with its keys set (before it connects)."""
+        sock = context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(sock)
+        return sock
 
 
 def decode_batch(payload: bytes) -> list[EngineEvent]:
@@ -186,9 +201,8 @@ class EngineEvents:
         for replica_id, source in wanted.items():
             if replica_id in links:
                 continue
-            sub = context.socket(zmq.SUB)
+            sub = source.socket(context, zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.setsockopt(zmq.LINGER, 0)
             sub.connect(source.endpoint)
             links[replica_id] = link = _Link(source, sub)
             stream = EngineStream(self.chain)
@@ -230,8 +244,7 @@ class EngineEvents:
             with self._lock:
                 self._streams[replica_id].on_replay_failed()
             return
-        link.replay = context.socket(zmq.DEALER)
-        link.replay.setsockopt(zmq.LINGER, 0)
+        link.replay = link.source.socket(context, zmq.DEALER)
         link.replay.connect(link.source.replay_endpoint)
         link.replay.send_multipart((b"", start.to_bytes(8, "big")))
         link.replay_deadline_s = time.monotonic() + self.replay_timeout_s

@@ -4,16 +4,22 @@ router (the engine tier: cluster/serving/engine_events.py).
 Ray's KVAwareRouter turns vLLM's events on itself, and only for its own deployments
 (ray.llm._internal.serve.routing_policies.kv_aware.vllm.kv_events): a ZMQ publisher per
 replica, its PUB and replay (ROUTER) ports offset by the replica's node-local rank, advertised
-through `record_routing_stats`. This server does the same for raykv's router, with one change:
-the ports are the OS's (`tcp://*:0`, which vLLM binds on one address and resolves), so
-no two replicas on a node, nor another app's, collide:
+through `record_routing_stats`. Those sockets have no authentication, and the events carry the
+token ids of every prompt the engine caches. This server turns them on for raykv's router
+another way:
 
   - before its engine starts, it sets `engine_kwargs["kv_events_config"]` (a user's own is
-    kept), and points vLLM's `VLLM_HOST_IP` at Ray's address for this node (unless the user
-    set it). vLLM otherwise binds the address of its default route, which on a node with
-    several interfaces is not the one Ray and raykv use (an exposed or unroutable one);
-  - once the engine runs, it reads the endpoints vLLM bound and advertises them under
-    ENGINE_EVENTS, with an epoch naming this engine: a replica is never taken for another.
+    kept, and served as the user set it) to ipc sockets in a fresh 0700 directory, which
+    only this user can open;
+  - once the engine runs, it relays them on TCP ports the OS picks at Ray's address for this
+    node, behind ZMQ CURVE with keys made for this engine (cluster/serving/events_relay.py),
+    and advertises the relay's endpoints and keys under ENGINE_EVENTS with an epoch naming
+    this engine: a replica is never taken for another. Routing stats reach routers over Ray,
+    whose token authenticates every call.
+
+An engine of several data-parallel ranks on a vLLM that cannot give each rank its own ipc
+socket publishes as before this relay: on `tcp://*:0` at Ray's address for this node
+(`VLLM_HOST_IP`, unless the user set it), unauthenticated, with a warning.
 
 It also publishes what the engine's RaykvConnector measures (its loads' rates per source tier,
 its prefill rate, its compute seconds per request: cluster/serving/engine_rates.py) under
@@ -31,25 +37,56 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import uuid
 
+import zmq
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
 from cluster.serving.engine_rates import rates_path, read_published, remove_published
+from cluster.serving.events_relay import EventsRelay, private_endpoints
 from cluster.serving.router import ENGINE_EVENTS
 
 log = logging.getLogger("raykv.vllm")
 ANY_PORT = "tcp://*:0"  # vLLM binds this node's address on a port the OS picks
 
 
-def kv_events_config(engine_kwargs: dict) -> dict:
-    """The engine's kv_events_config: the user's, else a ZMQ publisher with a replay socket,
-    both on ports the OS picks."""
+def kv_events_config(engine_kwargs: dict, endpoints: tuple[str, str] | None = None) -> dict:
+    """The engine's kv_events_config: the user's, else a ZMQ publisher with a replay socket at
+    `endpoints` (events, replay), by default on ports the OS picks."""
     own = engine_kwargs.get("kv_events_config")
     if own:
         return dict(own)
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ANY_PORT,
-            "replay_endpoint": ANY_PORT}
+    endpoint, replay = endpoints or (ANY_PORT, ANY_PORT)
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+            "replay_endpoint": replay}
+
+
+def relays_on_ipc(engine_kwargs: dict) -> bool:
+    """Whether vLLM can publish this engine's events on ipc sockets: one data-parallel rank,
+    or a vLLM that gives each rank its own ipc endpoint (0.32 raises for rank 1)."""
+    if int(engine_kwargs.get("data_parallel_size") or 1) <= 1:
+        return True
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    try:
+        return ZmqEventPublisher.offset_endpoint_port("ipc:///x", 1) != "ipc:///x"
+    except ValueError:
+        return False
+
+
+def bound_sources(engine, configured: dict) -> tuple[str | None, str | None]:
+    """(events, replay) endpoints vLLM bound for its first rank (its engine client's
+    get_kv_event_sources), else the configured ones."""
+    sources = {}
+    try:
+        sources = engine._engine_client.engine_core.get_kv_event_sources()
+    except AttributeError:  # another engine client: fall back on the configuration
+        pass
+    if sources:
+        bound = sources[min(sources)]
+        return bound.endpoint, bound.replay_endpoint
+    return configured.get("endpoint"), configured.get("replay_endpoint")
 
 
 def advertised(engine, configured: dict, epoch: str) -> dict:
@@ -58,16 +95,7 @@ def advertised(engine, configured: dict, epoch: str) -> dict:
     neither is known (the router then routes this replica without its engine tier)."""
     if not configured.get("enable_kv_cache_events"):
         return {}
-    sources = {}
-    try:
-        sources = engine._engine_client.engine_core.get_kv_event_sources()
-    except AttributeError:  # another engine client: fall back on the configuration
-        pass
-    if sources:
-        bound = sources[min(sources)]
-        endpoint, replay = bound.endpoint, bound.replay_endpoint
-    else:
-        endpoint, replay = configured.get("endpoint"), configured.get("replay_endpoint")
+    endpoint, replay = bound_sources(engine, configured)
     if not endpoint or endpoint.endswith(":0"):
         log.warning("vLLM's KV events endpoint is not known (%s): the router will not see "
                     "this engine's cache", endpoint)
@@ -122,23 +150,63 @@ class RaykvLLMServer(LLMServer):
 
     async def start(self):
         self._raykv_events: dict = {}
+        self._raykv_relay = None
         self._raykv_rates_file = None
         kv_transfer = with_rates_file(self._llm_config.engine_kwargs.get("kv_transfer_config"),
                                       rates_path(uuid.uuid4().hex))
         if kv_transfer is not None:
             self._llm_config.update_engine_kwargs(kv_transfer_config=kv_transfer)
             self._raykv_rates_file = kv_transfer["kv_connector_extra_config"]["raykv.rates_file"]
-        configured = kv_events_config(self._llm_config.engine_kwargs)
+        configured, private_dir = self._events_config()
+        self._llm_config.update_engine_kwargs(kv_events_config=configured)
+        try:
+            await super().start()
+        except BaseException:
+            if private_dir is not None:
+                shutil.rmtree(private_dir, ignore_errors=True)
+            raise
+        epoch = uuid.uuid4().hex
+        if private_dir is None:
+            self._raykv_events = advertised(self.engine, configured, epoch)
+        else:
+            self._raykv_events = self._relay(configured, private_dir, epoch)
+        log.info("vLLM KV events for raykv's router: %s",
+                 {k: v for k, v in self._raykv_events.items() if k != "curve"})
+
+    def _events_config(self) -> tuple[dict, str | None]:
+        """(the engine's kv_events_config, the private directory of its ipc sockets: None
+        when vLLM serves its sockets itself)."""
+        engine_kwargs = self._llm_config.engine_kwargs
+        own = engine_kwargs.get("kv_events_config")  # the user's own: served as they set it
+        if not own and relays_on_ipc(engine_kwargs):
+            private_dir, endpoint, replay = private_endpoints()
+            return kv_events_config(engine_kwargs, (endpoint, replay)), private_dir
+        if not own:
+            log.warning("vLLM cannot publish the KV events of several data-parallel ranks on "
+                        "ipc sockets: they are served unauthenticated on this node's address")
+        configured = kv_events_config(engine_kwargs)
         if configured.get("endpoint") == ANY_PORT and not _bind_on_node_address():
             # vLLM would refuse to start its engine: route this replica without its events.
             log.warning("vLLM finds no address of this node to publish KV events on (set "
                         "VLLM_HOST_IP): raykv's router will not see this engine's cache")
-            configured = {"enable_kv_cache_events": False}
-        else:
-            self._llm_config.update_engine_kwargs(kv_events_config=configured)
-        await super().start()
-        self._raykv_events = advertised(self.engine, configured, uuid.uuid4().hex)
-        log.info("vLLM KV events for raykv's router: %s", self._raykv_events)
+            return {"enable_kv_cache_events": False}, None
+        return configured, None
+
+    def _relay(self, configured: dict, private_dir: str, epoch: str) -> dict:
+        """The engine's ipc sockets relayed behind CURVE at this node's address; what routers
+        are told ({}: not relayed, routed without this engine's cache)."""
+        import ray
+
+        events_in, replay_in = bound_sources(self.engine, configured)
+        try:
+            self._raykv_relay = EventsRelay(events_in, replay_in,
+                                            ray.util.get_node_ip_address(), private_dir)
+        except (zmq.ZMQError, OSError) as error:
+            log.warning("the KV events relay did not start (%s): raykv's router will not see "
+                        "this engine's cache", error)
+            shutil.rmtree(private_dir, ignore_errors=True)
+            return {}
+        return self._raykv_relay.advertised(epoch)
 
     async def record_routing_stats(self) -> dict:
         stats = dict(await super().record_routing_stats() or {})
@@ -150,10 +218,13 @@ class RaykvLLMServer(LLMServer):
 
     async def __del__(self) -> None:
         """Serve's graceful shutdown: the engine stops first (it writes the file), then the
-        rates file goes."""
+        rates file and the events relay (with its sockets' directory) go."""
         try:
             await super().__del__()
         finally:
             path = getattr(self, "_raykv_rates_file", None)
             if path:
                 remove_published(path)
+            relay = getattr(self, "_raykv_relay", None)
+            if relay is not None:
+                relay.close()

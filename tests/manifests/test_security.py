@@ -441,11 +441,11 @@ def test_the_fixed_ports_stay_open_as_before():
 
 
 def test_the_os_assigned_ports_are_admitted_from_ray_pods_only():
-    """vLLM's KV-event sockets (no authentication; their events carry prompts' token ids)
-    bind ports the OS picks, as do Serve's direct-ingress ports and Ray's internal ones: from
-    raykv's Ray pods only, but for the dashboard agent's port and, on the head, Ray's metrics
-    ports."""
-    # (tests/vllm/test_engine_events.py: raykv's replicas ask vLLM for `tcp://*:0`.)
+    """raykv's relays of vLLM's KV events, and vLLM's own KV-event sockets where vLLM serves
+    them (no authentication; their events carry prompts' token ids), bind ports the OS picks,
+    as do Serve's direct-ingress ports and Ray's internal ones: from raykv's Ray pods only,
+    but for the dashboard agent's port and, on the head, Ray's metrics ports."""
+    # (tests/vllm/test_engine_events.py: raykv's relays bind `tcp://<node>:*`.)
     for where, labels in _ray_pod_labels():
         public = {52365} | (HEAD_METRICS_PORTS if labels["ray.io/node-type"] == "head" else set())
         for port in (EPHEMERAL_FIRST, 30500, 32768, 40000, *HEAD_METRICS_PORTS, 44216, 44218,

@@ -167,28 +167,100 @@ def test_a_late_joiner_replays_from_the_start_and_a_new_epoch_starts_over(endpoi
         events.close()
 
 
-def test_a_real_engine_s_events_map_to_the_pages_raykv_keys(model_dir, monkeypatch):
-    """vLLM's CPU engine with its events on as RaykvLLMServer turns them on (ports the OS
-    picks, read back from the engine as the server reads them): the prompt's full blocks
-    come back as the raykv pages they make whole, and a prefix-cache reset clears them."""
+def _outsider(kind: int, endpoint: str, keys=None):
+    """A socket of one who is not the relay's reader: no keys, or a key pair of its own
+    (`keys`: (public, secret)) with the relay's public key, which is public."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(kind)
+    sock.linger = 0
+    if keys is not None:
+        sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    return sock
+
+
+def test_a_relay_serves_its_reader_only_and_replays_through_it():
+    """vLLM's publisher on ipc sockets in a 0700 directory, relayed behind CURVE: the router
+    with the advertised keys follows it, a lost batch replayed through the relay; a listener
+    with no keys, or with a key pair of its own, gets no batch and no replay; closing removes
+    the sockets' directory."""
+    import os
+    import stat
+
+    import zmq
+
+    from cluster.serving.events_relay import EventsRelay, private_endpoints
+
+    private_dir, pub, replay = private_endpoints()
+    assert stat.S_IMODE(os.stat(private_dir).st_mode) == 0o700
+    publisher = LoopbackPublisher(pub, replay, drop={1})
+    relay = EventsRelay(pub, replay, "127.0.0.1", private_dir)
+    events = EngineEvents(CHAIN, replay_timeout_s=2.0)
+    server_key = relay.keys.server_key.encode()
+    plain_sub = _outsider(zmq.SUB, relay.endpoint)
+    own_sub = _outsider(zmq.SUB, relay.endpoint, (*zmq.curve_keypair(), server_key))
+    plain_replay = _outsider(zmq.DEALER, relay.replay_endpoint)
+    own_replay = _outsider(zmq.DEALER, relay.replay_endpoint, (*zmq.curve_keypair(), server_key))
+    try:
+        assert relay.endpoint.startswith("tcp://127.0.0.1:") and relay.endpoint != pub
+        assert sorted(os.listdir(private_dir)) == ["events", "replay"]
+        events.watch({"r1": relay.advertised("e1")})
+        wait_for(lambda: "r1" in events.stats() and not events.stats()["r1"]["replaying"])
+        time.sleep(0.5)  # every listener has had time to connect
+        publish(publisher, blocks(0, 4))
+        publish(publisher, blocks(4, 4))  # lost on the wire: the replay goes through the relay
+        publish(publisher, blocks(8, 4))
+        publish(publisher, blocks(12, 4))
+        wait_for(lambda: events.held_pages(KEYS, ["r1"]) == {"r1": 4})
+        assert events.stats()["r1"]["gaps"] == 1 and events.stats()["r1"]["drops"] == 0
+        for sock in (plain_replay, own_replay):
+            try:  # a DEALER refused by the relay has no peer to queue a request for
+                sock.send_multipart((b"", (0).to_bytes(8, "big")), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        time.sleep(1.0)
+        for sock in (plain_sub, own_sub, plain_replay, own_replay):
+            assert not sock.poll(0), "an outsider read the engine's events"
+    finally:
+        for sock in (plain_sub, own_sub, plain_replay, own_replay):
+            sock.close(linger=0)
+        events.close()
+        relay.close()
+        publisher.shutdown()
+    assert not os.path.exists(private_dir)
+
+
+def test_a_real_engine_s_events_map_to_the_pages_raykv_keys(model_dir):
+    """vLLM's CPU engine with its events on as RaykvLLMServer turns them on (ipc sockets in a
+    private directory, read back from the engine as the server reads them, relayed behind
+    CURVE): the prompt's full blocks come back as the raykv pages they make whole, and a
+    prefix-cache reset clears them."""
     from types import SimpleNamespace
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVEventsConfig
 
-    from cluster.serving.vllm_events_server import advertised, kv_events_config
+    from cluster.serving.events_relay import EventsRelay, private_endpoints
+    from cluster.serving.vllm_events_server import bound_sources, kv_events_config
     from tests.vllm.conftest import prompt_tokens
 
-    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")  # vLLM binds tcp://*:0 on this address
-    configured = kv_events_config({})
+    private_dir, endpoint, replay = private_endpoints()
+    configured = kv_events_config({}, (endpoint, replay))
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048,
               enable_prefix_caching=True, kv_events_config=KVEventsConfig(**configured))
     page_tokens = 256  # raykv's default page: two of vLLM's 128-token CPU blocks
     chain = KeyChain.of(ModelSpec("small-llama", 4, 2, 64, "float32"), "default", page_tokens)
     events = EngineEvents(chain)
+    relay = None
     try:
-        source = advertised(SimpleNamespace(_engine_client=llm.llm_engine), configured, "e")
-        assert source["endpoint"].startswith("tcp://127.0.0.1:")
+        bound = bound_sources(SimpleNamespace(_engine_client=llm.llm_engine), configured)
+        assert bound == (endpoint, replay)
+        relay = EventsRelay(*bound, "127.0.0.1", private_dir)
+        source = relay.advertised("e")
+        assert source["endpoint"].startswith("tcp://127.0.0.1:") and source["curve"]
         events.watch({"r": source})
         wait_for(lambda: "r" in events.stats() and not events.stats()["r"]["replaying"])
         prompt = prompt_tokens(600, seed=3)
@@ -204,6 +276,8 @@ def test_a_real_engine_s_events_map_to_the_pages_raykv_keys(model_dir, monkeypat
         assert events.stats()["r"]["drops"] == 0
     finally:
         events.close()
+        if relay is not None:
+            relay.close()
         llm.llm_engine.engine_core.shutdown()
 
 
@@ -227,6 +301,8 @@ def test_the_raykv_router_s_app_turns_each_engine_s_events_on():
                                     "endpoint": ANY_PORT, "replay_endpoint": ANY_PORT}
     own = {"enable_kv_cache_events": True, "endpoint": "tcp://*:6000"}
     assert kv_events_config({"kv_events_config": own}) == own  # a user's own is kept
+    assert kv_events_config({}, ("ipc:///d/events", "ipc:///d/replay"))["replay_endpoint"] \
+        == "ipc:///d/replay"
 
     bound = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                            endpoint="tcp://10.1.2.3:41000", replay_endpoint="tcp://10.1.2.3:41001")
@@ -240,6 +316,37 @@ def test_the_raykv_router_s_app_turns_each_engine_s_events_on():
         get_kv_event_sources=dict)))
     assert advertised(unknown, kv_events_config({}), "e1") == {}
     assert advertised(engine, {"enable_kv_cache_events": False}, "e1") == {}
+
+
+def test_a_replica_s_events_go_on_ipc_sockets_in_a_private_directory(monkeypatch):
+    """By default the engine publishes on ipc sockets in a fresh 0700 directory (relayed
+    behind CURVE once it runs); a user's own configuration is kept as set; an engine of two
+    data-parallel ranks, which vLLM 0.32 cannot give each its own ipc socket (it raises for
+    rank 1), publishes on OS-picked ports at the node's address, as before the relay."""
+    import os
+    import shutil
+    import stat
+    from types import SimpleNamespace
+
+    from cluster.serving.vllm_events_server import ANY_PORT, RaykvLLMServer, relays_on_ipc
+
+    def configured(engine_kwargs: dict):
+        server = SimpleNamespace(_llm_config=SimpleNamespace(engine_kwargs=engine_kwargs))
+        return RaykvLLMServer._events_config(server)
+
+    config, private_dir = configured({})
+    try:
+        assert stat.S_IMODE(os.stat(private_dir).st_mode) == 0o700
+        assert config["endpoint"] == f"ipc://{private_dir}/events"
+        assert config["replay_endpoint"] == f"ipc://{private_dir}/replay"
+    finally:
+        shutil.rmtree(private_dir)
+    own = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:6000"}
+    assert configured({"kv_events_config": own}) == (own, None)
+    assert relays_on_ipc({"data_parallel_size": 1}) and not relays_on_ipc({"data_parallel_size": 2})
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    config, private_dir = configured({"data_parallel_size": 2})
+    assert private_dir is None and config["endpoint"] == ANY_PORT == config["replay_endpoint"]
 
 
 def test_vllm_binds_ray_s_node_address_unless_the_user_chose_one():

@@ -92,10 +92,14 @@ def test_second_request_loads_the_prefix_from_raykv(base_url):
 
 
 def test_with_raykv_s_router_each_replica_advertises_its_engine_s_kv_events(base_url):
-    """RaykvLLMServer turned its engine's KV events on, on ports the OS picked, and tells
-    routers where (record_routing_stats, as Serve's controller polls it)."""
+    """RaykvLLMServer turned its engine's KV events on, relayed on ports the OS picked behind
+    CURVE, and tells routers where and with which keys (record_routing_stats, as Serve's
+    controller polls it): a replay asked with those keys is answered by the engine, one asked
+    without them is not."""
+    import zmq
     from ray._private.state import actors
 
+    from cluster.serving.events_relay import CurveKeys
     from cluster.serving.router import ENGINE_EVENTS
 
     names = [a["Name"] for a in actors().values() if a.get("State") == "ALIVE"
@@ -105,6 +109,25 @@ def test_with_raykv_s_router_each_replica_advertises_its_engine_s_kv_events(base
     advertised = ray.get(replica.record_routing_stats.remote(), timeout=30)[ENGINE_EVENTS]
     assert advertised["endpoint"].startswith("tcp://") and advertised["epoch"]
     assert not advertised["endpoint"].endswith(":0") and advertised["replay_endpoint"]
+    keys = CurveKeys.of(advertised["curve"])
+    holder, outsider = (zmq.Context.instance().socket(zmq.DEALER) for _ in range(2))
+    try:
+        keys.apply(holder)
+        for sock in (holder, outsider):
+            sock.linger = 0
+            sock.connect(advertised["replay_endpoint"])
+        holder.send_multipart((b"", (0).to_bytes(8, "big")))
+        assert holder.poll(10_000), "no replay through the replica's relay"
+        while holder.recv_multipart()[2] != (-1).to_bytes(8, "big", signed=True):
+            assert holder.poll(10_000)  # its batches, then the end marker
+        try:  # refused by the relay: no peer to queue a request for
+            outsider.send_multipart((b"", (0).to_bytes(8, "big")), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        assert not outsider.poll(2_000), "the relay answered one without its keys"
+    finally:
+        holder.close()
+        outsider.close()
 
 
 def test_each_replica_publishes_its_engine_s_measured_rates(base_url):
