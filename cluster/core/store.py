@@ -21,13 +21,11 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
-from cluster.core.background import background_thread
 from cluster.core.elastic import ElasticMemory
 from cluster.core.faults import DiskFaults
 from cluster.core.geometry import DEVICE, DISK, HOST, TIER_NAMES, PageGeometry
@@ -36,9 +34,9 @@ from cluster.core.pins import PinSet
 from cluster.core.pool import EventSink, Pool, PoolLimits, State
 from cluster.core.put_leases import LeaseReply, LeaseRequest, PutLeases
 from cluster.core.store_files import read_pool_file, write_pool_file
+from cluster.core.store_growth import grow_ahead
 from cluster.core.store_stats import memory_by_model, store_stats
 from cluster.core.tiers.aligned import make_private_dir
-from cluster.core.tiers.chunks import NO_MEMORY
 from cluster.core.tiers.disk import DiskArena
 from cluster.core.tiers.memory import ArenaDescriptor, reap_retired, remove_stale_shm
 from policies.quota import Quota
@@ -233,35 +231,10 @@ class NodeStore:
         return reservation_id, slots
 
     async def grow_ahead(self, geometry: PageGeometry) -> int:
-        """Ready memory chunks, ahead of need, for each tier of the geometry's pool that is
-        short of free slots (fewer than a chunk's worth, or than the latest lease top-up
-        asked for), from free budget only: their memory is faulted in off the event loop, in
-        a thread of lower CPU priority (cluster/core/background.py: it yields to the copies
-        of the puts under way), so the next put into fresh slots, and the next lease top-up,
-        find them ready. A pool that puts thus holds up to a chunk (or a top-up's worth) more
-        than its pages, which other pools can reclaim (it is empty) and which an idle pool
-        gives back. Returns how many chunks were readied."""
-        grown = 0
+        """Ready memory chunks ahead of need for the geometry's pool (store_growth.py);
+        returns how many were readied."""
         pool = self.pools.get(geometry)
-        if pool is not None:
-            for tier, arena in enumerate(pool.memory):
-                # as many free slots as the latest lease top-up asked for, so that the next
-                # (which takes held slots only: put_leases.py) finds them ready
-                ahead = self.put_leases.wanted(geometry, tier)
-                while (chunk := arena.slots.take_ahead(ahead)) is not None:
-                    try:
-                        await asyncio.get_running_loop().run_in_executor(
-                            _ready_thread(), arena.ready_chunk, chunk)
-                    except NO_MEMORY as error:  # none to give: this tier grows no further
-                        arena.slots.drop_ahead(chunk)
-                        arena.slots.note_grant_failure(chunk, error)
-                        break
-                    except BaseException:
-                        arena.slots.drop_ahead(chunk)
-                        raise
-                    arena.slots.open_ahead(chunk)
-                    grown += 1
-        return grown
+        return 0 if pool is None else await grow_ahead(pool, geometry, self.put_leases)
 
     def has(self, geometry: PageGeometry, key: PageKey) -> bool:
         """Whether a ready copy of the page is here (any tier)."""
@@ -521,8 +494,3 @@ class NodeStore:
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
-
-
-def _ready_thread() -> ThreadPoolExecutor:
-    """The thread that readies memory chunks ahead of need (one per process)."""
-    return background_thread("raykv-ready")
