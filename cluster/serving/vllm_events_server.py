@@ -126,6 +126,20 @@ def with_rates_file(kv_transfer: dict | None, path: str) -> dict | None:
     return {**kv_transfer, "kv_connector_extra_config": extra}
 
 
+def adopt_tokenization(engine) -> bool:
+    """Give Ray Serve LLM's engine vLLM's tokenization server, which it looks for under the
+    name vLLM gave it before (`openai_serving_tokenization`; vLLM 0.32 names it
+    `serving_tokenization`): without it `/tokenize` and `/detokenize` answer 400 ("This model
+    does not support the 'tokenization' task"). Whether it was given."""
+    if getattr(engine, "_oai_serving_tokenization", None) is not None:
+        return False
+    served = getattr(getattr(engine, "_app_state", None), "serving_tokenization", None)
+    if served is None:
+        return False
+    engine._oai_serving_tokenization = served
+    return True
+
+
 def _bind_on_node_address() -> bool:
     """Point vLLM's `tcp://*:0` at Ray's address for this node (pin_bind_address, into this
     process's environment); whether that address is a concrete one vLLM can bind."""
@@ -165,6 +179,7 @@ class RaykvLLMServer(LLMServer):
             if private_dir is not None:
                 shutil.rmtree(private_dir, ignore_errors=True)
             raise
+        adopt_tokenization(self.engine)
         epoch = uuid.uuid4().hex
         if private_dir is None:
             self._raykv_events = advertised(self.engine, configured, epoch)

@@ -91,6 +91,19 @@ def test_second_request_loads_the_prefix_from_raykv(base_url):
     assert said.get(LOADED_KEY, 0) >= 5 * 128 and said.get(UNFILLED_KEY) == 0, said
 
 
+def test_tokenize_and_detokenize_answer(base_url):
+    """vLLM's /tokenize and /detokenize through the app (Ray Serve LLM on vLLM 0.32 answered
+    400, "This model does not support the 'tokenization' task", before RaykvLLMServer gave
+    its engine vLLM's tokenization server): the ids are the ones the engine prefills."""
+    text = "hello raykv"
+    tokens = _request(base_url + "/tokenize", {"model": MODEL_ID, "prompt": text})
+    first = _complete(base_url, text)
+    assert tokens["tokens"] == first["choices"][0]["prompt_token_ids"]
+    assert tokens["count"] == len(tokens["tokens"]) == first["usage"]["prompt_tokens"]
+    back = _request(base_url + "/detokenize", {"model": MODEL_ID, "tokens": tokens["tokens"]})
+    assert back["prompt"] == text
+
+
 def test_with_raykv_s_router_each_replica_advertises_its_engine_s_kv_events(base_url):
     """RaykvLLMServer turned its engine's KV events on, relayed on ports the OS picked behind
     CURVE, and tells routers where and with which keys (record_routing_stats, as Serve's
