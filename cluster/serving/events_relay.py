@@ -142,6 +142,11 @@ class EventsRelay:
         return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
                 "epoch": epoch, "curve": self.keys.advertised()}
 
+    @property
+    def alive(self) -> bool:
+        """Whether it still relays (its thread stops on close, or on an error it logged)."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5.0)

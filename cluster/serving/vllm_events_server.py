@@ -223,10 +223,19 @@ class RaykvLLMServer(LLMServer):
             return {}
         return self._raykv_relay.advertised(epoch)
 
+    def _events_advertised(self) -> dict:
+        """What routers are told of this engine's events; {} once its relay has stopped, so
+        that routers drop what they hold of this engine rather than keep it unchanged."""
+        relay = getattr(self, "_raykv_relay", None)
+        if relay is not None and not relay.alive:
+            return {}
+        return getattr(self, "_raykv_events", None) or {}
+
     async def record_routing_stats(self) -> dict:
         stats = dict(await super().record_routing_stats() or {})
-        if getattr(self, "_raykv_events", None):
-            stats[ENGINE_EVENTS] = self._raykv_events
+        events = self._events_advertised()
+        if events:
+            stats[ENGINE_EVENTS] = events
         if getattr(self, "_raykv_rates_file", None):
             stats["rates"] = read_published(self._raykv_rates_file)
         return stats

@@ -186,13 +186,15 @@ def test_a_relay_serves_its_reader_only_and_replays_through_it():
     """vLLM's publisher on ipc sockets in a 0700 directory, relayed behind CURVE: the router
     with the advertised keys follows it, a lost batch replayed through the relay; a listener
     with no keys, or with a key pair of its own, gets no batch and no replay; closing removes
-    the sockets' directory."""
+    the sockets' directory, and a replica whose relay stopped advertises no events."""
     import os
     import stat
+    from types import SimpleNamespace
 
     import zmq
 
     from cluster.serving.events_relay import EventsRelay, private_endpoints
+    from cluster.serving.vllm_events_server import RaykvLLMServer
 
     private_dir, pub, replay = private_endpoints()
     assert stat.S_IMODE(os.stat(private_dir).st_mode) == 0o700
@@ -207,6 +209,8 @@ def test_a_relay_serves_its_reader_only_and_replays_through_it():
     try:
         assert relay.endpoint.startswith("tcp://127.0.0.1:") and relay.endpoint != pub
         assert sorted(os.listdir(private_dir)) == ["events", "replay"]
+        replica = SimpleNamespace(_raykv_relay=relay, _raykv_events=relay.advertised("e1"))
+        assert RaykvLLMServer._events_advertised(replica) == relay.advertised("e1")
         events.watch({"r1": relay.advertised("e1")})
         wait_for(lambda: "r1" in events.stats() and not events.stats()["r1"]["replaying"])
         time.sleep(0.5)  # every listener has had time to connect
@@ -231,6 +235,9 @@ def test_a_relay_serves_its_reader_only_and_replays_through_it():
         relay.close()
         publisher.shutdown()
     assert not os.path.exists(private_dir)
+    # A replica whose relay has stopped tells routers nothing of its events any more (they
+    # drop the engine's blocks rather than keep them unchanged).
+    assert not relay.alive and RaykvLLMServer._events_advertised(replica) == {}
 
 
 def test_a_real_engine_s_events_map_to_the_pages_raykv_keys(model_dir):
