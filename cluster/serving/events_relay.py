@@ -205,9 +205,14 @@ class EventsRelay:
                     identity, *request = self._front.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if len(request) == 2 and request[0] == b"" and len(request[1]) == 8:
-                    waiting.append((identity, time.monotonic() + REPLAY_ANSWER_S))
-                    self._back.send_multipart(request)
+                if len(request) != 2 or request[0] != b"" or len(request[1]) != 8:
+                    continue
+                try:  # never blocks the relay: a request vLLM cannot take now is dropped,
+                    # and its reader's replay times out (a failed replay, which it handles)
+                    self._back.send_multipart(request, zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                waiting.append((identity, time.monotonic() + REPLAY_ANSWER_S))
         if self._back in ready:
             for _ in range(MAX_FRAMES_PER_TURN):
                 try:

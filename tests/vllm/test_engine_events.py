@@ -240,6 +240,42 @@ def test_a_relay_serves_its_reader_only_and_replays_through_it():
     assert not relay.alive and RaykvLLMServer._events_advertised(replica) == {}
 
 
+def test_a_relay_whose_engine_takes_no_replays_still_relays_events():
+    """Replay requests that vLLM does not take (here no replay socket is bound, so they
+    queue up to ZMQ's limit) never block the relay: past the limit they are dropped, each
+    reader's replay times out, and events still flow."""
+    import zmq
+
+    from cluster.serving.events_relay import CurveKeys, EventsRelay, private_endpoints
+
+    private_dir, pub, replay = private_endpoints()
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.linger = 0
+    publisher.bind(pub)
+    relay = EventsRelay(pub, replay, "127.0.0.1", private_dir)
+    keys = CurveKeys.of(relay.advertised("e")["curve"])
+    reader, asker = (zmq.Context.instance().socket(kind) for kind in (zmq.SUB, zmq.DEALER))
+    try:
+        for sock, endpoint in ((reader, relay.endpoint), (asker, relay.replay_endpoint)):
+            sock.linger = 0
+            keys.apply(sock)
+            sock.connect(endpoint)
+        reader.setsockopt(zmq.SUBSCRIBE, b"")
+        asker.sndhwm = 0  # no limit on the reader's side: the relay's own limit is tested
+        for _ in range(3000):
+            asker.send_multipart((b"", (0).to_bytes(8, "big")))
+        time.sleep(1.0)  # the relay has read them all, or is stuck on the first it could not
+        deadline = time.monotonic() + 10.0
+        while not reader.poll(100) and time.monotonic() < deadline:
+            publisher.send_multipart((b"", (7).to_bytes(8, "big"), b"batch"))
+        assert reader.recv_multipart()[2] == b"batch" and relay.alive
+    finally:
+        reader.close()
+        asker.close()
+        relay.close()
+        publisher.close()
+
+
 def test_a_real_engine_s_events_map_to_the_pages_raykv_keys(model_dir):
     """vLLM's CPU engine with its events on as RaykvLLMServer turns them on (ipc sockets in a
     private directory, read back from the engine as the server reads them, relayed behind
