@@ -23,7 +23,6 @@ from cluster.core.geometry import DEVICE, DISK, HOST
 from cluster.core.keys import PageKey
 from cluster.core.namespace_max import admitted_into
 from cluster.core.pool_entry import Entry, State
-from cluster.core.tiers.chunks import NO_MEMORY
 from cluster.core.tiers.device_copy import tier_copies
 
 # After a disk write failed (a full or failing disk), for this long: no disk page is evicted to
@@ -61,16 +60,8 @@ class TierMoves:
             if chunk is None:
                 return
             started_s = time.perf_counter()
-            try:
-                await asyncio.to_thread(arena.ready_chunk, chunk)
-            except NO_MEMORY as error:  # none to give: the put finds no room here
-                arena.slots.drop_ahead(chunk)
-                arena.slots.note_grant_failure(chunk, error)
+            if not await arena.ready_taken(chunk):  # none to give: the put finds no room here
                 return
-            except BaseException:
-                arena.slots.drop_ahead(chunk)
-                raise
-            arena.slots.open_ahead(chunk)
             arena.note_ready_on_path(time.perf_counter() - started_s)
 
     async def _free_room(self, tier: int, num_pages: int, namespace: str,

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.core.background import background_thread
 from cluster.core.geometry import PageGeometry
 from cluster.core.pool import Pool
 from cluster.core.put_leases import PutLeases
-from cluster.core.tiers.chunks import NO_MEMORY
 
 
 async def grow_ahead(pool: Pool, geometry: PageGeometry, put_leases: PutLeases) -> int:
@@ -27,17 +25,8 @@ async def grow_ahead(pool: Pool, geometry: PageGeometry, put_leases: PutLeases) 
         # takes held slots only: put_leases.py) finds them ready
         ahead = put_leases.wanted(geometry, tier)
         while (chunk := arena.slots.take_ahead(ahead)) is not None:
-            try:
-                await asyncio.get_running_loop().run_in_executor(
-                    _ready_thread(), arena.ready_chunk, chunk)
-            except NO_MEMORY as error:  # none to give: this tier grows no further
-                arena.slots.drop_ahead(chunk)
-                arena.slots.note_grant_failure(chunk, error)
-                break
-            except BaseException:
-                arena.slots.drop_ahead(chunk)
-                raise
-            arena.slots.open_ahead(chunk)
+            if not await arena.ready_taken(chunk, _ready_thread()):
+                break  # none to give: this tier grows no further
             grown += 1
     return grown
 

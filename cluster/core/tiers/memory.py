@@ -24,6 +24,7 @@ freed (its lease ran out) and perhaps reused while the copy ran, so the copy is 
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import time
@@ -37,7 +38,7 @@ import torch
 
 from cluster.core.tiers.aligned import ALIGN_BYTES, round_up
 from cluster.core.tiers.chunk_readers import RETIRED_CHUNK_MAX_S
-from cluster.core.tiers.chunks import ChunkedSlots, Share
+from cluster.core.tiers.chunks import NO_MEMORY, ChunkedSlots, Share
 from cluster.core.tiers.device_chunks import CudaChunks, DeviceLayout, DeviceMaps, ShmChunks
 from cluster.core.tiers.shm import SHM_DIR, SharedFile, map_file, populate_range
 
@@ -214,6 +215,23 @@ class MappedArena:
         self._backing.grant(*self._chunk_range(chunk))
         self._grants[chunk] = self._grants.get(chunk, 0) + 1
         self.held[chunk] = self._grants[chunk] % 255 + 1  # changes with every grant
+
+    async def ready_taken(self, chunk: int, executor=None) -> bool:
+        """Ready a chunk its slots took for readying (take_now, take_ahead) off the event
+        loop, in `executor` (None: asyncio's default), and open its slots. False when there
+        was no memory to give: the chunk is dropped and the failure noted. On any other error
+        it is dropped and the error raised."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(executor, self.ready_chunk, chunk)
+        except NO_MEMORY as error:
+            self.slots.drop_ahead(chunk)
+            self.slots.note_grant_failure(chunk, error)
+            return False
+        except BaseException:
+            self.slots.drop_ahead(chunk)
+            raise
+        self.slots.open_ahead(chunk)
+        return True
 
     def _ready_on_path(self, chunk: int) -> None:
         started_s = time.perf_counter()
