@@ -55,7 +55,10 @@ PREFILL_ATTENTION = "prefill_attention_s_per_pair"  # a replica's published fit 
 @dataclass(frozen=True, slots=True)
 class PathRate:
     """One fetch path: its bytes/s (from an EWMA of seconds per byte) and a fixed latency per
-    transfer (a prior: one transfer's time cannot tell latency from bandwidth)."""
+    transfer: a prior, or an EWMA of fixed parts measured apart (`observed`'s `fixed_s`). One
+    transfer's total time cannot tell latency from bandwidth; taken as bytes' time, the
+    fixed part of a one-page load priced a 23-page fetch from this node's host tier at 228 ms,
+    20x another node's (docs/benchmarks.md, vllm-serve: what a load's fixed part cost)."""
 
     bytes_per_s: float
     latency_s: float = 0.0
@@ -66,15 +69,24 @@ class PathRate:
             return 0.0
         return self.latency_s + num_bytes / self.bytes_per_s
 
-    def observed(self, num_bytes: int, seconds: float) -> PathRate:
-        """This path after a transfer of `num_bytes` that took `seconds` (the latency prior
-        taken off; the EWMA is of seconds per byte). Nothing learnt from an empty or untimed
-        transfer."""
-        moving_s = seconds - self.latency_s
+    def observed(self, num_bytes: int, seconds: float, fixed_s: float | None = None
+                 ) -> PathRate:
+        """This path after a transfer of `num_bytes` that took `seconds`; the EWMA is of
+        seconds per byte. `fixed_s`: the part of `seconds` measured as the transfer's fixed
+        cost (a vLLM load's time outside its raykv reads: the directory's answer, the
+        hand-off), a sample of the latency, whose EWMA it joins; the rest is the bytes'. None:
+        not measured, and the latency estimate is taken off instead. Nothing learnt from an
+        empty or untimed transfer."""
+        latency_s = self.latency_s
+        if fixed_s is not None:
+            fixed_s = min(max(0.0, fixed_s), seconds)
+            latency_s = ewma(self.latency_s, fixed_s, self.num_samples)
+        moving_s = seconds - (self.latency_s if fixed_s is None else fixed_s)
         if num_bytes <= 0 or moving_s <= 0:
             return self
         per_byte_s = ewma(1.0 / self.bytes_per_s, moving_s / num_bytes, self.num_samples)
-        return replace(self, bytes_per_s=1.0 / per_byte_s, num_samples=self.num_samples + 1)
+        return replace(self, bytes_per_s=1.0 / per_byte_s, latency_s=latency_s,
+                       num_samples=self.num_samples + 1)
 
     def at_least(self, num_bytes: int, seconds: float) -> PathRate:
         """This path after a transfer of `num_bytes` that was cut at `seconds` (a deadline):
@@ -147,11 +159,11 @@ def _harmonic_mean(rates: Sequence[float]) -> float:
 
 
 def observe_transfer(rates: RateEstimates, source: str, num_bytes: int,
-                     seconds: float) -> RateEstimates:
-    """Rates after a transfer of `num_bytes` from `source` that took `seconds`
-    (PathRate.observed)."""
+                     seconds: float, fixed_s: float | None = None) -> RateEstimates:
+    """Rates after a transfer of `num_bytes` from `source` that took `seconds`, `fixed_s` of
+    them its measured fixed cost (PathRate.observed)."""
     path = rates.paths[source]
-    updated = path.observed(num_bytes, seconds)
+    updated = path.observed(num_bytes, seconds, fixed_s)
     if updated is path:
         return rates
     return replace(rates, paths={**rates.paths, source: updated})
@@ -174,18 +186,21 @@ def observe_prefill(rates: RateEstimates, replica_id: str, num_tokens: int,
 def merge_paths(rates: RateEstimates, measured: Iterable[Mapping[str, PathRate]]
                 ) -> RateEstimates:
     """The paths as several replicas measured them, pooled: per source the sample-weighted
-    mean of seconds per byte; a source nobody measured keeps `rates`' value."""
+    means of seconds per byte and of latency; a source nobody measured keeps `rates`'
+    value."""
     sums: dict[str, list[float]] = {}
     for paths in measured:
         for name, path in paths.items():
             if path.num_samples:
-                total = sums.setdefault(name, [0.0, 0.0])
+                total = sums.setdefault(name, [0.0, 0.0, 0.0])
                 total[0] += path.num_samples / path.bytes_per_s
-                total[1] += path.num_samples
+                total[1] += path.num_samples * path.latency_s
+                total[2] += path.num_samples
     merged = dict(rates.paths)
-    for name, (weighted_s, count) in sums.items():
+    for name, (weighted_s, weighted_latency_s, count) in sums.items():
         base = merged.get(name, PathRate(1.0))
-        merged[name] = replace(base, bytes_per_s=count / weighted_s, num_samples=int(count))
+        merged[name] = replace(base, bytes_per_s=count / weighted_s,
+                               latency_s=weighted_latency_s / count, num_samples=int(count))
     return replace(rates, paths=merged)
 
 

@@ -10,6 +10,8 @@ RaykvConnector's loads took per source tier, and how fast the engine prefills.
   waits on the directory and scatters the pages into vLLM's blocks. `load_samples` turns one
   load into one sample per source it read from: the reads' own times, plus the rest of the
   load's time shared by bytes, so that a source's rate is what a load from it costs the engine.
+  That rest is the sample's fixed part (the path's latency), the reads' time its bytes' part:
+  a load of one page and one of thirty spend about the same outside their reads.
 - **Prefill.** Every step is timed from the scheduler handing it out to its output coming
   back (`StepClock`; with async scheduling a step starts no earlier than the previous one
   ends). A step's time is a fixed part (the step's overhead) plus a part per token plus a
@@ -63,11 +65,12 @@ CUT_BOUND_FACTOR = 2.0
 
 
 def load_samples(transfers: Iterable[tuple[str, int, float]],
-                 load_s: float) -> list[tuple[str, int, float]]:
-    """One load's samples, (source, bytes, seconds) per source it read from, from its raykv
-    reads (`transfers`) and the load's whole time `load_s` (see the module doc). Pages read up
-    from this node's disk land in its host tier and are copied out from there: that copy is
-    the disk's, not the host's. Nothing for a load that read nothing."""
+                 load_s: float) -> list[tuple[str, int, float, float]]:
+    """One load's samples, (source, bytes, seconds, fixed seconds) per source it read from,
+    from its raykv reads (`transfers`) and the load's whole time `load_s` (see the module
+    doc): the fixed seconds are the source's share of the load's time outside its reads.
+    Pages read up from this node's disk land in its host tier and are copied out from there:
+    that copy is the disk's, not the host's. Nothing for a load that read nothing."""
     num_bytes: dict[str, float] = {}
     seconds: dict[str, float] = {}
     for source, moved, took_s in transfers:
@@ -86,7 +89,7 @@ def load_samples(transfers: Iterable[tuple[str, int, float]],
     if total_b <= 0:
         return []
     rest_s = max(0.0, load_s - sum(seconds.values()))
-    return [(source, int(b), seconds[source] + rest_s * b / total_b)
+    return [(source, int(b), seconds[source] + rest_s * b / total_b, rest_s * b / total_b)
             for source, b in num_bytes.items()]
 
 
@@ -141,11 +144,14 @@ class EngineMeter:
         self._busy_s = 0.0  # step seconds since the last request finished
         self.lookups = LookupWorth()  # what raykv's lookups were worth to this engine
 
-    def loaded(self, samples: Iterable[tuple[str, int, float]]) -> None:
-        """The worker's load samples (load_samples), as its KVConnectorStats brought them."""
-        for source, num_bytes, seconds in samples:
+    def loaded(self, samples: Iterable[tuple]) -> None:
+        """The worker's load samples (load_samples), as its KVConnectorStats brought them
+        ((source, bytes, seconds, fixed seconds); a worker of a release before the fixed part
+        sends none: its latency is then taken as it stands)."""
+        for source, num_bytes, seconds, *fixed in samples:
             if source in self.rates.paths:
-                self.rates = observe_transfer(self.rates, source, int(num_bytes), seconds)
+                self.rates = observe_transfer(self.rates, source, int(num_bytes), seconds,
+                                              fixed[0] if fixed else None)
 
     def step_done(self, now_s: float) -> float | None:
         """The oldest scheduled step's output is back: time it. Its seconds when it ran

@@ -93,7 +93,8 @@ class KVMover:
         self._unsettled: list[Future] = []  # saves handed over since the last settle_saves
         self._lock = threading.Lock()
         self._finished: list[tuple[str, set[int]]] = []
-        self._samples: list[tuple[str, int, float]] = []  # loads' rate samples, not taken yet
+        # loads' rate samples, not taken yet
+        self._samples: list[tuple[str, int, float, float]] = []
         # loads made in the step: bytes, seconds, whether cut at the deadline
         self._in_step: list[tuple[int, float, bool]] = []
         self._pinned = torch.cuda.is_available() and bool(getattr(self.layers[0], "is_cuda",
@@ -178,7 +179,7 @@ class KVMover:
                         spec.request_id)
         return failed
 
-    def take_samples(self) -> tuple[list[tuple[str, int, float]],
+    def take_samples(self) -> tuple[list[tuple[str, int, float, float]],
                                     list[tuple[int, float, bool]]]:
         """The loads' rate samples since the last call (engine_rates.load_samples), and the
         (bytes, seconds, cut at the deadline) of those made in the step."""

@@ -3,9 +3,9 @@
 vLLM carries a connector's KVConnectorStats from each worker, with the step's output, to the
 scheduler's connector (`update_connector_output`) and on to its stat loggers, which log
 `reduce()` with the engine's throughput. The samples are engine_rates.load_samples':
-(source, bytes, seconds) per source a load read from; and, apart, (bytes, seconds) of each
-load made in the step (step_budget.py), and whether it was cut at its deadline: the scheduler
-side's estimate for the next ones.
+(source, bytes, seconds, fixed seconds) per source a load read from; and, apart, (bytes,
+seconds) of each load made in the step (step_budget.py), and whether it was cut at its
+deadline: the scheduler side's estimate for the next ones.
 """
 
 from __future__ import annotations
@@ -21,16 +21,19 @@ IN_STEP = "in_step"
 
 @dataclass
 class RaykvLoadStats(KVConnectorStats):
-    """{"loads": [[source, bytes, seconds], ...], "in_step": [[bytes, seconds, cut], ...]}:
-    plain lists, so it crosses processes."""
+    """{"loads": [[source, bytes, seconds, fixed seconds], ...], "in_step": [[bytes, seconds,
+    cut], ...]}: plain lists, so it crosses processes."""
 
     def __post_init__(self) -> None:
         self.data.setdefault(LOADS, [])
         self.data.setdefault(IN_STEP, [])
 
     @property
-    def samples(self) -> list[tuple[str, int, float]]:
-        return [(str(s), int(b), float(t)) for s, b, t in self.data[LOADS]]
+    def samples(self) -> list[tuple]:
+        """(source, bytes, seconds, fixed seconds) each; a sample without its fixed part (a
+        worker of an earlier release) is (source, bytes, seconds)."""
+        return [(str(s), int(b), float(t), *(float(f) for f in fixed))
+                for s, b, t, *fixed in self.data[LOADS]]
 
     @property
     def in_step(self) -> list[tuple[int, float, bool]]:
@@ -50,7 +53,7 @@ class RaykvLoadStats(KVConnectorStats):
         """Per source: loads, and MB/s over them (bytes / seconds, summed)."""
         out: dict[str, int | float] = {}
         totals: dict[str, list[float]] = {}
-        for source, num_bytes, seconds in self.samples:
+        for source, num_bytes, seconds, *_ in self.samples:
             total = totals.setdefault(source, [0, 0.0, 0.0])
             total[0] += 1
             total[1] += num_bytes

@@ -238,6 +238,45 @@ def test_a_paths_ewma_converges_to_what_transfers_take(prior_bw, true_bw, num_by
     assert rates.paths[HOST].latency_s == latency_s
 
 
+@settings(max_examples=100, deadline=None)
+@given(true_bw=st.floats(1e6, 1e11), latency_s=st.floats(0.0, 0.05),
+       sizes=st.lists(st.integers(1, 1 << 26), min_size=1, max_size=20))
+def test_a_paths_measured_fixed_part_is_its_latency_whatever_the_sizes(true_bw, latency_s,
+                                                                      sizes):
+    """Transfers whose fixed part is measured apart (a vLLM load's time outside its reads):
+    latency and rate are each what the transfers took, for any mix of sizes."""
+    rates = prior_rates()
+    for num_bytes in sizes * 3:
+        rates = observe_transfer(rates, HOST, num_bytes, latency_s + num_bytes / true_bw,
+                                 fixed_s=latency_s)
+    assert rates.paths[HOST].latency_s == pytest.approx(latency_s, rel=1e-6, abs=1e-12)
+    assert rates.paths[HOST].bytes_per_s == pytest.approx(true_bw, rel=1e-6)
+
+
+def test_a_host_fetch_is_priced_by_its_latency_and_rate_not_a_small_loads_time_per_byte():
+    """One-page host loads spending 10 ms outside their reads, a 22-page remote load 30 ms in
+    all: a 23-page prefix on this node's host tier is a fetch of 13 ms, cheaper than the
+    same pages from another node. With the fixed part taken as the bytes' (no `fixed_s`),
+    the host path was priced at 10 ms a page, and routing preferred the remote copy."""
+    page = 128 * 1024
+    measured = prior_rates()
+    for _ in range(3):
+        measured = observe_transfer(measured, HOST, page, 0.010 + page / 1e9, fixed_s=0.010)
+    measured = observe_transfer(measured, REMOTE, 22 * page, 0.030, fixed_s=0.006)
+    prompt = Prompt(24 * 32 + 1, 32, page)
+    on_host = estimate_ttft(Candidate("host", (HOST,) * 23, 0.0), prompt, measured)
+    remote = estimate_ttft(Candidate("remote", (REMOTE,) * 23, 0.0), prompt, measured)
+    assert on_host.fetch_pages == 23
+    assert on_host.fetch_s == pytest.approx(0.010 + 23 * page / 1e9)
+    assert on_host.ttft_s < remote.ttft_s
+    unseparated = prior_rates()
+    for _ in range(3):
+        unseparated = observe_transfer(unseparated, HOST, page, 0.010 + page / 1e9)
+    unseparated = observe_transfer(unseparated, REMOTE, 22 * page, 0.030)
+    assert estimate_ttft(Candidate("host", (HOST,) * 23, 0.0), prompt, unseparated).ttft_s \
+        > estimate_ttft(Candidate("remote", (REMOTE,) * 23, 0.0), prompt, unseparated).ttft_s
+
+
 def test_the_ewma_follows_a_change_and_weighs_recent_samples_more():
     rates = observe_transfer(prior_rates(), DISK, 1000, 1.0)  # the first replaces the prior
     assert rates.paths[DISK].bytes_per_s == pytest.approx(1000.0)
@@ -262,11 +301,12 @@ def test_prefill_rates_converge_per_replica_and_new_replicas_borrow_the_others(
 
 
 def test_merged_paths_weigh_each_replicas_measurement_by_its_samples():
-    one = {HOST: PathRate(1e9, 0.0, 3)}
-    two = {HOST: PathRate(4e9, 0.0, 1), DISK: PathRate(1e8, 0.0, 0)}
+    one = {HOST: PathRate(1e9, 0.004, 3)}
+    two = {HOST: PathRate(4e9, 0.008, 1), DISK: PathRate(1e8, 0.0, 0)}
     merged = merge_paths(prior_rates(), [one, two])
     expected = 4 / (3 / 1e9 + 1 / 4e9)
     assert merged.paths[HOST].bytes_per_s == pytest.approx(expected)
+    assert merged.paths[HOST].latency_s == pytest.approx((3 * 0.004 + 0.008) / 4)
     assert merged.paths[HOST].num_samples == 4
     assert merged.paths[DISK] == prior_rates().paths[DISK]  # nobody measured it
     shown = merged.as_dict()

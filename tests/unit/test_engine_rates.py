@@ -34,16 +34,36 @@ from tests.unit.test_routing import AsyncFakeDirectory, pending_tokens
 MiB = 1 << 20
 
 
-def test_a_host_load_gets_its_copy_and_the_rest_of_the_load_s_time():
+def test_a_host_load_gets_its_copy_and_the_rest_of_the_load_s_time_as_its_fixed_part():
     samples = load_samples([(HOST, 4 * MiB, 0.002)], 0.010)
-    assert samples == [(HOST, 4 * MiB, pytest.approx(0.010))]
+    assert samples == [(HOST, 4 * MiB, pytest.approx(0.010), pytest.approx(0.008))]
+
+
+def test_the_meter_tells_a_load_s_fixed_part_from_its_bytes():
+    """Loads of 1 and of 23 pages that each spend 10 ms outside their reads (the directory,
+    the hand-off) and read at 1 GB/s: the host path's latency is the 10 ms, its rate the
+    reads'; a 23-page fetch is priced at what it takes (12.9 ms), not at 23 times a one-page
+    load's time per byte (the estimate before the fixed part was measured apart)."""
+    page = 128 * 1024
+    meter = EngineMeter(32, page)
+    for num_pages in (1, 1, 23, 1, 23, 1):
+        read_s = num_pages * page / 1e9
+        meter.loaded(load_samples([(HOST, num_pages * page, read_s)], read_s + 0.010))
+    host = meter.rates.paths[HOST]
+    assert host.latency_s == pytest.approx(0.010)
+    assert host.bytes_per_s == pytest.approx(1e9)
+    assert host.seconds(23 * page) == pytest.approx(0.010 + 23 * page / 1e9)
+    # A sample without its fixed part (a worker of an earlier release) keeps the latency.
+    meter.loaded([(HOST, page, 0.010 + page / 1e9)])
+    assert meter.rates.paths[HOST].latency_s == pytest.approx(0.010)
+    assert meter.rates.paths[HOST].bytes_per_s == pytest.approx(1e9)
 
 
 def test_pages_read_up_from_disk_count_their_copy_out_of_host_as_disk_time():
     # 8 pages from disk (acquire 40 ms), then the whole 12 pages copied out of host (3 ms):
     # 4 pages were in host already; 5 ms of the load was neither (directory, scatter).
     page = MiB
-    samples = dict((s, (b, t)) for s, b, t in load_samples(
+    samples = dict((s, (b, t)) for s, b, t, _ in load_samples(
         [(DISK, 8 * page, 0.040), (HOST, 12 * page, 0.003)], 0.048))
     assert samples[DISK][0] == 8 * page and samples[HOST][0] == 4 * page
     assert samples[DISK][1] == pytest.approx(0.040 + 0.002 + 0.005 * 8 / 12)

@@ -155,9 +155,12 @@ def test_the_connector_measures_its_loads_per_tier_and_the_engine_s_prefill(engi
     _, cached = generate(engine, prompt)
     assert cached == full
     after = engine_rates(engine)
-    host_bytes_per_s, _, num_samples = after["paths"]["host"]
+    host_bytes_per_s, host_latency_s, num_samples = after["paths"]["host"]
     assert num_samples == before.get("paths", {}).get("host", [0, 0, 0])[2] + 1
     assert host_bytes_per_s > 0
+    # The load's time outside its raykv reads (the directory, the hand-off) is measured as the
+    # path's latency, not spread over its bytes (engine_rates.load_samples).
+    assert host_latency_s > 0
     assert after["prefill_samples"] > before.get("prefill_samples", 0)
     assert after["prefill_tokens_per_s"] > 0 and after["step_overhead_s"] >= 0
     assert after["page_tokens"] == BLOCK_TOKENS
@@ -170,10 +173,10 @@ def test_load_stats_aggregate_across_workers_and_reduce_for_vllm_s_log():
 
     one = RaykvLoadStats({"loads": [["host", 2_000_000, 0.001]],
                           "in_step": [[2_000_000, 0.001, 1]]})
-    two = RaykvConnector.build_kv_connector_stats({"loads": [["disk", 1_000_000, 0.01],
+    two = RaykvConnector.build_kv_connector_stats({"loads": [["disk", 1_000_000, 0.01, 0.004],
                                                               ["host", 2_000_000, 0.003]]})
     merged = one.aggregate(two)
-    assert merged.samples == [("host", 2_000_000, 0.001), ("disk", 1_000_000, 0.01),
+    assert merged.samples == [("host", 2_000_000, 0.001), ("disk", 1_000_000, 0.01, 0.004),
                               ("host", 2_000_000, 0.003)]
     assert merged.in_step == [(2_000_000, 0.001, True)]
     assert merged.reduce() == {"raykv disk loads": 1, "raykv disk MB/s": 100.0,
