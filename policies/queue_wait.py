@@ -12,6 +12,13 @@ Pure, and shared: the live router (cluster/serving/router.py) and the simulator'
                   + requests there that other routers sent (the replica's count as the router
                     knows it, less its own, never below 0) x its compute seconds per request
 
+    A replica where one of this router's requests is still in flight after its predicted
+    work ran out waits at least one engine step (its measured step overhead, the prefill
+    fit's fixed part: cluster/serving/prefill_fit.py): the request is running, in a step a
+    new one cannot start before. Without that floor an overdue replica read as idle, and won
+    ties against idle ones: in a live vllm-serve round, 10 of 226 requests went to a replica
+    with a request in flight while another had none, 4 of them on an exact tie.
+
     compute seconds per request: an EWMA of what the replica's requests took to compute (each
                  replica measures its own, cluster/serving/rates.py); before its first, the
                  mean of the others'; before any replica has one, one prefill of this prompt
@@ -33,22 +40,29 @@ from policies.cost_routing import Prompt, RateEstimates, ewma
 def busy_s_per_request(measured: Mapping[str, float | None]) -> dict[str, float]:
     """Each replica's compute seconds per request (`measured`: what it published, None or 0
     before its first); before its first, the mean of the others' (0.0 when none has one)."""
-    known = {replica: busy_s for replica, busy_s in measured.items() if busy_s}
+    return own_or_mean(measured)
+
+
+def own_or_mean(measured: Mapping[str, float | None]) -> dict[str, float]:
+    """Each replica's own figure (`measured`: None or 0 before it has one), else the mean of
+    the others' (0.0 when none has one): replicas of a deployment run one model."""
+    known = {replica: value for replica, value in measured.items() if value}
     mean = sum(known.values()) / len(known) if known else 0.0
     return {replica: known.get(replica, mean) for replica in measured}
 
 
 def queue_waits(prompt: Prompt, queue: VirtualQueue, reported: Mapping[str, int | None],
-                busy_s: Mapping[str, float], rates: RateEstimates, now_s: float
-                ) -> dict[str, float]:
+                busy_s: Mapping[str, float], rates: RateEstimates, now_s: float,
+                step_s: Mapping[str, float] | None = None) -> dict[str, float]:
     """Per replica of `reported`: its estimated queue wait, the seconds of work this router
-    sent there that are still ahead (`queue`), plus the requests the replica holds beyond
-    this router's own (`reported`, its count of requests in flight as the router knows it,
-    None where it knows none) at `busy_s` each, or where that is 0 or missing, one prefill of
-    this prompt at the replica's rate."""
+    sent there that are still ahead (`queue`), at least `step_s` (its step overhead) while
+    one of them is in flight, plus the requests the replica holds beyond this router's own
+    (`reported`, its count of requests in flight as the router knows it, None where it knows
+    none) at `busy_s` each, or where that is 0 or missing, one prefill of this prompt at the
+    replica's rate."""
     per_request = {replica: busy_s.get(replica)
                    or rates.prefill_s(prompt, 0, replica) for replica in reported}
-    return queue.waits(reported, now_s, reported, per_request)
+    return queue.waits(reported, now_s, reported, per_request, step_s)
 
 
 class BusyMeter:
@@ -161,14 +175,21 @@ class VirtualQueue:
 
     def waits(self, replicas: Iterable[str], now_s: float,
               reported: Mapping[str, int | None] | None = None,
-              busy_s: Mapping[str, float] | None = None) -> dict[str, float]:
-        """Per replica: its queue wait, this router's virtual queue plus the requests the
-        replica is known to hold beyond this router's (`reported`: Serve's count, None where
-        it keeps none) at `busy_s` seconds each (its compute seconds per request)."""
+              busy_s: Mapping[str, float] | None = None,
+              step_s: Mapping[str, float] | None = None) -> dict[str, float]:
+        """Per replica: its queue wait, this router's virtual queue (at least `step_s`, the
+        replica's step overhead, while one of this router's requests is in flight there: the
+        module doc) plus the requests the replica is known to hold beyond this router's
+        (`reported`: Serve's count, None where it keeps none) at `busy_s` seconds each (its
+        compute seconds per request)."""
         self.expire(now_s)
-        reported, busy_s = reported or {}, busy_s or {}
+        reported, busy_s, step_s = reported or {}, busy_s or {}, step_s or {}
         out = {}
         for replica in replicas:
-            others = max(0, (reported.get(replica) or 0) - self.in_flight.get(replica, 0))
-            out[replica] = self.wait_s(replica, now_s) + others * busy_s.get(replica, 0.0)
+            own = self.in_flight.get(replica, 0)
+            others = max(0, (reported.get(replica) or 0) - own)
+            ahead_s = self.wait_s(replica, now_s)
+            if own:
+                ahead_s = max(ahead_s, step_s.get(replica, 0.0))
+            out[replica] = ahead_s + others * busy_s.get(replica, 0.0)
         return out

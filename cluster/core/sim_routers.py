@@ -142,7 +142,9 @@ class Raykv:
     The node of the least estimated TTFT, reading only the pages that are faster to fetch
     than to recompute. Candidates come in a seeded random order, so ties spread. What the
     sim leaves out: the routing stats' polling delay (a replica's figure reaches routers at
-    once here) and the ranking by weighted prefix before any replica has published."""
+    once here), the ranking by weighted prefix before any replica has published, and the
+    in-flight floor of a queue wait (one engine step: its simulated engines have no fixed
+    cost per step)."""
 
     def __init__(self, seed: int = 0, routed_ttl_s: float = 3.0) -> None:
         self.rng = random.Random(seed)

@@ -12,7 +12,8 @@ page of the longest cached prefix lives (node and tier). Then, per candidate rep
 
     TTFT = queue wait (policies/queue_wait.py: the predicted seconds of the work this
            router sent there that is still ahead, a virtual queue fed by its routing and
-           Serve's on_request_completed; plus the requests there that other routers sent,
+           Serve's on_request_completed, at least one engine step while one of them is in
+           flight; plus the requests there that other routers sent,
            Serve's queue-length cache less this router's own, x the replica's compute
            seconds per request)
          + the cheapest cut of: fetch the prefix's first pages from the best source the
@@ -75,7 +76,7 @@ from policies.cost_routing import (
     prior_rates,
     queued_requests,
 )
-from policies.queue_wait import VirtualQueue, busy_s_per_request, queue_waits
+from policies.queue_wait import VirtualQueue, busy_s_per_request, own_or_mean, queue_waits
 from policies.routing import ReplicaLoad, has_hits, prefix_scores, rank_replicas
 
 log = logging.getLogger("raykv.router")
@@ -290,7 +291,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # its own where Serve keeps none, less its own) at a count x mean.
         waits = queue_waits(prompt, self.virtual_queue,
                             {r.replica_id.unique_id: self._queued(r) for r in replicas},
-                            busy, self.rates, time.monotonic())
+                            busy, self.rates, time.monotonic(), _step_s(published))
         candidates = [Candidate(r.replica_id.unique_id, sources[r.replica_id.unique_id],
                                 waits[r.replica_id.unique_id])
                       for r in replicas]
@@ -412,6 +413,12 @@ def _busy_s_per_request(published: dict) -> dict[str, float]:
     """Each replica's compute seconds per request; before its first, the others' mean
     (policies/queue_wait.py)."""
     return busy_s_per_request({r: p.get("busy_s_per_request") for r, p in published.items()})
+
+
+def _step_s(published: dict) -> dict[str, float]:
+    """Each replica's engine step overhead (its prefill fit's fixed part); before it has one,
+    the others' mean (policies/queue_wait.py)."""
+    return own_or_mean({r: p.get("step_overhead_s") for r, p in published.items()})
 
 
 def _num_tokens(pending_request: PendingRequest | None, num_pages: int,

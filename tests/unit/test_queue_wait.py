@@ -12,8 +12,8 @@ import pytest
 
 from cluster.core.sim_cluster import SimRequest
 from cluster.core.sim_routers import make_router
-from policies.cost_routing import Prompt, prior_rates
-from policies.queue_wait import VirtualQueue, queue_waits
+from policies.cost_routing import HOST, Candidate, Prompt, decide, prior_rates
+from policies.queue_wait import VirtualQueue, own_or_mean, queue_waits
 from tests.unit.test_sim_cluster import k
 from tests.unit.test_sim_fidelity import toy_cluster
 
@@ -72,6 +72,33 @@ def test_other_routers_requests_count_at_the_replicas_seconds_per_request():
     waits = queue_waits(prompt, VirtualQueue(), {"a": 2, "b": 1}, {"a": 0.25}, prior_rates(),
                         0.0)
     assert waits == pytest.approx({"a": 0.5, "b": 0.5})
+
+
+def test_a_replica_with_a_request_in_flight_waits_at_least_one_step_past_its_prediction():
+    """The prediction ran out (2 s routed 3 s ago) and the request has not ended: the
+    replica waits its step overhead, not 0, so an idle replica wins a tie against it; once
+    the request ends, it waits nothing."""
+    queue = VirtualQueue()
+    queue.routed("a", "r1", 2.0, now_s=0.0)
+    steps = {"a": 0.05, "b": 0.05}
+    assert queue.waits(["a", "b"], 1.0, step_s=steps) == pytest.approx({"a": 1.0, "b": 0.0})
+    assert queue.waits(["a", "b"], 3.0, step_s=steps) == pytest.approx({"a": 0.05, "b": 0.0})
+    assert queue.waits(["a", "b"], 3.0) == {"a": 0.0, "b": 0.0}  # no step measured: as before
+    queue.completed("r1", 3.5)
+    assert queue.waits(["a", "b"], 3.5, step_s=steps) == {"a": 0.0, "b": 0.0}
+    # decide, fed these waits, sends an equal-cost request to the idle replica first.
+    prompt = Prompt(1000, 16, 1024)
+    queue.routed("a", "r2", 0.1, now_s=4.0)
+    waits = queue_waits(prompt, queue, {"a": None, "b": None}, {}, prior_rates(), 5.0, steps)
+    decision = decide(prompt, [Candidate(r, (HOST,), waits[r]) for r in ("a", "b")],
+                      prior_rates())
+    assert decision.replica_id == "b"
+
+
+def test_a_replica_without_its_own_step_overhead_borrows_the_others_mean():
+    assert own_or_mean({"a": 0.02, "b": 0.04, "c": None}) == pytest.approx(
+        {"a": 0.02, "b": 0.04, "c": 0.03})
+    assert own_or_mean({"a": None}) == {"a": 0.0}
 
 
 def test_stale_entries_expire_and_the_entries_are_bounded():

@@ -240,6 +240,37 @@ def test_by_cost_a_long_queue_outweighs_the_prefix():
     asyncio.run(main())
 
 
+def test_a_replica_whose_request_outlives_its_prediction_loses_a_tie_to_idle_ones(
+        monkeypatch):
+    """Every node holds the prefix; a request goes to one replica and is still in flight
+    after the work the router priced it at (8 ms here). The next request, of equal cost
+    everywhere, goes to an idle replica: the busy one waits its published step overhead
+    (policies/queue_wait.py). Before, it read as idle and took a third of such ties."""
+    clock = [100.0]
+    monkeypatch.setattr("cluster.serving.router.time.monotonic", lambda: clock[0])
+
+    async def main():
+        directory = AsyncFakeDirectory()
+        for node in ("node-a", "node-b", "node-c"):
+            directory.place(node, KEYS[:4], HOST)
+        router, replicas = make_router(directory)
+        publish(replicas, disk_bytes_per_s=1e9)
+        for replica in replicas:
+            replica.routing_stats["rates"]["step_overhead_s"] = 0.02
+        first = pending_tokens(KEYS, 100)
+        busy = (await router.choose_replicas(replicas, first))[0][0].replica_id.unique_id
+        clock[0] += 1.0  # long past its priced work; Serve has not said it ended
+        second = pending_tokens(KEYS, 100)
+        second.metadata.internal_request_id = "j"
+        ranks = await router.choose_replicas(replicas, second)
+        assert ids(ranks)[0] != [busy] and ids(ranks)[-1] == [busy]
+        waits = {e.replica_id: e.queue_wait_s for e in router.last_decision.estimates}
+        assert waits[busy] == pytest.approx(0.02)
+
+    for _ in range(12):  # the first pick is random among equals
+        asyncio.run(main())
+
+
 def test_a_repeated_prefix_follows_its_first_request_before_the_directory_hears(monkeypatch):
     """The first request's pages are not in the directory yet (its engine is computing
     them): the second request with the same prefix goes to the same node all the same, and
