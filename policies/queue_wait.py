@@ -16,8 +16,9 @@ Pure, and shared: the live router (cluster/serving/router.py) and the simulator'
     work ran out waits at least one engine step (its measured step overhead, the prefill
     fit's fixed part: cluster/serving/prefill_fit.py): the request is running, in a step a
     new one cannot start before. Without that floor an overdue replica read as idle, and won
-    ties against idle ones: in a live vllm-serve round, 10 of 226 requests went to a replica
-    with a request in flight while another had none, 4 of them on an exact tie.
+    ties against idle ones: in a quick vllm-serve run, 10 of 226 requests went to a replica
+    with a request in flight while another had none, 4 of them on a tie (docs/benchmarks.md,
+    vllm-serve: what the router decided, logged).
 
     compute seconds per request: an EWMA of what the replica's requests took to compute (each
                  replica measures its own, cluster/serving/rates.py); before its first, the
