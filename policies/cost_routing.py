@@ -57,8 +57,9 @@ class PathRate:
     """One fetch path: its bytes/s (from an EWMA of seconds per byte) and a fixed latency per
     transfer: a prior, or an EWMA of fixed parts measured apart (`observed`'s `fixed_s`). One
     transfer's total time cannot tell latency from bandwidth; taken as bytes' time, the
-    fixed part of a one-page load priced a 23-page fetch from this node's host tier at 228 ms,
-    20x another node's (docs/benchmarks.md, vllm-serve: what a load's fixed part cost)."""
+    fixed part of a one-page load priced a fetch of 22 pages from this node's host tier at 228 ms,
+    19x the same pages from another node (docs/benchmarks.md, vllm-serve: what a load's
+    fixed part cost)."""
 
     bytes_per_s: float
     latency_s: float = 0.0
