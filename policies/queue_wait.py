@@ -38,15 +38,10 @@ from collections.abc import Iterable, Mapping
 from policies.cost_routing import Prompt, RateEstimates, ewma
 
 
-def busy_s_per_request(measured: Mapping[str, float | None]) -> dict[str, float]:
-    """Each replica's compute seconds per request (`measured`: what it published, None or 0
-    before its first); before its first, the mean of the others' (0.0 when none has one)."""
-    return own_or_mean(measured)
-
-
 def own_or_mean(measured: Mapping[str, float | None]) -> dict[str, float]:
-    """Each replica's own figure (`measured`: None or 0 before it has one), else the mean of
-    the others' (0.0 when none has one): replicas of a deployment run one model."""
+    """Each replica's own figure (`measured`: what it published, None or 0 before it has one:
+    its compute seconds per request, its step overhead), else the mean of the others' (0.0
+    when none has one): replicas of a deployment run one model."""
     known = {replica: value for replica, value in measured.items() if value}
     mean = sum(known.values()) / len(known) if known else 0.0
     return {replica: known.get(replica, mean) for replica in measured}

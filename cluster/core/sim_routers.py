@@ -68,7 +68,7 @@ from policies.cost_routing import (
     decide,
     prior_rates,
 )
-from policies.queue_wait import VirtualQueue, busy_s_per_request, queue_waits
+from policies.queue_wait import VirtualQueue, own_or_mean, queue_waits
 
 Choose = Callable[[SimCluster, SimRequest, list | None], int | Route]
 RAY_IMBALANCED_THRESHOLD = 10  # PrefixCacheAffinityRouter's default
@@ -181,7 +181,7 @@ class Raykv:
         order = list(range(len(node_ids)))
         self.rng.shuffle(order)
         sources = best_sources(located, node_ids)
-        busy = busy_s_per_request(dict(zip(node_ids, cluster.busy_s_per_request(),
+        busy = own_or_mean(dict(zip(node_ids, cluster.busy_s_per_request(),
                                            strict=True)))
         # One router here: every request in flight is its own, so `others` count none.
         waits = queue_waits(prompt, self.queue, {node_ids[i]: queued[i] for i in order},

@@ -76,7 +76,7 @@ from policies.cost_routing import (
     prior_rates,
     queued_requests,
 )
-from policies.queue_wait import VirtualQueue, busy_s_per_request, own_or_mean, queue_waits
+from policies.queue_wait import VirtualQueue, own_or_mean, queue_waits
 from policies.routing import ReplicaLoad, has_hits, prefix_scores, rank_replicas
 
 log = logging.getLogger("raykv.router")
@@ -228,7 +228,7 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if ttft_s is not None:
             return ttft_s
         published = {r.replica_id.unique_id: _published(r) for r in self.curr_replicas.values()}
-        busy = _busy_s_per_request(published).get(replica.replica_id.unique_id)
+        busy = _own_or_mean(published, "busy_s_per_request").get(replica.replica_id.unique_id)
         return busy or PICK_HOLD_S
 
     async def _choose(self, candidate_replicas: list[RunningReplica],
@@ -284,14 +284,15 @@ class RaykvRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         prompt = Prompt(_num_tokens(pending_request, max(len(located), num_keys), page_tokens),
                         page_tokens, page_bytes)
         sources = _sources(located, replicas, engine_pages)
-        busy = _busy_s_per_request(published)
+        busy = _own_or_mean(published, "busy_s_per_request")
         replicas = random.sample(replicas, len(replicas))  # decide() breaks ties by order
         # The queue waits: policies/queue_wait.py, which the simulator's router calls too:
         # this router's virtual queue, and the requests it did not send (Serve's count, or
         # its own where Serve keeps none, less its own) at a count x mean.
         waits = queue_waits(prompt, self.virtual_queue,
                             {r.replica_id.unique_id: self._queued(r) for r in replicas},
-                            busy, self.rates, time.monotonic(), _step_s(published))
+                            busy, self.rates, time.monotonic(),
+                            _own_or_mean(published, "step_overhead_s"))
         candidates = [Candidate(r.replica_id.unique_id, sources[r.replica_id.unique_id],
                                 waits[r.replica_id.unique_id])
                       for r in replicas]
@@ -409,16 +410,10 @@ def _published(replica: RunningReplica) -> dict:
     return stats.get("rates") or {}
 
 
-def _busy_s_per_request(published: dict) -> dict[str, float]:
-    """Each replica's compute seconds per request; before its first, the others' mean
-    (policies/queue_wait.py)."""
-    return busy_s_per_request({r: p.get("busy_s_per_request") for r, p in published.items()})
-
-
-def _step_s(published: dict) -> dict[str, float]:
-    """Each replica's engine step overhead (its prefill fit's fixed part); before it has one,
-    the others' mean (policies/queue_wait.py)."""
-    return own_or_mean({r: p.get("step_overhead_s") for r, p in published.items()})
+def _own_or_mean(published: dict, figure: str) -> dict[str, float]:
+    """Each replica's published `figure` (its compute seconds per request, its step
+    overhead); before it has one, the others' mean (policies/queue_wait.py)."""
+    return own_or_mean({r: p.get(figure) for r, p in published.items()})
 
 
 def _num_tokens(pending_request: PendingRequest | None, num_pages: int,

@@ -143,11 +143,11 @@ def test_live_and_simulated_routers_share_the_virtual_queue():
 
     assert sim_routers.VirtualQueue is queue_wait.VirtualQueue
     assert sim_routers.queue_waits is queue_wait.queue_waits
-    assert sim_routers.busy_s_per_request is queue_wait.busy_s_per_request
+    assert sim_routers.own_or_mean is queue_wait.own_or_mean
     service = ast.parse((ROOT / "cluster/serving/router.py").read_text())
     imported = {alias.name for node in ast.walk(service) if isinstance(node, ast.ImportFrom)
                 and node.module == "policies.queue_wait" for alias in node.names}
-    assert {"VirtualQueue", "queue_waits", "busy_s_per_request"} <= imported
+    assert {"VirtualQueue", "queue_waits", "own_or_mean"} <= imported
     module = ast.parse((ROOT / "policies/queue_wait.py").read_text())
     imports = {alias.name.split(".")[0] for node in ast.walk(module)
                if isinstance(node, ast.Import | ast.ImportFrom)
