@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,3 +62,27 @@ def test_every_io_hook_binds_the_arguments_of_the_method_it_replaces(hooks):
         original = inspect.signature(getattr(vllm_io.KVMover, name))
         arguments = [object() for _ in list(original.parameters)[1:]]
         inspect.signature(getattr(mover, name)).bind(object(), *arguments)
+
+
+def test_the_saves_experiment_holds_each_put_back_then_puts(monkeypatch):
+    """run.py --saves delay: the saver thread's put starts SAVE_DELAY_S late, and is the
+    connector's own; "now" leaves the put as it is."""
+    monkeypatch.delenv("RAYKV_PHASES_DIR", raising=False)
+    monkeypatch.delenv("RAYKV_PHASES_COMPAT", raising=False)
+    monkeypatch.setenv("RAYKV_PHASES_SAVES", "delay")
+    spec = importlib.util.spec_from_file_location("raykv_phase_hooks_delay", SITE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    puts = []
+
+    def put(self, spec, kv):
+        puts.append((time.perf_counter(), spec, kv))
+
+    held = module._put_as_asked(put)
+    start_s = time.perf_counter()
+    held(object(), "spec", "kv")
+    assert [(s, k) for _, s, k in puts] == [("spec", "kv")]
+    assert puts[0][0] - start_s >= module.SAVE_DELAY_S
+    monkeypatch.setenv("RAYKV_PHASES_SAVES", "now")
+    spec.loader.exec_module(module)
+    assert module._put_as_asked(put) is put

@@ -8,6 +8,9 @@ process of the run), vLLM's own metrics, and CPU seconds per process and per thr
     .venv-vllm/bin/python -m cluster.tools.bench.vllm_serve_phases.analyze /tmp/phases
 
 A diagnostic, not a benchmark: no ratios. Run it under the machine's heavy-work lock.
+`--saves delay` (or `nice`) changes when raykv's connector puts its saves, to measure what
+they cost the requests whose replies travel meanwhile (docs/benchmarks.md, vllm-serve:
+raykv's time outside the engine, taken apart).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[4]
 SITE = Path(__file__).resolve().parent / "site"
+SAVE_MODES = ("now", "delay", "nice")  # site/sitecustomize.py's RAYKV_PHASES_SAVES
 
 
 def cpu_snapshot():
@@ -185,6 +189,10 @@ def main():
     parser.add_argument("--max-requests", type=int, default=0)
     parser.add_argument("--full", action="store_true", help="the full plan's round, not the "
                         "quick plan's")
+    parser.add_argument("--saves", choices=SAVE_MODES, default="now",
+                        help="when the connector's saver thread puts a save (an experiment: "
+                        "'delay' holds each put back 50 ms, out of the reply's way; 'nice' "
+                        "puts from a thread at nice 10)")
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
@@ -195,7 +203,7 @@ def main():
     compat = REPO / "cluster/tools/bench/vllm_compat"
     paths = [str(SITE), str(REPO), os.environ.get("PYTHONPATH")]
     env = {**os.environ, **CHILD_ENV, "PYTHONPATH": os.pathsep.join(filter(None, paths)),
-           "RAYKV_PHASES_DIR": str(out / "events"),
+           "RAYKV_PHASES_DIR": str(out / "events"), "RAYKV_PHASES_SAVES": args.saves,
            "RAYKV_PHASES_COMPAT": str(compat / "sitecustomize.py")}
     cmd = [sys.executable, "-m", "cluster.tools.bench.vllm_serve_phases.run", "--child",
            "--out", str(out),

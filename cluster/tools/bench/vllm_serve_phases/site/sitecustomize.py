@@ -3,7 +3,10 @@ of the run loads this (it is first on PYTHONPATH) and, when RAYKV_PHASES_DIR is 
 JSON lines of timings to $RAYKV_PHASES_DIR/<pid>.jsonl: vLLM's scheduler (requests added,
 first scheduled, finished; steps), RaykvConnector (asks, lookups, loads, saves, puts), raykv's
 router (decision, keying, directory lookup) and Ray's driver-side error listener (polls). It
-also runs the benchmark's vllm_compat/sitecustomize.py (RAYKV_PHASES_COMPAT)."""
+also runs the benchmark's vllm_compat/sitecustomize.py (RAYKV_PHASES_COMPAT).
+RAYKV_PHASES_SAVES (run.py's --saves) "delay" holds each save's put back SAVE_DELAY_S in the
+connector's saver thread, "nice" puts from a thread at nice 10: experiments on what a save
+costs the replies that travel while it runs."""
 import functools
 import importlib.abc
 import importlib.machinery
@@ -15,6 +18,8 @@ import threading
 import time
 
 _COMPAT = os.environ.get("RAYKV_PHASES_COMPAT")
+_SAVES = os.environ.get("RAYKV_PHASES_SAVES", "now")
+SAVE_DELAY_S = 0.05
 if _COMPAT:
     runpy.run_path(_COMPAT)
 
@@ -172,7 +177,24 @@ def _patch_io(module):
     cls.start_load = start_load_
     cls.load = _timed_io("load", cls.load)
     cls.save = _timed_io("save", cls.save)
-    cls._put = _timed_io("put", cls._put)
+    cls._put = _timed_io("put", _put_as_asked(cls._put))
+
+
+def _put_as_asked(put):
+    """The saver thread's put, held back or niced as RAYKV_PHASES_SAVES asks."""
+    if _SAVES == "now":
+        return put
+
+    def held(self, spec, kv):
+        if _SAVES == "delay":
+            time.sleep(SAVE_DELAY_S)
+        else:
+            from cluster.core.background import lower_priority
+
+            lower_priority()
+        return put(self, spec, kv)
+
+    return held
 
 
 # ---- the ingress: raykv's router --------------------------------------------------------
