@@ -48,6 +48,9 @@ RAYKV_ROUTER = "cluster.serving.router:RaykvRouter"
 # With raykv's router, each LLMServer turns its engine's KV-cache events on and advertises
 # them: the router's engine tier (as Ray's KVAwareRouter has its own turned on).
 EVENTS_SERVER = "cluster.serving.vllm_events_server:RaykvLLMServer"
+# With any other router, LLMServer with /tokenize and /detokenize working (Ray Serve LLM 2.60
+# looks for vLLM 0.32's tokenization server under its old name: both answered 400).
+TOKENIZING_SERVER = "cluster.serving.vllm_events_server:TokenizingLLMServer"
 ROUTING_STATS_PERIOD_S = 2.0
 # The direct-streaming app's server (build_direct_vllm_app).
 DIRECT_SERVER = "cluster.serving.vllm_direct_server:DirectLLMServer"
@@ -139,9 +142,9 @@ def llm_config(args: VllmAppArgs, ray_address: str | None = None):
             # every 10 s); publishing them reads a small local file (vllm_events_server.py).
             deployment["request_router_config"]["request_routing_stats_period_s"] = \
                 ROUTING_STATS_PERIOD_S
-    options: dict = {"accelerator_config": {"kind": args.accelerator}}
-    if args.request_router_class == RAYKV_ROUTER:
-        options["server_cls"] = EVENTS_SERVER
+    options: dict = {"accelerator_config": {"kind": args.accelerator},
+                     "server_cls": EVENTS_SERVER if args.request_router_class == RAYKV_ROUTER
+                     else TOKENIZING_SERVER}
     if cpu:
         deployment["ray_actor_options"] = {"num_cpus": 0}  # it shares its engine's CPU
         options.update({"placement_group_config": {"bundles": [{"CPU": 1}]},

@@ -30,7 +30,9 @@ file for it (`raykv.rates_file` in the connector's settings, a user's own kept),
 connector rewrites at most once a second and this server reads when Serve asks for its
 routing stats.
 
-The builder (cluster/serving/vllm_app.py) makes it the server class when the router is raykv's.
+The builder (cluster/serving/vllm_app.py) makes it the server class when the router is raykv's,
+and TokenizingLLMServer (its base: LLMServer with vLLM's tokenization server handed over, so
+that /tokenize and /detokenize answer) for any other router.
 """
 
 from __future__ import annotations
@@ -159,7 +161,16 @@ def _routable(endpoint: str) -> str:
     return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
 
-class RaykvLLMServer(LLMServer):
+class TokenizingLLMServer(LLMServer):
+    """LLMServer whose /tokenize and /detokenize answer on vLLM 0.32 (adopt_tokenization):
+    the server class of raykv's vLLM apps whatever their router."""
+
+    async def start(self):
+        await super().start()
+        adopt_tokenization(self.engine)
+
+
+class RaykvLLMServer(TokenizingLLMServer):
     """LLMServer whose engine publishes KV events for raykv's router (module docstring)."""
 
     async def start(self):
@@ -179,7 +190,6 @@ class RaykvLLMServer(LLMServer):
             if private_dir is not None:
                 shutil.rmtree(private_dir, ignore_errors=True)
             raise
-        adopt_tokenization(self.engine)
         epoch = uuid.uuid4().hex
         if private_dir is None:
             self._raykv_events = advertised(self.engine, configured, epoch)

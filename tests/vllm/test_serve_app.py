@@ -252,6 +252,7 @@ def test_the_engine_prefills_the_ids_the_router_handed_over(base_url, model_dir)
 
 def test_llm_config_runs_the_connector_on_cpu_with_a_chosen_router(model_dir):
     from cluster.serving.vllm_app import llm_config
+    from cluster.serving.vllm_events_server import RaykvLLMServer, TokenizingLLMServer
 
     # Any RequestRouter by import path (Serve imports it: it must exist); raykv's KV-aware
     # router will be "cluster.serving.router:RaykvRouter".
@@ -271,6 +272,10 @@ def test_llm_config_runs_the_connector_on_cpu_with_a_chosen_router(model_dir):
     router = config.deployment_config["request_router_config"]
     assert router["request_router_class"] == chosen
     assert config.placement_group_config == {"bundles": [{"CPU": 1}]}
+    # /tokenize answers whatever the router (TokenizingLLMServer; raykv's router's server
+    # is one too: test_tokenize_and_detokenize_answer)
+    assert config.server_cls is TokenizingLLMServer
+    assert issubclass(RaykvLLMServer, TokenizingLLMServer)
     # raykv's router renders prompts as the engine does: the builder gives it the engine's
     # arguments, less the connector's; a caller's own choice (None: the tokenizer's) stays.
     raykv = llm_config(raykv_app_args(model_dir))
