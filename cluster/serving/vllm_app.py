@@ -48,8 +48,8 @@ RAYKV_ROUTER = "cluster.serving.router:RaykvRouter"
 # With raykv's router, each LLMServer turns its engine's KV-cache events on and advertises
 # them: the router's engine tier (as Ray's KVAwareRouter has its own turned on).
 EVENTS_SERVER = "cluster.serving.vllm_events_server:RaykvLLMServer"
-# With any other router, LLMServer with /tokenize and /detokenize working (Ray Serve LLM 2.60
-# looks for vLLM 0.32's tokenization server under its old name: both answered 400).
+# With any other router, LLMServer with vLLM's tokenization server handed over (Ray Serve LLM
+# 2.60 looks for vLLM 0.32's under its old name: /tokenize and /detokenize answered 400).
 TOKENIZING_SERVER = "cluster.serving.vllm_events_server:TokenizingLLMServer"
 ROUTING_STATS_PERIOD_S = 2.0
 # The direct-streaming app's server (build_direct_vllm_app).

@@ -31,8 +31,8 @@ connector rewrites at most once a second and this server reads when Serve asks f
 routing stats.
 
 The builder (cluster/serving/vllm_app.py) makes it the server class when the router is raykv's,
-and TokenizingLLMServer (its base: LLMServer with vLLM's tokenization server handed over, so
-that /tokenize and /detokenize answer) for any other router.
+and TokenizingLLMServer (its base: LLMServer with vLLM's tokenization server handed over, for
+/tokenize and /detokenize) for any other router.
 """
 
 from __future__ import annotations
@@ -162,8 +162,10 @@ def _routable(endpoint: str) -> str:
 
 
 class TokenizingLLMServer(LLMServer):
-    """LLMServer whose /tokenize and /detokenize answer on vLLM 0.32 (adopt_tokenization):
-    the server class of raykv's vLLM apps whatever their router."""
+    """LLMServer with vLLM 0.32's tokenization server handed over (adopt_tokenization), for
+    /tokenize and /detokenize: the server class of raykv's vLLM apps whatever their router
+    (a router may still refuse such a request: Ray's PrefixCacheAffinityRouter raises on one
+    without a prompt)."""
 
     async def start(self):
         await super().start()

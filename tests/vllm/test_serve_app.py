@@ -272,8 +272,8 @@ def test_llm_config_runs_the_connector_on_cpu_with_a_chosen_router(model_dir):
     router = config.deployment_config["request_router_config"]
     assert router["request_router_class"] == chosen
     assert config.placement_group_config == {"bundles": [{"CPU": 1}]}
-    # /tokenize answers whatever the router (TokenizingLLMServer; raykv's router's server
-    # is one too: test_tokenize_and_detokenize_answer)
+    # vLLM's tokenization server is handed over whatever the router (TokenizingLLMServer;
+    # raykv's router's server is one too: test_tokenize_and_detokenize_answer)
     assert config.server_cls is TokenizingLLMServer
     assert issubclass(RaykvLLMServer, TokenizingLLMServer)
     # raykv's router renders prompts as the engine does: the builder gives it the engine's
