@@ -333,13 +333,16 @@ def test_the_raykv_router_s_app_turns_each_engine_s_events_on():
     from cluster.serving.vllm_events_server import (
         ANY_PORT,
         RaykvLLMServer,
+        TokenizingLLMServer,
         advertised,
         kv_events_config,
     )
 
     raykv = vllm_app.VllmAppArgs("/m", "small-llama", request_router_class=vllm_app.RAYKV_ROUTER)
     assert vllm_app.llm_config(raykv).server_cls is RaykvLLMServer
-    assert vllm_app.llm_config(vllm_app.VllmAppArgs("/m", "small-llama")).server_cls is None
+    # Serve's own router: no events, but vLLM's tokenization server handed over
+    assert vllm_app.llm_config(vllm_app.VllmAppArgs("/m", "small-llama")).server_cls \
+        is TokenizingLLMServer
     assert kv_events_config({}) == {"enable_kv_cache_events": True, "publisher": "zmq",
                                     "endpoint": ANY_PORT, "replay_endpoint": ANY_PORT}
     own = {"enable_kv_cache_events": True, "endpoint": "tcp://*:6000"}
