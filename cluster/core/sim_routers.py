@@ -181,8 +181,7 @@ class Raykv:
         order = list(range(len(node_ids)))
         self.rng.shuffle(order)
         sources = best_sources(located, node_ids)
-        busy = own_or_mean(dict(zip(node_ids, cluster.busy_s_per_request(),
-                                           strict=True)))
+        busy = own_or_mean(dict(zip(node_ids, cluster.busy_s_per_request(), strict=True)))
         # One router here: every request in flight is its own, so `others` count none.
         waits = queue_waits(prompt, self.queue, {node_ids[i]: queued[i] for i in order},
                             busy, self.rates, now_s)

@@ -19,14 +19,21 @@ from cluster.tools.bench import vllm_serve_phases
 SITE = Path(vllm_serve_phases.__file__).parent / "site" / "sitecustomize.py"
 
 
-@pytest.fixture()
-def hooks(monkeypatch):
+def load_hooks(monkeypatch, saves: str = "now"):
+    """The hooks module, loaded fresh with no phases dir (they log nothing) and `saves` as
+    run.py's --saves."""
     monkeypatch.delenv("RAYKV_PHASES_DIR", raising=False)
     monkeypatch.delenv("RAYKV_PHASES_COMPAT", raising=False)
+    monkeypatch.setenv("RAYKV_PHASES_SAVES", saves)
     spec = importlib.util.spec_from_file_location("raykv_phase_hooks", SITE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture()
+def hooks(monkeypatch):
+    return load_hooks(monkeypatch)
 
 
 def wrapped(original: type, patch) -> type:
@@ -67,12 +74,7 @@ def test_every_io_hook_binds_the_arguments_of_the_method_it_replaces(hooks):
 def test_the_saves_experiment_holds_each_put_back_then_puts(monkeypatch):
     """run.py --saves delay: the saver thread's put starts SAVE_DELAY_S late, and is the
     connector's own; "now" leaves the put as it is."""
-    monkeypatch.delenv("RAYKV_PHASES_DIR", raising=False)
-    monkeypatch.delenv("RAYKV_PHASES_COMPAT", raising=False)
-    monkeypatch.setenv("RAYKV_PHASES_SAVES", "delay")
-    spec = importlib.util.spec_from_file_location("raykv_phase_hooks_delay", SITE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_hooks(monkeypatch, "delay")
     puts = []
 
     def put(self, spec, kv):
@@ -83,6 +85,4 @@ def test_the_saves_experiment_holds_each_put_back_then_puts(monkeypatch):
     held(object(), "spec", "kv")
     assert [(s, k) for _, s, k in puts] == [("spec", "kv")]
     assert puts[0][0] - start_s >= module.SAVE_DELAY_S
-    monkeypatch.setenv("RAYKV_PHASES_SAVES", "now")
-    spec.loader.exec_module(module)
-    assert module._put_as_asked(put) is put
+    assert load_hooks(monkeypatch)._put_as_asked(put) is put
