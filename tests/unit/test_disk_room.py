@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def room(target: str, tmp_path: Path, **variables: object) -> subprocess.CompletedProcess:
+def room(target: str, **variables: object) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
     args = [f"{name}={value}" for name, value in variables.items()]
     return subprocess.run(["make", "-s", "-C", str(ROOT), target, *args], env=env,
@@ -28,11 +28,11 @@ def test_a_venv_still_to_build_counts_and_a_built_one_does_not(tmp_path):
     built.mkdir()
     (built / ".raykv-installed").touch()
     # The scratch and a venv to build each fit alone; together they do not.
-    short = room("disk-room-demo", tmp_path, VENV=missing, VENV_MB=3 * quarter, SCRATCH_MB=half)
+    short = room("disk-room-demo", VENV=missing, VENV_MB=3 * quarter, SCRATCH_MB=half)
     assert short.returncode != 0
     assert f"{missing} ({3 * quarter} MB)" in short.stderr
     assert "Free some, then run make again" in short.stderr
-    assert room("disk-room-demo", tmp_path, VENV=built, VENV_MB=3 * quarter,
+    assert room("disk-room-demo", VENV=built, VENV_MB=3 * quarter,
                 SCRATCH_MB=half).returncode == 0
 
 
@@ -42,11 +42,11 @@ def test_make_test_counts_both_venvs(tmp_path):
     built.mkdir()
     (built / ".raykv-installed").touch()
     missing = tmp_path / "no-vllm-venv"
-    short = room("disk-room-test", tmp_path, VENV=built, VLLM_VENV=missing,
+    short = room("disk-room-test", VENV=built, VLLM_VENV=missing,
                  VLLM_VENV_MB=3 * third, SCRATCH_MB=third, VENV_MB=10 * third)
     assert short.returncode != 0
     assert "no-vllm-venv" in short.stderr and str(built) not in short.stderr
-    assert room("disk-room-test", tmp_path, VENV=built, VLLM_VENV=built, VENV_MB=10 * third,
+    assert room("disk-room-test", VENV=built, VLLM_VENV=built, VENV_MB=10 * third,
                 VLLM_VENV_MB=10 * third, SCRATCH_MB=third).returncode == 0
 
 
