@@ -6,6 +6,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -20,13 +22,19 @@ def free_mb() -> int:
     return shutil.disk_usage(ROOT).free >> 20
 
 
-def test_a_venv_still_to_build_counts_and_a_built_one_does_not(tmp_path):
+@pytest.fixture()
+def built(tmp_path) -> Path:
+    """A venv dir with its stamp: built, as far as the Makefile can tell."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".raykv-installed").touch()
+    return venv
+
+
+def test_a_venv_still_to_build_counts_and_a_built_one_does_not(tmp_path, built):
     # Margins of a quarter of the disk's free space: other runs write while this one checks.
     half, quarter = free_mb() // 2, free_mb() // 4
     missing = tmp_path / "no-venv"
-    built = tmp_path / "venv"
-    built.mkdir()
-    (built / ".raykv-installed").touch()
     # The scratch and a venv to build each fit alone; together they do not.
     short = room("disk-room-demo", VENV=missing, VENV_MB=3 * quarter, SCRATCH_MB=half)
     assert short.returncode != 0
@@ -36,11 +44,8 @@ def test_a_venv_still_to_build_counts_and_a_built_one_does_not(tmp_path):
                 SCRATCH_MB=half).returncode == 0
 
 
-def test_make_test_counts_both_venvs(tmp_path):
+def test_make_test_counts_both_venvs(tmp_path, built):
     third = free_mb() // 3  # a venv to build and the scratch: 1.33 times the free space
-    built = tmp_path / "venv"
-    built.mkdir()
-    (built / ".raykv-installed").touch()
     missing = tmp_path / "no-vllm-venv"
     short = room("disk-room-test", VENV=built, VLLM_VENV=missing,
                  VLLM_VENV_MB=3 * third, SCRATCH_MB=third, VENV_MB=10 * third)
